@@ -1,0 +1,95 @@
+"""vLLM NixlConnector `kv_transfer_params`: the one place that knows their fields.
+
+kvshuttle carries them as opaque JSON on the wire; only these functions look inside. Checked against vLLM 0.32
+(pull mode, `bidirectional_kv_xfer`). A handle is the dict a decode worker returns after a turn: it covers the first
+`remote_num_tokens` tokens of (its prompt + its output) in `remote_block_ids` (one list per KV-cache group).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+
+class HandleError(ValueError):
+    """A kv_transfer_params dict that is not a usable decode-side handle."""
+
+
+def prefill_request_params() -> dict[str, Any]:
+    """Params for a prefill request that computes locally and keeps its blocks for the decode worker."""
+    return {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+
+
+@dataclass(frozen=True)
+class Handle:
+    """The parts of a decode worker's handle that kvshuttle reasons about."""
+
+    engine_id: str
+    host: str
+    port: int
+    num_tokens: int
+    block_groups: tuple[tuple[int, ...], ...]
+    raw: dict[str, Any]
+
+
+def parse_handle(params: str | dict[str, Any]) -> Handle:
+    """Parse and sanity-check a decode worker's returned params. Raises HandleError."""
+    try:
+        raw = json.loads(params) if isinstance(params, str) else dict(params)
+    except (TypeError, ValueError) as exc:
+        raise HandleError(f"kv_transfer_params is not a JSON object: {exc}") from None
+    if not isinstance(raw, dict):
+        raise HandleError("kv_transfer_params is not a JSON object")
+    if not raw.get("do_remote_decode"):
+        raise HandleError("not a decode-side handle (do_remote_decode is not true)")
+    blocks = raw.get("remote_block_ids")
+    # vLLM sends a list per KV-cache group; older versions a flat list.
+    if isinstance(blocks, list) and blocks and all(isinstance(b, int) for b in blocks):
+        groups: tuple[tuple[int, ...], ...] = (tuple(blocks),)
+    elif isinstance(blocks, list) and blocks and all(isinstance(g, list) for g in blocks):
+        groups = tuple(tuple(g) for g in blocks)
+    else:
+        raise HandleError("remote_block_ids missing or empty")
+    try:
+        num_tokens = int(raw["remote_num_tokens"])
+        port = int(raw["remote_port"])
+        host = str(raw["remote_host"])
+        engine_id = str(raw["remote_engine_id"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise HandleError(f"handle field missing or malformed: {exc}") from None
+    if num_tokens <= 0:
+        raise HandleError("remote_num_tokens must be positive")
+    return Handle(engine_id, host, port, num_tokens, groups, raw)
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+def pull_params(handle: Handle, tokens: int, block_size: int) -> dict[str, Any]:
+    """Params telling P to pull the first ``tokens`` tokens of ``handle``.
+
+    vLLM pairs P's blocks with the remote list positionally and trusts its length: every group must hold exactly
+    ``ceil(tokens / block_size)`` blocks. More blocks than that gives silently wrong KV; fewer kills P's engine.
+    """
+    if tokens <= 0 or tokens > handle.num_tokens:
+        raise HandleError(f"cannot pull {tokens} tokens from a handle covering {handle.num_tokens}")
+    need = blocks_for(tokens, block_size)
+    groups = []
+    for group in handle.block_groups:
+        if len(group) < need:
+            raise HandleError(f"handle has {len(group)} blocks, {need} needed for {tokens} tokens")
+        groups.append(list(group[:need]))
+    params = dict(handle.raw)
+    params["do_remote_decode"] = True
+    params["remote_block_ids"] = groups
+    params["remote_num_tokens"] = tokens
+    return params

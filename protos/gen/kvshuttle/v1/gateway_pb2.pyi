@@ -1,0 +1,192 @@
+from google.api import annotations_pb2 as _annotations_pb2
+from kvshuttle.v1 import scheduler_pb2 as _scheduler_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SamplingOptions(_message.Message):
+    __slots__ = ("max_tokens", "temperature", "top_p", "seed", "ignore_eos", "stop")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    ignore_eos: bool
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class CompleteRequest(_message.Message):
+    __slots__ = ("session_id", "model", "prompt", "prompt_token_ids", "sampling", "disable_pull")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DISABLE_PULL_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    model: str
+    prompt: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingOptions
+    disable_pull: bool
+    def __init__(self, session_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., disable_pull: _Optional[bool] = ...) -> None: ...
+
+class ChatCompleteRequest(_message.Message):
+    __slots__ = ("session_id", "model", "messages", "sampling", "disable_pull")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DISABLE_PULL_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    model: str
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    sampling: SamplingOptions
+    disable_pull: bool
+    def __init__(self, session_id: _Optional[str] = ..., model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., disable_pull: _Optional[bool] = ...) -> None: ...
+
+class KvReport(_message.Message):
+    __slots__ = ("decision", "reason", "pulled_tokens", "computed_tokens", "retried_as_recompute", "prefill_worker_id", "decode_worker_id", "figures")
+    DECISION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    PULLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RETRIED_AS_RECOMPUTE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    FIGURES_FIELD_NUMBER: _ClassVar[int]
+    decision: _scheduler_pb2.Decision
+    reason: str
+    pulled_tokens: int
+    computed_tokens: int
+    retried_as_recompute: bool
+    prefill_worker_id: str
+    decode_worker_id: str
+    figures: _scheduler_pb2.PlanFigures
+    def __init__(self, decision: _Optional[_Union[_scheduler_pb2.Decision, str]] = ..., reason: _Optional[str] = ..., pulled_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., retried_as_recompute: _Optional[bool] = ..., prefill_worker_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., figures: _Optional[_Union[_scheduler_pb2.PlanFigures, _Mapping]] = ...) -> None: ...
+
+class TurnTimings(_message.Message):
+    __slots__ = ("plan_ms", "prefill_ms", "ttft_ms", "decode_ms", "record_ms", "total_ms")
+    PLAN_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_MS_FIELD_NUMBER: _ClassVar[int]
+    RECORD_MS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    plan_ms: float
+    prefill_ms: float
+    ttft_ms: float
+    decode_ms: float
+    record_ms: float
+    total_ms: float
+    def __init__(self, plan_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., record_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ...) -> None: ...
+
+class CompleteResponse(_message.Message):
+    __slots__ = ("id", "model", "text", "token_ids", "prompt_token_ids", "finish_reason", "usage", "kv", "timings")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    model: str
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: str
+    usage: Usage
+    kv: KvReport
+    timings: TurnTimings
+    def __init__(self, id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., kv: _Optional[_Union[KvReport, _Mapping]] = ..., timings: _Optional[_Union[TurnTimings, _Mapping]] = ...) -> None: ...
+
+class ChatCompleteResponse(_message.Message):
+    __slots__ = ("id", "model", "message", "token_ids", "prompt_token_ids", "finish_reason", "usage", "kv", "timings")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    model: str
+    message: ChatMessage
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: str
+    usage: Usage
+    kv: KvReport
+    timings: TurnTimings
+    def __init__(self, id: _Optional[str] = ..., model: _Optional[str] = ..., message: _Optional[_Union[ChatMessage, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., kv: _Optional[_Union[KvReport, _Mapping]] = ..., timings: _Optional[_Union[TurnTimings, _Mapping]] = ...) -> None: ...
+
+class TurnEvent(_message.Message):
+    __slots__ = ("started", "delta", "finished")
+    class Started(_message.Message):
+        __slots__ = ("id", "model", "kv", "prompt_tokens")
+        ID_FIELD_NUMBER: _ClassVar[int]
+        MODEL_FIELD_NUMBER: _ClassVar[int]
+        KV_FIELD_NUMBER: _ClassVar[int]
+        PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+        id: str
+        model: str
+        kv: KvReport
+        prompt_tokens: int
+        def __init__(self, id: _Optional[str] = ..., model: _Optional[str] = ..., kv: _Optional[_Union[KvReport, _Mapping]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+    class Delta(_message.Message):
+        __slots__ = ("text", "token_ids")
+        TEXT_FIELD_NUMBER: _ClassVar[int]
+        TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+        text: str
+        token_ids: _containers.RepeatedScalarFieldContainer[int]
+        def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    class Finished(_message.Message):
+        __slots__ = ("finish_reason", "usage", "kv", "timings")
+        FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+        USAGE_FIELD_NUMBER: _ClassVar[int]
+        KV_FIELD_NUMBER: _ClassVar[int]
+        TIMINGS_FIELD_NUMBER: _ClassVar[int]
+        finish_reason: str
+        usage: Usage
+        kv: KvReport
+        timings: TurnTimings
+        def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., kv: _Optional[_Union[KvReport, _Mapping]] = ..., timings: _Optional[_Union[TurnTimings, _Mapping]] = ...) -> None: ...
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    started: TurnEvent.Started
+    delta: TurnEvent.Delta
+    finished: TurnEvent.Finished
+    def __init__(self, started: _Optional[_Union[TurnEvent.Started, _Mapping]] = ..., delta: _Optional[_Union[TurnEvent.Delta, _Mapping]] = ..., finished: _Optional[_Union[TurnEvent.Finished, _Mapping]] = ...) -> None: ...

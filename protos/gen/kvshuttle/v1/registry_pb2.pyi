@@ -1,0 +1,165 @@
+import datetime
+
+from google.api import annotations_pb2 as _annotations_pb2
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from kvshuttle.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RegisterWorkerRequest(_message.Message):
+    __slots__ = ("worker", "lease_ttl_s")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    worker: _common_pb2.Worker
+    lease_ttl_s: int
+    def __init__(self, worker: _Optional[_Union[_common_pb2.Worker, _Mapping]] = ..., lease_ttl_s: _Optional[int] = ...) -> None: ...
+
+class RegisterWorkerResponse(_message.Message):
+    __slots__ = ("worker", "lease_id", "lease_ttl_s")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    worker: _common_pb2.Worker
+    lease_id: int
+    lease_ttl_s: int
+    def __init__(self, worker: _Optional[_Union[_common_pb2.Worker, _Mapping]] = ..., lease_id: _Optional[int] = ..., lease_ttl_s: _Optional[int] = ...) -> None: ...
+
+class KeepAliveRequest(_message.Message):
+    __slots__ = ("worker_id", "lease_id")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    lease_id: int
+    def __init__(self, worker_id: _Optional[str] = ..., lease_id: _Optional[int] = ...) -> None: ...
+
+class KeepAliveResponse(_message.Message):
+    __slots__ = ("lease_ttl_s",)
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    lease_ttl_s: int
+    def __init__(self, lease_ttl_s: _Optional[int] = ...) -> None: ...
+
+class DeregisterWorkerRequest(_message.Message):
+    __slots__ = ("worker_id", "lease_id")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    lease_id: int
+    def __init__(self, worker_id: _Optional[str] = ..., lease_id: _Optional[int] = ...) -> None: ...
+
+class DeregisterWorkerResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListWorkersRequest(_message.Message):
+    __slots__ = ("role",)
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    role: _common_pb2.WorkerRole
+    def __init__(self, role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ...) -> None: ...
+
+class ListWorkersResponse(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[_common_pb2.Worker]
+    def __init__(self, workers: _Optional[_Iterable[_Union[_common_pb2.Worker, _Mapping]]] = ...) -> None: ...
+
+class WatchWorkersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WatchWorkersResponse(_message.Message):
+    __slots__ = ("type", "workers")
+    class EventType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        EVENT_TYPE_UNSPECIFIED: _ClassVar[WatchWorkersResponse.EventType]
+        EVENT_TYPE_SNAPSHOT: _ClassVar[WatchWorkersResponse.EventType]
+        EVENT_TYPE_PUT: _ClassVar[WatchWorkersResponse.EventType]
+        EVENT_TYPE_DELETE: _ClassVar[WatchWorkersResponse.EventType]
+    EVENT_TYPE_UNSPECIFIED: WatchWorkersResponse.EventType
+    EVENT_TYPE_SNAPSHOT: WatchWorkersResponse.EventType
+    EVENT_TYPE_PUT: WatchWorkersResponse.EventType
+    EVENT_TYPE_DELETE: WatchWorkersResponse.EventType
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    type: WatchWorkersResponse.EventType
+    workers: _containers.RepeatedCompositeFieldContainer[_common_pb2.Worker]
+    def __init__(self, type: _Optional[_Union[WatchWorkersResponse.EventType, str]] = ..., workers: _Optional[_Iterable[_Union[_common_pb2.Worker, _Mapping]]] = ...) -> None: ...
+
+class GetSessionRequest(_message.Message):
+    __slots__ = ("session_id", "tenant")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    tenant: str
+    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class GetSessionResponse(_message.Message):
+    __slots__ = ("session", "expires_in_s")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    session: _common_pb2.Session
+    expires_in_s: float
+    def __init__(self, session: _Optional[_Union[_common_pb2.Session, _Mapping]] = ..., expires_in_s: _Optional[float] = ...) -> None: ...
+
+class RecordTurnRequest(_message.Message):
+    __slots__ = ("session_id", "tenant", "decode_worker_id", "kv_transfer_params_json", "token_ids", "text", "finished_at")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    tenant: str
+    decode_worker_id: str
+    kv_transfer_params_json: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    finished_at: _timestamp_pb2.Timestamp
+    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., kv_transfer_params_json: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class RecordTurnResponse(_message.Message):
+    __slots__ = ("session",)
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    session: _common_pb2.Session
+    def __init__(self, session: _Optional[_Union[_common_pb2.Session, _Mapping]] = ...) -> None: ...
+
+class ClaimSessionRequest(_message.Message):
+    __slots__ = ("session_id", "tenant", "revision")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    tenant: str
+    revision: int
+    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., revision: _Optional[int] = ...) -> None: ...
+
+class ClaimSessionResponse(_message.Message):
+    __slots__ = ("claimed", "reason", "session")
+    CLAIMED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    claimed: bool
+    reason: str
+    session: _common_pb2.Session
+    def __init__(self, claimed: _Optional[bool] = ..., reason: _Optional[str] = ..., session: _Optional[_Union[_common_pb2.Session, _Mapping]] = ...) -> None: ...
+
+class DeleteSessionRequest(_message.Message):
+    __slots__ = ("session_id", "tenant")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    tenant: str
+    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class DeleteSessionResponse(_message.Message):
+    __slots__ = ("deleted",)
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    deleted: bool
+    def __init__(self, deleted: _Optional[bool] = ...) -> None: ...

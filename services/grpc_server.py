@@ -1,0 +1,75 @@
+"""One way to run a kvshuttle gRPC server: grpc.aio with health, reflection and trace propagation."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor
+
+log = logging.getLogger(__name__)
+
+
+class Server:
+    """A grpc.aio server bound to ``address`` that serves the given services plus health and reflection.
+
+    ``register`` callbacks add servicers (e.g. ``registry_pb2_grpc.add_SessionRegistryServicer_to_server``).
+    ``service_names`` are full names (``kvshuttle.v1.SessionRegistry``) reported SERVING and listed by reflection.
+    """
+
+    def __init__(self, address: str, service_names: Iterable[str],
+                 register: Iterable[Callable[[grpc.aio.Server], None]]):
+        self.service_names = list(service_names)
+        self.server = grpc.aio.server(interceptors=[aio_server_interceptor()])
+        for add in register:
+            add(self.server)
+        self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            self.server,
+        )
+        self.port = self.server.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"cannot listen on {address}")
+        host = address.rsplit(":", 1)[0]
+        self.address = f"{host}:{self.port}"
+
+    async def start(self) -> None:
+        await self.server.start()
+        for name in [*self.service_names, ""]:
+            await _maybe_await(self.health.set(name, health_pb2.HealthCheckResponse.SERVING))
+        log.info("serving %s on %s", ", ".join(self.service_names), self.address)
+
+    async def stop(self, grace: float = 2.0) -> None:
+        for name in [*self.service_names, ""]:
+            await _maybe_await(self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING))
+        await self.server.stop(grace)
+
+
+async def _maybe_await(value: object) -> None:
+    if isinstance(value, Awaitable):
+        await value
+
+
+def client_channel(address: str) -> grpc.aio.Channel:
+    """An insecure grpc.aio channel that propagates the current trace context."""
+    return grpc.aio.insecure_channel(address, interceptors=aio_client_interceptors())
+
+
+async def run_until_signal(start: Callable[[], Awaitable[None]], stop: Callable[[], Awaitable[None]]) -> None:
+    """Start, then wait for SIGINT/SIGTERM, then stop (the usual life of a service process)."""
+    loop = asyncio.get_running_loop()
+    done = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, done.set)
+    await start()
+    try:
+        await done.wait()
+    finally:
+        await stop()

@@ -1,0 +1,49 @@
+"""OpenTelemetry setup shared by every kvshuttle process, and the helpers that keep secrets out of spans."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+
+from services.config import TelemetryConfig
+
+log = logging.getLogger(__name__)
+_configured = False
+
+
+def setup_tracing(service_name: str, config: TelemetryConfig, exporter: SpanExporter | None = None) -> None:
+    """Install a tracer provider for this process. ``exporter`` overrides the configured one (tests)."""
+    global _configured
+    if _configured:
+        return
+    if exporter is None:
+        if config.traces_exporter == "none":
+            return
+        if config.traces_exporter == "console":
+            exporter = ConsoleSpanExporter()
+        else:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+            exporter = OTLPSpanExporter(endpoint=config.otlp_endpoint, insecure=config.otlp_endpoint.startswith("http://"))
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    provider.add_span_processor(BatchSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    _configured = True
+    log.info("tracing to %s", config.traces_exporter if exporter is None else type(exporter).__name__)
+
+
+def hashed(value: str) -> str:
+    """A stable, non-reversible id for span attributes and logs (session ids are conversation keys)."""
+    return hashlib.sha256(value.encode()).hexdigest()[:16]
+
+
+def shutdown_tracing() -> None:
+    provider = trace.get_tracer_provider()
+    shutdown = getattr(provider, "shutdown", None)
+    if shutdown is not None:
+        shutdown()
