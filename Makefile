@@ -1,0 +1,28 @@
+# kvshuttle: `make demo` runs the whole local stack and a multi-turn conversation; `make test` runs every test.
+PY := .venv/bin/python
+
+.PHONY: install demo up test test-fast protos lint clean
+
+install:
+	@bash scripts/bootstrap.sh
+
+demo: install
+	@$(PY) -m services.cli demo
+
+up: install
+	@$(PY) -m services.cli up
+
+test: install
+	@$(PY) -m pytest
+
+test-fast: install
+	@$(PY) -m pytest -m "not e2e"
+
+protos:
+	@$(PY) protos/generate.py
+
+lint:
+	@cd protos && ../.venv/bin/buf lint
+
+clean:
+	rm -rf var/stack var/workers .pytest_cache

@@ -1,0 +1,110 @@
+"""Pull or recompute: the per-turn decision, as pure code.
+
+The scheduler adapts it to gRPC; a simulator can call it directly. A PULL is only ever planned when the new
+prompt provably extends the handle's tokens (hash chain), the handle is unexpired, unclaimed and its decode worker
+alive, and enough tokens are reusable to be worth a transfer.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from control_plane import kv_params
+from control_plane.prefix import matched_prefix_tokens
+
+
+class Choice(enum.Enum):
+    PULL = "pull"
+    RECOMPUTE = "recompute"
+
+
+@dataclass(frozen=True)
+class PullPolicy:
+    """Knobs of the threshold policy."""
+
+    # Fewest reusable tokens worth a pull (below it, P computes them: the transfer's fixed cost dominates).
+    pull_threshold_tokens: int = 16
+    # Refuse a pull when the handle expires within this many seconds (the transfer must finish before expiry).
+    expiry_guard_s: float = 2.0
+
+
+@dataclass(frozen=True)
+class HandleView:
+    """What the decision needs to know about a session's recorded handle."""
+
+    kv_transfer_params_json: str
+    covered_tokens: int
+    block_size: int
+    block_hashes: Sequence[bytes]
+    expires_in_s: float
+    claimed: bool
+    source_alive: bool
+
+
+@dataclass
+class Plan:
+    choice: Choice
+    reason: str
+    prompt_tokens: int
+    matched_tokens: int = 0
+    reusable_tokens: int = 0
+    prefill_params: dict[str, Any] = field(default_factory=kv_params.prefill_request_params)
+
+    @property
+    def compute_tokens(self) -> int:
+        return self.prompt_tokens - self.reusable_tokens
+
+
+def reusable_tokens(matched: int, covered: int, prompt_len: int, block_size: int) -> int:
+    """Tokens P may safely pull: the whole handle when the prompt extends it, else whole matched blocks.
+
+    P must compute at least one prompt token itself, so a pull never covers the prompt's last token.
+    """
+    limit = min(matched, prompt_len - 1)
+    if limit == covered:
+        return covered
+    return (limit // block_size) * block_size
+
+
+def decide(prompt: Sequence[int], handle: HandleView | None, policy: PullPolicy,
+           disable_pull: bool = False) -> Plan:
+    n = len(prompt)
+    if n == 0:
+        raise ValueError("empty prompt")
+
+    def recompute(reason: str, matched: int = 0) -> Plan:
+        return Plan(Choice.RECOMPUTE, reason, n, matched_tokens=matched)
+
+    if disable_pull:
+        return recompute("pull disabled for this turn")
+    if handle is None:
+        return recompute("no recorded KV for this session")
+    if handle.claimed or not handle.kv_transfer_params_json:
+        return recompute("the session's KV handle was already used by another turn")
+    if handle.expires_in_s <= policy.expiry_guard_s:
+        return recompute(f"KV handle expired or expires within {policy.expiry_guard_s:g}s "
+                         f"({handle.expires_in_s:.1f}s left)")
+    if not handle.source_alive:
+        return recompute("the decode worker holding the KV is not alive")
+    matched = matched_prefix_tokens(handle.block_hashes, handle.covered_tokens, handle.block_size, prompt)
+    reusable = reusable_tokens(matched, handle.covered_tokens, n, handle.block_size)
+    if reusable < policy.pull_threshold_tokens:
+        if matched < min(handle.covered_tokens, n):
+            why = f"prompt diverges from the recorded tokens at block boundary {matched}"
+        else:
+            why = "too few reusable tokens"
+        return recompute(f"{why}: {reusable} reusable < threshold {policy.pull_threshold_tokens}", matched)
+    try:
+        params = kv_params.pull_params(kv_params.parse_handle(handle.kv_transfer_params_json), reusable,
+                                       handle.block_size)
+    except kv_params.HandleError as exc:
+        return recompute(f"recorded KV handle unusable: {exc}", matched)
+    if reusable == handle.covered_tokens:
+        reason = f"prompt extends the recorded {handle.covered_tokens} tokens: pull them all"
+    else:
+        reason = (f"prompt matches {matched} of {handle.covered_tokens} recorded tokens: "
+                  f"pull the first {reusable} (whole blocks)")
+    return Plan(Choice.PULL, reason, n, matched_tokens=matched, reusable_tokens=reusable, prefill_params=params)

@@ -1,0 +1,190 @@
+"""Session registry rules, without I/O: validation, building a Session from a finished turn, expiry, claims.
+
+Times are float seconds since the epoch (the registry's wall clock). ``InvalidArgument`` means the caller sent
+something wrong; ``FailedPrecondition`` means the request is fine but the system is not in a state to honour it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from control_plane.kv_params import HandleError, blocks_for, parse_handle
+from control_plane.prefix import block_hash_chain
+from kvshuttle.v1 import common_pb2, registry_pb2
+
+MAX_ID_LEN = 256
+_ID_RE = re.compile(r"[A-Za-z0-9._:@=+-]+")
+# The session record's lease outlives the handle by this much, so a reader sees "expired" (negative expires_in_s)
+# rather than the record vanishing while a turn plans with it. Claims check expires_at, never the lease.
+LEASE_GRACE_S = 2
+MAX_LEASE_TTL_S = 24 * 3600
+# etcd refuses requests over --max-request-bytes (1.5 MiB by default); stay well below with the key and framing.
+MAX_RECORD_BYTES = 1_400_000
+TOKEN_ID_MAX = 2**31 - 1
+
+# Claim refusal reasons (ClaimSessionResponse.reason starts with one of these).
+MISSING = "missing"
+CLAIMED = "already claimed"
+CHANGED = "changed"
+NO_HANDLE = "no handle"
+EXPIRED = "expired"
+
+
+class InvalidArgument(ValueError):
+    """The request is malformed (maps to INVALID_ARGUMENT)."""
+
+
+class FailedPrecondition(ValueError):
+    """The request is well formed but cannot be honoured now (maps to FAILED_PRECONDITION)."""
+
+
+def validate_id(kind: str, value: str) -> str:
+    """Ids become etcd key segments: 1..256 chars of ``A-Z a-z 0-9 . _ : @ = + -`` (no ``/``, no spaces)."""
+    if not value:
+        raise InvalidArgument(f"{kind} is required")
+    if len(value) > MAX_ID_LEN:
+        raise InvalidArgument(f"{kind} is {len(value)} characters long; at most {MAX_ID_LEN} allowed")
+    if not _ID_RE.fullmatch(value):
+        raise InvalidArgument(f"{kind} {value[:64]!r} has characters outside A-Z a-z 0-9 . _ : @ = + -")
+    return value
+
+
+def validate_worker(worker: common_pb2.Worker) -> None:
+    """What a worker record must carry to be registered (decode workers also their KV TTL)."""
+    validate_id("worker.worker_id", worker.worker_id)
+    if worker.role not in (common_pb2.WORKER_ROLE_PREFILL, common_pb2.WORKER_ROLE_DECODE):
+        raise InvalidArgument("worker.role must be WORKER_ROLE_PREFILL or WORKER_ROLE_DECODE")
+    if not worker.grpc_address:
+        raise InvalidArgument("worker.grpc_address is required")
+    if worker.block_size <= 0:
+        raise InvalidArgument(f"worker.block_size must be positive, got {worker.block_size}")
+    if worker.role == common_pb2.WORKER_ROLE_DECODE and worker.kv_blocks_ttl_s <= 0:
+        raise InvalidArgument(f"a decode worker needs kv_blocks_ttl_s > 0, got {worker.kv_blocks_ttl_s}")
+    if worker.kv_blocks_ttl_s < 0 or not 0 <= worker.nixl_port <= 65535:
+        raise InvalidArgument("worker.kv_blocks_ttl_s must be >= 0 and nixl_port within 0..65535")
+
+
+def worker_lease_ttl(requested: int, default: int) -> int:
+    """The lease TTL for a registration: ``requested`` seconds, or ``default`` when 0."""
+    if requested < 0 or requested > MAX_LEASE_TTL_S:
+        raise InvalidArgument(f"lease_ttl_s must be within 0..{MAX_LEASE_TTL_S}, got {requested}")
+    return requested or default
+
+
+def to_seconds(ts) -> float:
+    return ts.seconds + ts.nanos / 1e9
+
+
+def set_seconds(ts, t: float) -> None:
+    ts.FromNanoseconds(int(round(t * 1e9)))
+
+
+def expires_in(session: common_pb2.Session, now: float) -> float:
+    """Seconds until the session's handle expires (negative once expired)."""
+    return to_seconds(session.expires_at) - now
+
+
+def lease_ttl_for(expires_at: float, now: float) -> int:
+    """etcd lease TTL (whole seconds) that keeps a record until a little after ``expires_at``."""
+    return max(1, math.ceil(expires_at - now)) + LEASE_GRACE_S
+
+
+@dataclass(frozen=True)
+class SessionPlan:
+    """A Session record to store, and the TTL of the lease to attach it to."""
+
+    session: common_pb2.Session
+    lease_ttl_s: int
+
+
+def build_session(req: registry_pb2.RecordTurnRequest, worker: common_pb2.Worker | None, *, now: float,
+                  margin_s: float, previous: common_pb2.Session | None = None) -> SessionPlan:
+    """The Session record for a finished turn on ``worker`` (the decode worker, looked up by the caller).
+
+    covered_tokens is the handle's ``remote_num_tokens``; block hashes chain ``token_ids[:covered]`` in the decode
+    worker's block size. The handle expires at ``finished_at + kv_blocks_ttl_s - margin_s``; a ``finished_at`` in
+    the future (clock skew) counts as now, so skew never lengthens a handle's life.
+    """
+    validate_id("session_id", req.session_id)
+    validate_id("tenant", req.tenant)
+    validate_id("decode_worker_id", req.decode_worker_id)
+    if not req.token_ids:
+        raise InvalidArgument("token_ids is required: the exact ids the decode worker holds")
+    if any(t < 0 for t in req.token_ids):
+        raise InvalidArgument("token_ids must not be negative")
+    if not req.kv_transfer_params_json:
+        raise InvalidArgument("kv_transfer_params_json is required")
+    try:
+        handle = parse_handle(req.kv_transfer_params_json)
+    except HandleError as exc:
+        raise InvalidArgument(f"kv_transfer_params_json: {exc}") from None
+    covered = handle.num_tokens
+    if covered > len(req.token_ids):
+        raise InvalidArgument(f"the handle covers {covered} tokens (remote_num_tokens) but only "
+                              f"{len(req.token_ids)} token_ids were given")
+    if worker is None:
+        raise FailedPrecondition(f"decode worker {req.decode_worker_id!r} is not registered")
+    if worker.role != common_pb2.WORKER_ROLE_DECODE:
+        raise FailedPrecondition(f"worker {req.decode_worker_id!r} is a {common_pb2.WorkerRole.Name(worker.role)} "
+                                 "worker, not a decode worker")
+    if worker.block_size <= 0 or worker.kv_blocks_ttl_s <= 0:
+        raise FailedPrecondition(f"decode worker {worker.worker_id!r} has no block size or KV TTL registered")
+    if worker.engine_id and handle.engine_id != worker.engine_id:
+        raise InvalidArgument(f"the handle's remote_engine_id {handle.engine_id!r} is not decode worker "
+                              f"{worker.worker_id!r}'s engine {worker.engine_id!r}")
+    need = blocks_for(covered, worker.block_size)
+    short = [len(g) for g in handle.block_groups if len(g) < need]
+    if short:
+        raise InvalidArgument(f"the handle holds {short[0]} blocks in a group; {covered} tokens need {need} "
+                              f"blocks of {worker.block_size}")
+
+    finished = min(to_seconds(req.finished_at), now) if req.HasField("finished_at") else now
+    expires_at = finished + worker.kv_blocks_ttl_s - margin_s
+    if expires_at <= now:
+        raise FailedPrecondition(f"the handle has already expired: finished {now - finished:.1f}s ago, decode KV "
+                                 f"TTL {worker.kv_blocks_ttl_s}s minus {margin_s:g}s margin")
+
+    session = common_pb2.Session(
+        session_id=req.session_id, tenant=req.tenant, decode_worker_id=req.decode_worker_id,
+        kv_transfer_params_json=req.kv_transfer_params_json, covered_tokens=covered,
+        block_size=worker.block_size,
+        block_hashes=block_hash_chain(req.token_ids, covered, worker.block_size),
+        token_ids=req.token_ids, text=req.text,
+        turn=(previous.turn if previous is not None else 0) + 1, claimed=False,
+    )
+    set_seconds(session.expires_at, expires_at)
+    set_seconds(session.updated_at, now)
+    size = session.ByteSize()
+    if size > MAX_RECORD_BYTES:
+        raise InvalidArgument(f"the session record would be {size} bytes; the store takes at most "
+                              f"{MAX_RECORD_BYTES} (shorten the conversation or its text)")
+    return SessionPlan(session, lease_ttl_for(expires_at, now))
+
+
+def claim_refusal(session: common_pb2.Session | None, revision: int, now: float) -> str | None:
+    """Why ``session`` cannot be claimed at ``revision`` now, or None when it can."""
+    if session is None:
+        return MISSING
+    if session.claimed:
+        return CLAIMED
+    if session.revision != revision:
+        return f"{CHANGED}: the record is at revision {session.revision}, not {revision}"
+    if not session.kv_transfer_params_json:
+        return NO_HANDLE
+    left = expires_in(session, now)
+    if left <= 0:
+        return f"{EXPIRED} {-left:.1f}s ago"
+    return None
+
+
+def claimed_record(session: common_pb2.Session, now: float) -> common_pb2.Session:
+    """The record to store once ``session``'s handle is taken: handle cleared, claimed set."""
+    out = common_pb2.Session()
+    out.CopyFrom(session)
+    out.kv_transfer_params_json = ""
+    out.claimed = True
+    out.revision = 0
+    set_seconds(out.updated_at, now)
+    return out

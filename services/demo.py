@@ -1,0 +1,129 @@
+"""The demo conversation: an agent reading files turn by turn, through the gateway's OpenAI API, streamed.
+
+Each turn is also replayed with pulls disabled (a twin session) so the table shows TTFT for pull and recompute side
+by side, and whether the greedy answers are identical.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import time
+import uuid
+from dataclasses import dataclass
+
+import httpx
+
+from kvshuttle.v1 import common_pb2
+from workers.engine_client import EngineClient
+
+SYSTEM = ("You are a coding agent. You read source files with tools and explain what they do, "
+          "citing function names. Keep answers short.")
+# Tool results the agent "reads": stdlib sources, identical on every machine with the same Python.
+FILES = ["textwrap", "json.decoder", "string", "bisect", "heapq", "fnmatch", "colorsys", "shlex"]
+
+
+def tool_result(module: str, chars: int = 2400) -> str:
+    mod = __import__(module, fromlist=["_"])
+    return inspect.getsource(mod)[:chars]
+
+
+@dataclass
+class TurnResult:
+    decision: str
+    reason: str
+    prompt_tokens: int
+    pulled: int
+    computed: int
+    ttft_ms: float
+    text: str
+
+
+async def stream_turn(client: httpx.AsyncClient, session: str, messages: list[dict], max_tokens: int,
+                      disable_pull: bool) -> TurnResult:
+    body = {"model": None, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "disable_pull": disable_pull}
+    body = {k: v for k, v in body.items() if v is not None}
+    started = time.perf_counter()
+    ttft = None
+    text, info, usage = "", {}, {}
+    async with client.stream("POST", "/v1/chat/completions", json=body, headers={"X-Session-ID": session}) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"gateway answered {resp.status_code}: {(await resp.aread()).decode()}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"stream failed: {chunk['error']}")
+            for choice in chunk.get("choices", []):
+                piece = choice.get("delta", {}).get("content")
+                if piece:
+                    ttft = ttft or (time.perf_counter() - started) * 1000
+                    text += piece
+            info = chunk.get("kvshuttle", info)
+            usage = chunk.get("usage") or usage
+    return TurnResult(info["decision"], info["reason"], usage.get("prompt_tokens", 0), info["pulled_tokens"],
+                      info["computed_tokens"], ttft or (time.perf_counter() - started) * 1000, text)
+
+
+async def flush_prefill_caches(workers: list[common_pb2.Worker]) -> None:
+    for w in workers:
+        if w.role == common_pb2.WORKER_ROLE_PREFILL:
+            client = EngineClient(w.grpc_address, timeout_s=30)
+            try:
+                await client.flush_cache()
+            finally:
+                await client.close()
+
+
+async def run_demo(stack, cfg) -> int:
+    session = f"demo-{uuid.uuid4().hex[:8]}"
+    twin = f"{session}-recompute"
+    history: list[dict] = [{"role": "system", "content": SYSTEM}]
+    twin_history = list(history)
+    rows = []
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=600) as client:
+        for turn in range(cfg.turns):
+            module = FILES[turn % len(FILES)]
+            user = {"role": "user", "content": f"Tool result of `cat {module}.py`:\n{tool_result(module)}\n"
+                                               f"What does it do?"}
+            history.append(user)
+            if cfg.flush_prefill_cache:
+                await flush_prefill_caches(stack.workers)
+            pull = await stream_turn(client, session, history, cfg.max_tokens, disable_pull=False)
+            history.append({"role": "assistant", "content": pull.text})
+            base = None
+            if cfg.compare_recompute:
+                twin_history.append(user)
+                if cfg.flush_prefill_cache:
+                    await flush_prefill_caches(stack.workers)
+                base = await stream_turn(client, twin, twin_history, cfg.max_tokens, disable_pull=True)
+                twin_history.append({"role": "assistant", "content": base.text})
+            rows.append((turn + 1, pull, base))
+
+    print()
+    print(f"kvshuttle demo: {cfg.turns}-turn conversation {session!r} through the gateway at {stack.base_url}")
+    print(f"model {stack.model_dir.name} ({cfg.dtype}), P's prefix cache flushed before each turn: "
+          f"{cfg.flush_prefill_cache}")
+    header = f"{'turn':>4}  {'prompt':>6}  {'decision':<9}  {'pulled':>6}  {'computed':>8}  {'TTFT ms':>8}"
+    if cfg.compare_recompute:
+        header += f"  {'recompute TTFT ms':>17}  {'speed-up':>8}  {'same answer':>11}"
+    print(header)
+    print("-" * len(header))
+    for n, pull, base in rows:
+        line = (f"{n:>4}  {pull.prompt_tokens:>6}  {pull.decision:<9}  {pull.pulled:>6}  {pull.computed:>8}  "
+                f"{pull.ttft_ms:>8.1f}")
+        if base is not None:
+            line += f"  {base.ttft_ms:>17.1f}  {base.ttft_ms / pull.ttft_ms:>7.2f}x  {str(base.text == pull.text):>11}"
+        print(line)
+    print()
+    for n, pull, _ in rows:
+        print(f"turn {n}: {pull.reason}")
+    ok = all(pull.decision == "pull" for _, pull, _ in rows[1:])
+    same = all(base is None or base.text == pull.text for _, pull, base in rows)
+    print()
+    print("every turn after the first pulled its history: " + ("yes" if ok else "NO"))
+    if cfg.compare_recompute:
+        print("answers identical with and without pulls: " + ("yes" if same else "NO"))
+    return 0 if ok and same else 1

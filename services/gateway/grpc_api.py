@@ -1,0 +1,119 @@
+"""The gateway's gRPC API (kvshuttle.v1.Gateway): the same turns as the HTTP API, as protobuf."""
+
+from __future__ import annotations
+
+import grpc
+
+from kvshuttle.v1 import gateway_pb2, gateway_pb2_grpc, scheduler_pb2
+from services.gateway.turns import Delta, Finished, KvOutcome, PreparedTurn, TurnError, TurnRequest, TurnRunner
+
+_DECISIONS = {"pull": scheduler_pb2.DECISION_PULL, "recompute": scheduler_pb2.DECISION_RECOMPUTE}
+
+
+def kv_report(kv: KvOutcome) -> gateway_pb2.KvReport:
+    return gateway_pb2.KvReport(
+        decision=_DECISIONS[kv.decision], reason=kv.reason, pulled_tokens=kv.pulled_tokens,
+        computed_tokens=kv.computed_tokens, retried_as_recompute=kv.retried_as_recompute,
+        prefill_worker_id=kv.prefill_worker_id, decode_worker_id=kv.decode_worker_id, figures=kv.figures)
+
+
+def turn_timings(t: dict[str, float]) -> gateway_pb2.TurnTimings:
+    return gateway_pb2.TurnTimings(plan_ms=t.get("plan_ms", 0), prefill_ms=t.get("prefill_ms", 0),
+                                   ttft_ms=t.get("ttft_ms", 0), decode_ms=t.get("decode_ms", 0),
+                                   record_ms=t.get("record_ms", 0), total_ms=t.get("total_ms", 0))
+
+
+def usage(f: Finished) -> gateway_pb2.Usage:
+    return gateway_pb2.Usage(prompt_tokens=f.prompt_tokens, completion_tokens=len(f.output_ids),
+                             total_tokens=f.prompt_tokens + len(f.output_ids))
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    def __init__(self, runner: TurnRunner, served_model: str, default_max_tokens: int):
+        self.runner = runner
+        self.served_model = served_model
+        self.default_max_tokens = default_max_tokens
+
+    def _request(self, msg, **prompt) -> TurnRequest:
+        if msg.model and msg.model != self.served_model:
+            raise TurnError(404, grpc.StatusCode.NOT_FOUND,
+                            f"model {msg.model!r} not found; this gateway serves {self.served_model!r}")
+        s = msg.sampling
+        return TurnRequest(session_id=msg.session_id, max_tokens=s.max_tokens or self.default_max_tokens,
+                           temperature=s.temperature, top_p=s.top_p or 1.0,
+                           seed=s.seed if s.HasField("seed") else None, ignore_eos=s.ignore_eos, stop=list(s.stop),
+                           disable_pull=msg.disable_pull, **prompt)
+
+    def _complete_request(self, msg: gateway_pb2.CompleteRequest) -> TurnRequest:
+        if msg.prompt and msg.prompt_token_ids:
+            raise TurnError(400, grpc.StatusCode.INVALID_ARGUMENT, "give prompt or prompt_token_ids, not both")
+        if msg.prompt_token_ids:
+            return self._request(msg, prompt_ids=list(msg.prompt_token_ids))
+        if not msg.prompt:
+            raise TurnError(400, grpc.StatusCode.INVALID_ARGUMENT, "prompt or prompt_token_ids is required")
+        return self._request(msg, prompt_text=msg.prompt)
+
+    def _chat_request(self, msg: gateway_pb2.ChatCompleteRequest) -> TurnRequest:
+        roles = {"system", "developer", "user", "assistant", "tool"}
+        bad = [m.role for m in msg.messages if m.role not in roles]
+        if bad:
+            raise TurnError(400, grpc.StatusCode.INVALID_ARGUMENT, f"unknown message role {bad[0]!r}")
+        return self._request(msg, messages=[{"role": m.role, "content": m.content} for m in msg.messages])
+
+    async def _prepare(self, req: TurnRequest, context) -> PreparedTurn:
+        turn = await self.runner.prepare(req)
+        await context.send_initial_metadata((
+            ("x-kv-decision", turn.kv.decision),
+            ("x-kv-reason", turn.kv.reason.encode("ascii", "replace").decode()),
+            ("x-kv-pulled-tokens", str(turn.kv.pulled_tokens)),
+        ))
+        return turn
+
+    async def _unary(self, req_fn, msg, context):
+        try:
+            req = req_fn(msg)
+            turn = await self._prepare(req, context)
+            finished = None
+            async for event in self.runner.decode(turn):
+                if isinstance(event, Finished):
+                    finished = event
+            return turn, finished
+        except TurnError as exc:
+            await context.abort(exc.code, exc.message)
+
+    async def Complete(self, request, context):
+        turn, f = await self._unary(self._complete_request, request, context)
+        return gateway_pb2.CompleteResponse(
+            id=turn.id, model=self.served_model, text=f.text, token_ids=f.output_ids, prompt_token_ids=turn.prompt_ids,
+            finish_reason=f.finish_reason, usage=usage(f), kv=kv_report(f.kv), timings=turn_timings(f.timings))
+
+    async def ChatComplete(self, request, context):
+        turn, f = await self._unary(self._chat_request, request, context)
+        return gateway_pb2.ChatCompleteResponse(
+            id=turn.id, model=self.served_model, message=gateway_pb2.ChatMessage(role="assistant", content=f.text),
+            token_ids=f.output_ids, prompt_token_ids=turn.prompt_ids, finish_reason=f.finish_reason, usage=usage(f),
+            kv=kv_report(f.kv), timings=turn_timings(f.timings))
+
+    async def _stream(self, req_fn, msg, context):
+        try:
+            turn = await self._prepare(req_fn(msg), context)
+            yield gateway_pb2.TurnEvent(started=gateway_pb2.TurnEvent.Started(
+                id=turn.id, model=self.served_model, kv=kv_report(turn.kv), prompt_tokens=len(turn.prompt_ids)))
+            async for event in self.runner.decode(turn):
+                if isinstance(event, Delta):
+                    yield gateway_pb2.TurnEvent(delta=gateway_pb2.TurnEvent.Delta(text=event.text,
+                                                                                  token_ids=event.token_ids))
+                else:
+                    yield gateway_pb2.TurnEvent(finished=gateway_pb2.TurnEvent.Finished(
+                        finish_reason=event.finish_reason, usage=usage(event), kv=kv_report(event.kv),
+                        timings=turn_timings(event.timings)))
+        except TurnError as exc:
+            await context.abort(exc.code, exc.message)
+
+    async def CompleteStream(self, request, context):
+        async for event in self._stream(self._complete_request, request, context):
+            yield event
+
+    async def ChatCompleteStream(self, request, context):
+        async for event in self._stream(self._chat_request, request, context):
+            yield event

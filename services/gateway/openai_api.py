@@ -1,0 +1,242 @@
+"""OpenAI-compatible HTTP API of the gateway: /v1/chat/completions, /v1/completions, /v1/models, health.
+
+The session (conversation) id comes from the `X-Session-ID` header or the body's `conversation_id`. Clients'
+`kv_transfer_params` are ignored: only the scheduler decides what P pulls. Every response says what happened to the
+KV (`X-KV-Decision`, `X-KV-Reason`, ... headers, and a `kvshuttle` object in the body / last stream chunk).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from services.gateway.turns import Delta, Finished, KvOutcome, PreparedTurn, TurnError, TurnRequest, TurnRunner
+
+log = logging.getLogger(__name__)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessageIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def plain(self) -> dict[str, str]:
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        return {"role": self.role, "content": content}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # OpenAI clients send many optional fields; kv_transfer_params too
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1, le=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    conversation_id: str | None = Field(default=None, max_length=256)
+    disable_pull: bool = False  # kvshuttle extension: force a recompute (benchmarks)
+
+
+class ChatCompletionIn(SamplingIn):
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+class CompletionIn(SamplingIn):
+    prompt: str | list[int] = Field(min_length=1)
+
+
+def error_body(status: int, message: str, kind: str | None = None, code: str | None = None) -> dict[str, Any]:
+    kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "code": code or status}}
+
+
+def kv_headers(kv: KvOutcome) -> dict[str, str]:
+    return {
+        "X-KV-Decision": kv.decision,
+        "X-KV-Reason": kv.reason.encode("ascii", "replace").decode(),
+        "X-KV-Pulled-Tokens": str(kv.pulled_tokens),
+        "X-KV-Computed-Tokens": str(kv.computed_tokens),
+        "X-KV-Prefill-Worker": kv.prefill_worker_id,
+        "X-KV-Decode-Worker": kv.decode_worker_id,
+    }
+
+
+def kv_body(kv: KvOutcome, timings: dict[str, float]) -> dict[str, Any]:
+    fig = kv.figures
+    return {
+        "decision": kv.decision, "reason": kv.reason, "pulled_tokens": kv.pulled_tokens,
+        "computed_tokens": kv.computed_tokens, "retried_as_recompute": kv.retried_as_recompute,
+        "prefill_worker": kv.prefill_worker_id, "decode_worker": kv.decode_worker_id,
+        "matched_tokens": fig.matched_tokens if fig else 0, "covered_tokens": fig.covered_tokens if fig else 0,
+        "timings_ms": timings,
+    }
+
+
+def usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def create_app(runner: TurnRunner, served_model: str, default_max_tokens: int,
+               extra_routes: list | None = None) -> FastAPI:
+    app = FastAPI(title="kvshuttle gateway", version="0.1.0",
+                  description="OpenAI-compatible API over P/D-disaggregated vLLM with KV reuse across turns.")
+    for route in extra_routes or []:
+        app.router.routes.append(route)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        parts = []
+        for err in exc.errors():
+            where = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+            parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+        return JSONResponse(error_body(400, "; ".join(parts) or "invalid request"), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
+
+    @app.exception_handler(TurnError)
+    async def _turn(_: Request, exc: TurnError) -> JSONResponse:
+        headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s else None
+        return JSONResponse(error_body(exc.http_status, exc.message), status_code=exc.http_status, headers=headers)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list",
+                "data": [{"id": served_model, "object": "model", "created": 0, "owned_by": "kvshuttle"}]}
+
+    def turn_request(body: SamplingIn, request: Request, max_tokens: int | None, **prompt: Any) -> TurnRequest:
+        if body.model and body.model != served_model:
+            raise TurnError(404, grpc.StatusCode.NOT_FOUND, f"model {body.model!r} not found; this gateway serves {served_model!r}")
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        session = request.headers.get("x-session-id") or body.conversation_id or ""
+        return TurnRequest(session_id=session, max_tokens=max_tokens or default_max_tokens,
+                           temperature=body.temperature, top_p=body.top_p, seed=body.seed, ignore_eos=body.ignore_eos,
+                           stop=stop, disable_pull=body.disable_pull, **prompt)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionIn, request: Request):
+        req = turn_request(body, request, body.max_completion_tokens or body.max_tokens,
+                           messages=[m.plain() for m in body.messages])
+        turn = await runner.prepare(req)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_chat_stream(runner, turn, served_model, include_usage),
+                                     media_type="text/event-stream", headers=_stream_headers(turn))
+        finished = await _drain(runner, turn)
+        return JSONResponse({
+            "id": turn.id, "object": "chat.completion", "created": int(time.time()), "model": served_model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": finished.text},
+                         "finish_reason": finished.finish_reason}],
+            "usage": usage(finished.prompt_tokens, len(finished.output_ids)),
+            "kvshuttle": kv_body(finished.kv, finished.timings),
+        }, headers={**kv_headers(finished.kv), "X-Session-ID": req.session_id})
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionIn, request: Request):
+        prompt = {"prompt_text": body.prompt} if isinstance(body.prompt, str) else {"prompt_ids": body.prompt}
+        req = turn_request(body, request, body.max_tokens, **prompt)
+        turn = await runner.prepare(req)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_completion_stream(runner, turn, served_model, include_usage),
+                                     media_type="text/event-stream", headers=_stream_headers(turn))
+        finished = await _drain(runner, turn)
+        return JSONResponse({
+            "id": turn.id, "object": "text_completion", "created": int(time.time()), "model": served_model,
+            "choices": [{"index": 0, "text": finished.text, "finish_reason": finished.finish_reason,
+                         "logprobs": None}],
+            "usage": usage(finished.prompt_tokens, len(finished.output_ids)),
+            "kvshuttle": kv_body(finished.kv, finished.timings),
+        }, headers={**kv_headers(finished.kv), "X-Session-ID": req.session_id})
+
+    return app
+
+
+def _stream_headers(turn: PreparedTurn) -> dict[str, str]:
+    return {**kv_headers(turn.kv), "X-Session-ID": turn.request.session_id, "Cache-Control": "no-cache"}
+
+
+async def _drain(runner: TurnRunner, turn: PreparedTurn) -> Finished:
+    async for event in runner.decode(turn):
+        if isinstance(event, Finished):
+            return event
+    raise TurnError(503, grpc.StatusCode.UNAVAILABLE, "decode ended without a result")
+
+
+def _sse(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+async def _events(runner: TurnRunner, turn: PreparedTurn) -> AsyncIterator[Delta | Finished | TurnError]:
+    try:
+        async for event in runner.decode(turn):
+            yield event
+    except TurnError as exc:
+        log.warning("stream of turn %s failed: %s", turn.id, exc.message)
+        yield exc
+
+
+async def _chat_stream(runner: TurnRunner, turn: PreparedTurn, model: str, include_usage: bool):
+    base = {"id": turn.id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
+    yield _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                     "finish_reason": None}]})
+    async for event in _events(runner, turn):
+        if isinstance(event, TurnError):
+            yield _sse(error_body(event.http_status, event.message))
+            break
+        if isinstance(event, Delta):
+            yield _sse({**base, "choices": [{"index": 0, "delta": {"content": event.text}, "finish_reason": None}]})
+        else:
+            yield _sse({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": event.finish_reason}],
+                        "kvshuttle": kv_body(event.kv, event.timings)})
+            if include_usage:
+                yield _sse({**base, "choices": [], "usage": usage(event.prompt_tokens, len(event.output_ids))})
+    yield _sse("[DONE]")
+
+
+async def _completion_stream(runner: TurnRunner, turn: PreparedTurn, model: str, include_usage: bool):
+    base = {"id": turn.id, "object": "text_completion", "created": int(time.time()), "model": model}
+    async for event in _events(runner, turn):
+        if isinstance(event, TurnError):
+            yield _sse(error_body(event.http_status, event.message))
+            break
+        if isinstance(event, Delta):
+            yield _sse({**base, "choices": [{"index": 0, "text": event.text, "finish_reason": None,
+                                             "logprobs": None}]})
+        else:
+            yield _sse({**base, "choices": [{"index": 0, "text": "", "finish_reason": event.finish_reason,
+                                             "logprobs": None}], "kvshuttle": kv_body(event.kv, event.timings)})
+            if include_usage:
+                yield _sse({**base, "choices": [], "usage": usage(event.prompt_tokens, len(event.output_ids))})
+    yield _sse("[DONE]")

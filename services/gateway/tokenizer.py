@@ -1,0 +1,131 @@
+"""The gateway's tokenizer: HF `tokenizer.json` + chat template, with only `tokenizers` and `jinja2` (no transformers).
+
+Rendering follows transformers' chat-template environment (sandboxed, ``trim_blocks``/``lstrip_blocks``,
+``raise_exception``, ``strftime_now``, a ``tojson`` that keeps non-ASCII, the special tokens as variables, and the
+``{% generation %}`` block) so prompts match what the model was trained to see.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
+class ChatTemplateError(ValueError):
+    """The template refused the conversation (``raise_exception``) or failed to render."""
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _GenerationBlock(Extension):
+    """``{% generation %}...{% endgeneration %}`` (HF's assistant-mask marker): renders its body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body, lineno=lineno)
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, Mapping):
+        return value.get("content")
+    return value
+
+
+class GatewayTokenizer:
+    """Tokenizer and chat template of one model directory."""
+
+    def __init__(self, model_dir: str | Path):
+        root = Path(model_dir)
+        self.model_dir = root
+        self._tok = Tokenizer.from_file(str(root / "tokenizer.json"))
+        cfg_path = root / "tokenizer_config.json"
+        self.config: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        self.special_tokens = {key: _token_text(self.config.get(key)) for key in SPECIAL_TOKEN_KEYS}
+        # Like transformers, a chat_template.jinja file wins over the config's field.
+        jinja_path = root / "chat_template.jinja"
+        template = jinja_path.read_text() if jinja_path.exists() else self.config.get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+            named = {t["name"]: t["template"] for t in template}
+            template = named.get("default")
+        if not template:
+            raise ValueError(f"{root}: no chat template")
+        self.chat_template: str = template
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                           extensions=[_GenerationBlock, "jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        self._template = env.from_string(template)
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    **extra: Any) -> str:
+        """The prompt text for ``messages`` (``extra`` passes e.g. ``tools`` to the template)."""
+        # As in transformers: tools/documents are always defined (None when absent); special tokens as variables.
+        variables: dict[str, Any] = {"tools": None, "documents": None}
+        variables.update((k, v) for k, v in self.special_tokens.items() if v is not None)
+        variables.update(extra)
+        try:
+            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                         **variables)
+        except ChatTemplateError:
+            raise
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"chat template failed: {exc}") from exc
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``; special tokens written in the text become their ids."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @cached_property
+    def eos_token_ids(self) -> list[int]:
+        """The eos token of the tokenizer plus those of generation_config.json / config.json, sorted."""
+        ids: set[int] = set()
+        eos = self.special_tokens.get("eos_token")
+        if eos is not None and self._tok.token_to_id(eos) is not None:
+            ids.add(self._tok.token_to_id(eos))
+        for name in ("generation_config.json", "config.json"):
+            path = self.model_dir / name
+            if not path.exists():
+                continue
+            value = json.loads(path.read_text()).get("eos_token_id")
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, list):
+                ids.update(v for v in value if isinstance(v, int))
+        return sorted(ids)

@@ -1,0 +1,367 @@
+"""One conversation turn through the disaggregated pair: tokenize → plan → prefill on P → decode on D → record.
+
+Data flows one way: the request becomes exact prompt ids (continuing the session's recorded ids when the chat
+extends them), the scheduler's plan says which workers and which kv_transfer_params, P's answer carries the params
+for D, and D's final message carries the handle the registry records for the next turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import grpc
+from opentelemetry import trace
+
+from control_plane import kv_params
+from control_plane.continuation import plan_continuation
+from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from services.telemetry import hashed
+from workers.engine_client import EngineClient, EngineError, Final
+
+log = logging.getLogger(__name__)
+tracer = trace.get_tracer("kvshuttle.gateway")
+
+
+class TurnError(Exception):
+    """A turn that cannot run; carries both an HTTP status and a gRPC code for the two front ends."""
+
+    def __init__(self, http_status: int, code: grpc.StatusCode, message: str, retry_after_s: int | None = None):
+        super().__init__(message)
+        self.http_status, self.code, self.message, self.retry_after_s = http_status, code, message, retry_after_s
+
+
+class Tokenizer(Protocol):
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+
+@dataclass
+class TurnRequest:
+    session_id: str = ""
+    tenant: str = "default"
+    messages: list[dict] | None = None
+    prompt_text: str | None = None
+    prompt_ids: list[int] | None = None
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop: list[str] = field(default_factory=list)
+    disable_pull: bool = False
+
+
+@dataclass
+class KvOutcome:
+    decision: str
+    reason: str
+    pulled_tokens: int = 0
+    computed_tokens: int = 0
+    retried_as_recompute: bool = False
+    prefill_worker_id: str = ""
+    decode_worker_id: str = ""
+    figures: scheduler_pb2.PlanFigures | None = None
+
+
+@dataclass
+class PreparedTurn:
+    """A turn whose prompt is prefilled on P; decoding it on D is what remains."""
+
+    id: str
+    request: TurnRequest
+    prompt_ids: list[int]
+    prompt_text: str
+    plan: scheduler_pb2.PlanTurnResponse
+    decode_params: dict[str, Any] | None
+    kv: KvOutcome
+    started: float
+    timings: dict[str, float] = field(default_factory=dict)
+    span: Any = None
+
+
+@dataclass
+class Delta:
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
+class Finished:
+    finish_reason: str
+    text: str
+    output_ids: list[int]
+    prompt_tokens: int
+    kv: KvOutcome
+    timings: dict[str, float]
+
+
+def _ms(since: float) -> float:
+    return round((time.perf_counter() - since) * 1000, 3)
+
+
+class TurnRunner:
+    def __init__(self, tokenizer: Tokenizer, registry: registry_pb2_grpc.SessionRegistryStub,
+                 scheduler: scheduler_pb2_grpc.TransferSchedulerStub, *, max_model_len: int,
+                 engine_timeout_s: float = 120.0, control_timeout_s: float = 5.0):
+        self.tokenizer = tokenizer
+        self.registry = registry
+        self.scheduler = scheduler
+        self.max_model_len = max_model_len
+        self.engine_timeout_s = engine_timeout_s
+        self.control_timeout_s = control_timeout_s
+        self._engines: dict[str, EngineClient] = {}
+
+    def engine(self, worker: common_pb2.Worker) -> EngineClient:
+        client = self._engines.get(worker.grpc_address)
+        if client is None:
+            client = self._engines[worker.grpc_address] = EngineClient(worker.grpc_address,
+                                                                       timeout_s=self.engine_timeout_s)
+        return client
+
+    async def close(self) -> None:
+        for client in self._engines.values():
+            await client.close()
+
+    # -- prompt ----------------------------------------------------------------------------------------------
+
+    async def _previous(self, req: TurnRequest) -> registry_pb2.GetSessionResponse | None:
+        try:
+            return await self.registry.GetSession(
+                registry_pb2.GetSessionRequest(session_id=req.session_id, tenant=req.tenant),
+                timeout=self.control_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise TurnError(400, exc.code(), exc.details() or "invalid session id") from None
+            if exc.code() != grpc.StatusCode.NOT_FOUND:
+                log.warning("registry unavailable reading a session (%s): tokenizing from scratch", exc.code().name)
+            return None
+
+    async def build_prompt(self, req: TurnRequest) -> tuple[list[int], str, bool]:
+        """Exact prompt ids, the text they stand for ('' for raw ids), and whether they continue recorded ids."""
+        if req.prompt_ids is not None:
+            return list(req.prompt_ids), "", False
+        if req.messages is not None:
+            try:
+                text = await asyncio.to_thread(self.tokenizer.render_chat, req.messages, True)
+            except Exception as exc:  # template errors are the caller's input
+                raise TurnError(400, grpc.StatusCode.INVALID_ARGUMENT, f"cannot render chat: {exc}") from None
+        else:
+            text = req.prompt_text or ""
+        prev = await self._previous(req) if req.session_id else None
+        cont = plan_continuation(prev.session.text, prev.session.token_ids, text) if prev else plan_continuation(
+            "", [], text)
+        suffix_ids = await asyncio.to_thread(self.tokenizer.encode, cont.suffix_text, False)
+        return [*cont.prefix_ids, *suffix_ids], text, cont.continues
+
+    # -- phases ----------------------------------------------------------------------------------------------
+
+    async def prepare(self, req: TurnRequest) -> PreparedTurn:
+        started = time.perf_counter()
+        turn_id = f"kvs-{uuid.uuid4().hex[:24]}"
+        span = tracer.start_span("kvshuttle.turn")
+        try:
+            with trace.use_span(span, end_on_exit=False):
+                return await self._prepare(req, turn_id, started, span)
+        except BaseException as exc:
+            span.record_exception(exc)
+            span.set_status(trace.StatusCode.ERROR, str(exc))
+            span.end()
+            raise
+
+    def validate(self, req: TurnRequest) -> None:
+        """Checks shared by the HTTP and gRPC front ends (types are already checked by each)."""
+        def bad(message: str) -> TurnError:
+            return TurnError(400, grpc.StatusCode.INVALID_ARGUMENT, message)
+
+        if not 1 <= req.max_tokens <= self.max_model_len:
+            raise bad(f"max_tokens must be between 1 and {self.max_model_len}")
+        if not 0.0 <= req.temperature <= 2.0:
+            raise bad("temperature must be between 0 and 2")
+        if not 0.0 < req.top_p <= 1.0:
+            raise bad("top_p must be in (0, 1]")
+        if len(req.session_id) > 256:
+            raise bad("session id longer than 256 characters")
+        if req.messages is not None and not req.messages:
+            raise bad("messages must not be empty")
+        if req.prompt_ids is not None and any(not 0 <= t < 2**31 for t in req.prompt_ids):
+            raise bad("prompt token ids must be non-negative 32-bit integers")
+
+    async def _prepare(self, req: TurnRequest, turn_id: str, started: float, span) -> PreparedTurn:
+        self.validate(req)
+        timings: dict[str, float] = {}
+        t = time.perf_counter()
+        prompt_ids, prompt_text, continued = await self.build_prompt(req)
+        timings["tokenize_ms"] = _ms(t)
+        if not prompt_ids:
+            raise TurnError(400, grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
+        if len(prompt_ids) + req.max_tokens > self.max_model_len:
+            raise TurnError(400, grpc.StatusCode.INVALID_ARGUMENT,
+                            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the "
+                            f"model's context of {self.max_model_len} tokens")
+
+        t = time.perf_counter()
+        with tracer.start_as_current_span("plan"):
+            try:
+                plan = await self.scheduler.PlanTurn(scheduler_pb2.PlanTurnRequest(
+                    session_id=req.session_id, tenant=req.tenant, prompt_token_ids=prompt_ids,
+                    disable_pull=req.disable_pull), timeout=self.control_timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise TurnError(400, exc.code(), exc.details() or "invalid request") from None
+                raise TurnError(503, grpc.StatusCode.UNAVAILABLE,
+                                f"scheduler unavailable: {exc.details() or exc.code().name}", retry_after_s=1) from None
+        timings["plan_ms"] = _ms(t)
+        pull = plan.decision == scheduler_pb2.DECISION_PULL
+        kv = KvOutcome("pull" if pull else "recompute", plan.reason, prefill_worker_id=plan.prefill.worker_id,
+                       decode_worker_id=plan.decode.worker_id, figures=plan.figures)
+        span.set_attributes({
+            "kvshuttle.session": hashed(req.session_id) if req.session_id else "",
+            "kvshuttle.decision": kv.decision, "kvshuttle.reason": plan.reason,
+            "kvshuttle.prompt_tokens": len(prompt_ids), "kvshuttle.continued_ids": continued,
+            "kvshuttle.reusable_tokens": plan.figures.reusable_tokens,
+            "kvshuttle.prefill_worker": plan.prefill.worker_id, "kvshuttle.decode_worker": plan.decode.worker_id,
+        })
+
+        t = time.perf_counter()
+        p_final = await self._prefill(turn_id, plan, prompt_ids, kv)
+        timings["prefill_ms"] = _ms(t)
+        kv.computed_tokens = len(prompt_ids) - p_final.cached_tokens
+        kv.pulled_tokens = plan.figures.reusable_tokens if kv.decision == "pull" else 0
+        span.set_attributes({"kvshuttle.pulled_tokens": kv.pulled_tokens,
+                             "kvshuttle.computed_tokens": kv.computed_tokens,
+                             "kvshuttle.retried_as_recompute": kv.retried_as_recompute})
+        return PreparedTurn(turn_id, req, prompt_ids, prompt_text, plan, p_final.kv_transfer_params, kv, started,
+                            timings, span)
+
+    async def _prefill(self, turn_id: str, plan, prompt_ids: list[int], kv: KvOutcome) -> Final:
+        engine = self.engine(plan.prefill)
+        params = json.loads(plan.prefill_kv_transfer_params_json)
+        with tracer.start_as_current_span("prefill") as span:
+            span.set_attributes({"kvshuttle.worker": plan.prefill.worker_id, "kvshuttle.decision": kv.decision})
+            try:
+                final = await engine.prefill(f"{turn_id}-p", prompt_ids, kv_transfer_params=params)
+                if final.finish_reason != "error":
+                    return final
+                failure = "prefill finished with error"
+            except EngineError as exc:
+                failure = f"prefill failed: {exc}"
+            if kv.decision != "pull":
+                raise TurnError(503, grpc.StatusCode.UNAVAILABLE, f"{failure} on {plan.prefill.worker_id}",
+                                retry_after_s=1)
+            # A failed pull (stale handle, decode worker gone): the same turn once more, computing everything.
+            log.warning("pull failed for turn %s (%s); retrying as recompute", turn_id, failure)
+            span.add_event("pull_failed", {"error": failure})
+            kv.decision, kv.retried_as_recompute = "recompute", True
+            kv.reason = f"pull failed ({failure}); retried as recompute"
+            try:
+                final = await engine.prefill(f"{turn_id}-r", prompt_ids,
+                                             kv_transfer_params=kv_params.prefill_request_params())
+            except EngineError as exc:
+                raise TurnError(503, grpc.StatusCode.UNAVAILABLE, f"prefill failed: {exc}", retry_after_s=1) from None
+            if final.finish_reason == "error":
+                raise TurnError(503, grpc.StatusCode.UNAVAILABLE, "prefill finished with error", retry_after_s=1)
+            return final
+
+    async def decode(self, turn: PreparedTurn) -> AsyncIterator[Delta | Finished]:
+        """Stream D's tokens as text deltas, record the session, then yield the summary.
+
+        The consumer may resume this generator from another task (HTTP streaming), so no span is made current
+        across a ``yield``; child spans name their parent explicitly.
+        """
+        try:
+            async for event in self._decode(turn):
+                yield event
+        except BaseException as exc:
+            turn.span.record_exception(exc)
+            turn.span.set_status(trace.StatusCode.ERROR, str(exc))
+            raise
+        finally:
+            turn.span.end()
+
+    async def _decode(self, turn: PreparedTurn) -> AsyncIterator[Delta | Finished]:
+        req, timings = turn.request, turn.timings
+        engine = self.engine(turn.plan.decode)
+        output: list[int] = []
+        pending: list[int] = []  # ids not yet sent in a Delta (held back while they end in a partial character)
+        sent = ""
+        final: Final | None = None
+        t = time.perf_counter()
+        span = tracer.start_span("decode", context=trace.set_span_in_context(turn.span),
+                                 attributes={"kvshuttle.worker": turn.plan.decode.worker_id})
+        try:
+            try:
+                async for item in engine.generate(
+                        f"{turn.id}-d", turn.prompt_ids, max_tokens=req.max_tokens, temperature=req.temperature,
+                        top_p=req.top_p, seed=req.seed, ignore_eos=req.ignore_eos, stop=req.stop,
+                        kv_transfer_params=turn.decode_params, stream=True):
+                    if isinstance(item, Final):
+                        final = item
+                        break
+                    if not item.token_ids:
+                        continue
+                    if not output:
+                        timings["ttft_ms"] = _ms(turn.started)
+                    output.extend(item.token_ids)
+                    pending.extend(item.token_ids)
+                    text = self.tokenizer.decode(output, True)
+                    if text.endswith("\ufffd"):
+                        continue
+                    yield Delta(text[len(sent):] if text.startswith(sent) else "", pending)
+                    sent, pending = text, []
+            except EngineError as exc:
+                raise TurnError(503, grpc.StatusCode.UNAVAILABLE,
+                                f"decode failed on {turn.plan.decode.worker_id}: {exc}", retry_after_s=1) from None
+        finally:
+            span.set_attribute("kvshuttle.generated_tokens", len(output))
+            span.end()
+        timings["decode_ms"] = _ms(t)
+        if final is None:
+            raise TurnError(503, grpc.StatusCode.UNAVAILABLE, "decode stream ended without a final message")
+        if final.output_ids and len(final.output_ids) > len(output):
+            output = list(final.output_ids)  # non-streaming engines report everything at the end
+        text = self.tokenizer.decode(output, True)
+        if pending or len(text) > len(sent):
+            yield Delta(text[len(sent):] if text.startswith(sent) else "", pending)
+        timings.setdefault("ttft_ms", _ms(turn.started))
+
+        t = time.perf_counter()
+        await self._record(turn, output, final)
+        timings["record_ms"] = _ms(t)
+        timings["total_ms"] = _ms(turn.started)
+        yield Finished(final.finish_reason, text, output, len(turn.prompt_ids), turn.kv, timings)
+
+    async def _record(self, turn: PreparedTurn, output: list[int], final: Final) -> None:
+        req = turn.request
+        if not req.session_id:
+            return
+        if not final.kv_transfer_params:
+            log.warning("decode worker returned no KV handle for turn %s: nothing to record", turn.id)
+            return
+        with trace.use_span(turn.span, end_on_exit=False), tracer.start_as_current_span("record"):
+            raw_answer = await asyncio.to_thread(self.tokenizer.decode, output, False) if turn.prompt_text else ""
+            try:
+                await self.registry.RecordTurn(registry_pb2.RecordTurnRequest(
+                    session_id=req.session_id, tenant=req.tenant, decode_worker_id=turn.plan.decode.worker_id,
+                    kv_transfer_params_json=json.dumps(final.kv_transfer_params),
+                    token_ids=[*turn.prompt_ids, *output],
+                    text=turn.prompt_text + raw_answer if turn.prompt_text else ""), timeout=self.control_timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                # The answer is fine; only the next turn loses its pull.
+                log.warning("could not record turn %s (%s: %s)", turn.id, exc.code().name, exc.details())
+
+    async def run(self, req: TurnRequest) -> tuple[PreparedTurn, Finished]:
+        turn = await self.prepare(req)
+        finished = None
+        async for event in self.decode(turn):
+            if isinstance(event, Finished):
+                finished = event
+        assert finished is not None
+        return turn, finished

@@ -1,0 +1,95 @@
+"""Child processes in their own process groups, with logs to a file and a stop that leaves no strays."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import shlex
+import signal
+from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
+
+try:
+    _LIBC = ctypes.CDLL(None)  # loaded here, not after fork: dlopen in a forked child of a threaded process can hang
+except OSError:
+    _LIBC = None
+
+
+def die_with_parent(sig: int = signal.SIGTERM):
+    """A preexec_fn: the child gets ``sig`` when the thread that started it exits (Linux PR_SET_PDEATHSIG).
+
+    Spawn from a long-lived thread (the main one or the event loop's). SIGTERM lets a child clean up its own
+    children (a worker agent stops its vLLM); SIGKILL suits leaves like etcd.
+    """
+    def preexec() -> None:
+        if _LIBC is not None:
+            _LIBC.prctl(1, sig)  # PR_SET_PDEATHSIG
+    return preexec
+
+
+class ChildProcess:
+    """``argv`` as a child in its own session/process group; stdout+stderr appended to ``log_path``."""
+
+    def __init__(self, name: str, argv: Sequence[str], log_path: str | Path, env: dict[str, str] | None = None,
+                 stop_grace_s: float = 20.0, cwd: str | Path | None = None):
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = Path(log_path)
+        self.env = env
+        self.stop_grace_s = stop_grace_s
+        self.cwd = cwd
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def start(self, stdout_pipe: bool = False) -> None:
+        """Start; with ``stdout_pipe`` stdout stays readable (``self.proc.stdout``) and only stderr is logged."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n=== {shlex.join(self.argv)}\n".encode())
+            log.flush()
+            self.proc = await asyncio.create_subprocess_exec(
+                *self.argv, stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE if stdout_pipe else log,
+                stderr=log if stdout_pipe else asyncio.subprocess.STDOUT,
+                env={**os.environ, **(self.env or {})}, cwd=self.cwd, start_new_session=True,
+                preexec_fn=die_with_parent(signal.SIGTERM))
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode if self.proc else None
+
+    def _signal_group(self, sig: int) -> bool:
+        try:
+            os.killpg(self.proc.pid, sig)  # the group id is the child's pid (start_new_session)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+
+    async def stop(self) -> int | None:
+        """SIGTERM the group, SIGKILL it after the grace period, then kill whatever the group left behind."""
+        if self.proc is None:
+            return None
+        if self.proc.returncode is None:
+            self._signal_group(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(self.proc.wait(), self.stop_grace_s)
+            except TimeoutError:
+                self._signal_group(signal.SIGKILL)
+                await self.proc.wait()
+        if self._signal_group(0):
+            await asyncio.sleep(0.5)
+            self._signal_group(signal.SIGKILL)
+        return self.proc.returncode
+
+    def log_tail(self, lines: int = 40) -> str:
+        with contextlib.suppress(OSError), open(self.log_path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            return "\n".join(deque(f.read().decode(errors="replace").splitlines(), maxlen=lines))
+        return ""

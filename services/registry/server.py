@@ -1,0 +1,93 @@
+"""`kvshuttle registry`: the SessionRegistry gRPC service over etcd."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Sequence
+
+from kvshuttle.v1 import registry_pb2_grpc
+from services.config import TelemetryConfig, load, require, setting
+from services.grpc_server import Server, run_until_signal
+from services.registry.servicer import SessionRegistryServicer
+from services.registry.store import RegistryStore, parse_endpoints
+from services.telemetry import setup_tracing
+
+SERVICE_NAME = "kvshuttle.v1.SessionRegistry"
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class RegistryConfig(TelemetryConfig):
+    """Session registry: workers under leases and where each session's KV lives, stored in etcd."""
+
+    ENV_PREFIX = "KVSHUTTLE_REGISTRY_"
+    listen: str = setting("127.0.0.1:50051", "gRPC listen address (host:port; port 0 picks a free one)")
+    etcd_endpoints: str = setting("127.0.0.1:2379", "etcd client endpoints, comma-separated (host:port,...)",
+                                  env="KVSHUTTLE_ETCD_ENDPOINTS")
+    key_prefix: str = setting("/kvshuttle/", "etcd key prefix for all registry records")
+    worker_lease_ttl_s: int = setting(10, "Worker lease TTL in seconds when RegisterWorker asks for 0")
+    expiry_margin_s: float = setting(30.0, "Seconds subtracted from a decode worker's KV TTL for a handle's expiry")
+    etcd_timeout_s: float = setting(5.0, "Deadline for each etcd operation, retries included")
+    etcd_attempt_timeout_s: float = setting(2.0, "Deadline for one try of an etcd operation (then it is retried)")
+    log_level: str = setting("INFO", "Log level", env="KVSHUTTLE_LOG_LEVEL")
+
+    def validate(self) -> None:
+        try:
+            parse_endpoints(self.etcd_endpoints)
+        except ValueError:
+            require(False, "--etcd-endpoints (KVSHUTTLE_ETCD_ENDPOINTS) must list at least one host:port")
+        require(self.key_prefix.startswith("/"), "--key-prefix must start with '/'")
+        if not self.key_prefix.endswith("/"):
+            self.key_prefix += "/"
+        require(self.worker_lease_ttl_s >= 1, "--worker-lease-ttl-s must be >= 1")
+        require(self.expiry_margin_s >= 0, "--expiry-margin-s must be >= 0")
+        require(self.etcd_timeout_s > 0, "--etcd-timeout-s must be > 0")
+        require(self.etcd_attempt_timeout_s > 0, "--etcd-attempt-timeout-s must be > 0")
+
+
+class RegistryService:
+    """The registry's gRPC server and etcd store; ``start()``/``stop()`` for in-process use."""
+
+    def __init__(self, cfg: RegistryConfig):
+        self.cfg = cfg
+        self.store = RegistryStore(cfg.etcd_endpoints, cfg.key_prefix, timeout_s=cfg.etcd_timeout_s,
+                                   attempt_timeout_s=cfg.etcd_attempt_timeout_s)
+        self.servicer = SessionRegistryServicer(self.store, default_lease_ttl_s=cfg.worker_lease_ttl_s,
+                                                expiry_margin_s=cfg.expiry_margin_s)
+        self.server = Server(cfg.listen, [SERVICE_NAME],
+                             [lambda s: registry_pb2_grpc.add_SessionRegistryServicer_to_server(self.servicer, s)])
+        self.address = self.server.address
+
+    async def start(self) -> None:
+        await self.store.connect()
+        await self.server.start()
+        log.info("registry on %s, etcd %s, prefix %s", self.address, self.cfg.etcd_endpoints, self.cfg.key_prefix)
+
+    async def stop(self, grace: float = 2.0) -> None:
+        await self.server.stop(grace)
+        await self.store.close()
+
+
+async def serve(cfg: RegistryConfig) -> RegistryService:
+    """Start a registry in this process (tests, the local launcher); ``await service.stop()`` when done."""
+    service = RegistryService(cfg)
+    await service.start()
+    return service
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    cfg = load(RegistryConfig, argv, prog="kvshuttle registry")
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_tracing("kvshuttle-registry", cfg)
+
+    async def run() -> None:
+        service = RegistryService(cfg)
+        await run_until_signal(service.start, service.stop)
+
+    asyncio.run(run())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""SessionRegistry gRPC servicer: a thin adapter between the protos, control_plane.session and the etcd store.
+
+Every RPC either answers or aborts with a status and a clear message: INVALID_ARGUMENT (bad input),
+NOT_FOUND (no such session/worker/lease), FAILED_PRECONDITION (e.g. the decode worker is not registered),
+ABORTED (concurrent updates kept winning), UNAVAILABLE (etcd unreachable). Anything unexpected is logged and
+answered INTERNAL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import Callable
+
+import grpc
+import grpc.aio
+from opentelemetry import trace
+
+from control_plane import session as rules
+from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+from services.registry.store import RegistryStore, StoreError, StoreUnavailable
+from services.telemetry import hashed
+
+log = logging.getLogger(__name__)
+tracer = trace.get_tracer(__name__)
+Event = registry_pb2.WatchWorkersResponse
+_KINDS = {"snapshot": Event.EVENT_TYPE_SNAPSHOT, "put": Event.EVENT_TYPE_PUT, "delete": Event.EVENT_TYPE_DELETE}
+_RECORD_ATTEMPTS = 5
+
+
+class RpcFailure(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _unary(method):
+    """Turn domain and store errors into gRPC statuses; never let an exception escape unanswered."""
+    @functools.wraps(method)
+    async def wrapper(self, request, context: grpc.aio.ServicerContext):
+        try:
+            return await method(self, request, context)
+        except RpcFailure as exc:
+            failure = (exc.code, exc.message)
+        except rules.InvalidArgument as exc:
+            failure = (grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except rules.FailedPrecondition as exc:
+            failure = (grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except StoreUnavailable as exc:
+            failure = (grpc.StatusCode.UNAVAILABLE, f"session store unavailable: {exc}")
+        except StoreError as exc:
+            log.error("%s: store error: %s", method.__name__, exc)
+            failure = (grpc.StatusCode.INTERNAL, f"session store error: {exc}")
+        except Exception as exc:  # noqa: BLE001 - the RPC must still get an answer
+            log.exception("%s failed", method.__name__)
+            failure = (grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+        await context.abort(*failure)
+    return wrapper
+
+
+class SessionRegistryServicer(registry_pb2_grpc.SessionRegistryServicer):
+    def __init__(self, store: RegistryStore, *, default_lease_ttl_s: int = 10, expiry_margin_s: float = 30.0,
+                 clock: Callable[[], float] = time.time):
+        self.store = store
+        self.default_lease_ttl_s = default_lease_ttl_s
+        self.expiry_margin_s = expiry_margin_s
+        self.clock = clock
+
+    # -- workers ---------------------------------------------------------------------------------------------
+
+    @_unary
+    async def RegisterWorker(self, request, context):
+        worker = common_pb2.Worker()
+        worker.CopyFrom(request.worker)
+        rules.validate_worker(worker)
+        ttl = rules.worker_lease_ttl(request.lease_ttl_s, self.default_lease_ttl_s)
+        previous = await self.store.get_worker(worker.worker_id)
+        lease_id, granted = await self.store.grant_lease(ttl)
+        worker.lease_id = lease_id
+        rules.set_seconds(worker.registered_at, self.clock())
+        try:
+            await self.store.put_worker(worker)
+        except BaseException:
+            with contextlib.suppress(StoreError):
+                await self.store.revoke_lease(lease_id)
+            raise
+        if previous is not None and previous.lease_id and previous.lease_id != lease_id:
+            with contextlib.suppress(StoreError):  # the old lease holds nothing now
+                await self.store.revoke_lease(previous.lease_id)
+        log.info("registered %s worker %s (lease %x, ttl %ds)", common_pb2.WorkerRole.Name(worker.role),
+                 worker.worker_id, lease_id, granted)
+        return registry_pb2.RegisterWorkerResponse(worker=worker, lease_id=lease_id, lease_ttl_s=granted)
+
+    @_unary
+    async def KeepAlive(self, request, context):
+        rules.validate_id("worker_id", request.worker_id)
+        if request.lease_id <= 0:
+            raise rules.InvalidArgument("lease_id is required")
+        ttl = await self.store.keep_alive_once(request.lease_id)
+        if ttl is None:
+            raise RpcFailure(grpc.StatusCode.NOT_FOUND,
+                             f"lease {request.lease_id:x} of worker {request.worker_id!r} has expired: register again")
+        worker = await self.store.get_worker(request.worker_id)
+        if worker is None or worker.lease_id != request.lease_id:
+            raise RpcFailure(grpc.StatusCode.NOT_FOUND,
+                             f"worker {request.worker_id!r} is not registered under lease {request.lease_id:x}: "
+                             "register again")
+        return registry_pb2.KeepAliveResponse(lease_ttl_s=ttl)
+
+    @_unary
+    async def DeregisterWorker(self, request, context):
+        rules.validate_id("worker_id", request.worker_id)
+        if request.lease_id < 0:
+            raise rules.InvalidArgument("lease_id must not be negative")
+        worker = await self.store.get_worker(request.worker_id)
+        if worker is not None and request.lease_id and worker.lease_id != request.lease_id:
+            raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"worker {request.worker_id!r} is registered under another lease "
+                             f"({worker.lease_id:x}, not {request.lease_id:x}); not removing it")
+        revoked = False
+        for lease_id in {request.lease_id, worker.lease_id if worker else 0} - {0}:
+            revoked = await self.store.revoke_lease(lease_id) or revoked  # revoking deletes the record too
+        deleted = await self.store.delete_worker(request.worker_id) if worker is not None else False
+        if worker is None and not revoked and not deleted:
+            raise RpcFailure(grpc.StatusCode.NOT_FOUND, f"worker {request.worker_id!r} is not registered")
+        log.info("deregistered worker %s", request.worker_id)
+        return registry_pb2.DeregisterWorkerResponse()
+
+    @_unary
+    async def ListWorkers(self, request, context):
+        if request.role not in common_pb2.WorkerRole.values():
+            raise rules.InvalidArgument(f"unknown role {request.role}")
+        workers = await self.store.list_workers()
+        if request.role:
+            workers = [w for w in workers if w.role == request.role]
+        return registry_pb2.ListWorkersResponse(workers=workers)
+
+    async def WatchWorkers(self, request, context):
+        events = self.store.watch_workers(raise_first=True)
+        try:
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    yield Event(type=_KINDS[event.kind], workers=event.workers)
+        except StoreUnavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"session store unavailable: {exc}")
+        except StoreError as exc:
+            log.error("WatchWorkers: store error: %s", exc)
+            await context.abort(grpc.StatusCode.INTERNAL, f"session store error: {exc}")
+
+    # -- sessions --------------------------------------------------------------------------------------------
+
+    @_unary
+    async def GetSession(self, request, context):
+        self._validate_session_ref(request)
+        found = await self.store.get_session(request.tenant, request.session_id)
+        if found is None:
+            raise RpcFailure(grpc.StatusCode.NOT_FOUND,
+                             f"no session {request.session_id!r} for tenant {request.tenant!r}")
+        return registry_pb2.GetSessionResponse(session=found, expires_in_s=rules.expires_in(found, self.clock()))
+
+    @_unary
+    async def RecordTurn(self, request, context):
+        with tracer.start_as_current_span("registry.record_turn") as span:
+            span.set_attribute("kvshuttle.session", hashed(request.session_id))
+            self._validate_session_ref(request)
+            rules.validate_id("decode_worker_id", request.decode_worker_id)
+            for _ in range(_RECORD_ATTEMPTS):
+                previous = await self.store.get_session(request.tenant, request.session_id)
+                worker = await self.store.get_worker(request.decode_worker_id)
+                plan = rules.build_session(request, worker, now=self.clock(), margin_s=self.expiry_margin_s,
+                                           previous=previous)
+                lease_id, _ = await self.store.grant_lease(plan.lease_ttl_s)
+                try:
+                    stored = await self.store.put_session(plan.session, lease_id,
+                                                          expect_revision=previous.revision if previous else 0)
+                except BaseException:
+                    with contextlib.suppress(StoreError):
+                        await self.store.revoke_lease(lease_id)
+                    raise
+                if stored is not None:
+                    span.set_attribute("kvshuttle.covered_tokens", stored.covered_tokens)
+                    return registry_pb2.RecordTurnResponse(session=stored)
+                with contextlib.suppress(StoreError):  # lost a race with another RecordTurn: read again
+                    await self.store.revoke_lease(lease_id)
+            raise RpcFailure(grpc.StatusCode.ABORTED,
+                             f"session {request.session_id!r} kept changing while recording the turn; retry")
+
+    @_unary
+    async def ClaimSession(self, request, context):
+        self._validate_session_ref(request)
+        if request.revision <= 0:
+            raise rules.InvalidArgument("revision is required: the record revision the caller planned with")
+        result = await self.store.claim_session(request.tenant, request.session_id, request.revision,
+                                                now=self.clock())
+        return registry_pb2.ClaimSessionResponse(claimed=result.claimed, reason=result.reason,
+                                                 session=result.session)
+
+    @_unary
+    async def DeleteSession(self, request, context):
+        self._validate_session_ref(request)
+        deleted = await self.store.delete_session(request.tenant, request.session_id)
+        return registry_pb2.DeleteSessionResponse(deleted=deleted)
+
+    @staticmethod
+    def _validate_session_ref(request) -> None:
+        rules.validate_id("session_id", request.session_id)
+        rules.validate_id("tenant", request.tenant)

@@ -1,0 +1,78 @@
+"""`kvshuttle scheduler`: the TransferScheduler gRPC service."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Sequence
+
+from control_plane.decision import PullPolicy
+from kvshuttle.v1 import registry_pb2_grpc, scheduler_pb2_grpc
+from services.config import TelemetryConfig, load, require, setting
+from services.grpc_server import Server, client_channel, run_until_signal
+from services.scheduler.servicer import TransferSchedulerServicer
+from services.scheduler.worker_view import WorkerView
+from services.telemetry import setup_tracing
+
+SERVICE_NAME = "kvshuttle.v1.TransferScheduler"
+
+
+@dataclasses.dataclass
+class SchedulerConfig(TelemetryConfig):
+    """Transfer scheduler: plans each turn's prefill/decode workers and pull-vs-recompute."""
+
+    ENV_PREFIX = "KVSHUTTLE_SCHEDULER_"
+    listen: str = setting("127.0.0.1:50052", "gRPC listen address (host:port; port 0 picks a free one)")
+    registry: str = setting("127.0.0.1:50051", "Session registry gRPC address", env="KVSHUTTLE_REGISTRY_ADDRESS")
+    pull_threshold_tokens: int = setting(16, "Fewest reusable tokens worth a pull")
+    expiry_guard_s: float = setting(2.0, "Refuse a pull when the handle expires within this many seconds")
+    registry_timeout_s: float = setting(2.0, "Deadline for each registry call on the planning path")
+    log_level: str = setting("INFO", "Log level", env="KVSHUTTLE_LOG_LEVEL")
+
+    def validate(self) -> None:
+        require(self.pull_threshold_tokens >= 1, "--pull-threshold-tokens must be >= 1")
+        require(self.expiry_guard_s >= 0, "--expiry-guard-s must be >= 0")
+        require(self.registry_timeout_s > 0, "--registry-timeout-s must be > 0")
+
+
+class SchedulerService:
+    """The scheduler with its registry channel and worker view; start()/stop() for in-process use."""
+
+    def __init__(self, cfg: SchedulerConfig):
+        self.cfg = cfg
+        self.channel = client_channel(cfg.registry)
+        registry = registry_pb2_grpc.SessionRegistryStub(self.channel)
+        self.workers = WorkerView(registry)
+        policy = PullPolicy(cfg.pull_threshold_tokens, cfg.expiry_guard_s)
+        servicer = TransferSchedulerServicer(registry, self.workers, policy, cfg.registry_timeout_s)
+        self.server = Server(cfg.listen, [SERVICE_NAME],
+                             [lambda s: scheduler_pb2_grpc.add_TransferSchedulerServicer_to_server(servicer, s)])
+        self.address = self.server.address
+
+    async def start(self) -> None:
+        self.workers.start()
+        await self.server.start()
+
+    async def stop(self) -> None:
+        await self.server.stop()
+        await self.workers.stop()
+        await self.channel.close()
+
+
+async def serve(cfg: SchedulerConfig) -> SchedulerService:
+    service = SchedulerService(cfg)
+    await service.start()
+    return service
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    cfg = load(SchedulerConfig, argv, prog="kvshuttle scheduler")
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_tracing("kvshuttle-scheduler", cfg)
+
+    async def run() -> None:
+        service = SchedulerService(cfg)
+        await run_until_signal(service.start, service.stop)
+
+    asyncio.run(run())

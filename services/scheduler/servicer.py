@@ -1,0 +1,140 @@
+"""TransferScheduler servicer: adapts PlanTurn to control_plane.decision, then claims the handle for a pull."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import grpc
+from opentelemetry import trace
+
+from control_plane import kv_params
+from control_plane.decision import Choice, HandleView, Plan, PullPolicy, decide
+from control_plane.selection import RoundRobin
+from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from services.scheduler.worker_view import WorkerView
+from services.telemetry import hashed
+
+log = logging.getLogger(__name__)
+tracer = trace.get_tracer("kvshuttle.scheduler")
+MAX_TOKEN_ID = 2**31 - 1
+
+
+def source_matches(worker: common_pb2.Worker | None, handle_json: str) -> bool:
+    """The handle must point at a live, registered decode worker's NIXL side channel, nowhere else."""
+    if worker is None or worker.role != common_pb2.WORKER_ROLE_DECODE:
+        return False
+    try:
+        handle = kv_params.parse_handle(handle_json)
+    except kv_params.HandleError:
+        return True  # decide() reports the unusable handle itself
+    return (handle.host, handle.port, handle.engine_id) == (worker.nixl_host, worker.nixl_port, worker.engine_id)
+
+
+class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
+    def __init__(self, registry: registry_pb2_grpc.SessionRegistryStub, workers: WorkerView, policy: PullPolicy,
+                 registry_timeout_s: float = 2.0):
+        self._registry = registry
+        self._workers = workers
+        self._policy = policy
+        self._timeout = registry_timeout_s
+        self._pick_prefill: RoundRobin = RoundRobin()
+        self._pick_decode: RoundRobin = RoundRobin()
+
+    async def PlanTurn(self, request: scheduler_pb2.PlanTurnRequest, context: grpc.aio.ServicerContext):
+        prompt = list(request.prompt_token_ids)
+        if not prompt:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids must not be empty")
+        if any(t < 0 or t > MAX_TOKEN_ID for t in prompt):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids must be non-negative token ids")
+        if len(request.session_id) > 256:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "session_id longer than 256 characters")
+        if not await self._workers.wait_ready(5.0):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker list from the registry yet")
+
+        with tracer.start_as_current_span("scheduler.plan_turn") as span:
+            exclude = set(request.exclude_worker_ids)
+            prefill = self._pick_prefill.pick(self._workers.by_role(common_pb2.WORKER_ROLE_PREFILL), exclude)
+            decode = self._pick_decode.pick(self._workers.by_role(common_pb2.WORKER_ROLE_DECODE), exclude)
+            if prefill is None or decode is None:
+                await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                    f"no live {'prefill' if prefill is None else 'decode'} worker")
+
+            session, expires_in = None, 0.0
+            reason_override = None
+            if request.session_id and not request.disable_pull:
+                try:
+                    session, expires_in, reason_override = await self._get_session(request)
+                except grpc.aio.AioRpcError as exc:
+                    await context.abort(exc.code(), exc.details() or "invalid session")
+            handle = None
+            source = None
+            if session is not None and session.kv_transfer_params_json:
+                source = self._workers.get(session.decode_worker_id)
+                handle = HandleView(
+                    kv_transfer_params_json=session.kv_transfer_params_json,
+                    covered_tokens=session.covered_tokens, block_size=session.block_size,
+                    block_hashes=list(session.block_hashes), expires_in_s=expires_in, claimed=session.claimed,
+                    source_alive=source_matches(source, session.kv_transfer_params_json)
+                    and session.decode_worker_id not in exclude,
+                )
+            elif session is not None:
+                handle = HandleView("", session.covered_tokens, session.block_size, [], expires_in, True, False)
+            plan = decide(prompt, handle, self._policy, disable_pull=request.disable_pull)
+            if reason_override and plan.choice is Choice.RECOMPUTE and handle is None:
+                plan.reason = reason_override
+            if plan.choice is Choice.PULL:
+                plan = await self._claim(request, session, plan)
+
+            figures = scheduler_pb2.PlanFigures(
+                prompt_tokens=len(prompt), session_found=session is not None,
+                covered_tokens=session.covered_tokens if session else 0, matched_tokens=plan.matched_tokens,
+                reusable_tokens=plan.reusable_tokens, compute_tokens=plan.compute_tokens,
+                block_size=session.block_size if session else 0, expires_in_s=expires_in if session else 0.0,
+                pull_threshold_tokens=self._policy.pull_threshold_tokens,
+                source_worker_alive=bool(handle and handle.source_alive),
+            )
+            decision = scheduler_pb2.DECISION_PULL if plan.choice is Choice.PULL else scheduler_pb2.DECISION_RECOMPUTE
+            span.set_attributes({
+                "kvshuttle.decision": plan.choice.value, "kvshuttle.reason": plan.reason,
+                "kvshuttle.session": hashed(request.session_id) if request.session_id else "",
+                "kvshuttle.prompt_tokens": len(prompt), "kvshuttle.reusable_tokens": plan.reusable_tokens,
+                "kvshuttle.prefill_worker": prefill.worker_id, "kvshuttle.decode_worker": decode.worker_id,
+            })
+            return scheduler_pb2.PlanTurnResponse(
+                decision=decision, reason=plan.reason, prefill=prefill, decode=decode,
+                prefill_kv_transfer_params_json=json.dumps(plan.prefill_params),
+                source=source if plan.choice is Choice.PULL else None, figures=figures,
+            )
+
+    async def _get_session(self, request) -> tuple[registry_pb2.GetSessionResponse | None, float, str | None]:
+        try:
+            resp = await self._registry.GetSession(
+                registry_pb2.GetSessionRequest(session_id=request.session_id, tenant=request.tenant),
+                timeout=self._timeout)
+            return resp.session, resp.expires_in_s, None
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                return None, 0.0, None
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise
+            log.warning("registry unavailable for GetSession (%s); recomputing", exc.code().name)
+            return None, 0.0, f"session registry unavailable ({exc.code().name}): recompute"
+
+    async def _claim(self, request, session, plan: Plan) -> Plan:
+        started = time.perf_counter()
+        try:
+            resp = await self._registry.ClaimSession(
+                registry_pb2.ClaimSessionRequest(session_id=request.session_id, tenant=request.tenant,
+                                                 revision=session.revision), timeout=self._timeout)
+        except grpc.aio.AioRpcError as exc:
+            return _demote(plan, f"could not claim the KV handle ({exc.code().name}): recompute")
+        if not resp.claimed:
+            return _demote(plan, f"KV handle claimed by a concurrent turn ({resp.reason}): recompute")
+        log.debug("claimed session in %.2f ms", (time.perf_counter() - started) * 1000)
+        return plan
+
+
+def _demote(plan: Plan, reason: str) -> Plan:
+    return Plan(Choice.RECOMPUTE, reason, plan.prompt_tokens, matched_tokens=plan.matched_tokens)

@@ -1,0 +1,71 @@
+"""A live, in-memory view of the registered workers, kept current by the registry's WatchWorkers stream."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+
+import grpc
+
+from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+
+log = logging.getLogger(__name__)
+Event = registry_pb2.WatchWorkersResponse
+
+
+class WorkerView:
+    """Workers by id. ``ready`` is set after the first snapshot; the watch reconnects with backoff."""
+
+    def __init__(self, registry: registry_pb2_grpc.SessionRegistryStub):
+        self._registry = registry
+        self._workers: dict[str, common_pb2.Worker] = {}
+        self.ready = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="worker-watch")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def get(self, worker_id: str) -> common_pb2.Worker | None:
+        return self._workers.get(worker_id)
+
+    def by_role(self, role: int) -> list[common_pb2.Worker]:
+        return [w for w in self._workers.values() if w.role == role]
+
+    async def wait_ready(self, timeout_s: float) -> bool:
+        try:
+            await asyncio.wait_for(self.ready.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    def apply(self, event: Event) -> None:
+        if event.type == Event.EVENT_TYPE_SNAPSHOT:
+            self._workers = {w.worker_id: w for w in event.workers}
+            self.ready.set()
+        elif event.type == Event.EVENT_TYPE_PUT:
+            for w in event.workers:
+                self._workers[w.worker_id] = w
+        elif event.type == Event.EVENT_TYPE_DELETE:
+            for w in event.workers:
+                self._workers.pop(w.worker_id, None)
+
+    async def _run(self) -> None:
+        delay = 0.2
+        while True:
+            try:
+                async for event in self._registry.WatchWorkers(registry_pb2.WatchWorkersRequest()):
+                    self.apply(event)
+                    delay = 0.2
+                log.warning("worker watch ended; reconnecting")
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError as exc:
+                log.warning("worker watch failed (%s: %s); retrying in %.1fs", exc.code().name, exc.details(), delay)
+            await asyncio.sleep(delay * (1 + random.random() * 0.2))
+            delay = min(delay * 2, 5.0)

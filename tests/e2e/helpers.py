@@ -1,0 +1,62 @@
+"""Helpers for the end-to-end tests: chat turns over HTTP, P's cache and counters."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import httpx
+from prometheus_client import CollectorRegistry
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from kvshuttle.v1 import common_pb2
+from workers.engine_client import EngineClient
+
+
+def new_session(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+def prefill_workers(stack) -> list[common_pb2.Worker]:
+    return [w for w in stack.workers if w.role == common_pb2.WORKER_ROLE_PREFILL]
+
+
+async def flush_prefill(stack) -> None:
+    """Empty P's own prefix cache, so that any history P does not compute must have come over NIXL."""
+    for w in prefill_workers(stack):
+        client = EngineClient(w.grpc_address, timeout_s=30)
+        try:
+            assert await client.flush_cache(), f"FlushCache refused on {w.worker_id}"
+        finally:
+            await client.close()
+
+
+def prompt_token_sources(stack) -> dict[str, float]:
+    """vLLM's own counter on P: prompt tokens by source (local_compute, external_kv_transfer, local_cache_hit)."""
+    totals: dict[str, float] = {}
+    for w in prefill_workers(stack):
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=str(Path(stack.work, "workers", w.worker_id, "prometheus")))
+        for metric in registry.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("prompt_tokens_by_source_total"):
+                    src = sample.labels.get("source", "")
+                    totals[src] = totals.get(src, 0.0) + sample.value
+    return totals
+
+
+async def chat(client: httpx.AsyncClient, session: str, messages: list[dict], *, max_tokens: int = 16,
+               disable_pull: bool = False) -> httpx.Response:
+    resp = await client.post("/v1/chat/completions", headers={"X-Session-ID": session}, json={
+        "messages": messages, "max_tokens": max_tokens, "temperature": 0, "disable_pull": disable_pull})
+    assert resp.status_code == 200, resp.text
+    return resp
+
+
+def user_turn(n: int) -> dict:
+    """A long-ish user message (tool output) so the history spans several KV blocks."""
+    import inspect
+    import textwrap
+
+    source = inspect.getsource(textwrap)
+    return {"role": "user", "content": f"Turn {n}. Tool output:\n{source[n * 1500:(n + 1) * 1500]}\nExplain."}

@@ -1,0 +1,162 @@
+"""Every way in: the OpenAI Python client (streaming and not), the gRPC Gateway, the REST bridge, grpcurl and
+health on the real services, bad input, traces, and the demo itself."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import httpx
+import pytest
+from openai import AsyncOpenAI
+
+from kvshuttle.v1 import gateway_pb2, gateway_pb2_grpc, scheduler_pb2
+from services.demo import run_demo
+from tests.e2e.helpers import flush_prefill, new_session, user_turn
+from tests.support.grpcurl import check_serving
+
+pytestmark = pytest.mark.e2e
+SYSTEM = {"role": "system", "content": "You are terse."}
+
+
+def openai_client(stack) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", timeout=300)
+
+
+async def test_openai_client_streams_and_pulls_on_the_second_turn(stack):
+    client = openai_client(stack)
+    session = new_session("openai")
+    model = (await client.models.list()).data[0].id
+    messages = [SYSTEM, user_turn(2)]
+    first = await client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
+                                                 extra_headers={"X-Session-ID": session})
+    answer = first.choices[0].message.content
+    assert first.usage.completion_tokens == 12 and answer
+    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "And then?"}]
+    raw = await client.chat.completions.with_raw_response.create(
+        model=model, messages=messages, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_headers={"X-Session-ID": session},
+        extra_body={"kv_transfer_params": {"remote_host": "10.9.9.9", "remote_port": 1}})  # must be ignored
+    assert raw.headers["x-kv-decision"] == "pull", raw.headers["x-kv-reason"]
+    pieces, usage = [], None
+    async for chunk in raw.parse():
+        pieces += [c.delta.content or "" for c in chunk.choices]
+        usage = chunk.usage or usage
+    assert "".join(pieces) and usage.completion_tokens == 12
+    completion = await client.completions.create(model=model, prompt="def main():", max_tokens=5, temperature=0)
+    assert completion.choices[0].text and completion.usage.prompt_tokens > 0
+
+
+async def test_grpc_gateway_unary_and_stream(stack):
+    session = new_session("grpc")
+    request = gateway_pb2.ChatCompleteRequest(
+        session_id=session, messages=[gateway_pb2.ChatMessage(**SYSTEM), gateway_pb2.ChatMessage(**user_turn(3))],
+        sampling=gateway_pb2.SamplingOptions(max_tokens=8))
+    async with grpc.aio.insecure_channel(stack.gateway_grpc) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        first = await stub.ChatComplete(request)
+        assert first.kv.decision == scheduler_pb2.DECISION_RECOMPUTE and len(first.token_ids) == 8
+        request.messages.add(role="assistant", content=first.message.content)
+        request.messages.add(role="user", content="Go on.")
+        call = stub.ChatCompleteStream(request)
+        metadata = dict(await call.initial_metadata())
+        events = [e async for e in call]
+    assert metadata["x-kv-decision"] == "pull"
+    assert events[0].WhichOneof("event") == "started" and events[0].started.kv.decision == scheduler_pb2.DECISION_PULL
+    assert events[-1].WhichOneof("event") == "finished" and events[-1].finished.usage.completion_tokens == 8
+    streamed = [t for e in events if e.WhichOneof("event") == "delta" for t in e.delta.token_ids]
+    assert len(streamed) == 8
+    assert events[-1].finished.kv.pulled_tokens >= len(first.prompt_token_ids) // 128 * 128 > 0
+
+
+async def test_rest_bridge_serves_annotated_registry_reads(stack):
+    session = new_session("rest")
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=300) as client:
+        workers = (await client.get("/v1/workers")).json()["workers"]
+        assert {w["role"] for w in workers} == {"WORKER_ROLE_PREFILL", "WORKER_ROLE_DECODE"}
+        assert all(w["blockSize"] > 0 and w["engineId"] for w in workers)
+        missing = await client.get(f"/v1/sessions/{session}")
+        assert missing.status_code == 404 and missing.json()["error"]["status"] == "NOT_FOUND"
+        turn = await client.post("/v1/chat/completions", headers={"X-Session-ID": session},
+                                 json={"messages": [SYSTEM, user_turn(1)], "max_tokens": 4, "temperature": 0})
+        assert turn.status_code == 200
+        record = (await client.get(f"/v1/sessions/{session}")).json()
+        prompt_tokens = turn.json()["usage"]["prompt_tokens"]
+        assert len(record["session"]["tokenIds"]) == prompt_tokens + 4
+        assert record["session"]["coveredTokens"] == prompt_tokens + 3  # D holds KV for all but the last token
+        assert record["expiresInS"] > 0
+        deleted = await client.delete(f"/v1/sessions/{session}")
+        assert deleted.status_code == 200 and deleted.json()["deleted"] is True
+
+
+def test_grpcurl_lists_describes_and_health_checks_every_service(stack):
+    check_serving(stack.registry_address, ["kvshuttle.v1.SessionRegistry"])
+    check_serving(stack.scheduler_address, ["kvshuttle.v1.TransferScheduler"])
+    check_serving(stack.gateway_grpc, ["kvshuttle.v1.Gateway"])
+
+
+@pytest.mark.parametrize("body,status,word", [
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, 400, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**9}, 400, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature"),
+    ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-7"}, 404, "not found"),
+    ({"messages": [{"role": "user", "content": "hi"}], "conversation_id": "x" * 300}, 400, "conversation_id"),
+    ({"prompt": "x" * 200_000, "max_tokens": 1}, 400, "context"),
+])
+async def test_bad_input_gets_a_4xx_json_error(stack, body, status, word):
+    path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+        resp = await client.post(path, json=body)
+    assert resp.status_code == status, resp.text
+    assert word in resp.json()["error"]["message"]
+
+
+async def test_malformed_json_and_bad_grpc_input(stack):
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+        resp = await client.post("/v1/chat/completions", content=b"{nope", headers={"content-type": "application/json"})
+    assert resp.status_code == 400 and "error" in resp.json()
+    async with grpc.aio.insecure_channel(stack.gateway_grpc) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Complete(gateway_pb2.CompleteRequest())
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt" in err.value.details()
+
+
+async def test_one_trace_per_turn_with_the_decision(stack, otlp):
+    session = new_session("trace")
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=300) as client:
+        resp = await client.post("/v1/chat/completions", headers={"X-Session-ID": session},
+                                 json={"messages": [SYSTEM, user_turn(4)], "max_tokens": 4, "temperature": 0})
+    turn_id = resp.json()["id"]
+    assert turn_id
+
+    def has_turn(spans):
+        turns = [s for s in spans if s["name"] == "kvshuttle.turn" and s["attributes"].get("kvshuttle.session")
+                 and s["attributes"].get("kvshuttle.prompt_tokens") == resp.json()["usage"]["prompt_tokens"]]
+        if not turns:
+            return False
+        trace_id = turns[-1]["trace_id"]
+        names = {s["name"] for s in spans if s["trace_id"] == trace_id}
+        return {"plan", "prefill", "decode", "record", "scheduler.plan_turn"} <= names
+
+    spans = await otlp.wait_for(has_turn)
+    turn = [s for s in spans if s["name"] == "kvshuttle.turn"
+            and s["attributes"].get("kvshuttle.prompt_tokens") == resp.json()["usage"]["prompt_tokens"]][-1]
+    attrs = turn["attributes"]
+    assert attrs["kvshuttle.decision"] == "recompute" and attrs["kvshuttle.reason"]
+    assert session not in json.dumps(attrs)  # session ids are hashed in traces
+    in_trace = [s for s in spans if s["trace_id"] == turn["trace_id"]]
+    services = {s["service"] for s in in_trace}
+    assert {"kvshuttle-gateway", "kvshuttle-scheduler", "kvshuttle-registry"} <= services
+    children = {s["name"] for s in in_trace if s["parent_id"] == turn["span_id"]}
+    assert {"plan", "prefill", "decode", "record"} <= children
+
+
+async def test_the_demo_conversation_runs_on_the_stack(stack, capsys):
+    await flush_prefill(stack)
+    assert await run_demo(stack, stack.cfg) == 0
+    out = capsys.readouterr().out
+    assert "every turn after the first pulled its history: yes" in out
+    assert "answers identical with and without pulls: yes" in out

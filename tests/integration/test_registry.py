@@ -1,0 +1,506 @@
+"""SessionRegistry against a real etcd: workers under leases, the worker watch, sessions, claims, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from control_plane.prefix import block_hash_chain, matched_prefix_tokens
+from control_plane.session import LEASE_GRACE_S
+from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+from services.etcd_process import EtcdCluster, EtcdProcess, free_port
+from services.grpc_server import client_channel
+from services.registry.server import RegistryConfig, serve
+from services.registry.store import RegistryStore
+
+pytestmark = pytest.mark.timeout(120)
+Ev = registry_pb2.WatchWorkersResponse
+MARGIN_S = 30  # the registry fixture's default expiry margin
+TENANT = "itest"
+
+
+def uid(kind: str) -> str:
+    return f"{kind}-{uuid.uuid4().hex[:10]}"
+
+
+def decode_worker(worker_id: str, **kw) -> common_pb2.Worker:
+    fields = dict(worker_id=worker_id, role=common_pb2.WORKER_ROLE_DECODE, engine_id=f"eng-{worker_id}",
+                  grpc_address="127.0.0.1:9", nixl_host="127.0.0.1", nixl_port=5700, block_size=4,
+                  kv_blocks_ttl_s=480, model="tiny")
+    fields.update(kw)
+    return common_pb2.Worker(**fields)
+
+
+def prefill_worker(worker_id: str) -> common_pb2.Worker:
+    return decode_worker(worker_id, role=common_pb2.WORKER_ROLE_PREFILL, kv_blocks_ttl_s=0)
+
+
+def handle(worker: common_pb2.Worker, num_tokens: int, blocks: int | None = None) -> str:
+    n = blocks if blocks is not None else -(-num_tokens // worker.block_size)
+    return json.dumps({"do_remote_decode": True, "remote_block_ids": [list(range(n))],
+                       "remote_engine_id": worker.engine_id, "remote_host": "127.0.0.1", "remote_port": 5700,
+                       "remote_num_tokens": num_tokens, "remote_blocks_expiry_time": 1.0, "tp_size": 1})
+
+
+def turn(worker: common_pb2.Worker, session_id: str, tokens: list[int], covered: int | None = None,
+         **kw) -> registry_pb2.RecordTurnRequest:
+    covered = len(tokens) - 1 if covered is None else covered
+    return registry_pb2.RecordTurnRequest(session_id=session_id, tenant=TENANT, decode_worker_id=worker.worker_id,
+                                          kv_transfer_params_json=handle(worker, covered), token_ids=tokens,
+                                          text="some text", **kw)
+
+
+@pytest.fixture
+async def stub(registry):
+    channel = client_channel(registry)
+    yield registry_pb2_grpc.SessionRegistryStub(channel)
+    await channel.close()
+
+
+@pytest.fixture
+async def decode(stub):
+    """A decode worker registered (long lease) for the test, deregistered after it."""
+    w = decode_worker(uid("d"))
+    resp = await stub.RegisterWorker(registry_pb2.RegisterWorkerRequest(worker=w, lease_ttl_s=60))
+    yield resp.worker
+    await _deregister(stub, resp.worker)
+
+
+async def _deregister(stub, worker: common_pb2.Worker) -> None:
+    try:
+        await stub.DeregisterWorker(registry_pb2.DeregisterWorkerRequest(worker_id=worker.worker_id,
+                                                                         lease_id=worker.lease_id))
+    except grpc.aio.AioRpcError:
+        pass
+
+
+async def expect_status(coro, code: grpc.StatusCode, words: str = "") -> str:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await coro
+    assert info.value.code() == code, info.value.details()
+    assert words in (info.value.details() or ""), info.value.details()
+    return info.value.details()
+
+
+class Watch:
+    """Reads a WatchWorkers stream in the background; tests wait for events about their own workers."""
+
+    def __init__(self, stub):
+        self.call = stub.WatchWorkers(registry_pb2.WatchWorkersRequest())
+        self.events: list[Ev] = []
+        self._changed = asyncio.Event()
+        self._task = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        async for ev in self.call:
+            self.events.append(ev)
+            self._changed.set()
+
+    async def wait_for(self, pred, timeout: float = 15.0) -> Ev:
+        deadline = time.monotonic() + timeout
+        seen = 0
+        while True:
+            for ev in self.events[seen:]:
+                if pred(ev):
+                    return ev
+            seen = len(self.events)
+            self._changed.clear()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"no matching watch event in {timeout}s; got {self.events}")
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except TimeoutError:
+                pass
+
+    async def close(self) -> None:
+        self.call.cancel()
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+
+
+def about(kind, worker_id):
+    return lambda ev: ev.type == kind and any(w.worker_id == worker_id for w in ev.workers)
+
+
+async def eventually(check, timeout: float = 15.0, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while True:
+        result = await check()
+        if result or time.monotonic() > deadline:
+            return result
+        await asyncio.sleep(interval)
+
+
+# -- service plumbing --------------------------------------------------------------------------------------------
+
+
+async def test_health_reports_serving(registry):
+    async with grpc.aio.insecure_channel(registry) as channel:
+        resp = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="kvshuttle.v1.SessionRegistry"))
+    assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+# -- workers -----------------------------------------------------------------------------------------------------
+
+
+async def test_register_list_watch_deregister(stub):
+    watch = Watch(stub)
+    try:
+        first = await watch.wait_for(lambda ev: True)
+        assert first.type == Ev.EVENT_TYPE_SNAPSHOT
+        p, d = prefill_worker(uid("p")), decode_worker(uid("d"))
+        rp = await stub.RegisterWorker(registry_pb2.RegisterWorkerRequest(worker=p))
+        rd = await stub.RegisterWorker(registry_pb2.RegisterWorkerRequest(worker=d, lease_ttl_s=30))
+        assert rp.lease_ttl_s == 10 and rd.lease_ttl_s == 30  # registry default, then as asked
+        assert rp.worker.lease_id == rp.lease_id and rp.worker.registered_at.seconds > 0
+        put = await watch.wait_for(about(Ev.EVENT_TYPE_PUT, d.worker_id))
+        assert put.workers[0].engine_id == d.engine_id and put.workers[0].lease_id == rd.lease_id
+        await watch.wait_for(about(Ev.EVENT_TYPE_PUT, p.worker_id))
+
+        listed = {w.worker_id: w for w in (await stub.ListWorkers(registry_pb2.ListWorkersRequest())).workers}
+        assert listed[p.worker_id].role == common_pb2.WORKER_ROLE_PREFILL and d.worker_id in listed
+        decodes = await stub.ListWorkers(registry_pb2.ListWorkersRequest(role=common_pb2.WORKER_ROLE_DECODE))
+        ids = {w.worker_id for w in decodes.workers}
+        assert d.worker_id in ids and p.worker_id not in ids
+
+        resp = await stub.KeepAlive(registry_pb2.KeepAliveRequest(worker_id=d.worker_id, lease_id=rd.lease_id))
+        assert resp.lease_ttl_s == 30
+
+        await stub.DeregisterWorker(registry_pb2.DeregisterWorkerRequest(worker_id=d.worker_id,
+                                                                         lease_id=rd.lease_id))
+        gone = await watch.wait_for(about(Ev.EVENT_TYPE_DELETE, d.worker_id))
+        assert gone.workers[0].engine_id == d.engine_id  # the removed record, from etcd's prev_kv
+        await stub.DeregisterWorker(registry_pb2.DeregisterWorkerRequest(worker_id=p.worker_id))  # lease 0: any
+        await watch.wait_for(about(Ev.EVENT_TYPE_DELETE, p.worker_id))
+        ids = {w.worker_id for w in (await stub.ListWorkers(registry_pb2.ListWorkersRequest())).workers}
+        assert not ids & {p.worker_id, d.worker_id}
+        await expect_status(stub.DeregisterWorker(registry_pb2.DeregisterWorkerRequest(worker_id=p.worker_id)),
+                            grpc.StatusCode.NOT_FOUND, "not registered")
+    finally:
+        await watch.close()
+
+
+async def test_worker_without_keepalive_expires_then_reregisters(stub):
+    w = decode_worker(uid("d"))
+    watch = Watch(stub)
+    try:
+        await watch.wait_for(lambda ev: ev.type == Ev.EVENT_TYPE_SNAPSHOT)
+        reg = await stub.RegisterWorker(registry_pb2.RegisterWorkerRequest(worker=w, lease_ttl_s=2))
+        await watch.wait_for(about(Ev.EVENT_TYPE_PUT, w.worker_id))
+        started = time.monotonic()
+        # No keep-alives: etcd ends the lease and the watch reports the worker gone.
+        await watch.wait_for(about(Ev.EVENT_TYPE_DELETE, w.worker_id), timeout=20)
+        assert time.monotonic() - started >= 1.0
+        await expect_status(stub.KeepAlive(registry_pb2.KeepAliveRequest(worker_id=w.worker_id,
+                                                                         lease_id=reg.lease_id)),
+                            grpc.StatusCode.NOT_FOUND, "register again")
+        ids = {x.worker_id for x in (await stub.ListWorkers(registry_pb2.ListWorkersRequest())).workers}
+        assert w.worker_id not in ids
+
+        again = await stub.RegisterWorker(registry_pb2.RegisterWorkerRequest(worker=w, lease_ttl_s=30))
+        assert again.lease_id != reg.lease_id
+        await watch.wait_for(about(Ev.EVENT_TYPE_PUT, w.worker_id))
+        await stub.KeepAlive(registry_pb2.KeepAliveRequest(worker_id=w.worker_id, lease_id=again.lease_id))
+        await _deregister(stub, again.worker)
+    finally:
+        await watch.close()
+
+
+async def test_reregistering_moves_worker_to_new_lease(stub):
+    w = decode_worker(uid("d"))
+    first = await stub.RegisterWorker(registry_pb2.RegisterWorkerRequest(worker=w, lease_ttl_s=30))
+    second = await stub.RegisterWorker(registry_pb2.RegisterWorkerRequest(worker=w, lease_ttl_s=30))
+    assert second.lease_id != first.lease_id
+    # The old lease is revoked: keep-alives on it are refused, the new one works.
+    await expect_status(stub.KeepAlive(registry_pb2.KeepAliveRequest(worker_id=w.worker_id,
+                                                                     lease_id=first.lease_id)),
+                        grpc.StatusCode.NOT_FOUND)
+    await stub.KeepAlive(registry_pb2.KeepAliveRequest(worker_id=w.worker_id, lease_id=second.lease_id))
+    await expect_status(stub.DeregisterWorker(registry_pb2.DeregisterWorkerRequest(worker_id=w.worker_id,
+                                                                                   lease_id=first.lease_id)),
+                        grpc.StatusCode.FAILED_PRECONDITION, "another lease")
+    await _deregister(stub, second.worker)
+
+
+# -- sessions ----------------------------------------------------------------------------------------------------
+
+
+async def test_record_turn_and_get_session(stub, decode):
+    sid = uid("s")
+    tokens = list(range(1000, 1010))
+    t0 = time.time()
+    rec = (await stub.RecordTurn(turn(decode, sid, tokens, covered=9))).session
+    assert rec.covered_tokens == 9 and rec.block_size == 4 and rec.turn == 1 and not rec.claimed
+    assert list(rec.block_hashes) == block_hash_chain(tokens, 9, 4)
+    assert list(rec.token_ids) == tokens and rec.text == "some text" and rec.revision > 0
+    assert json.loads(rec.kv_transfer_params_json)["remote_num_tokens"] == 9
+
+    got = await stub.GetSession(registry_pb2.GetSessionRequest(session_id=sid, tenant=TENANT))
+    assert got.session == rec
+    expected_left = decode.kv_blocks_ttl_s - MARGIN_S - (time.time() - t0)
+    assert got.expires_in_s == pytest.approx(expected_left, abs=5)
+    # The next prompt extends the recorded ids: the whole covered prefix matches.
+    assert matched_prefix_tokens(list(got.session.block_hashes), 9, 4, tokens + [7, 8, 9]) == 9
+
+    # Another tenant does not see it.
+    await expect_status(stub.GetSession(registry_pb2.GetSessionRequest(session_id=sid, tenant="other")),
+                        grpc.StatusCode.NOT_FOUND, "no session")
+
+    # Next turn: counts up, new revision, finished_at shortens the life.
+    req = turn(decode, sid, tokens + [5, 6, 7, 8, 9], covered=14)
+    req.finished_at.FromSeconds(int(time.time()) - 100)
+    rec2 = (await stub.RecordTurn(req)).session
+    assert rec2.turn == 2 and rec2.revision > rec.revision and rec2.covered_tokens == 14
+    got2 = await stub.GetSession(registry_pb2.GetSessionRequest(session_id=sid, tenant=TENANT))
+    assert got2.session.revision == rec2.revision
+    assert got2.expires_in_s == pytest.approx(decode.kv_blocks_ttl_s - MARGIN_S - 100, abs=5)
+    assert (await stub.DeleteSession(registry_pb2.DeleteSessionRequest(session_id=sid, tenant=TENANT))).deleted
+
+
+async def test_session_expires_then_leaves_etcd(stub, etcd):
+    # KV TTL just above the margin: the handle expires ~2 s after the turn, the record soon after.
+    w = (await stub.RegisterWorker(registry_pb2.RegisterWorkerRequest(
+        worker=decode_worker(uid("d"), kv_blocks_ttl_s=MARGIN_S + 4), lease_ttl_s=60))).worker
+    try:
+        sid = uid("s")
+        req = turn(w, sid, list(range(20)))
+        req.finished_at.FromNanoseconds(int((time.time() - 2) * 1e9))
+        rec = (await stub.RecordTurn(req)).session
+        got = await stub.GetSession(registry_pb2.GetSessionRequest(session_id=sid, tenant=TENANT))
+        assert got.expires_in_s <= 2.01
+
+        await asyncio.sleep(max(0.0, got.expires_in_s) + 0.2)
+        # Expired. The record stays a moment longer (lease grace; readers then see a negative expiry) but a
+        # claim is refused either way. (On a loaded machine the lease may already have ended.)
+        try:
+            got = await stub.GetSession(registry_pb2.GetSessionRequest(session_id=sid, tenant=TENANT))
+            assert got.expires_in_s < 0
+        except grpc.aio.AioRpcError as exc:
+            assert exc.code() == grpc.StatusCode.NOT_FOUND
+        claim = await stub.ClaimSession(registry_pb2.ClaimSessionRequest(session_id=sid, tenant=TENANT,
+                                                                         revision=rec.revision))
+        assert not claim.claimed and claim.reason.startswith(("expired", "missing")), claim.reason
+
+        async def gone():
+            try:
+                await stub.GetSession(registry_pb2.GetSessionRequest(session_id=sid, tenant=TENANT))
+                return False
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.NOT_FOUND
+                return True
+
+        assert await eventually(gone, timeout=LEASE_GRACE_S + 20), "session record outlived its lease"
+        async with RegistryStore(etcd) as store:  # and it is really gone from etcd
+            assert await store.get_session(TENANT, sid) is None
+
+        # A turn that finished longer ago than the TTL is refused outright.
+        old = turn(w, uid("s"), list(range(20)))
+        old.finished_at.FromSeconds(int(time.time()) - 60)
+        await expect_status(stub.RecordTurn(old), grpc.StatusCode.FAILED_PRECONDITION, "already expired")
+    finally:
+        await _deregister(stub, w)
+
+
+async def test_claim_race_has_exactly_one_winner(registry, stub, decode):
+    channels = [client_channel(registry), client_channel(registry)]
+    clients = [registry_pb2_grpc.SessionRegistryStub(c) for c in channels]
+    sid = uid("s")
+    try:
+        tokens = list(range(30))
+        for i in range(30):
+            tokens = tokens + [i]
+            rec = (await stub.RecordTurn(turn(decode, sid, tokens))).session
+            req = registry_pb2.ClaimSessionRequest(session_id=sid, tenant=TENANT, revision=rec.revision)
+            a, b = await asyncio.gather(clients[0].ClaimSession(req), clients[1].ClaimSession(req))
+            assert [a.claimed, b.claimed].count(True) == 1, (a, b)
+            win, lose = (a, b) if a.claimed else (b, a)
+            assert win.session.kv_transfer_params_json == rec.kv_transfer_params_json and win.session.claimed
+            assert lose.reason.startswith("already claimed"), lose.reason
+            assert not lose.session.kv_transfer_params_json
+
+        got = await stub.GetSession(registry_pb2.GetSessionRequest(session_id=sid, tenant=TENANT))
+        assert got.session.claimed and not got.session.kv_transfer_params_json
+        assert got.session.revision == win.session.revision and list(got.session.token_ids) == tokens
+        again = await stub.ClaimSession(registry_pb2.ClaimSessionRequest(session_id=sid, tenant=TENANT,
+                                                                         revision=got.session.revision))
+        assert not again.claimed and again.reason == "already claimed"
+    finally:
+        for c in channels:
+            await c.close()
+        await stub.DeleteSession(registry_pb2.DeleteSessionRequest(session_id=sid, tenant=TENANT))
+
+
+async def test_claim_refusals(stub, decode):
+    sid = uid("s")
+    rec = (await stub.RecordTurn(turn(decode, sid, list(range(12))))).session
+    stale = await stub.ClaimSession(registry_pb2.ClaimSessionRequest(session_id=sid, tenant=TENANT,
+                                                                     revision=rec.revision - 1))
+    assert not stale.claimed and stale.reason.startswith("changed"), stale.reason
+    missing = await stub.ClaimSession(registry_pb2.ClaimSessionRequest(session_id=uid("s"), tenant=TENANT,
+                                                                       revision=rec.revision))
+    assert not missing.claimed and missing.reason == "missing"
+    ok = await stub.ClaimSession(registry_pb2.ClaimSessionRequest(session_id=sid, tenant=TENANT,
+                                                                  revision=rec.revision))
+    assert ok.claimed and ok.reason == ""
+    await stub.DeleteSession(registry_pb2.DeleteSessionRequest(session_id=sid, tenant=TENANT))
+
+
+async def test_delete_session(stub, decode):
+    sid = uid("s")
+    await stub.RecordTurn(turn(decode, sid, list(range(8))))
+    resp = await stub.DeleteSession(registry_pb2.DeleteSessionRequest(session_id=sid, tenant=TENANT))
+    assert resp.deleted
+    await expect_status(stub.GetSession(registry_pb2.GetSessionRequest(session_id=sid, tenant=TENANT)),
+                        grpc.StatusCode.NOT_FOUND)
+    resp = await stub.DeleteSession(registry_pb2.DeleteSessionRequest(session_id=sid, tenant=TENANT))
+    assert not resp.deleted
+
+
+# -- bad input ---------------------------------------------------------------------------------------------------
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
+
+
+async def test_bad_worker_requests(stub):
+    R = registry_pb2
+    cases = [
+        (stub.RegisterWorker(R.RegisterWorkerRequest()), INVALID, "worker.worker_id is required"),
+        (stub.RegisterWorker(R.RegisterWorkerRequest(worker=decode_worker("a/b"))), INVALID, "characters"),
+        (stub.RegisterWorker(R.RegisterWorkerRequest(
+            worker=decode_worker("x", role=common_pb2.WORKER_ROLE_UNSPECIFIED))), INVALID, "role"),
+        (stub.RegisterWorker(R.RegisterWorkerRequest(worker=decode_worker("x", kv_blocks_ttl_s=0))),
+         INVALID, "kv_blocks_ttl_s"),
+        (stub.RegisterWorker(R.RegisterWorkerRequest(worker=decode_worker("x", block_size=0))),
+         INVALID, "block_size"),
+        (stub.RegisterWorker(R.RegisterWorkerRequest(worker=decode_worker("x"), lease_ttl_s=-1)),
+         INVALID, "lease_ttl_s"),
+        (stub.KeepAlive(R.KeepAliveRequest(worker_id="x")), INVALID, "lease_id is required"),
+        (stub.KeepAlive(R.KeepAliveRequest(worker_id="x", lease_id=123456789)), grpc.StatusCode.NOT_FOUND,
+         "register again"),
+        (stub.DeregisterWorker(R.DeregisterWorkerRequest()), INVALID, "worker_id is required"),
+        (stub.DeregisterWorker(R.DeregisterWorkerRequest(worker_id=uid("none"))), grpc.StatusCode.NOT_FOUND,
+         "not registered"),
+        (stub.ListWorkers(R.ListWorkersRequest(role=7)), INVALID, "unknown role"),
+    ]
+    for call, code, words in cases:
+        await expect_status(call, code, words)
+
+
+async def test_bad_session_requests(stub, decode):
+    R = registry_pb2
+    p = (await stub.RegisterWorker(R.RegisterWorkerRequest(worker=prefill_worker(uid("p")), lease_ttl_s=60))).worker
+    try:
+        tokens = list(range(10))
+        good = turn(decode, uid("s"), tokens)
+        bad_json = turn(decode, uid("s"), tokens)
+        bad_json.kv_transfer_params_json = "{not json"
+        too_many = turn(decode, uid("s"), tokens)
+        too_many.kv_transfer_params_json = handle(decode, 11)
+        short = turn(decode, uid("s"), tokens)
+        short.kv_transfer_params_json = handle(decode, 9, blocks=2)
+        cases = [
+            (stub.GetSession(R.GetSessionRequest(session_id="s1")), INVALID, "tenant is required"),
+            (stub.GetSession(R.GetSessionRequest(session_id="x" * 257, tenant=TENANT)), INVALID, "at most 256"),
+            (stub.GetSession(R.GetSessionRequest(session_id="a b", tenant=TENANT)), INVALID, "characters"),
+            (stub.GetSession(R.GetSessionRequest(session_id=uid("s"), tenant=TENANT)), grpc.StatusCode.NOT_FOUND,
+             "no session"),
+            (stub.RecordTurn(bad_json), INVALID, "not a JSON object"),
+            (stub.RecordTurn(too_many), INVALID, "covers 11 tokens"),
+            (stub.RecordTurn(short), INVALID, "blocks"),
+            (stub.RecordTurn(R.RecordTurnRequest(session_id=good.session_id, tenant=TENANT,
+                                                 decode_worker_id=decode.worker_id,
+                                                 kv_transfer_params_json=good.kv_transfer_params_json)),
+             INVALID, "token_ids is required"),
+            (stub.RecordTurn(turn(decode_worker(uid("ghost")), uid("s"), tokens)), PRECONDITION, "not registered"),
+            (stub.ClaimSession(R.ClaimSessionRequest(session_id="s", tenant=TENANT)), INVALID, "revision"),
+            (stub.DeleteSession(R.DeleteSessionRequest(session_id="", tenant=TENANT)), INVALID, "session_id"),
+        ]
+        for call, code, words in cases:
+            await expect_status(call, code, words)
+        as_prefill = turn(decode, uid("s"), tokens)
+        as_prefill.decode_worker_id = p.worker_id
+        as_prefill.kv_transfer_params_json = handle(p, 9)
+        await expect_status(stub.RecordTurn(as_prefill), PRECONDITION, "not a decode worker")
+    finally:
+        await _deregister(stub, p)
+
+
+# -- etcd down / reconnects --------------------------------------------------------------------------------------
+
+
+async def test_unreachable_etcd_answers_unavailable():
+    cfg = RegistryConfig(listen="127.0.0.1:0", etcd_endpoints=f"127.0.0.1:{free_port()}", etcd_timeout_s=0.5)
+    service = await serve(cfg)
+    channel = client_channel(service.address)
+    stub = registry_pb2_grpc.SessionRegistryStub(channel)
+    try:
+        await expect_status(stub.ListWorkers(registry_pb2.ListWorkersRequest(), timeout=10),
+                            grpc.StatusCode.UNAVAILABLE, "unavailable")
+        await expect_status(stub.GetSession(registry_pb2.GetSessionRequest(session_id="s", tenant="t"), timeout=10),
+                            grpc.StatusCode.UNAVAILABLE)
+        w = decode_worker("d")
+        await expect_status(stub.RecordTurn(turn(w, "s", list(range(9))), timeout=10), grpc.StatusCode.UNAVAILABLE)
+        await expect_status(stub.RegisterWorker(registry_pb2.RegisterWorkerRequest(worker=w), timeout=10),
+                            grpc.StatusCode.UNAVAILABLE)
+        call = stub.WatchWorkers(registry_pb2.WatchWorkersRequest(), timeout=10)
+        await expect_status(call.read(), grpc.StatusCode.UNAVAILABLE)
+    finally:
+        await channel.close()
+        await service.stop(grace=0.5)
+
+
+async def test_store_watch_resends_snapshot_after_etcd_restart():
+    etcd = EtcdProcess("restart")
+    endpoints = await etcd.astart()
+    try:
+        async with RegistryStore(endpoints, "/watch-test/", timeout_s=2.0) as store:
+            lease, _ = await store.grant_lease(60)
+            await store.put_worker(decode_worker("w1", lease_id=lease))
+            events = store.watch_workers()
+            first = await asyncio.wait_for(anext(events), 20)
+            assert first.kind == "snapshot" and [w.worker_id for w in first.workers] == ["w1"]
+            pending = asyncio.ensure_future(anext(events))  # the watch stream opens on this read
+            await asyncio.sleep(0.3)
+            await store.put_worker(decode_worker("w2", lease_id=lease))
+            put = await asyncio.wait_for(pending, 10)
+            assert put.kind == "put" and put.workers[0].worker_id == "w2"
+
+            etcd.kill()  # the stream breaks; the data dir survives
+            await etcd.astart()
+            event = await asyncio.wait_for(anext(events), 30)
+            while event.kind != "snapshot":
+                event = await asyncio.wait_for(anext(events), 30)
+            # A fresh full snapshot after the reconnect.
+            assert {w.worker_id for w in event.workers} == {"w1", "w2"}
+            await events.aclose()
+    finally:
+        await etcd.astop()
+
+
+async def test_store_fails_over_when_the_leader_dies():
+    cluster = EtcdCluster(3)
+    endpoints = await cluster.astart()
+    try:
+        async with RegistryStore(endpoints, "/failover-test/", timeout_s=10.0) as store:
+            lease, _ = await store.grant_lease(30)
+            await store.put_worker(decode_worker("w1", lease_id=lease))
+            leader = await asyncio.to_thread(cluster.leader)
+            assert leader is not None
+            cluster.kill(leader)
+            # Writes, reads and keep-alives go through the two survivors once they elect a new leader.
+            await store.put_worker(decode_worker("w2", lease_id=lease))
+            assert {w.worker_id for w in await store.list_workers()} == {"w1", "w2"}
+            assert await store.keep_alive_once(lease) is not None
+            await cluster.arestart(leader)
+            assert await store.get_worker("w2") is not None
+    finally:
+        await cluster.astop()

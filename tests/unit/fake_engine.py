@@ -1,0 +1,86 @@
+"""An in-process stand-in for vLLM's gRPC server (VllmEngine + grpc.health) for client and agent tests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
+from smg_grpc_proto.generated import common_pb2
+
+SERVICE = "vllm.grpc.engine.VllmEngine"
+
+
+class FakeEngine(vllm_engine_pb2_grpc.VllmEngineServicer):
+    """Answers token i of a request with ``prompt[-1] + i + 1``; mimics the streamed-complete quirk (its
+    output_ids and completion_tokens cover only the last chunk, as vLLM 0.32's servicer does). Request ids starting with ``fail`` are refused, ``slow`` ones stream
+    one token per 50 ms."""
+
+    def __init__(self):
+        self.requests: list[vllm_engine_pb2.GenerateRequest] = []
+        self.cancelled: list[str] = []
+        self.flushes = 0
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        rid = request.request_id
+        if rid.startswith("fail"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "refused by fake")
+        prompt = list(request.tokenized.input_ids)
+        n = request.sampling_params.max_tokens
+        out = [prompt[-1] + i + 1 for i in range(n)]
+        params = json.loads(request.kv_transfer_params_json) if request.HasField("kv_transfer_params_json") else None
+        reply = {"do_remote_decode": True, "remote_num_tokens": len(prompt) + n - 1, "got": params}
+        try:
+            if request.stream:
+                for i, tok in enumerate(out):
+                    if rid.startswith("slow"):
+                        await asyncio.sleep(0.05)
+                    yield vllm_engine_pb2.GenerateResponse(chunk=vllm_engine_pb2.GenerateStreamChunk(
+                        token_ids=[tok], prompt_tokens=len(prompt), completion_tokens=i + 1, cached_tokens=3))
+                last = out[-1:]
+            else:
+                last = out
+            yield vllm_engine_pb2.GenerateResponse(complete=vllm_engine_pb2.GenerateComplete(
+                output_ids=last, finish_reason="length", prompt_tokens=len(prompt), completion_tokens=len(last),
+                cached_tokens=3, kv_transfer_params_json=json.dumps(reply)))
+        except asyncio.CancelledError:
+            self.cancelled.append(rid)
+            raise
+
+    async def GetServerInfo(self, request, context):
+        return vllm_engine_pb2.GetServerInfoResponse(kv_engine_id="fake-engine", block_size=16,
+                                                     kv_connector="NixlConnector", kv_role="kv_both",
+                                                     model_dtype="torch.float32", max_num_seqs=8)
+
+    async def FlushCache(self, request, context):
+        self.flushes += 1
+        return common_pb2.FlushCacheResponse(success=True, message="ok")
+
+    async def GetLoads(self, request, context):
+        return vllm_engine_pb2.GetLoadsResponse(version="fake", dp_rank_count=1,
+                                                loads=[vllm_engine_pb2.SchedulerLoad(num_running_reqs=2)])
+
+
+class FakeEngineServer:
+    def __init__(self):
+        self.engine = FakeEngine()
+        self.health = health.aio.HealthServicer()
+        self.server = grpc.aio.server()
+        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(self.engine, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.address = f"127.0.0.1:{self.port}"
+
+    async def start(self, serving: bool = True) -> None:
+        await self.server.start()
+        await self.set_serving(serving)
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        await self.health.set(SERVICE, status)
+
+    async def stop(self) -> None:
+        await self.server.stop(0)

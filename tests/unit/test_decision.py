@@ -1,0 +1,80 @@
+import json
+
+import pytest
+
+from control_plane.decision import Choice, HandleView, PullPolicy, decide, reusable_tokens
+from control_plane.prefix import block_hash_chain
+
+BS = 16
+HISTORY = list(range(1000, 1100))  # 100 tokens: prompt + answer of the last turn
+COVERED = 99  # D's handle covers all but the last generated token
+
+
+def handle_view(**over):
+    params = {"do_remote_decode": True, "remote_engine_id": "d", "remote_host": "127.0.0.1",
+              "remote_port": 5700, "remote_num_tokens": COVERED,
+              "remote_block_ids": [list(range(7))]}
+    base = dict(kv_transfer_params_json=json.dumps(params), covered_tokens=COVERED, block_size=BS,
+                block_hashes=block_hash_chain(HISTORY, COVERED, BS), expires_in_s=300.0, claimed=False,
+                source_alive=True)
+    base.update(over)
+    return HandleView(**base)
+
+
+POLICY = PullPolicy(pull_threshold_tokens=16, expiry_guard_s=2.0)
+
+
+def test_extension_pulls_everything_covered():
+    plan = decide(HISTORY + [1, 2, 3], handle_view(), POLICY)
+    assert plan.choice is Choice.PULL
+    assert plan.reusable_tokens == COVERED and plan.compute_tokens == 4
+    assert plan.prefill_params["remote_num_tokens"] == COVERED
+    assert len(plan.prefill_params["remote_block_ids"][0]) == 7  # ceil(99/16)
+    assert "extends" in plan.reason
+
+
+def test_divergence_pulls_only_whole_blocks_before_it():
+    edited = HISTORY.copy()
+    edited[40] = 1  # block 2 (32..47) differs
+    plan = decide(edited + [5], handle_view(), POLICY)
+    assert plan.choice is Choice.PULL and plan.reusable_tokens == 32
+    assert plan.prefill_params["remote_block_ids"] == [list(range(2))]
+    assert plan.prefill_params["remote_num_tokens"] == 32
+
+
+def test_divergence_in_first_block_recomputes():
+    edited = HISTORY.copy()
+    edited[3] = 1
+    plan = decide(edited, handle_view(), POLICY)
+    assert plan.choice is Choice.RECOMPUTE and "diverges" in plan.reason
+    assert plan.prefill_params["do_remote_decode"] is True and plan.prefill_params["remote_block_ids"] is None
+
+
+@pytest.mark.parametrize("over,word", [
+    ({"expires_in_s": -1.0}, "expire"), ({"expires_in_s": 1.0}, "expire"), ({"claimed": True}, "already"),
+    ({"kv_transfer_params_json": ""}, "already"), ({"source_alive": False}, "not alive"),
+    ({"kv_transfer_params_json": "{}"}, "unusable"),
+])
+def test_never_pulls_unusable_handles(over, word):
+    plan = decide(HISTORY + [1], handle_view(**over), POLICY)
+    assert plan.choice is Choice.RECOMPUTE and word in plan.reason and plan.reusable_tokens == 0
+
+
+def test_no_session_or_disabled_recomputes_with_reason():
+    assert "no recorded" in decide([1, 2], None, POLICY).reason
+    assert "disabled" in decide(HISTORY + [1], handle_view(), POLICY, disable_pull=True).reason
+
+
+def test_threshold():
+    plan = decide(HISTORY + [1], handle_view(), PullPolicy(pull_threshold_tokens=200))
+    assert plan.choice is Choice.RECOMPUTE and "threshold 200" in plan.reason
+
+
+def test_prompt_equal_to_covered_tokens_leaves_one_token_to_compute():
+    assert reusable_tokens(matched=99, covered=99, prompt_len=99, block_size=BS) == 96
+    assert reusable_tokens(matched=99, covered=99, prompt_len=100, block_size=BS) == 99
+
+
+def test_empty_prompt_is_an_error():
+    with pytest.raises(ValueError):
+        decide([], None, POLICY)

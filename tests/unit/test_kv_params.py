@@ -1,0 +1,53 @@
+import json
+
+import pytest
+
+from control_plane import kv_params
+
+
+def handle(num_tokens=300, blocks=(10, 11, 12)):
+    return {
+        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": "d-engine",
+        "remote_block_ids": [list(blocks)], "remote_host": "127.0.0.1", "remote_port": 5700,
+        "remote_num_tokens": num_tokens, "remote_blocks_expiry_time": 123.4, "tp_size": 1,
+    }
+
+
+def test_parse_handle_reads_fields():
+    h = kv_params.parse_handle(json.dumps(handle()))
+    assert (h.engine_id, h.host, h.port, h.num_tokens) == ("d-engine", "127.0.0.1", 5700, 300)
+    assert h.block_groups == ((10, 11, 12),)
+
+
+@pytest.mark.parametrize("bad", [
+    "not json", "[1]", json.dumps({**handle(), "do_remote_decode": False}),
+    json.dumps({**handle(), "remote_block_ids": []}), json.dumps({**handle(), "remote_num_tokens": 0}),
+    json.dumps({k: v for k, v in handle().items() if k != "remote_port"}),
+])
+def test_parse_handle_rejects(bad):
+    with pytest.raises(kv_params.HandleError):
+        kv_params.parse_handle(bad)
+
+
+def test_pull_params_trim_blocks_to_tokens():
+    h = kv_params.parse_handle(handle(num_tokens=300))
+    full = kv_params.pull_params(h, 300, 128)
+    assert full["remote_block_ids"] == [[10, 11, 12]] and full["remote_num_tokens"] == 300
+    part = kv_params.pull_params(h, 256, 128)
+    assert part["remote_block_ids"] == [[10, 11]] and part["remote_num_tokens"] == 256
+    # The original handle is untouched.
+    assert h.raw["remote_block_ids"] == [[10, 11, 12]]
+
+
+def test_pull_params_drop_surplus_blocks_of_a_full_handle():
+    # D may list a block for the last generated token that remote_num_tokens does not cover.
+    h = kv_params.parse_handle(handle(num_tokens=256, blocks=(1, 2, 3)))
+    assert kv_params.pull_params(h, 256, 128)["remote_block_ids"] == [[1, 2]]
+
+
+def test_pull_params_refuse_impossible_pulls():
+    h = kv_params.parse_handle(handle(num_tokens=300, blocks=(1, 2)))
+    with pytest.raises(kv_params.HandleError):
+        kv_params.pull_params(h, 300, 128)  # 3 blocks needed, 2 held: would kill P's engine
+    with pytest.raises(kv_params.HandleError):
+        kv_params.pull_params(h, 301, 128)

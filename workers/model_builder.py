@@ -1,0 +1,196 @@
+"""Build the offline test model: a ChatML byte-level BPE tokenizer and a small random Llama, byte-identical on rebuild.
+
+No model hub is reachable, so tests and demos use this model. The tokenizer is trained on the Python standard
+library's top-level sources (sorted file order); the weights are drawn N(0, 0.05) from a fixed seed (peaked enough
+that greedy decoding rarely meets ties) and saved as float32 safetensors. A stamp file records a hash of the recipe
+(variant settings, builder version, training text): a directory whose stamp and files match is not rebuilt.
+
+Needs the worker extras (torch, transformers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+RECIPE_VERSION = 1
+STAMP = "kvshuttle-model.json"
+SEED = 20261129
+INIT_STD = 0.05
+VOCAB_SIZE = 4096
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
+    "{{ raise_exception('unknown role: ' + message['role']) }}"
+    "{%- endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+VARIANTS = {
+    "tiny": dict(num_hidden_layers=4, hidden_size=256, intermediate_size=704, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=64),
+    "medium": dict(num_hidden_layers=8, hidden_size=512, intermediate_size=1408, num_attention_heads=8,
+                   num_key_value_heads=4, head_dim=64),
+}
+
+
+def corpus_files() -> list[Path]:
+    """The training text: top-level stdlib modules, sorted (the build-specific _sysconfigdata* left out)."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in stdlib.glob("*.py") if not p.name.startswith("_sysconfigdata"))
+
+
+def recipe(variant: str, files: list[Path]) -> dict:
+    text_hash = hashlib.sha256()
+    for path in files:
+        text_hash.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return {"version": RECIPE_VERSION, "variant": variant, "arch": VARIANTS[variant], "seed": SEED,
+            "init_std": INIT_STD, "vocab_size": VOCAB_SIZE, "special_tokens": SPECIAL_TOKENS,
+            "chat_template": CHAT_TEMPLATE, "corpus_sha256": text_hash.hexdigest()}
+
+
+def recipe_hash(rec: dict) -> str:
+    return hashlib.sha256(json.dumps(rec, sort_keys=True).encode()).hexdigest()
+
+
+def file_hashes(out_dir: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(out_dir.iterdir()) if p.is_file() and p.name != STAMP}
+
+
+def is_complete(out_dir: Path, rec_hash: str) -> bool:
+    """True when ``out_dir`` holds a model built from the same recipe, every file unchanged."""
+    try:
+        stamp = json.loads((out_dir / STAMP).read_text())
+    except (OSError, ValueError):
+        return False
+    return stamp.get("recipe_hash") == rec_hash and stamp.get("files") == file_hashes(out_dir)
+
+
+def _train_tokenizer(files: list[Path], out_dir: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+
+    def lines():
+        for path in files:
+            yield path.read_text(encoding="utf-8", errors="replace")
+
+    tok.train_from_iterator(lines(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   bos_token=None, unk_token=None, chat_template=CHAT_TEMPLATE,
+                                   clean_up_tokenization_spaces=False, model_max_length=8192)
+    fast.save_pretrained(out_dir)
+    # Light clients (the gateway) read the template from tokenizer_config.json; newer transformers write it only
+    # to chat_template.jinja, so keep both.
+    cfg_path = out_dir / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    if cfg.get("chat_template") != CHAT_TEMPLATE:
+        cfg["chat_template"] = CHAT_TEMPLATE
+        cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+
+
+def _build_weights(variant: str, out_dir: Path, eos_id: int, pad_id: int) -> None:
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=VOCAB_SIZE, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                         rope_theta=10000.0, tie_word_embeddings=False, initializer_range=INIT_STD,
+                         bos_token_id=None, eos_token_id=eos_id, pad_token_id=pad_id, **VARIANTS[variant])
+    config.dtype = torch.float32
+    model = LlamaForCausalLM(config).to(torch.float32)
+    gen = torch.Generator().manual_seed(SEED)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * INIT_STD)
+    model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id)
+    model.save_pretrained(out_dir, safe_serialization=True)
+
+
+def build_model(out_dir: str | os.PathLike, variant: str = "tiny", *, force: bool = False) -> Path:
+    """Build (or keep, when already complete) the ``variant`` model in ``out_dir``. Returns the directory."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; choose from {sorted(VARIANTS)}")
+    out = Path(out_dir)
+    files = corpus_files()
+    rec = recipe(variant, files)
+    rec_hash = recipe_hash(rec)
+    if not force and is_complete(out, rec_hash):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target, then swap in: a crash never leaves a half-written model that looks complete.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        _train_tokenizer(files, tmp)
+        from transformers import PreTrainedTokenizerFast
+
+        tok = PreTrainedTokenizerFast.from_pretrained(tmp)
+        _build_weights(variant, tmp, tok.convert_tokens_to_ids("<|im_end|>"),
+                       tok.convert_tokens_to_ids("<|endoftext|>"))
+        stamp = {"recipe_hash": rec_hash, "recipe": rec, "files": file_hashes(tmp)}
+        (tmp / STAMP).write_text(json.dumps(stamp, indent=2, sort_keys=True) + "\n")
+        tmp.chmod(0o755)
+        for path in tmp.iterdir():
+            path.chmod(0o644)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def verify_rebuild(out_dir: str | os.PathLike, variant: str = "tiny") -> list[str]:
+    """Rebuild into a temp dir and return the names of files that differ from ``out_dir`` (empty: identical)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        fresh = build_model(Path(scratch) / "model", variant, force=True)
+        a, b = file_hashes(Path(out_dir)), file_hashes(fresh)
+    return sorted(name for name in a.keys() | b.keys() if a.get(name) != b.get(name))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvshuttle make-model", description=__doc__.split("\n")[0])
+    parser.add_argument("dir", help="output directory")
+    parser.add_argument("--variant", choices=sorted(VARIANTS), default="tiny")
+    parser.add_argument("--force", action="store_true", help="rebuild even if the directory is complete")
+    parser.add_argument("--verify", action="store_true", help="also rebuild in a temp dir and compare bytes")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    started = time.monotonic()
+    out = Path(args.dir)
+    files = corpus_files()
+    fresh = args.force or not is_complete(out, recipe_hash(recipe(args.variant, files)))
+    build_model(out, args.variant, force=args.force)
+    print(f"model {args.variant} {'built' if fresh else 'already complete'} in {out} "
+          f"({time.monotonic() - started:.1f} s)")
+    if args.verify:
+        started = time.monotonic()
+        diff = verify_rebuild(out, args.variant)
+        print(f"rebuild {'identical' if not diff else 'DIFFERS: ' + ', '.join(diff)} "
+              f"({time.monotonic() - started:.1f} s)")
+        return 1 if diff else 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

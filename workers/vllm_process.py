@@ -1,0 +1,199 @@
+"""The vLLM gRPC server of one worker: its command line and environment, and its life as a child process.
+
+:func:`vllm_command` is the single source of truth for how a worker's vLLM is started (the Helm chart renders the
+same). :class:`VllmProcess` runs it in its own process group, so stopping it (SIGTERM, then SIGKILL after a grace
+period) takes vLLM's engine-core and helper processes with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+import shutil
+import sys
+from pathlib import Path
+
+from services.config import TelemetryConfig, require, setting
+from services.processes import ChildProcess
+
+ROLES = ("prefill", "decode")
+WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")
+
+
+@dataclasses.dataclass
+class WorkerConfig(TelemetryConfig):
+    """Worker agent: runs one vLLM gRPC server (prefill or decode) and keeps it registered."""
+
+    ENV_PREFIX = "KVSHUTTLE_WORKER_"
+    role: str = setting("", "Worker role", choices=ROLES)
+    model: str = setting("", "Model directory")
+    served_model_name: str = setting("", "Served model name (default: the model directory's name)")
+    host: str = setting("127.0.0.1", "vLLM gRPC listen host")
+    grpc_port: int = setting(50061, "vLLM gRPC port")
+    advertise_host: str = setting("", "Host others use to reach this worker (default: --host)")
+    nixl_host: str = setting("127.0.0.1", "NIXL side-channel host (VLLM_NIXL_SIDE_CHANNEL_HOST)")
+    nixl_port: int = setting(5600, "NIXL side-channel port (VLLM_NIXL_SIDE_CHANNEL_PORT)")
+    cpu_bind: str = setting("", "CPU vLLM: cores for the OMP threads (VLLM_CPU_OMP_THREADS_BIND); empty: unset")
+    kv_cache_gib: int = setting(1, "CPU vLLM: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE); 0: unset")
+    gpu_memory_utilization: float = setting(0.0, "GPU vLLM: --gpu-memory-utilization; 0: vLLM's default")
+    kv_buffer_device: str = setting("cpu", "NixlConnector kv_buffer_device", choices=("cpu", "cuda", "xpu"))
+    dtype: str = setting("float32", "Model dtype (float32 for exact-equality tests; bfloat16 for speed)")
+    block_size: int = setting(0, "KV block size in tokens; 0: vLLM's default")
+    decoder_kv_blocks_ttl: int = setting(480, "Seconds a decode worker keeps a finished turn's blocks")
+    kv_recompute_threshold: int = setting(
+        1, "vLLM skips a pull shorter than this many tokens; kvshuttle decides itself, so keep it at 1 (0 = off)")
+    kv_lease_duration_s: int = setting(
+        30, "Seconds P keeps blocks for a decode worker that has not read them yet (D's heartbeats extend it)")
+    nixl_progress_delay_us: int = setting(0, "Delay between NIXL UCX progress-thread polls (kvshuttle's vLLM plugin); "
+                                                 "0 leaves NIXL's busy polling. Small CPU hosts: ~500")
+    cpu_affinity: str = setting("", "Pin every thread of the vLLM process tree to these CPUs once it is up "
+                                    "(e.g. '0' or '2-3'); empty: leave vLLM's own placement")
+    nixl_num_threads: int = setting(-1, "NIXL UCX backend threads (NixlConnector num_threads); -1: vLLM's default")
+    kv_load_failure_policy: str = setting("fail", "What P does when a pull fails", choices=("fail", "recompute"))
+    enforce_eager: bool = setting(True, "Skip torch.compile/graph capture (faster start)")
+    max_model_len: int = setting(0, "Max model length; 0: the model's")
+    max_num_seqs: int = setting(0, "Max concurrent sequences; 0: vLLM's default")
+    extra_args: str = setting("", "More vLLM arguments (shell-quoted)")
+    python: str = setting("", "Python interpreter that runs vLLM (default: this one)")
+    registry: str = setting("127.0.0.1:50051", "Session registry gRPC address", env="KVSHUTTLE_REGISTRY_ADDRESS")
+    lease_ttl_s: int = setting(10, "Registry lease TTL in seconds")
+    worker_id: str = setting("", "Worker id (default: <role>-<advertise host>-<grpc port>)")
+    work_dir: str = setting("", "Work directory for vLLM caches, metrics and log (default: var/workers/<id>)")
+    ready_timeout_s: float = setting(300.0, "Seconds to wait for vLLM to report SERVING")
+    warmup: bool = setting(True, "Send one tiny request before registering (the first request can stall)")
+    warmup_timeout_s: float = setting(180.0, "Deadline of the warm-up request")
+    health_interval_s: float = setting(5.0, "Seconds between vLLM liveness checks")
+    stop_grace_s: float = setting(20.0, "Seconds between SIGTERM and SIGKILL when stopping vLLM")
+    nice: int = setting(0, "Run vLLM at this nice level (idle vLLM-CPU engines busy-poll their cores; a positive "
+                           "value keeps the agent and control plane responsive on small machines)")
+    log_level: str = setting("INFO", "Log level", env="KVSHUTTLE_LOG_LEVEL")
+
+    def validate(self) -> None:
+        if self.cpu_affinity:
+            from workers.affinity import parse_cpus
+
+            try:
+                parse_cpus(self.cpu_affinity)
+            except ValueError:
+                require(False, f"--cpu-affinity {self.cpu_affinity!r} is not a CPU list like '0' or '0-3,6'")
+        require(self.role in ROLES, "--role must be prefill or decode")
+        require(bool(self.model), "--model is required")
+        require(0 < self.grpc_port < 65536 and 0 < self.nixl_port < 65536, "ports must be in 1..65535")
+        require(self.lease_ttl_s >= 2, "--lease-ttl-s must be >= 2")
+        require(self.public_host not in WILDCARD_HOSTS, "--advertise-host is required when --host is a wildcard")
+        require(self.kv_recompute_threshold >= 0, "--kv-recompute-threshold must be >= 0")
+        require(self.kv_lease_duration_s >= 1 and self.decoder_kv_blocks_ttl >= 1, "KV lease and TTL must be >= 1 s")
+
+    @property
+    def public_host(self) -> str:
+        return self.advertise_host or self.host
+
+    @property
+    def grpc_address(self) -> str:
+        return f"{self.public_host}:{self.grpc_port}"
+
+    @property
+    def local_grpc_address(self) -> str:
+        """Where the agent itself reaches vLLM (loopback when vLLM listens on all interfaces)."""
+        host = "127.0.0.1" if self.host in WILDCARD_HOSTS else self.host
+        return f"{host}:{self.grpc_port}"
+
+    @property
+    def id(self) -> str:
+        return self.worker_id or f"{self.role}-{self.public_host}-{self.grpc_port}"
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model.rstrip("/")).name
+
+    @property
+    def work_path(self) -> Path:
+        return Path(self.work_dir or Path("var") / "workers" / self.id)
+
+
+def kv_transfer_config(cfg: WorkerConfig) -> dict:
+    """NixlConnector in pull mode with bi-directional transfer: D keeps each turn's blocks for P to pull."""
+    return {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_both",
+        "kv_buffer_device": cfg.kv_buffer_device,
+        "kv_load_failure_policy": cfg.kv_load_failure_policy,
+        "kv_connector_extra_config": {
+            "bidirectional_kv_xfer": True,
+            # vLLM declines pulls shorter than this (count < threshold; 0 disables the check). kvshuttle has
+            # already decided pull vs recompute, so the engine must not second-guess it.
+            "kv_recompute_threshold": cfg.kv_recompute_threshold,
+            "decoder_kv_blocks_ttl": cfg.decoder_kv_blocks_ttl,
+            "kv_lease_duration": cfg.kv_lease_duration_s,
+            **({"num_threads": cfg.nixl_num_threads} if cfg.nixl_num_threads >= 0 else {}),
+        },
+    }
+
+
+def vllm_command(cfg: WorkerConfig) -> tuple[list[str], dict[str, str]]:
+    """The vLLM gRPC server's argv and the environment variables to add to the inherited environment."""
+    argv = [
+        cfg.python or sys.executable, "-m", "vllm.entrypoints.launchers.grpc_server",
+        "--model", cfg.model,
+        "--served-model-name", cfg.model_name,
+        "--host", cfg.host,
+        "--port", str(cfg.grpc_port),
+        "--dtype", cfg.dtype,
+        "--kv-transfer-config", json.dumps(kv_transfer_config(cfg), separators=(",", ":")),
+    ]
+    if cfg.enforce_eager:
+        argv.append("--enforce-eager")
+    if cfg.block_size:
+        argv += ["--block-size", str(cfg.block_size)]
+    if cfg.max_model_len:
+        argv += ["--max-model-len", str(cfg.max_model_len)]
+    if cfg.max_num_seqs:
+        argv += ["--max-num-seqs", str(cfg.max_num_seqs)]
+    if cfg.gpu_memory_utilization:
+        argv += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+    argv += shlex.split(cfg.extra_args)
+
+    work = cfg.work_path
+    env = {
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": cfg.nixl_host,
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(cfg.nixl_port),
+        "VLLM_CACHE_ROOT": str(work / "cache"),
+        "PROMETHEUS_MULTIPROC_DIR": str(work / "prometheus"),
+        "SMG_VLLM_SERVICER_WARMUP": "off",
+        "SMG_VLLM_SERVICER_KV_EVENTS": "0",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+    if cfg.cpu_bind:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_bind
+    if cfg.nixl_progress_delay_us:
+        env["KVSHUTTLE_NIXL_PROGRESS_DELAY_US"] = str(cfg.nixl_progress_delay_us)
+    if cfg.kv_cache_gib:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gib)
+    return argv, env
+
+
+class VllmProcess(ChildProcess):
+    """vLLM as a child process in its own process group, its output appended to ``<work dir>/vllm.log``."""
+
+    def __init__(self, cfg: WorkerConfig):
+        argv, extra_env = vllm_command(cfg)
+        if cfg.nice:
+            argv = ["nice", "-n", str(cfg.nice), *argv]
+        super().__init__(f"vllm-{cfg.role}", argv, cfg.work_path / "vllm.log", env=extra_env,
+                         stop_grace_s=cfg.stop_grace_s)
+        self.cfg = cfg
+
+    async def start(self, stdout_pipe: bool = False) -> None:
+        work = self.cfg.work_path
+        work.mkdir(parents=True, exist_ok=True)
+        # Prometheus multiprocess files from a previous run would be summed into this one's counters.
+        shutil.rmtree(work / "prometheus", ignore_errors=True)
+        (work / "prometheus").mkdir()
+        (work / "cache").mkdir(exist_ok=True)
+        await super().start(stdout_pipe)
+
+    async def wait(self) -> int:
+        assert self.proc is not None
+        return await self.proc.wait()
