@@ -40,6 +40,9 @@ class FailedPrecondition(ValueError):
     """The request is well formed but cannot be honoured now (maps to FAILED_PRECONDITION)."""
 
 
+DEFAULT_TENANT = "default"
+
+
 def validate_id(kind: str, value: str) -> str:
     """Ids become etcd key segments: 1..256 chars of ``A-Z a-z 0-9 . _ : @ = + -`` (no ``/``, no spaces)."""
     if not value:

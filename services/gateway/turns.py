@@ -21,6 +21,7 @@ from opentelemetry import trace
 
 from control_plane import kv_params
 from control_plane.continuation import plan_continuation
+from control_plane.session import DEFAULT_TENANT
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.telemetry import hashed
 from workers.engine_client import EngineClient, EngineError, Final
@@ -46,7 +47,7 @@ class Tokenizer(Protocol):
 @dataclass
 class TurnRequest:
     session_id: str = ""
-    tenant: str = "default"
+    tenant: str = DEFAULT_TENANT
     messages: list[dict] | None = None
     prompt_text: str | None = None
     prompt_ids: list[int] | None = None

@@ -206,5 +206,7 @@ class SessionRegistryServicer(registry_pb2_grpc.SessionRegistryServicer):
 
     @staticmethod
     def _validate_session_ref(request) -> None:
+        """Checks the ids; an empty tenant means the default one (single-tenant deployments, REST reads)."""
         rules.validate_id("session_id", request.session_id)
+        request.tenant = request.tenant or rules.DEFAULT_TENANT
         rules.validate_id("tenant", request.tenant)
