@@ -10,7 +10,10 @@ from collections.abc import Awaitable, Callable, Iterable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor
+from opentelemetry.instrumentation.grpc import (
+    aio_client_interceptors,
+    aio_server_interceptor,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +63,28 @@ async def _maybe_await(value: object) -> None:
 def client_channel(address: str) -> grpc.aio.Channel:
     """An insecure grpc.aio channel that propagates the current trace context."""
     return grpc.aio.insecure_channel(address, interceptors=aio_client_interceptors())
+
+
+def service_main(config_cls: type, argv, prog: str, trace_name: str, make_service) -> None:
+    """The life of a service process: typed config from flags/env, logging, tracing, run until SIGINT/SIGTERM.
+
+    ``make_service(cfg)`` returns an object with async ``start()`` and ``stop()``; it is built inside the loop.
+    """
+    from services.config import load
+    from services.telemetry import setup_tracing, shutdown_tracing
+
+    cfg = load(config_cls, argv, prog=prog)
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_tracing(trace_name, cfg)
+
+    async def run() -> None:
+        service = make_service(cfg)
+        await run_until_signal(service.start, service.stop)
+
+    try:
+        asyncio.run(run())
+    finally:
+        shutdown_tracing()
 
 
 async def run_until_signal(start: Callable[[], Awaitable[None]], stop: Callable[[], Awaitable[None]]) -> None:

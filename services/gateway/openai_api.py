@@ -11,6 +11,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import grpc
@@ -20,7 +21,15 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.gateway.turns import Delta, Finished, KvOutcome, PreparedTurn, TurnError, TurnRequest, TurnRunner
+from services.gateway.turns import (
+    Delta,
+    Finished,
+    KvOutcome,
+    PreparedTurn,
+    TurnError,
+    TurnRequest,
+    TurnRunner,
+)
 
 log = logging.getLogger(__name__)
 
@@ -143,41 +152,30 @@ def create_app(runner: TurnRunner, served_model: str, default_max_tokens: int,
                            temperature=body.temperature, top_p=body.top_p, seed=body.seed, ignore_eos=body.ignore_eos,
                            stop=stop, disable_pull=body.disable_pull, **prompt)
 
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionIn, request: Request):
-        req = turn_request(body, request, body.max_completion_tokens or body.max_tokens,
-                           messages=[m.plain() for m in body.messages])
+    async def respond(body: SamplingIn, req: TurnRequest, shape: _Shape):
         turn = await runner.prepare(req)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_chat_stream(runner, turn, served_model, include_usage),
+            return StreamingResponse(_stream(runner, turn, served_model, include_usage, shape),
                                      media_type="text/event-stream", headers=_stream_headers(turn))
         finished = await _drain(runner, turn)
         return JSONResponse({
-            "id": turn.id, "object": "chat.completion", "created": int(time.time()), "model": served_model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": finished.text},
-                         "finish_reason": finished.finish_reason}],
+            "id": turn.id, "object": shape.object, "created": int(time.time()), "model": served_model,
+            "choices": [shape.choice(finished.text, finished.finish_reason, final=True)],
             "usage": usage(finished.prompt_tokens, len(finished.output_ids)),
             "kvshuttle": kv_body(finished.kv, finished.timings),
         }, headers={**kv_headers(finished.kv), "X-Session-ID": req.session_id})
 
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionIn, request: Request):
+        req = turn_request(body, request, body.max_completion_tokens or body.max_tokens,
+                           messages=[m.plain() for m in body.messages])
+        return await respond(body, req, CHAT)
+
     @app.post("/v1/completions")
     async def completions(body: CompletionIn, request: Request):
         prompt = {"prompt_text": body.prompt} if isinstance(body.prompt, str) else {"prompt_ids": body.prompt}
-        req = turn_request(body, request, body.max_tokens, **prompt)
-        turn = await runner.prepare(req)
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_completion_stream(runner, turn, served_model, include_usage),
-                                     media_type="text/event-stream", headers=_stream_headers(turn))
-        finished = await _drain(runner, turn)
-        return JSONResponse({
-            "id": turn.id, "object": "text_completion", "created": int(time.time()), "model": served_model,
-            "choices": [{"index": 0, "text": finished.text, "finish_reason": finished.finish_reason,
-                         "logprobs": None}],
-            "usage": usage(finished.prompt_tokens, len(finished.output_ids)),
-            "kvshuttle": kv_body(finished.kv, finished.timings),
-        }, headers={**kv_headers(finished.kv), "X-Session-ID": req.session_id})
+        return await respond(body, turn_request(body, request, body.max_tokens, **prompt), COMPLETION)
 
     return app
 
@@ -207,36 +205,40 @@ async def _events(runner: TurnRunner, turn: PreparedTurn) -> AsyncIterator[Delta
         yield exc
 
 
-async def _chat_stream(runner: TurnRunner, turn: PreparedTurn, model: str, include_usage: bool):
-    base = {"id": turn.id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
-    yield _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                     "finish_reason": None}]})
+@dataclass(frozen=True)
+class _Shape:
+    """How one OpenAI endpoint spells its objects and choices."""
+
+    object: str
+    chunk_object: str
+    chat: bool
+
+    def choice(self, text: str, finish: str | None, final: bool = False) -> dict[str, Any]:
+        if not self.chat:
+            return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        if final:
+            return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+        return {"index": 0, "delta": {"content": text} if text else {}, "finish_reason": finish}
+
+
+CHAT = _Shape("chat.completion", "chat.completion.chunk", chat=True)
+COMPLETION = _Shape("text_completion", "text_completion", chat=False)
+
+
+async def _stream(runner: TurnRunner, turn: PreparedTurn, model: str, include_usage: bool, shape: _Shape):
+    base = {"id": turn.id, "object": shape.chunk_object, "created": int(time.time()), "model": model}
+    if shape.chat:
+        yield _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                         "finish_reason": None}]})
     async for event in _events(runner, turn):
         if isinstance(event, TurnError):
             yield _sse(error_body(event.http_status, event.message))
             break
         if isinstance(event, Delta):
-            yield _sse({**base, "choices": [{"index": 0, "delta": {"content": event.text}, "finish_reason": None}]})
+            yield _sse({**base, "choices": [shape.choice(event.text, None)]})
         else:
-            yield _sse({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": event.finish_reason}],
+            yield _sse({**base, "choices": [shape.choice("", event.finish_reason)],
                         "kvshuttle": kv_body(event.kv, event.timings)})
-            if include_usage:
-                yield _sse({**base, "choices": [], "usage": usage(event.prompt_tokens, len(event.output_ids))})
-    yield _sse("[DONE]")
-
-
-async def _completion_stream(runner: TurnRunner, turn: PreparedTurn, model: str, include_usage: bool):
-    base = {"id": turn.id, "object": "text_completion", "created": int(time.time()), "model": model}
-    async for event in _events(runner, turn):
-        if isinstance(event, TurnError):
-            yield _sse(error_body(event.http_status, event.message))
-            break
-        if isinstance(event, Delta):
-            yield _sse({**base, "choices": [{"index": 0, "text": event.text, "finish_reason": None,
-                                             "logprobs": None}]})
-        else:
-            yield _sse({**base, "choices": [{"index": 0, "text": "", "finish_reason": event.finish_reason,
-                                             "logprobs": None}], "kvshuttle": kv_body(event.kv, event.timings)})
             if include_usage:
                 yield _sse({**base, "choices": [], "usage": usage(event.prompt_tokens, len(event.output_ids))})
     yield _sse("[DONE]")

@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
-import logging
 from collections.abc import Sequence
 from pathlib import Path
 
 from kvshuttle.v1 import gateway_pb2_grpc, registry_pb2_grpc, scheduler_pb2_grpc
-from services.config import TelemetryConfig, load, require, setting
+
+from services.config import TelemetryConfig, require, setting
 from services.gateway.grpc_api import GatewayServicer
 from services.gateway.openai_api import create_app
 from services.gateway.rest_bridge import BridgeOptions, bridge_routes, install_openapi
 from services.gateway.tokenizer import GatewayTokenizer
 from services.gateway.turns import TurnRunner
-from services.grpc_server import Server, client_channel, run_until_signal
+from services.grpc_server import Server, client_channel, service_main
 from services.http_server import HttpServer
-from services.telemetry import setup_tracing
 
 SERVICE_NAME = "kvshuttle.v1.Gateway"
 REGISTRY_SERVICE = "kvshuttle.v1.SessionRegistry"
@@ -97,19 +95,5 @@ class GatewayService:
             await channel.close()
 
 
-async def serve(cfg: GatewayConfig) -> GatewayService:
-    service = GatewayService(cfg)
-    await service.start()
-    return service
-
-
 def main(argv: Sequence[str] | None = None) -> None:
-    cfg = load(GatewayConfig, argv, prog="kvshuttle gateway")
-    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    setup_tracing("kvshuttle-gateway", cfg)
-
-    async def run() -> None:
-        service = GatewayService(cfg)
-        await run_until_signal(service.start, service.stop)
-
-    asyncio.run(run())
+    service_main(GatewayConfig, argv, "kvshuttle gateway", "kvshuttle-gateway", GatewayService)

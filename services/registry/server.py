@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 from collections.abc import Sequence
 
 from kvshuttle.v1 import registry_pb2_grpc
-from services.config import TelemetryConfig, load, require, setting
-from services.grpc_server import Server, run_until_signal
+
+from services.config import TelemetryConfig, require, setting
+from services.grpc_server import Server, service_main
 from services.registry.servicer import SessionRegistryServicer
 from services.registry.store import RegistryStore, parse_endpoints
-from services.telemetry import setup_tracing
 
 SERVICE_NAME = "kvshuttle.v1.SessionRegistry"
 log = logging.getLogger(__name__)
@@ -78,15 +77,7 @@ async def serve(cfg: RegistryConfig) -> RegistryService:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    cfg = load(RegistryConfig, argv, prog="kvshuttle registry")
-    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    setup_tracing("kvshuttle-registry", cfg)
-
-    async def run() -> None:
-        service = RegistryService(cfg)
-        await run_until_signal(service.start, service.stop)
-
-    asyncio.run(run())
+    service_main(RegistryConfig, argv, "kvshuttle registry", "kvshuttle-registry", RegistryService)
 
 
 if __name__ == "__main__":

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import logging
 from collections.abc import Sequence
 
-from control_plane.decision import PullPolicy
 from kvshuttle.v1 import registry_pb2_grpc, scheduler_pb2_grpc
-from services.config import TelemetryConfig, load, require, setting
-from services.grpc_server import Server, client_channel, run_until_signal
+
+from control_plane.decision import PullPolicy
+from services.config import TelemetryConfig, require, setting
+from services.grpc_server import Server, client_channel, service_main
 from services.scheduler.servicer import TransferSchedulerServicer
 from services.scheduler.worker_view import WorkerView
-from services.telemetry import setup_tracing
 
 SERVICE_NAME = "kvshuttle.v1.TransferScheduler"
 
@@ -60,19 +58,5 @@ class SchedulerService:
         await self.channel.close()
 
 
-async def serve(cfg: SchedulerConfig) -> SchedulerService:
-    service = SchedulerService(cfg)
-    await service.start()
-    return service
-
-
 def main(argv: Sequence[str] | None = None) -> None:
-    cfg = load(SchedulerConfig, argv, prog="kvshuttle scheduler")
-    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    setup_tracing("kvshuttle-scheduler", cfg)
-
-    async def run() -> None:
-        service = SchedulerService(cfg)
-        await run_until_signal(service.start, service.stop)
-
-    asyncio.run(run())
+    service_main(SchedulerConfig, argv, "kvshuttle scheduler", "kvshuttle-scheduler", SchedulerService)

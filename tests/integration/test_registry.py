@@ -408,7 +408,9 @@ async def test_bad_session_requests(stub, decode):
         short = turn(decode, uid("s"), tokens)
         short.kv_transfer_params_json = handle(decode, 9, blocks=2)
         cases = [
-            (stub.GetSession(R.GetSessionRequest(session_id="s1")), INVALID, "tenant is required"),
+            (stub.GetSession(R.GetSessionRequest(session_id=uid("s"))), grpc.StatusCode.NOT_FOUND,
+                 "tenant 'default'"),  # no tenant: the default one
+                (stub.GetSession(R.GetSessionRequest(session_id="s1", tenant="a/b")), INVALID, "characters"),
             (stub.GetSession(R.GetSessionRequest(session_id="x" * 257, tenant=TENANT)), INVALID, "at most 256"),
             (stub.GetSession(R.GetSessionRequest(session_id="a b", tenant=TENANT)), INVALID, "characters"),
             (stub.GetSession(R.GetSessionRequest(session_id=uid("s"), tenant=TENANT)), grpc.StatusCode.NOT_FOUND,
