@@ -1,0 +1,111 @@
+"""TransferScheduler over loopback against a real registry and etcd: worker choice, the prefix check, the claim."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import grpc
+import pytest
+
+from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from services.grpc_server import client_channel
+from services.registry.server import RegistryConfig, serve
+from services.scheduler.server import SchedulerConfig, SchedulerService
+
+BS = 16
+
+
+@pytest.fixture(scope="module")
+async def planes(etcd):
+    """A registry with its own key prefix (no other test's workers), a scheduler on it, and their stubs."""
+    registry = await serve(RegistryConfig(listen="127.0.0.1:0", etcd_endpoints=etcd,
+                                          key_prefix=f"/sched-{uuid.uuid4().hex[:6]}/", expiry_margin_s=5))
+    scheduler = SchedulerService(SchedulerConfig(listen="127.0.0.1:0", registry=registry.address,
+                                                 pull_threshold_tokens=16))
+    await scheduler.start()
+    channels = [client_channel(registry.address), client_channel(scheduler.address)]
+    yield registry_pb2_grpc.SessionRegistryStub(channels[0]), scheduler_pb2_grpc.TransferSchedulerStub(channels[1])
+    for channel in channels:
+        await channel.close()
+    await scheduler.stop()
+    await registry.stop(grace=0.5)
+
+
+def worker(worker_id: str, role: int, port: int) -> common_pb2.Worker:
+    return common_pb2.Worker(worker_id=worker_id, role=role, engine_id=f"engine-{worker_id}",
+                             grpc_address=f"127.0.0.1:{port}", nixl_host="127.0.0.1", nixl_port=port + 1,
+                             block_size=BS, kv_blocks_ttl_s=60, model="tiny")
+
+
+def handle_for(w: common_pb2.Worker, covered: int) -> str:
+    return json.dumps({"do_remote_decode": True, "remote_engine_id": w.engine_id, "remote_host": w.nixl_host,
+                       "remote_port": w.nixl_port, "remote_num_tokens": covered,
+                       "remote_block_ids": [list(range(100, 100 + -(-covered // BS)))]})
+
+
+async def plan(sched, session: str, prompt: list[int], **kw) -> scheduler_pb2.PlanTurnResponse:
+    return await sched.PlanTurn(scheduler_pb2.PlanTurnRequest(session_id=session, prompt_token_ids=prompt, **kw))
+
+
+async def test_plans_pulls_only_for_verified_unclaimed_history(planes):
+    reg, sched = planes
+    p, d = worker("p0", common_pb2.WORKER_ROLE_PREFILL, 7000), worker("d0", common_pb2.WORKER_ROLE_DECODE, 7100)
+    for w in (p, d):
+        await reg.RegisterWorker(registry_pb2.RegisterWorkerRequest(worker=w, lease_ttl_s=30))
+    history = list(range(1000, 1100))  # 100 ids: last turn's prompt + answer
+    session = f"s-{uuid.uuid4().hex[:8]}"
+
+    first = await plan(sched, session, history[:60])
+    assert first.decision == scheduler_pb2.DECISION_RECOMPUTE and "no recorded KV" in first.reason
+    assert (first.prefill.worker_id, first.decode.worker_id) == ("p0", "d0")
+
+    await reg.RecordTurn(registry_pb2.RecordTurnRequest(session_id=session, decode_worker_id="d0",
+                                                        kv_transfer_params_json=handle_for(d, 99),
+                                                        token_ids=history))
+    edited = history.copy()
+    edited[40] = 7  # third block (32..47) differs
+    partial = await plan(sched, session, edited + [1, 2], disable_pull=True)
+    assert partial.decision == scheduler_pb2.DECISION_RECOMPUTE and "disabled" in partial.reason
+
+    pulled = await plan(sched, session, history + [1, 2, 3])
+    assert pulled.decision == scheduler_pb2.DECISION_PULL, pulled.reason
+    assert pulled.figures.reusable_tokens == 99 and pulled.source.worker_id == "d0"
+    params = json.loads(pulled.prefill_kv_transfer_params_json)
+    assert params["remote_num_tokens"] == 99 and len(params["remote_block_ids"][0]) == 7
+    # The plan claimed the handle: a second turn on the same session cannot pull it again.
+    again = await plan(sched, session, history + [1, 2, 3])
+    assert again.decision == scheduler_pb2.DECISION_RECOMPUTE and "already" in again.reason
+
+    # A new record, then a prompt that diverges in block 2: only the two whole blocks before it are pulled.
+    await reg.RecordTurn(registry_pb2.RecordTurnRequest(session_id=session, decode_worker_id="d0",
+                                                        kv_transfer_params_json=handle_for(d, 99),
+                                                        token_ids=history))
+    diverged = await plan(sched, session, edited + [1, 2])
+    assert diverged.decision == scheduler_pb2.DECISION_PULL and diverged.figures.reusable_tokens == 32
+    assert json.loads(diverged.prefill_kv_transfer_params_json)["remote_block_ids"] == [[100, 101]]
+
+    # The decode worker that holds the KV goes away: recompute, never a pull from a dead address.
+    await reg.RecordTurn(registry_pb2.RecordTurnRequest(session_id=session, decode_worker_id="d0",
+                                                        kv_transfer_params_json=handle_for(d, 99),
+                                                        token_ids=history))
+    d1 = worker("d1", common_pb2.WORKER_ROLE_DECODE, 7200)
+    await reg.RegisterWorker(registry_pb2.RegisterWorkerRequest(worker=d1, lease_ttl_s=30))
+    await reg.DeregisterWorker(registry_pb2.DeregisterWorkerRequest(worker_id="d0"))
+    for _ in range(50):  # the scheduler learns it through WatchWorkers
+        gone = await plan(sched, session, history + [5])
+        if "not alive" in gone.reason:
+            break
+    assert gone.decision == scheduler_pb2.DECISION_RECOMPUTE and gone.decode.worker_id == "d1"
+
+
+async def test_bad_plans_are_rejected_with_a_status(planes):
+    _, sched = planes
+    for request, words in [
+        (scheduler_pb2.PlanTurnRequest(session_id="s"), "must not be empty"),
+        (scheduler_pb2.PlanTurnRequest(session_id="x" * 300, prompt_token_ids=[1]), "256"),
+        (scheduler_pb2.PlanTurnRequest(session_id="a b", prompt_token_ids=[1]), "characters"),
+    ]:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await sched.PlanTurn(request)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in err.value.details()
