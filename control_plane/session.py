@@ -10,9 +10,10 @@ import math
 import re
 from dataclasses import dataclass
 
+from kvshuttle.v1 import common_pb2, registry_pb2
+
 from control_plane.kv_params import HandleError, blocks_for, parse_handle
 from control_plane.prefix import block_hash_chain
-from kvshuttle.v1 import common_pb2, registry_pb2
 
 MAX_ID_LEN = 256
 _ID_RE = re.compile(r"[A-Za-z0-9._:@=+-]+")

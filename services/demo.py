@@ -13,8 +13,8 @@ import uuid
 from dataclasses import dataclass
 
 import httpx
-
 from kvshuttle.v1 import common_pb2
+
 from workers.engine_client import EngineClient
 
 SYSTEM = ("You are a coding agent. You read source files with tools and explain what they do, "

@@ -21,8 +21,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TextIO
 
 import grpc
-
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+
 from services.config import load
 from services.telemetry import setup_tracing, shutdown_tracing
 from workers.engine_client import EngineClient, EngineError, ServerInfo, fast_reconnect_channel

@@ -19,10 +19,9 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry.instrumentation.grpc import aio_client_interceptors
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import common_pb2
-
-from opentelemetry.instrumentation.grpc import aio_client_interceptors
 
 from control_plane.kv_params import prefill_request_params
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import grpc
-
 from kvshuttle.v1 import gateway_pb2, gateway_pb2_grpc, scheduler_pb2
+
 from services.gateway.turns import Delta, Finished, KvOutcome, PreparedTurn, TurnError, TurnRequest, TurnRunner
 
 _DECISIONS = {"pull": scheduler_pb2.DECISION_PULL, "recompute": scheduler_pb2.DECISION_RECOMPUTE}

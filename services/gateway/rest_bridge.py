@@ -35,14 +35,14 @@ from google.api import annotations_pb2, http_pb2
 from google.protobuf import descriptor_pool, json_format, message_factory
 from google.protobuf.descriptor import Descriptor, FieldDescriptor, MethodDescriptor, ServiceDescriptor
 from google.protobuf.message import Message
-from starlette.convertors import StringConvertor
-from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response, StreamingResponse
-from starlette.datastructures import URLPath
-from starlette.routing import NoMatchFound, Route
 
 # Importing the generated modules registers kvshuttle's services in the default descriptor pool.
 from kvshuttle.v1 import gateway_pb2, registry_pb2, scheduler_pb2  # noqa: F401
+from starlette.convertors import StringConvertor
+from starlette.datastructures import URLPath
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import NoMatchFound, Route
 
 try:  # Trace context: make the gRPC client span a child of the incoming HTTP request's trace.
     from opentelemetry import context as otel_context

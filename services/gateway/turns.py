@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import grpc
+from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from opentelemetry import trace
 
 from control_plane import kv_params
 from control_plane.continuation import plan_continuation
 from control_plane.session import DEFAULT_TENANT
-from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.telemetry import hashed
 from workers.engine_client import EngineClient, EngineError, Final
 

@@ -16,10 +16,10 @@ from collections.abc import Callable
 
 import grpc
 import grpc.aio
+from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 from opentelemetry import trace
 
 from control_plane import session as rules
-from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 from services.registry.store import RegistryStore, StoreError, StoreUnavailable
 from services.telemetry import hashed
 

@@ -28,9 +28,9 @@ from etcd3aio.connections import ConnectionManager
 from etcd3aio.kv import KVService
 from etcd3aio.lease import LeaseService
 from google.protobuf.message import DecodeError
+from kvshuttle.v1 import common_pb2
 
 from control_plane.session import claim_refusal, claimed_record
-from kvshuttle.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 

@@ -7,12 +7,12 @@ import logging
 import time
 
 import grpc
+from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from opentelemetry import trace
 
 from control_plane import kv_params
 from control_plane.decision import Choice, HandleView, Plan, PullPolicy, decide
 from control_plane.selection import RoundRobin
-from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.worker_view import WorkerView
 from services.telemetry import hashed
 

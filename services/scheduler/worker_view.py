@@ -7,7 +7,6 @@ import logging
 import random
 
 import grpc
-
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 log = logging.getLogger(__name__)

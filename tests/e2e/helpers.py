@@ -6,10 +6,10 @@ import uuid
 from pathlib import Path
 
 import httpx
+from kvshuttle.v1 import common_pb2
 from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from kvshuttle.v1 import common_pb2
 from workers.engine_client import EngineClient
 
 

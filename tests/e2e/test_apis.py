@@ -8,9 +8,9 @@ import json
 import grpc
 import httpx
 import pytest
+from kvshuttle.v1 import gateway_pb2, gateway_pb2_grpc, scheduler_pb2
 from openai import AsyncOpenAI
 
-from kvshuttle.v1 import gateway_pb2, gateway_pb2_grpc, scheduler_pb2
 from services.demo import run_demo
 from tests.e2e.helpers import flush_prefill, new_session, user_turn
 from tests.support.grpcurl import check_serving

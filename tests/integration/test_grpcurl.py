@@ -11,9 +11,16 @@ import json
 import grpc
 import pytest
 import pytest_asyncio
+from kvshuttle.v1 import (
+    common_pb2,
+    gateway_pb2,
+    gateway_pb2_grpc,
+    registry_pb2,
+    registry_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
 
-from kvshuttle.v1 import (common_pb2, gateway_pb2, gateway_pb2_grpc, registry_pb2, registry_pb2_grpc, scheduler_pb2,
-                          scheduler_pb2_grpc)
 from services.grpc_server import Server
 from tests.support.grpcurl import check_serving, describe, grpcurl, health_status, list_services
 

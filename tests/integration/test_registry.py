@@ -10,10 +10,10 @@ import uuid
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 from control_plane.prefix import block_hash_chain, matched_prefix_tokens
 from control_plane.session import LEASE_GRACE_S
-from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 from services.etcd_process import EtcdCluster, EtcdProcess, free_port
 from services.grpc_server import client_channel
 from services.registry.server import RegistryConfig, serve

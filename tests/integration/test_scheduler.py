@@ -7,8 +7,8 @@ import uuid
 
 import grpc
 import pytest
-
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+
 from services.grpc_server import client_channel
 from services.registry.server import RegistryConfig, serve
 from services.scheduler.server import SchedulerConfig, SchedulerService

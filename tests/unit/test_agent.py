@@ -10,8 +10,8 @@ import socket
 
 import grpc
 import pytest
-
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+
 from tests.unit.fake_engine import FakeEngineServer
 from workers import agent as agent_mod
 from workers.agent import Agent, RegistryLink

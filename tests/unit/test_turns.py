@@ -1,0 +1,164 @@
+"""TurnRunner's own logic with stand-ins for the scheduler, registry and engines: prompt continuation, the retry
+of a failed pull as a recompute, what gets recorded. (The real path is covered end to end in tests/e2e.)"""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+from kvshuttle.v1 import common_pb2, registry_pb2, scheduler_pb2
+
+from control_plane import kv_params
+from services.gateway.turns import Delta, Finished, TurnError, TurnRequest, TurnRunner
+from workers.engine_client import Chunk, EngineError, Final
+
+PULL_PARAMS = {"do_remote_decode": True, "remote_block_ids": [[1]], "remote_num_tokens": 3}
+
+
+class Tokenizer:
+    """Characters are tokens (id = code point): exact and easy to reason about."""
+
+    def render_chat(self, messages, add_generation_prompt=True):
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt
+                                                                           else "")
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+class Engine:
+    def __init__(self, fail_prefills: int = 0, answer: str = "ok"):
+        self.fail_prefills, self.answer, self.prefills = fail_prefills, answer, []
+
+    async def prefill(self, request_id, prompt_ids, *, kv_transfer_params):
+        self.prefills.append(kv_transfer_params)
+        if self.fail_prefills:
+            self.fail_prefills -= 1
+            raise EngineError(grpc.StatusCode.INTERNAL, "engine said no")
+        return Final([7], "length", len(prompt_ids), 1, 0, {"for": "decode"})
+
+    async def generate(self, request_id, prompt_ids, **kw):
+        ids = [ord(c) for c in self.answer]
+        for i in ids:
+            yield Chunk([i], len(prompt_ids), 0)
+        yield Final(ids, "length", len(prompt_ids), len(ids), 0, {"do_remote_decode": True, "handle": 1})
+
+    async def close(self):
+        pass
+
+
+class Registry:
+    def __init__(self, session=None):
+        self.session, self.recorded = session, []
+
+    async def GetSession(self, request, timeout=None):
+        if self.session is None:
+            raise _rpc_error(grpc.StatusCode.NOT_FOUND)
+        return registry_pb2.GetSessionResponse(session=self.session, expires_in_s=100)
+
+    async def RecordTurn(self, request, timeout=None):
+        self.recorded.append(request)
+        return registry_pb2.RecordTurnResponse()
+
+
+class Scheduler:
+    def __init__(self, decision):
+        self.decision, self.prompts = decision, []
+
+    async def PlanTurn(self, request, timeout=None):
+        self.prompts.append(list(request.prompt_token_ids))
+        pull = self.decision == scheduler_pb2.DECISION_PULL
+        params = PULL_PARAMS if pull else kv_params.prefill_request_params()
+        return scheduler_pb2.PlanTurnResponse(
+            decision=self.decision, reason="test", prefill_kv_transfer_params_json=json.dumps(params),
+            prefill=common_pb2.Worker(worker_id="p", grpc_address="p:1"),
+            decode=common_pb2.Worker(worker_id="d", grpc_address="d:1"),
+            figures=scheduler_pb2.PlanFigures(reusable_tokens=3 if pull else 0))
+
+
+def _rpc_error(code):
+    class Err(grpc.aio.AioRpcError):
+        def __init__(self):
+            super().__init__(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details="x")
+    return Err()
+
+
+def runner(decision, prefill: Engine, registry=None) -> tuple[TurnRunner, Scheduler, Registry]:
+    scheduler, registry = Scheduler(decision), registry or Registry()
+    r = TurnRunner(Tokenizer(), registry, scheduler, max_model_len=1000)
+    r._engines = {"p:1": prefill, "d:1": Engine()}
+    return r, scheduler, registry
+
+
+async def run(r: TurnRunner, req: TurnRequest):
+    turn = await r.prepare(req)
+    events = [e async for e in r.decode(turn)]
+    return turn, events
+
+
+async def test_failed_pull_is_retried_once_as_a_recompute():
+    p = Engine(fail_prefills=1)
+    r, _, _ = runner(scheduler_pb2.DECISION_PULL, p)
+    turn, events = await run(r, TurnRequest(session_id="s", prompt_text="hello", max_tokens=2))
+    assert p.prefills[0] == PULL_PARAMS and p.prefills[1] == kv_params.prefill_request_params()
+    assert turn.kv.decision == "recompute" and turn.kv.retried_as_recompute and turn.kv.pulled_tokens == 0
+    assert "retried as recompute" in turn.kv.reason
+    assert isinstance(events[-1], Finished) and "".join(e.text for e in events if isinstance(e, Delta)) == "ok"
+
+
+async def test_a_failed_recompute_is_a_503_not_a_retry():
+    p = Engine(fail_prefills=1)
+    r, _, _ = runner(scheduler_pb2.DECISION_RECOMPUTE, p)
+    with pytest.raises(TurnError) as err:
+        await r.prepare(TurnRequest(session_id="s", prompt_text="hello", max_tokens=2))
+    assert err.value.http_status == 503 and len(p.prefills) == 1
+
+
+async def test_next_prompt_continues_the_recorded_ids_and_the_exact_ids_are_recorded():
+    # The recorded ids differ from what re-tokenizing the text would give: the prompt must reuse them.
+    previous = registry_pb2.GetSessionResponse().session
+    previous.text, previous.token_ids[:] = "<user>hi<assistant>ok", [900, 901, 902]
+    registry = Registry(previous)
+    r, scheduler, _ = runner(scheduler_pb2.DECISION_RECOMPUTE, Engine(), registry)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": "more"}]
+    turn, events = await run(r, TurnRequest(session_id="s", messages=messages, max_tokens=2))
+    suffix = [ord(c) for c in "<user>more<assistant>"]
+    assert scheduler.prompts == [[900, 901, 902, *suffix]]
+    record = registry.recorded[-1]
+    assert list(record.token_ids) == [900, 901, 902, *suffix, ord("o"), ord("k")]
+    assert record.text == "<user>hi<assistant>ok<user>more<assistant>ok"
+    assert json.loads(record.kv_transfer_params_json) == {"do_remote_decode": True, "handle": 1}
+
+
+async def test_edited_history_is_tokenized_from_scratch():
+    previous = registry_pb2.GetSessionResponse().session
+    previous.text, previous.token_ids[:] = "<user>hi<assistant>ok", [900, 901, 902]
+    r, scheduler, _ = runner(scheduler_pb2.DECISION_RECOMPUTE, Engine(), Registry(previous))
+    messages = [{"role": "user", "content": "HI"}, {"role": "assistant", "content": "ok"}]
+    await run(r, TurnRequest(session_id="s", messages=messages, max_tokens=2))
+    assert scheduler.prompts[0][:3] == [ord(c) for c in "<us"]
+
+
+@pytest.mark.parametrize("req,words", [
+    (TurnRequest(prompt_text="x", max_tokens=0), "max_tokens"),
+    (TurnRequest(prompt_text="x" * 999, max_tokens=5), "context"),
+    (TurnRequest(prompt_text="x", temperature=3.0), "temperature"),
+    (TurnRequest(prompt_ids=[-1]), "token ids"),
+    (TurnRequest(messages=[]), "messages"),
+])
+async def test_bad_requests_are_400(req, words):
+    r, _, _ = runner(scheduler_pb2.DECISION_RECOMPUTE, Engine())
+    with pytest.raises(TurnError) as err:
+        await r.prepare(req)
+    assert err.value.http_status == 400 and words in err.value.message
+
+
+async def test_no_session_records_nothing():
+    r, _, registry = runner(scheduler_pb2.DECISION_RECOMPUTE, Engine())
+    await run(r, TurnRequest(prompt_text="hello", max_tokens=2))
+    assert registry.recorded == []
