@@ -67,9 +67,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-_die_with_parent = die_with_parent(signal.SIGKILL)
-
-
 def _http(url: str, body: bytes | None = None, timeout: float = 1.0) -> dict:
     req = urllib.request.Request(url, data=body, method="POST" if body is not None else "GET")
     with urllib.request.urlopen(req, timeout=timeout) as resp:
@@ -141,8 +138,8 @@ class EtcdProcess:
         self._log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self._log_path, "ab")
         try:
-            self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True, preexec_fn=_die_with_parent)
+            self.proc = subprocess.Popen(die_with_parent(args, signal.SIGKILL), stdin=subprocess.DEVNULL,
+                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         finally:
             log.close()
         with _live_lock:

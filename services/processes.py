@@ -4,30 +4,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import os
 import shlex
 import signal
+import sys
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
-try:
-    _LIBC = ctypes.CDLL(None)  # loaded here, not after fork: dlopen in a forked child of a threaded process can hang
-except OSError:
-    _LIBC = None
+# Runs as ``python -c`` in front of the real command: sets PR_SET_PDEATHSIG, checks the parent is still the one that
+# started it (it may have died already), then execs the command. Done this way, not with a preexec_fn, because Python
+# code between fork and exec in a process with live gRPC threads can abort the child (seen here: epoll_wait EBADF).
+_GUARD = ("import ctypes,os,sys;ctypes.CDLL(None).prctl(1,int(sys.argv[1]));"
+          "os.getppid()==int(sys.argv[2]) or sys.exit(70);os.execvp(sys.argv[3],sys.argv[3:])")
 
 
-def die_with_parent(sig: int = signal.SIGTERM):
-    """A preexec_fn: the child gets ``sig`` when the thread that started it exits (Linux PR_SET_PDEATHSIG).
+def die_with_parent(argv: Sequence[str], sig: int = signal.SIGTERM) -> list[str]:
+    """``argv`` wrapped so that the child gets ``sig`` when the thread that started it exits (Linux PDEATHSIG).
 
     Spawn from a long-lived thread (the main one or the event loop's). SIGTERM lets a child clean up its own
     children (a worker agent stops its vLLM); SIGKILL suits leaves like etcd.
     """
-    def preexec() -> None:
-        if _LIBC is not None:
-            _LIBC.prctl(1, sig)  # PR_SET_PDEATHSIG
-    return preexec
+    return [sys.executable, "-c", _GUARD, str(int(sig)), str(os.getpid()), *argv]
 
 
 class ChildProcess:
@@ -50,11 +48,10 @@ class ChildProcess:
             log.write(f"\n=== {shlex.join(self.argv)}\n".encode())
             log.flush()
             self.proc = await asyncio.create_subprocess_exec(
-                *self.argv, stdin=asyncio.subprocess.DEVNULL,
+                *die_with_parent(self.argv), stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE if stdout_pipe else log,
                 stderr=log if stdout_pipe else asyncio.subprocess.STDOUT,
-                env={**os.environ, **(self.env or {})}, cwd=self.cwd, start_new_session=True,
-                preexec_fn=die_with_parent(signal.SIGTERM))
+                env={**os.environ, **(self.env or {})}, cwd=self.cwd, start_new_session=True)
 
     @property
     def pid(self) -> int | None:

@@ -11,6 +11,7 @@ from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_
 from opentelemetry import trace
 
 from control_plane import kv_params
+from control_plane import session as session_rules
 from control_plane.decision import Choice, HandleView, Plan, PullPolicy, decide
 from control_plane.selection import RoundRobin
 from services.scheduler.worker_view import WorkerView
@@ -48,8 +49,13 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids must not be empty")
         if any(t < 0 or t > MAX_TOKEN_ID for t in prompt):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids must be non-negative token ids")
-        if len(request.session_id) > 256:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "session_id longer than 256 characters")
+        if request.session_id:
+            try:
+                session_rules.validate_id("session_id", request.session_id)
+                if request.tenant:
+                    session_rules.validate_id("tenant", request.tenant)
+            except session_rules.InvalidArgument as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if not await self._workers.wait_ready(5.0):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker list from the registry yet")
 

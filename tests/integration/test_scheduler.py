@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 
@@ -56,7 +57,13 @@ async def test_plans_pulls_only_for_verified_unclaimed_history(planes):
     history = list(range(1000, 1100))  # 100 ids: last turn's prompt + answer
     session = f"s-{uuid.uuid4().hex[:8]}"
 
-    first = await plan(sched, session, history[:60])
+    for _ in range(100):  # the scheduler learns about workers through WatchWorkers
+        try:
+            first = await plan(sched, session, history[:60])
+            break
+        except grpc.aio.AioRpcError as exc:
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE
+            await asyncio.sleep(0.05)
     assert first.decision == scheduler_pb2.DECISION_RECOMPUTE and "no recorded KV" in first.reason
     assert (first.prefill.worker_id, first.decode.worker_id) == ("p0", "d0")
 
@@ -103,7 +110,7 @@ async def test_bad_plans_are_rejected_with_a_status(planes):
     _, sched = planes
     for request, words in [
         (scheduler_pb2.PlanTurnRequest(session_id="s"), "must not be empty"),
-        (scheduler_pb2.PlanTurnRequest(session_id="x" * 300, prompt_token_ids=[1]), "256"),
+        (scheduler_pb2.PlanTurnRequest(session_id="x" * 300, prompt_token_ids=[1]), "at most 256"),
         (scheduler_pb2.PlanTurnRequest(session_id="a b", prompt_token_ids=[1]), "characters"),
     ]:
         with pytest.raises(grpc.aio.AioRpcError) as err:
