@@ -12,7 +12,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -42,6 +42,7 @@ class Tokenizer(Protocol):
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+    def stream_decoder(self, skip_special_tokens: bool = True) -> Callable[[Sequence[int]], str]: ...
 
 
 @dataclass
@@ -292,7 +293,8 @@ class TurnRunner:
         engine = self.engine(turn.plan.decode)
         output: list[int] = []
         pending: list[int] = []  # ids not yet sent in a Delta (held back while they end in a partial character)
-        sent = ""
+        sent: list[str] = []  # text pieces already streamed
+        detokenize = self.tokenizer.stream_decoder(True)
         final: Final | None = None
         t = time.perf_counter()
         span = tracer.start_span("decode", context=trace.set_span_in_context(turn.span),
@@ -312,11 +314,12 @@ class TurnRunner:
                         timings["ttft_ms"] = _ms(turn.started)
                     output.extend(item.token_ids)
                     pending.extend(item.token_ids)
-                    text = self.tokenizer.decode(output, True)
-                    if text.endswith("\ufffd"):
+                    piece = detokenize(item.token_ids)
+                    if not piece:
                         continue
-                    yield Delta(text[len(sent):] if text.startswith(sent) else "", pending)
-                    sent, pending = text, []
+                    yield Delta(piece, pending)
+                    sent.append(piece)
+                    pending = []
             except EngineError as exc:
                 raise TurnError(503, grpc.StatusCode.UNAVAILABLE,
                                 f"decode failed on {turn.plan.decode.worker_id}: {exc}", retry_after_s=1) from None
@@ -329,8 +332,9 @@ class TurnRunner:
         if final.output_ids and len(final.output_ids) > len(output):
             output = list(final.output_ids)  # non-streaming engines report everything at the end
         text = self.tokenizer.decode(output, True)
-        if pending or len(text) > len(sent):
-            yield Delta(text[len(sent):] if text.startswith(sent) else "", pending)
+        streamed = "".join(sent)
+        if pending or len(text) > len(streamed):  # a held-back tail (e.g. an unfinished character)
+            yield Delta(text[len(streamed):] if text.startswith(streamed) else "", pending)
         timings.setdefault("ttft_ms", _ms(turn.started))
 
         t = time.perf_counter()

@@ -61,8 +61,13 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
 
         with tracer.start_as_current_span("scheduler.plan_turn") as span:
             exclude = set(request.exclude_worker_ids)
-            prefill = self._pick_prefill.pick(self._workers.by_role(common_pb2.WORKER_ROLE_PREFILL), exclude)
-            decode = self._pick_decode.pick(self._workers.by_role(common_pb2.WORKER_ROLE_DECODE), exclude)
+            prefill, decode = self._pick(exclude)
+            if prefill is None or decode is None:  # the watch may lag behind a registration: ask once
+                try:
+                    await self._workers.refresh(self._timeout)
+                except grpc.aio.AioRpcError as exc:
+                    log.warning("could not refresh the worker list (%s)", exc.code().name)
+                prefill, decode = self._pick(exclude)
             if prefill is None or decode is None:
                 await context.abort(grpc.StatusCode.UNAVAILABLE,
                                     f"no live {'prefill' if prefill is None else 'decode'} worker")
@@ -113,6 +118,10 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
                 prefill_kv_transfer_params_json=json.dumps(plan.prefill_params),
                 source=source if plan.choice is Choice.PULL else None, figures=figures,
             )
+
+    def _pick(self, exclude: set[str]) -> tuple[common_pb2.Worker | None, common_pb2.Worker | None]:
+        return (self._pick_prefill.pick(self._workers.by_role(common_pb2.WORKER_ROLE_PREFILL), exclude),
+                self._pick_decode.pick(self._workers.by_role(common_pb2.WORKER_ROLE_DECODE), exclude))
 
     async def _get_session(self, request) -> tuple[registry_pb2.GetSessionResponse | None, float, str | None]:
         try:

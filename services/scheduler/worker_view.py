@@ -43,6 +43,11 @@ class WorkerView:
             return False
         return True
 
+    async def refresh(self, timeout_s: float = 2.0) -> None:
+        """Replace the view with the registry's current list (when the watch may lag, e.g. just after start)."""
+        resp = await self._registry.ListWorkers(registry_pb2.ListWorkersRequest(), timeout=timeout_s)
+        self.apply(Event(type=Event.EVENT_TYPE_SNAPSHOT, workers=resp.workers))
+
     def apply(self, event: Event) -> None:
         if event.type == Event.EVENT_TYPE_SNAPSHOT:
             self._workers = {w.worker_id: w for w in event.workers}

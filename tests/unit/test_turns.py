@@ -29,6 +29,9 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens=True):
         return "".join(chr(i) for i in ids)
 
+    def stream_decoder(self, skip_special_tokens=True):
+        return self.decode
+
 
 class Engine:
     def __init__(self, fail_prefills: int = 0, answer: str = "ok"):
