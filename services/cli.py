@@ -10,17 +10,21 @@ from collections.abc import Sequence
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("services.stack", "Start the whole local stack, run a 4-turn conversation, print the table, stop"),
     "up": ("services.stack", "Start the whole local stack and keep it running until Ctrl-C"),
+    "bench": ("services.bench.multiturn", "Multi-turn benchmark: TTFT with pull vs recompute vs ideal, and the "
+                                          "control plane's own overhead (starts the local stack)"),
     "registry": ("services.registry.server", "Run the session registry (gRPC, etcd-backed)"),
     "scheduler": ("services.scheduler.server", "Run the transfer scheduler (gRPC)"),
     "gateway": ("services.gateway.server", "Run the gateway (OpenAI HTTP API, REST bridge, gRPC)"),
     "worker": ("workers.agent", "Run a vLLM prefill or decode worker and register it"),
     "make-model": ("workers.model_builder", "Build the small offline test model into a directory"),
+    "bench-services": ("services.bench.services_bench", "Microbenchmarks of the registry and scheduler (no vLLM)"),
 }
 
 
 def usage() -> str:
     lines = ["usage: kvshuttle <command> [options]   (kvshuttle <command> --help for its options)", "", "commands:"]
-    lines += [f"  {name:<11} {text}" for name, (_, text) in COMMANDS.items()]
+    width = max(map(len, COMMANDS))
+    lines += [f"  {name:<{width}} {text}" for name, (_, text) in COMMANDS.items()]
     return "\n".join(lines)
 
 

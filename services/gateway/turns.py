@@ -134,22 +134,28 @@ class TurnRunner:
 
     # -- prompt ----------------------------------------------------------------------------------------------
 
-    async def _previous(self, req: TurnRequest) -> registry_pb2.GetSessionResponse | None:
+    async def _previous(self, req: TurnRequest) -> tuple[registry_pb2.GetSessionResponse | None, dict[str, Any]]:
+        """The session's record, and what to tell the scheduler about it (so it need not read it again)."""
         try:
-            return await self.registry.GetSession(
+            resp = await self.registry.GetSession(
                 registry_pb2.GetSessionRequest(session_id=req.session_id, tenant=req.tenant),
                 timeout=self.control_timeout_s)
+            return resp, {"session_snapshot": resp}
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise TurnError(400, exc.code(), exc.details() or "invalid session id") from None
-            if exc.code() != grpc.StatusCode.NOT_FOUND:
-                log.warning("registry unavailable reading a session (%s): tokenizing from scratch", exc.code().name)
-            return None
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                return None, {"session_not_found": True}
+            log.warning("registry unavailable reading a session (%s): tokenizing from scratch", exc.code().name)
+            return None, {}
 
-    async def build_prompt(self, req: TurnRequest) -> tuple[list[int], str, bool]:
-        """Exact prompt ids, the text they stand for ('' for raw ids), and whether they continue recorded ids."""
+    async def build_prompt(self, req: TurnRequest, timings: dict[str, float] | None = None,
+                           ) -> tuple[list[int], str, bool, dict[str, Any]]:
+        """Exact prompt ids, the text they stand for ('' for raw ids), whether they continue recorded ids, and the
+        session snapshot for the scheduler (PlanTurnRequest's ``known_session``). ``timings["session_ms"]``: the
+        registry read."""
         if req.prompt_ids is not None:
-            return list(req.prompt_ids), "", False
+            return list(req.prompt_ids), "", False, {}
         if req.messages is not None:
             try:
                 text = await asyncio.to_thread(self.tokenizer.render_chat, req.messages, True)
@@ -157,11 +163,14 @@ class TurnRunner:
                 raise TurnError(400, grpc.StatusCode.INVALID_ARGUMENT, f"cannot render chat: {exc}") from None
         else:
             text = req.prompt_text or ""
-        prev = await self._previous(req) if req.session_id else None
+        t = time.perf_counter()
+        prev, known = await self._previous(req) if req.session_id else (None, {})
+        if timings is not None:
+            timings["session_ms"] = _ms(t)
         cont = plan_continuation(prev.session.text, prev.session.token_ids, text) if prev else plan_continuation(
             "", [], text)
         suffix_ids = await asyncio.to_thread(self.tokenizer.encode, cont.suffix_text, False)
-        return [*cont.prefix_ids, *suffix_ids], text, cont.continues
+        return [*cont.prefix_ids, *suffix_ids], text, cont.continues, known
 
     # -- phases ----------------------------------------------------------------------------------------------
 
@@ -200,8 +209,8 @@ class TurnRunner:
         self.validate(req)
         timings: dict[str, float] = {}
         t = time.perf_counter()
-        prompt_ids, prompt_text, continued = await self.build_prompt(req)
-        timings["tokenize_ms"] = _ms(t)
+        prompt_ids, prompt_text, continued, known_session = await self.build_prompt(req, timings)
+        timings["prompt_ms"] = _ms(t)
         if not prompt_ids:
             raise TurnError(400, grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
         if len(prompt_ids) + req.max_tokens > self.max_model_len:
@@ -214,7 +223,7 @@ class TurnRunner:
             try:
                 plan = await self.scheduler.PlanTurn(scheduler_pb2.PlanTurnRequest(
                     session_id=req.session_id, tenant=req.tenant, prompt_token_ids=prompt_ids,
-                    disable_pull=req.disable_pull), timeout=self.control_timeout_s)
+                    disable_pull=req.disable_pull, **known_session), timeout=self.control_timeout_s)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise TurnError(400, exc.code(), exc.details() or "invalid request") from None

@@ -15,6 +15,7 @@ the library's own watch hides reconnects (we re-send a snapshot after each) and 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
@@ -82,7 +83,7 @@ class RegistryStore:
     """Workers, sessions and leases in etcd. ``connect()`` first (no I/O: channels connect lazily)."""
 
     def __init__(self, endpoints: str | Sequence[str], prefix: str = "/kvshuttle/", *, timeout_s: float = 5.0,
-                 attempt_timeout_s: float = 2.0):
+                 attempt_timeout_s: float = 2.0, recent_sessions_bytes: int = 64 << 20):
         self.endpoints = parse_endpoints(endpoints)
         self.prefix = prefix if prefix.endswith("/") else prefix + "/"
         self.timeout_s = timeout_s
@@ -91,6 +92,7 @@ class RegistryStore:
         self._kv: KVService | None = None
         self._lease: LeaseService | None = None
         self._watch: WatchStub | None = None
+        self._recent = _RecentSessions(recent_sessions_bytes)
 
     # -- connection ------------------------------------------------------------------------------------------
 
@@ -300,7 +302,10 @@ class RegistryStore:
         if not resp.kvs:
             return None, 0
         kv = resp.kvs[0]
-        return _parse_session(kv.value, kv.mod_revision), kv.lease
+        session = _parse_session(kv.value, kv.mod_revision)
+        if session is not None:
+            self._recent.put(self.session_key(tenant, session_id), session, kv.lease, len(kv.value))
+        return session, kv.lease
 
     async def get_session(self, tenant: str, session_id: str) -> common_pb2.Session | None:
         """The record with ``revision`` = its mod_revision, or None."""
@@ -330,10 +335,12 @@ class RegistryStore:
         if old_lease and old_lease != lease_id:
             await self._revoke_quietly(old_lease)
         record.revision = resp.header.revision
+        self._recent.put(key, record, lease_id, len(value))
         return record
 
     async def delete_session(self, tenant: str, session_id: str) -> bool:
         """Delete the record and revoke its lease; False when there was none."""
+        self._recent.discard(self.session_key(tenant, session_id))
         resp = await self._call("delete session", self.kv.delete, self.session_key(tenant, session_id),
                                 prev_kv=True)
         for kv in resp.prev_kvs:
@@ -347,11 +354,13 @@ class RegistryStore:
         On success the stored record becomes claimed (handle cleared, same lease); the result carries the record
         with its handle. Refusals (missing, already claimed, changed, no handle, expired) carry a reason.
         """
-        current, lease_id = await self._get_session_kv(tenant, session_id)
+        key = self.session_key(tenant, session_id)
+        # The record at ``revision`` is immutable: when this process wrote or read it lately, skip the read. The
+        # transaction below compares the revision, so a record changed since is still caught.
+        current, lease_id = self._recent.get(key, revision) or await self._get_session_kv(tenant, session_id)
         reason = claim_refusal(current, revision, now)
         if reason is not None:
             return ClaimResult(False, reason, _handle_cleared(current))
-        key = self.session_key(tenant, session_id)
         try:
             resp = await self._call("claim session", self.kv.txn,
                                     [_mod_revision_is(key, revision)],
@@ -371,6 +380,7 @@ class RegistryStore:
             now_record = _parse_session(kvs[0].value, kvs[0].mod_revision) if kvs else None
             reason = claim_refusal(now_record, revision, now) or f"changed: revision {revision} is gone"
             return ClaimResult(False, reason, _handle_cleared(now_record))
+        self._recent.discard(key)
         won = common_pb2.Session()
         won.CopyFrom(current)
         won.claimed = True
@@ -380,6 +390,42 @@ class RegistryStore:
 
 class _WatchLost(Exception):
     pass
+
+
+class _RecentSessions:
+    """Session records this process wrote or read lately, by key, at one revision each; bounded in bytes (LRU).
+
+    Only ever used for a record at a given revision (immutable in etcd), never to answer "what is current".
+    """
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._items: collections.OrderedDict[str, tuple[common_pb2.Session, int, int]] = collections.OrderedDict()
+        self._bytes = 0
+
+    def put(self, key: str, session: common_pb2.Session, lease_id: int, size: int) -> None:
+        self.discard(key)
+        if size > self.max_bytes:
+            return
+        copy = common_pb2.Session()
+        copy.CopyFrom(session)  # callers may change theirs
+        self._items[key] = (copy, lease_id, size)
+        self._bytes += size
+        while self._bytes > self.max_bytes:
+            _, (_, _, dropped) = self._items.popitem(last=False)
+            self._bytes -= dropped
+
+    def get(self, key: str, revision: int) -> tuple[common_pb2.Session, int] | None:
+        item = self._items.get(key)
+        if item is None or item[0].revision != revision:
+            return None
+        self._items.move_to_end(key)
+        return item[0], item[1]
+
+    def discard(self, key: str) -> None:
+        item = self._items.pop(key, None)
+        if item is not None:
+            self._bytes -= item[2]
 
 
 def _mod_revision_is(key: str, revision: int) -> Compare:

@@ -74,29 +74,22 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
 
             session, expires_in = None, 0.0
             reason_override = None
+            known = request.WhichOneof("known_session")
             if request.session_id and not request.disable_pull:
-                try:
-                    session, expires_in, reason_override = await self._get_session(request)
-                except grpc.aio.AioRpcError as exc:
-                    await context.abort(exc.code(), exc.details() or "invalid session")
-            handle = None
-            source = None
-            if session is not None and session.kv_transfer_params_json:
-                source = self._workers.get(session.decode_worker_id)
-                handle = HandleView(
-                    kv_transfer_params_json=session.kv_transfer_params_json,
-                    covered_tokens=session.covered_tokens, block_size=session.block_size,
-                    block_hashes=list(session.block_hashes), expires_in_s=expires_in, claimed=session.claimed,
-                    source_alive=source_matches(source, session.kv_transfer_params_json)
-                    and session.decode_worker_id not in exclude,
-                )
-            elif session is not None:
-                handle = HandleView("", session.covered_tokens, session.block_size, [], expires_in, True, False)
+                if known == "session_snapshot":
+                    session, expires_in = request.session_snapshot.session, request.session_snapshot.expires_in_s
+                elif known is None:
+                    try:
+                        session, expires_in, reason_override = await self._get_session(request)
+                    except grpc.aio.AioRpcError as exc:
+                        await context.abort(exc.code(), exc.details() or "invalid session")
+            source = self._workers.get(session.decode_worker_id) if session is not None else None
+            handle = self._handle_view(session, expires_in, source, exclude)
             plan = decide(prompt, handle, self._policy, disable_pull=request.disable_pull)
             if reason_override and plan.choice is Choice.RECOMPUTE and handle is None:
                 plan.reason = reason_override
             if plan.choice is Choice.PULL:
-                plan = await self._claim(request, session, plan)
+                plan = await self._claim(request, session, plan, prompt, expires_in, source, exclude)
 
             figures = scheduler_pb2.PlanFigures(
                 prompt_tokens=len(prompt), session_found=session is not None,
@@ -137,7 +130,25 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
             log.warning("registry unavailable for GetSession (%s); recomputing", exc.code().name)
             return None, 0.0, f"session registry unavailable ({exc.code().name}): recompute"
 
-    async def _claim(self, request, session, plan: Plan) -> Plan:
+    @staticmethod
+    def _handle_view(session: common_pb2.Session | None, expires_in: float, source: common_pb2.Worker | None,
+                     exclude: set[str]) -> HandleView | None:
+        if session is None:
+            return None
+        if not session.kv_transfer_params_json:
+            return HandleView("", session.covered_tokens, session.block_size, [], expires_in, True, False)
+        return HandleView(
+            kv_transfer_params_json=session.kv_transfer_params_json,
+            covered_tokens=session.covered_tokens, block_size=session.block_size,
+            block_hashes=list(session.block_hashes), expires_in_s=expires_in, claimed=session.claimed,
+            source_alive=source_matches(source, session.kv_transfer_params_json)
+            and session.decode_worker_id not in exclude,
+        )
+
+    async def _claim(self, request, session: common_pb2.Session, plan: Plan, prompt: list[int], expires_in: float,
+                     source: common_pb2.Worker | None, exclude: set[str]) -> Plan:
+        """Take the handle at the planned revision; the pull goes ahead only if the claimed record (the registry's,
+        not the caller's snapshot) gives the very same plan."""
         started = time.perf_counter()
         try:
             resp = await self._registry.ClaimSession(
@@ -147,6 +158,15 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
             return _demote(plan, f"could not claim the KV handle ({exc.code().name}): recompute")
         if not resp.claimed:
             return _demote(plan, f"KV handle claimed by a concurrent turn ({resp.reason}): recompute")
+        claimed = common_pb2.Session()
+        claimed.CopyFrom(resp.session)
+        claimed.claimed = False  # judge the record as it was before our claim
+        check = decide(prompt, self._handle_view(claimed, expires_in, source, exclude), self._policy)
+        if (check.choice, check.reusable_tokens, check.prefill_params) != (
+                plan.choice, plan.reusable_tokens, plan.prefill_params):
+            log.warning("session %s: the claimed record disagrees with the planned one; recomputing",
+                        hashed(request.session_id))
+            return _demote(plan, "the claimed record differs from the one planned with: recompute")
         log.debug("claimed session in %.2f ms", (time.perf_counter() - started) * 1000)
         return plan
 

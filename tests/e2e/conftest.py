@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 from services.config import from_namespace
-from services.stack import Stack, StackConfig
+from services.stack import DemoConfig, Stack
 from tests.support.otlp import OtlpReceiver
 
 
@@ -28,7 +28,7 @@ async def otlp():
 async def stack(model_dir, otlp, tmp_path_factory):
     work = tmp_path_factory.mktemp("stack")
     os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "200"  # export spans quickly (inherited by the services)
-    cfg = from_namespace(StackConfig, environ={
+    cfg = from_namespace(DemoConfig, environ={
         "KVSHUTTLE_STACK_WORK_DIR": str(work), "KVSHUTTLE_MODEL_DIR": str(model_dir),
         "KVSHUTTLE_STACK_HTTP_PORT": "0", "KVSHUTTLE_STACK_GRPC_PORT": "0",
         "KVSHUTTLE_TRACES_EXPORTER": "otlp", "KVSHUTTLE_OTLP_ENDPOINT": otlp.endpoint,

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import uuid
-from pathlib import Path
 
 import httpx
 from kvshuttle.v1 import common_pb2
-from prometheus_client import CollectorRegistry
-from prometheus_client.multiprocess import MultiProcessCollector
 
 from workers.engine_client import EngineClient
 
@@ -33,16 +30,7 @@ async def flush_prefill(stack) -> None:
 
 def prompt_token_sources(stack) -> dict[str, float]:
     """vLLM's own counter on P: prompt tokens by source (local_compute, external_kv_transfer, local_cache_hit)."""
-    totals: dict[str, float] = {}
-    for w in prefill_workers(stack):
-        registry = CollectorRegistry()
-        MultiProcessCollector(registry, path=str(Path(stack.work, "workers", w.worker_id, "prometheus")))
-        for metric in registry.collect():
-            for sample in metric.samples:
-                if sample.name.endswith("prompt_tokens_by_source_total"):
-                    src = sample.labels.get("source", "")
-                    totals[src] = totals.get(src, 0.0) + sample.value
-    return totals
+    return stack.prefill_prompt_tokens_by_source()
 
 
 async def chat(client: httpx.AsyncClient, session: str, messages: list[dict], *, max_tokens: int = 16,

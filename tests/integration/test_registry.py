@@ -338,6 +338,37 @@ async def test_claim_race_has_exactly_one_winner(registry, stub, decode):
         await stub.DeleteSession(registry_pb2.DeleteSessionRequest(session_id=sid, tenant=TENANT))
 
 
+async def test_claims_stay_exact_across_registry_replicas(etcd, stub, decode):
+    """Each registry remembers the records it wrote or read to skip a read when claiming; a record another replica
+    changed or claimed meanwhile must still be caught by the claim's revision check."""
+    other = await serve(RegistryConfig(listen="127.0.0.1:0", etcd_endpoints=etcd))
+    channel = client_channel(other.address)
+    replica = registry_pb2_grpc.SessionRegistryStub(channel)
+    sid = uid("s")
+    try:
+        first = (await stub.RecordTurn(turn(decode, sid, list(range(40))))).session  # this replica remembers it
+        second = (await replica.RecordTurn(turn(decode, sid, list(range(41))))).session  # the other changes it
+        stale = await stub.ClaimSession(registry_pb2.ClaimSessionRequest(session_id=sid, tenant=TENANT,
+                                                                         revision=first.revision))
+        assert not stale.claimed and stale.reason.startswith("changed"), stale.reason
+        won = await stub.ClaimSession(registry_pb2.ClaimSessionRequest(session_id=sid, tenant=TENANT,
+                                                                       revision=second.revision))
+        assert won.claimed and won.session.kv_transfer_params_json == second.kv_transfer_params_json
+        assert list(won.session.token_ids) == list(range(41))
+
+        third = (await stub.RecordTurn(turn(decode, sid, list(range(42))))).session
+        taken = await replica.ClaimSession(registry_pb2.ClaimSessionRequest(session_id=sid, tenant=TENANT,
+                                                                            revision=third.revision))
+        assert taken.claimed
+        again = await stub.ClaimSession(registry_pb2.ClaimSessionRequest(session_id=sid, tenant=TENANT,
+                                                                         revision=third.revision))
+        assert not again.claimed and not again.session.kv_transfer_params_json, again
+    finally:
+        await channel.close()
+        await other.stop(grace=0.5)
+        await stub.DeleteSession(registry_pb2.DeleteSessionRequest(session_id=sid, tenant=TENANT))
+
+
 async def test_claim_refusals(stub, decode):
     sid = uid("s")
     rec = (await stub.RecordTurn(turn(decode, sid, list(range(12))))).session

@@ -10,6 +10,7 @@ import grpc
 import pytest
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
+from control_plane.prefix import block_hash_chain
 from services.grpc_server import client_channel
 from services.registry.server import RegistryConfig, serve
 from services.scheduler.server import SchedulerConfig, SchedulerService
@@ -104,6 +105,53 @@ async def test_plans_pulls_only_for_verified_unclaimed_history(planes):
         if "not alive" in gone.reason:
             break
     assert gone.decision == scheduler_pb2.DECISION_RECOMPUTE and gone.decode.worker_id == "d1"
+
+
+async def test_a_session_snapshot_saves_a_read_but_never_makes_a_wrong_pull(planes):
+    """The gateway hands PlanTurn the record it just read. A stale or altered snapshot must not cause a pull the
+    registry's record does not allow: the claim is at the snapshot's revision and the plan is re-checked."""
+    reg, sched = planes
+    p, d = worker("p9", common_pb2.WORKER_ROLE_PREFILL, 7400), worker("d9", common_pb2.WORKER_ROLE_DECODE, 7500)
+    for w in (p, d):
+        await reg.RegisterWorker(registry_pb2.RegisterWorkerRequest(worker=w, lease_ttl_s=30))
+    history = list(range(2000, 2100))
+    session = f"s-{uuid.uuid4().hex[:8]}"
+
+    async def record() -> registry_pb2.GetSessionResponse:
+        await reg.RecordTurn(registry_pb2.RecordTurnRequest(session_id=session, decode_worker_id="d9",
+                                                            kv_transfer_params_json=handle_for(d, 99),
+                                                            token_ids=history))
+        return await reg.GetSession(registry_pb2.GetSessionRequest(session_id=session))
+
+    async def plan_with(snapshot, prompt, **kw) -> scheduler_pb2.PlanTurnResponse:
+        for _ in range(100):  # the scheduler learns about the workers through WatchWorkers
+            got = await plan(sched, session, prompt, session_snapshot=snapshot, exclude_worker_ids=["p0", "d0", "d1"],
+                             **kw)
+            if got.decode.worker_id == "d9" and "not alive" not in got.reason:
+                return got
+            await asyncio.sleep(0.05)
+        raise AssertionError(got)
+
+    snapshot = await record()
+    pulled = await plan_with(snapshot, history + [1])
+    assert pulled.decision == scheduler_pb2.DECISION_PULL and pulled.figures.reusable_tokens == 99, pulled.reason
+
+    stale = await record()
+    await record()  # the record changes after the caller read it
+    late = await plan_with(stale, history + [1])
+    assert late.decision == scheduler_pb2.DECISION_RECOMPUTE and "changed" in late.reason, late.reason
+
+    forged = await record()
+    edited = history.copy()
+    edited[20] = 5  # differs from the real record in block 1; the snapshot claims the record holds these tokens
+    del forged.session.block_hashes[:]
+    forged.session.block_hashes.extend(block_hash_chain(edited, 99, BS))
+    wrong = await plan_with(forged, edited + [1])
+    assert wrong.decision == scheduler_pb2.DECISION_RECOMPUTE and "differs" in wrong.reason, wrong.reason
+
+    await record()
+    absent = await plan(sched, session, history + [1], session_not_found=True)
+    assert absent.decision == scheduler_pb2.DECISION_RECOMPUTE and "no recorded KV" in absent.reason
 
 
 async def test_bad_plans_are_rejected_with_a_status(planes):

@@ -33,6 +33,11 @@ def test_command_and_env(tmp_path):
     assert cfg.id == "prefill-127.0.0.1-50071"
 
 
+def test_colocated_worker_has_no_kv_connector(tmp_path):
+    argv, _ = vllm_command(WorkerConfig(role=vllm_process.COLOCATED, model="/m/tiny", work_dir=str(tmp_path)))
+    assert "--kv-transfer-config" not in argv and argv[argv.index("--model") + 1] == "/m/tiny"
+
+
 def test_config_from_env():
     cfg = from_namespace(WorkerConfig, environ={
         "KVSHUTTLE_WORKER_ROLE": "decode", "KVSHUTTLE_WORKER_MODEL": "/m", "KVSHUTTLE_WORKER_ENFORCE_EAGER": "0",

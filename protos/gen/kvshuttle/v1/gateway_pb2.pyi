@@ -83,20 +83,24 @@ class KvReport(_message.Message):
     def __init__(self, decision: _Optional[_Union[_scheduler_pb2.Decision, str]] = ..., reason: _Optional[str] = ..., pulled_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., retried_as_recompute: _Optional[bool] = ..., prefill_worker_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., figures: _Optional[_Union[_scheduler_pb2.PlanFigures, _Mapping]] = ...) -> None: ...
 
 class TurnTimings(_message.Message):
-    __slots__ = ("plan_ms", "prefill_ms", "ttft_ms", "decode_ms", "record_ms", "total_ms")
+    __slots__ = ("plan_ms", "prefill_ms", "ttft_ms", "decode_ms", "record_ms", "total_ms", "prompt_ms", "session_ms")
     PLAN_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     DECODE_MS_FIELD_NUMBER: _ClassVar[int]
     RECORD_MS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_MS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_MS_FIELD_NUMBER: _ClassVar[int]
     plan_ms: float
     prefill_ms: float
     ttft_ms: float
     decode_ms: float
     record_ms: float
     total_ms: float
-    def __init__(self, plan_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., record_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
+    prompt_ms: float
+    session_ms: float
+    def __init__(self, plan_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., record_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., prompt_ms: _Optional[float] = ..., session_ms: _Optional[float] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens")

@@ -1,4 +1,5 @@
 from kvshuttle.v1 import common_pb2 as _common_pb2
+from kvshuttle.v1 import registry_pb2 as _registry_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -18,18 +19,22 @@ DECISION_PULL: Decision
 DECISION_RECOMPUTE: Decision
 
 class PlanTurnRequest(_message.Message):
-    __slots__ = ("session_id", "tenant", "prompt_token_ids", "disable_pull", "exclude_worker_ids")
+    __slots__ = ("session_id", "tenant", "prompt_token_ids", "disable_pull", "exclude_worker_ids", "session_snapshot", "session_not_found")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DISABLE_PULL_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_NOT_FOUND_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tenant: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     disable_pull: bool
     exclude_worker_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., disable_pull: _Optional[bool] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    session_snapshot: _registry_pb2.GetSessionResponse
+    session_not_found: bool
+    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., disable_pull: _Optional[bool] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ..., session_snapshot: _Optional[_Union[_registry_pb2.GetSessionResponse, _Mapping]] = ..., session_not_found: _Optional[bool] = ...) -> None: ...
 
 class PlanFigures(_message.Message):
     __slots__ = ("prompt_tokens", "session_found", "covered_tokens", "matched_tokens", "reusable_tokens", "compute_tokens", "block_size", "expires_in_s", "pull_threshold_tokens", "source_worker_alive")

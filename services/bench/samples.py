@@ -1,0 +1,35 @@
+"""What one measured turn of the benchmark is: the record the runner produces and the report aggregates."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+# The three modes measured side by side in one run.
+PULL = "pull"  # the gateway with bi-directional KV transfer: turns 2+ pull the history from the decode worker
+RECOMPUTE = "recompute"  # the same gateway and workers with pulls disabled per request: P recomputes the history
+IDEAL = "ideal"  # the same conversation on one vLLM worker with prefix caching (no disaggregation, no KV moved)
+MODES = (PULL, RECOMPUTE, IDEAL)
+
+
+@dataclass
+class TurnSample:
+    mode: str  # one of MODES
+    conversation: str  # conversation id (the same id in every mode)
+    turn: int  # 1-based turn index within the conversation
+    prompt_tokens: int  # tokens in this turn's prompt
+    history_tokens: int  # tokens of the prompt that were already there last turn (prompt + answer); 0 on turn 1
+    new_tokens: int  # prompt_tokens - history_tokens
+    ttft_ms: float  # request sent -> first generated token received, client side
+    latency_ms: float  # request sent -> last byte received, client side
+    output_tokens: int  # tokens generated
+    decision: str  # "pull" or "recompute" as the gateway reported it; "ideal" for the ideal worker
+    pulled_tokens: int  # prompt tokens P loaded over NIXL (worker-reported); 0 when not pulled
+    computed_tokens: int  # prompt tokens the prefilling worker computed itself
+    output_digest: str = ""  # short hash of the generated token ids: equal across modes when answers agree
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> TurnSample:
+        return cls(**data)

@@ -1,0 +1,62 @@
+"""`kvshuttle bench` at a tiny size against the shared stack, with a colocated worker for the ideal mode: the
+output has the right shape and every mode was measured. No timing thresholds: numbers only have to exist."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.bench.ideal_worker import IdealWorker
+from services.bench.multiturn import BenchConfig, run_bench
+from services.config import from_namespace
+
+pytestmark = pytest.mark.e2e
+MODES = ("pull", "recompute", "ideal", "direct")
+
+
+async def test_bench_measures_every_mode_and_writes_results(stack, tmp_path, capsys):
+    cfg = from_namespace(BenchConfig, environ={
+        "KVSHUTTLE_BENCH_GATEWAY_URL": stack.base_url, "KVSHUTTLE_MODEL_DIR": str(stack.model_dir),
+        "KVSHUTTLE_BENCH_OUT_DIR": str(tmp_path / "results"), "KVSHUTTLE_BENCH_CONVERSATIONS": "2",
+        "KVSHUTTLE_BENCH_CONCURRENCY": "2", "KVSHUTTLE_BENCH_MAX_HISTORY_TOKENS": "1400",
+        "KVSHUTTLE_BENCH_SYSTEM_TOKENS": "300", "KVSHUTTLE_BENCH_TURN_TOKENS_MIN": "150",
+        "KVSHUTTLE_BENCH_TURN_TOKENS_MAX": "250", "KVSHUTTLE_BENCH_MAX_TOKENS": "6",
+        "KVSHUTTLE_BENCH_PROGRESS": "false", "KVSHUTTLE_BENCH_BUCKETS": "0,500,1000",
+        "KVSHUTTLE_STACK_MAX_MODEL_LEN": "4096",
+    })
+    ideal = IdealWorker(cfg, tmp_path / "ideal")
+    try:
+        await ideal.start(300)
+        cfg.ideal_address = ideal.address
+        assert await run_bench(cfg) == 0
+    finally:
+        await ideal.stop()
+
+    printed = capsys.readouterr().out
+    assert "TTFT (ms) by history length" in printed and "Control-plane overhead" in printed
+    (run_dir,) = (tmp_path / "results").iterdir()
+    assert {p.name for p in run_dir.iterdir()} >= {"results.json", "samples.jsonl", "ttft.png", "report.txt"}
+    assert (run_dir / "ttft.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = json.loads((run_dir / "results.json").read_text())
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+
+    turns = {(s["conversation"], s["turn"]) for s in samples}
+    assert len(turns) >= 4  # two conversations of two or more turns
+    for mode in MODES:  # every turn measured in every mode, with real numbers
+        mine = [s for s in samples if s["mode"] == mode]
+        assert {(s["conversation"], s["turn"]) for s in mine} == turns, mode
+        assert all(s["ttft_ms"] > 0 and s["latency_ms"] >= s["ttft_ms"] and s["prompt_tokens"] > 0
+                   and s["output_tokens"] > 0 for s in mine), mine
+    later = [s for s in samples if s["turn"] > 1]
+    assert all(s["decision"] == "pull" and s["pulled_tokens"] > 0 for s in later if s["mode"] in ("pull", "direct"))
+    assert all(s["decision"] == "recompute" and s["pulled_tokens"] == 0 for s in later if s["mode"] == "recompute")
+    assert report["answers_agree"]["agree"] == report["answers_agree"]["compared"] == len(turns)
+
+    overall = report["overall"]
+    for mode in MODES:
+        assert overall["modes"][mode]["ttft_p50_ms"] > 0
+    assert overall["ratios"]["recompute_over_pull"] > 0 and overall["ratios"]["recompute_over_ideal"] > 0
+    overhead = report["control_plane_overhead"]
+    assert overhead["paired_turns"] == len(turns)
+    assert overhead["hops"]["plan_ms"]["p50"] > 0 and overhead["hops"]["prefill_ms"]["p50"] > 0
