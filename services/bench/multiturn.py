@@ -224,7 +224,7 @@ async def run_bench(cfg: BenchConfig) -> int:
             if stack is not None:
                 counters_before = stack.prefill_prompt_tokens_by_source()
             print(f"kvshuttle bench: {len(conversations)} conversations, "
-                  f"{sum(len(c.user_turns) for c in conversations)} turns each in {', '.join(modes)}; "
+                  f"{sum(len(c.user_turns) for c in conversations)} turns in all, each in {', '.join(modes)}; "
                   f"concurrency {cfg.concurrency}; gateway {base_url}", flush=True)
             outcome = await drive(conversations, make_lanes, modes, concurrency=cfg.concurrency,
                                   progress=cfg.progress, turn_timeout_s=cfg.turn_timeout_s)

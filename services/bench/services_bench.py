@@ -401,6 +401,9 @@ class Workload:
             await self._record_many(ids)
             snapshots = await asyncio.gather(*(self.setup.registry.GetSession(
                 registry_pb2.GetSessionRequest(session_id=s), timeout=self.cfg.rpc_timeout_s) for s in ids))
+            for snap in snapshots:  # what the gateway sends: the record without its history
+                snap.session.ClearField("token_ids")
+                snap.session.ClearField("text")
             return [scheduler_pb2.PlanTurnRequest(session_id=s, prompt_token_ids=self.prompt, session_snapshot=snap)
                     for s, snap in zip(ids, snapshots, strict=True)]
         if op == CLAIM_SESSION:  # a fresh record per claim, claimed at the revision RecordTurn returned

@@ -21,7 +21,9 @@ from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_
 from opentelemetry import trace
 
 from control_plane import kv_params
+from control_plane import session as session_rules
 from control_plane.continuation import plan_continuation
+from control_plane.lru import BoundedLru
 from control_plane.session import DEFAULT_TENANT
 from services.telemetry import hashed
 from workers.engine_client import EngineClient, EngineError, Final
@@ -105,6 +107,15 @@ class Finished:
     timings: dict[str, float]
 
 
+def _without_history(resp: registry_pb2.GetSessionResponse) -> registry_pb2.GetSessionResponse:
+    """The snapshot the scheduler gets: it checks the prompt against the hash chain, not the token ids."""
+    out = registry_pb2.GetSessionResponse()
+    out.CopyFrom(resp)
+    out.session.ClearField("token_ids")
+    out.session.ClearField("text")
+    return out
+
+
 def _ms(since: float) -> float:
     return round((time.perf_counter() - since) * 1000, 3)
 
@@ -112,7 +123,7 @@ def _ms(since: float) -> float:
 class TurnRunner:
     def __init__(self, tokenizer: Tokenizer, registry: registry_pb2_grpc.SessionRegistryStub,
                  scheduler: scheduler_pb2_grpc.TransferSchedulerStub, *, max_model_len: int,
-                 engine_timeout_s: float = 120.0, control_timeout_s: float = 5.0):
+                 engine_timeout_s: float = 120.0, control_timeout_s: float = 5.0, session_cache_bytes: int = 64 << 20):
         self.tokenizer = tokenizer
         self.registry = registry
         self.scheduler = scheduler
@@ -120,6 +131,10 @@ class TurnRunner:
         self.engine_timeout_s = engine_timeout_s
         self.control_timeout_s = control_timeout_s
         self._engines: dict[str, EngineClient] = {}
+        # The records this gateway wrote (RecordTurn's answer, with its revision): the next turn of a session that
+        # stays on this gateway needs no registry read. A record another gateway changed since makes the scheduler
+        # report the snapshot stale (its claim is at our revision), and the turn reads the record and plans again.
+        self._sessions: BoundedLru[common_pb2.Session] = BoundedLru(session_cache_bytes)
 
     def engine(self, worker: common_pb2.Worker) -> EngineClient:
         client = self._engines.get(worker.grpc_address)
@@ -134,13 +149,20 @@ class TurnRunner:
 
     # -- prompt ----------------------------------------------------------------------------------------------
 
-    async def _previous(self, req: TurnRequest) -> tuple[registry_pb2.GetSessionResponse | None, dict[str, Any]]:
-        """The session's record, and what to tell the scheduler about it (so it need not read it again)."""
+    async def _previous(self, req: TurnRequest, *, fresh: bool = False,
+                        ) -> tuple[registry_pb2.GetSessionResponse | None, dict[str, Any]]:
+        """The session's record (this gateway's own copy unless ``fresh``), and what to tell the scheduler about it
+        (so it need not read it again)."""
+        own = None if fresh else self._sessions.get((req.tenant, req.session_id))
+        if own is not None:
+            resp = registry_pb2.GetSessionResponse(session=own,
+                                                   expires_in_s=session_rules.expires_in(own, time.time()))
+            return resp, {"session_snapshot": _without_history(resp)}
         try:
             resp = await self.registry.GetSession(
                 registry_pb2.GetSessionRequest(session_id=req.session_id, tenant=req.tenant),
                 timeout=self.control_timeout_s)
-            return resp, {"session_snapshot": resp}
+            return resp, {"session_snapshot": _without_history(resp)}
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise TurnError(400, exc.code(), exc.details() or "invalid session id") from None
@@ -149,7 +171,7 @@ class TurnRunner:
             log.warning("registry unavailable reading a session (%s): tokenizing from scratch", exc.code().name)
             return None, {}
 
-    async def build_prompt(self, req: TurnRequest, timings: dict[str, float] | None = None,
+    async def build_prompt(self, req: TurnRequest, timings: dict[str, float] | None = None, *, fresh: bool = False,
                            ) -> tuple[list[int], str, bool, dict[str, Any]]:
         """Exact prompt ids, the text they stand for ('' for raw ids), whether they continue recorded ids, and the
         session snapshot for the scheduler (PlanTurnRequest's ``known_session``). ``timings["session_ms"]``: the
@@ -164,7 +186,7 @@ class TurnRunner:
         else:
             text = req.prompt_text or ""
         t = time.perf_counter()
-        prev, known = await self._previous(req) if req.session_id else (None, {})
+        prev, known = await self._previous(req, fresh=fresh) if req.session_id else (None, {})
         if timings is not None:
             timings["session_ms"] = _ms(t)
         cont = plan_continuation(prev.session.text, prev.session.token_ids, text) if prev else plan_continuation(
@@ -211,24 +233,17 @@ class TurnRunner:
         t = time.perf_counter()
         prompt_ids, prompt_text, continued, known_session = await self.build_prompt(req, timings)
         timings["prompt_ms"] = _ms(t)
-        if not prompt_ids:
-            raise TurnError(400, grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
-        if len(prompt_ids) + req.max_tokens > self.max_model_len:
-            raise TurnError(400, grpc.StatusCode.INVALID_ARGUMENT,
-                            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the "
-                            f"model's context of {self.max_model_len} tokens")
+        self._check_length(req, prompt_ids)
 
         t = time.perf_counter()
-        with tracer.start_as_current_span("plan"):
-            try:
-                plan = await self.scheduler.PlanTurn(scheduler_pb2.PlanTurnRequest(
-                    session_id=req.session_id, tenant=req.tenant, prompt_token_ids=prompt_ids,
-                    disable_pull=req.disable_pull, **known_session), timeout=self.control_timeout_s)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise TurnError(400, exc.code(), exc.details() or "invalid request") from None
-                raise TurnError(503, grpc.StatusCode.UNAVAILABLE,
-                                f"scheduler unavailable: {exc.details() or exc.code().name}", retry_after_s=1) from None
+        plan = await self._plan(req, prompt_ids, known_session)
+        if plan.figures.snapshot_stale:  # our copy of the record is out of date: read it, build the prompt again
+            self._sessions.discard((req.tenant, req.session_id))
+            prompt_ids, prompt_text, continued, known_session = await self.build_prompt(req, timings, fresh=True)
+            self._check_length(req, prompt_ids)
+            plan = await self._plan(req, prompt_ids, known_session)
+        if plan.decision == scheduler_pb2.DECISION_PULL:  # the claim consumed the record we hold
+            self._sessions.discard((req.tenant, req.session_id))
         timings["plan_ms"] = _ms(t)
         pull = plan.decision == scheduler_pb2.DECISION_PULL
         kv = KvOutcome("pull" if pull else "recompute", plan.reason, prefill_worker_id=plan.prefill.worker_id,
@@ -251,6 +266,27 @@ class TurnRunner:
                              "kvshuttle.retried_as_recompute": kv.retried_as_recompute})
         return PreparedTurn(turn_id, req, prompt_ids, prompt_text, plan, p_final.kv_transfer_params, kv, started,
                             timings, span)
+
+    def _check_length(self, req: TurnRequest, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise TurnError(400, grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
+        if len(prompt_ids) + req.max_tokens > self.max_model_len:
+            raise TurnError(400, grpc.StatusCode.INVALID_ARGUMENT,
+                            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the "
+                            f"model's context of {self.max_model_len} tokens")
+
+    async def _plan(self, req: TurnRequest, prompt_ids: list[int], known_session: dict[str, Any],
+                    ) -> scheduler_pb2.PlanTurnResponse:
+        with tracer.start_as_current_span("plan"):
+            try:
+                return await self.scheduler.PlanTurn(scheduler_pb2.PlanTurnRequest(
+                    session_id=req.session_id, tenant=req.tenant, prompt_token_ids=prompt_ids,
+                    disable_pull=req.disable_pull, **known_session), timeout=self.control_timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise TurnError(400, exc.code(), exc.details() or "invalid request") from None
+                raise TurnError(503, grpc.StatusCode.UNAVAILABLE,
+                                f"scheduler unavailable: {exc.details() or exc.code().name}", retry_after_s=1) from None
 
     async def _prefill(self, turn_id: str, plan, prompt_ids: list[int], kv: KvOutcome) -> Final:
         engine = self.engine(plan.prefill)
@@ -361,12 +397,15 @@ class TurnRunner:
             return
         with trace.use_span(turn.span, end_on_exit=False), tracer.start_as_current_span("record"):
             raw_answer = await asyncio.to_thread(self.tokenizer.decode, output, False) if turn.prompt_text else ""
+            key = (req.tenant, req.session_id)
+            self._sessions.discard(key)
             try:
-                await self.registry.RecordTurn(registry_pb2.RecordTurnRequest(
+                resp = await self.registry.RecordTurn(registry_pb2.RecordTurnRequest(
                     session_id=req.session_id, tenant=req.tenant, decode_worker_id=turn.plan.decode.worker_id,
                     kv_transfer_params_json=json.dumps(final.kv_transfer_params),
                     token_ids=[*turn.prompt_ids, *output],
                     text=turn.prompt_text + raw_answer if turn.prompt_text else ""), timeout=self.control_timeout_s)
+                self._sessions.put(key, resp.session, resp.session.ByteSize())
             except grpc.aio.AioRpcError as exc:
                 # The answer is fine; only the next turn loses its pull.
                 log.warning("could not record turn %s (%s: %s)", turn.id, exc.code().name, exc.details())

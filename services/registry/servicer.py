@@ -195,8 +195,13 @@ class SessionRegistryServicer(registry_pb2_grpc.SessionRegistryServicer):
             raise rules.InvalidArgument("revision is required: the record revision the caller planned with")
         result = await self.store.claim_session(request.tenant, request.session_id, request.revision,
                                                 now=self.clock())
-        return registry_pb2.ClaimSessionResponse(claimed=result.claimed, reason=result.reason,
-                                                 session=result.session)
+        session = result.session
+        if session is not None:  # the claimer needs the handle and the hash chain, not the history itself
+            session = common_pb2.Session()
+            session.CopyFrom(result.session)
+            session.ClearField("token_ids")
+            session.ClearField("text")
+        return registry_pb2.ClaimSessionResponse(claimed=result.claimed, reason=result.reason, session=session)
 
     @_unary
     async def DeleteSession(self, request, context):

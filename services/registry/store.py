@@ -15,7 +15,6 @@ the library's own watch hides reconnects (we re-send a snapshot after each) and 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
@@ -31,6 +30,7 @@ from etcd3aio.lease import LeaseService
 from google.protobuf.message import DecodeError
 from kvshuttle.v1 import common_pb2
 
+from control_plane.lru import BoundedLru
 from control_plane.session import claim_refusal, claimed_record
 
 log = logging.getLogger(__name__)
@@ -393,39 +393,25 @@ class _WatchLost(Exception):
 
 
 class _RecentSessions:
-    """Session records this process wrote or read lately, by key, at one revision each; bounded in bytes (LRU).
+    """Session records this process wrote or read lately, at one revision each; bounded in bytes (LRU).
 
     Only ever used for a record at a given revision (immutable in etcd), never to answer "what is current".
     """
 
     def __init__(self, max_bytes: int):
-        self.max_bytes = max_bytes
-        self._items: collections.OrderedDict[str, tuple[common_pb2.Session, int, int]] = collections.OrderedDict()
-        self._bytes = 0
+        self._lru: BoundedLru[tuple[common_pb2.Session, int]] = BoundedLru(max_bytes)
 
     def put(self, key: str, session: common_pb2.Session, lease_id: int, size: int) -> None:
-        self.discard(key)
-        if size > self.max_bytes:
-            return
         copy = common_pb2.Session()
         copy.CopyFrom(session)  # callers may change theirs
-        self._items[key] = (copy, lease_id, size)
-        self._bytes += size
-        while self._bytes > self.max_bytes:
-            _, (_, _, dropped) = self._items.popitem(last=False)
-            self._bytes -= dropped
+        self._lru.put(key, (copy, lease_id), size)
 
     def get(self, key: str, revision: int) -> tuple[common_pb2.Session, int] | None:
-        item = self._items.get(key)
-        if item is None or item[0].revision != revision:
-            return None
-        self._items.move_to_end(key)
-        return item[0], item[1]
+        item = self._lru.get(key)
+        return item if item is not None and item[0].revision == revision else None
 
     def discard(self, key: str) -> None:
-        item = self._items.pop(key, None)
-        if item is not None:
-            self._bytes -= item[2]
+        self._lru.discard(key)
 
 
 def _mod_revision_is(key: str, revision: int) -> Compare:

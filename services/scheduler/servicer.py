@@ -88,8 +88,11 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
             plan = decide(prompt, handle, self._policy, disable_pull=request.disable_pull)
             if reason_override and plan.choice is Choice.RECOMPUTE and handle is None:
                 plan.reason = reason_override
+            stale = False
             if plan.choice is Choice.PULL:
-                plan = await self._claim(request, session, plan, prompt, expires_in, source, exclude)
+                plan, refusal = await self._claim(request, session, plan, prompt, expires_in, source, exclude)
+                stale = known == "session_snapshot" and refusal.startswith(
+                    (session_rules.CHANGED, session_rules.MISSING))
 
             figures = scheduler_pb2.PlanFigures(
                 prompt_tokens=len(prompt), session_found=session is not None,
@@ -97,7 +100,7 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
                 reusable_tokens=plan.reusable_tokens, compute_tokens=plan.compute_tokens,
                 block_size=session.block_size if session else 0, expires_in_s=expires_in if session else 0.0,
                 pull_threshold_tokens=self._policy.pull_threshold_tokens,
-                source_worker_alive=bool(handle and handle.source_alive),
+                source_worker_alive=bool(handle and handle.source_alive), snapshot_stale=stale,
             )
             decision = scheduler_pb2.DECISION_PULL if plan.choice is Choice.PULL else scheduler_pb2.DECISION_RECOMPUTE
             span.set_attributes({
@@ -146,29 +149,39 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
         )
 
     async def _claim(self, request, session: common_pb2.Session, plan: Plan, prompt: list[int], expires_in: float,
-                     source: common_pb2.Worker | None, exclude: set[str]) -> Plan:
+                     source: common_pb2.Worker | None, exclude: set[str]) -> tuple[Plan, str]:
         """Take the handle at the planned revision; the pull goes ahead only if the claimed record (the registry's,
-        not the caller's snapshot) gives the very same plan."""
+        not the caller's snapshot) gives the very same plan. Returns the plan and the registry's refusal ('')."""
         started = time.perf_counter()
         try:
             resp = await self._registry.ClaimSession(
                 registry_pb2.ClaimSessionRequest(session_id=request.session_id, tenant=request.tenant,
                                                  revision=session.revision), timeout=self._timeout)
         except grpc.aio.AioRpcError as exc:
-            return _demote(plan, f"could not claim the KV handle ({exc.code().name}): recompute")
+            return _demote(plan, f"could not claim the KV handle ({exc.code().name}): recompute"), ""
         if not resp.claimed:
-            return _demote(plan, f"KV handle claimed by a concurrent turn ({resp.reason}): recompute")
-        claimed = common_pb2.Session()
-        claimed.CopyFrom(resp.session)
-        claimed.claimed = False  # judge the record as it was before our claim
-        check = decide(prompt, self._handle_view(claimed, expires_in, source, exclude), self._policy)
+            return _demote(plan, f"KV handle claimed by a concurrent turn ({resp.reason}): recompute"), resp.reason
+        if not _same_kv(resp.session, session):  # never the case unless the snapshot was wrong
+            claimed = common_pb2.Session()
+            claimed.CopyFrom(resp.session)
+            claimed.claimed = False  # judge the record as it was before our claim
+            check = decide(prompt, self._handle_view(claimed, expires_in, source, exclude), self._policy)
+        else:
+            check = plan
         if (check.choice, check.reusable_tokens, check.prefill_params) != (
                 plan.choice, plan.reusable_tokens, plan.prefill_params):
             log.warning("session %s: the claimed record disagrees with the planned one; recomputing",
                         hashed(request.session_id))
-            return _demote(plan, "the claimed record differs from the one planned with: recompute")
+            return _demote(plan, "the claimed record differs from the one planned with: recompute"), ""
         log.debug("claimed session in %.2f ms", (time.perf_counter() - started) * 1000)
-        return plan
+        return plan, ""
+
+
+def _same_kv(a: common_pb2.Session, b: common_pb2.Session) -> bool:
+    """Whether two records describe the same KV: handle, holder, covered tokens and hash chain."""
+    return (a.kv_transfer_params_json == b.kv_transfer_params_json and a.decode_worker_id == b.decode_worker_id
+            and a.covered_tokens == b.covered_tokens and a.block_size == b.block_size
+            and a.block_hashes == b.block_hashes)
 
 
 def _demote(plan: Plan, reason: str) -> Plan:

@@ -140,6 +140,7 @@ async def test_a_session_snapshot_saves_a_read_but_never_makes_a_wrong_pull(plan
     await record()  # the record changes after the caller read it
     late = await plan_with(stale, history + [1])
     assert late.decision == scheduler_pb2.DECISION_RECOMPUTE and "changed" in late.reason, late.reason
+    assert late.figures.snapshot_stale and not pulled.figures.snapshot_stale
 
     forged = await record()
     edited = history.copy()

@@ -56,24 +56,34 @@ class Engine:
 
 class Registry:
     def __init__(self, session=None):
-        self.session, self.recorded = session, []
+        self.session, self.recorded, self.reads = session, [], 0
 
     async def GetSession(self, request, timeout=None):
+        self.reads += 1
         if self.session is None:
             raise _rpc_error(grpc.StatusCode.NOT_FOUND)
         return registry_pb2.GetSessionResponse(session=self.session, expires_in_s=100)
 
     async def RecordTurn(self, request, timeout=None):
         self.recorded.append(request)
-        return registry_pb2.RecordTurnResponse()
+        stored = common_pb2.Session(session_id=request.session_id, token_ids=request.token_ids, text=request.text,
+                                    kv_transfer_params_json=request.kv_transfer_params_json,
+                                    revision=len(self.recorded) + 10)
+        self.session = stored
+        return registry_pb2.RecordTurnResponse(session=stored)
 
 
 class Scheduler:
     def __init__(self, decision):
-        self.decision, self.prompts = decision, []
+        self.decision, self.prompts, self.requests, self.stale = decision, [], [], 0
 
     async def PlanTurn(self, request, timeout=None):
         self.prompts.append(list(request.prompt_token_ids))
+        self.requests.append(request)
+        if self.stale:  # the caller's snapshot is out of date
+            self.stale -= 1
+            return scheduler_pb2.PlanTurnResponse(decision=scheduler_pb2.DECISION_RECOMPUTE, reason="stale",
+                                                  figures=scheduler_pb2.PlanFigures(snapshot_stale=True))
         pull = self.decision == scheduler_pb2.DECISION_PULL
         params = PULL_PARAMS if pull else kv_params.prefill_request_params()
         return scheduler_pb2.PlanTurnResponse(
@@ -165,3 +175,48 @@ async def test_no_session_records_nothing():
     r, _, registry = runner(scheduler_pb2.DECISION_RECOMPUTE, Engine())
     await run(r, TurnRequest(prompt_text="hello", max_tokens=2))
     assert registry.recorded == []
+
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+async def test_the_next_turn_plans_with_the_record_this_gateway_wrote_without_reading_it():
+    r, scheduler, registry = runner(scheduler_pb2.DECISION_RECOMPUTE, Engine())
+    await run(r, TurnRequest(session_id="s", messages=CHAT, max_tokens=2))
+    assert registry.reads == 1  # the first turn asks (NOT_FOUND) and says so to the scheduler
+    assert scheduler.requests[0].session_not_found
+    second = [*CHAT, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "and?"}]
+    await run(r, TurnRequest(session_id="s", messages=second, max_tokens=2))
+    assert registry.reads == 1
+    snapshot = scheduler.requests[1].session_snapshot
+    assert snapshot.session.revision == 11 and snapshot.session.kv_transfer_params_json
+    assert not snapshot.session.token_ids and not snapshot.session.text  # the hash chain is what gets checked
+    assert scheduler.prompts[1][:len(registry.recorded[0].token_ids)] == list(registry.recorded[0].token_ids)
+
+
+async def test_a_stale_record_is_read_again_and_the_turn_planned_again():
+    r, scheduler, registry = runner(scheduler_pb2.DECISION_RECOMPUTE, Engine())
+    await run(r, TurnRequest(session_id="s", messages=CHAT, max_tokens=2))
+    scheduler.stale = 1
+    turn, _ = await run(r, TurnRequest(session_id="s", messages=CHAT, max_tokens=2))
+    assert registry.reads == 2 and len(scheduler.requests) == 3
+    assert scheduler.requests[2].session_snapshot.session.revision == 11 and turn.kv.reason == "test"
+
+
+async def test_a_pull_consumes_the_gateway_s_copy_of_the_record():
+    r, scheduler, registry = runner(scheduler_pb2.DECISION_PULL, Engine())
+    await run(r, TurnRequest(session_id="s", messages=CHAT, max_tokens=2))
+    registry.session = None  # e.g. deleted meanwhile
+    failing = r._engines["d:1"]
+
+    async def broken(*a, **kw):
+        raise EngineError(grpc.StatusCode.UNAVAILABLE, "decode worker gone")
+        yield  # pragma: no cover
+
+    failing.generate = broken
+    turn = await r.prepare(TurnRequest(session_id="s", messages=CHAT, max_tokens=2))
+    with pytest.raises(TurnError):
+        async for _ in r.decode(turn):
+            pass
+    await r.prepare(TurnRequest(session_id="s", messages=CHAT, max_tokens=2))
+    assert registry.reads == 2  # the pulled (claimed) record was not planned with again

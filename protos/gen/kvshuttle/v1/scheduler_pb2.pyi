@@ -37,7 +37,7 @@ class PlanTurnRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., disable_pull: _Optional[bool] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ..., session_snapshot: _Optional[_Union[_registry_pb2.GetSessionResponse, _Mapping]] = ..., session_not_found: _Optional[bool] = ...) -> None: ...
 
 class PlanFigures(_message.Message):
-    __slots__ = ("prompt_tokens", "session_found", "covered_tokens", "matched_tokens", "reusable_tokens", "compute_tokens", "block_size", "expires_in_s", "pull_threshold_tokens", "source_worker_alive")
+    __slots__ = ("prompt_tokens", "session_found", "covered_tokens", "matched_tokens", "reusable_tokens", "compute_tokens", "block_size", "expires_in_s", "pull_threshold_tokens", "source_worker_alive", "snapshot_stale")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SESSION_FOUND_FIELD_NUMBER: _ClassVar[int]
     COVERED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class PlanFigures(_message.Message):
     EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
     PULL_THRESHOLD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_WORKER_ALIVE_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_STALE_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     session_found: bool
     covered_tokens: int
@@ -58,7 +59,8 @@ class PlanFigures(_message.Message):
     expires_in_s: float
     pull_threshold_tokens: int
     source_worker_alive: bool
-    def __init__(self, prompt_tokens: _Optional[int] = ..., session_found: _Optional[bool] = ..., covered_tokens: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., reusable_tokens: _Optional[int] = ..., compute_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., expires_in_s: _Optional[float] = ..., pull_threshold_tokens: _Optional[int] = ..., source_worker_alive: _Optional[bool] = ...) -> None: ...
+    snapshot_stale: bool
+    def __init__(self, prompt_tokens: _Optional[int] = ..., session_found: _Optional[bool] = ..., covered_tokens: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., reusable_tokens: _Optional[int] = ..., compute_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., expires_in_s: _Optional[float] = ..., pull_threshold_tokens: _Optional[int] = ..., source_worker_alive: _Optional[bool] = ..., snapshot_stale: _Optional[bool] = ...) -> None: ...
 
 class PlanTurnResponse(_message.Message):
     __slots__ = ("decision", "reason", "prefill", "decode", "prefill_kv_transfer_params_json", "source", "figures")
