@@ -1,7 +1,7 @@
 # kvshuttle: `make demo` runs the whole local stack and a multi-turn conversation; `make test` runs every test.
 PY := .venv/bin/python
 
-.PHONY: install demo up test test-fast protos lint clean
+.PHONY: install demo up bench test test-fast protos lint clean
 
 install:
 	@bash scripts/bootstrap.sh
@@ -11,6 +11,9 @@ demo: install
 
 up: install
 	@$(PY) -m services.cli up
+
+bench: install
+	@$(PY) -m services.cli bench
 
 test: install
 	@$(PY) -m pytest
