@@ -7,14 +7,13 @@ by side, and whether the greedy answers are identical.
 from __future__ import annotations
 
 import inspect
-import json
-import time
 import uuid
 from dataclasses import dataclass
 
 import httpx
 from kvshuttle.v1 import common_pb2
 
+from services.chat_stream import stream_chat
 from workers.engine_client import EngineClient
 
 SYSTEM = ("You are a coding agent. You read source files with tools and explain what they do, "
@@ -41,30 +40,10 @@ class TurnResult:
 
 async def stream_turn(client: httpx.AsyncClient, session: str, messages: list[dict], max_tokens: int,
                       disable_pull: bool) -> TurnResult:
-    body = {"model": None, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, "disable_pull": disable_pull}
-    body = {k: v for k, v in body.items() if v is not None}
-    started = time.perf_counter()
-    ttft = None
-    text, info, usage = "", {}, {}
-    async with client.stream("POST", "/v1/chat/completions", json=body, headers={"X-Session-ID": session}) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"gateway answered {resp.status_code}: {(await resp.aread()).decode()}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"stream failed: {chunk['error']}")
-            for choice in chunk.get("choices", []):
-                piece = choice.get("delta", {}).get("content")
-                if piece:
-                    ttft = ttft or (time.perf_counter() - started) * 1000
-                    text += piece
-            info = chunk.get("kvshuttle", info)
-            usage = chunk.get("usage") or usage
-    return TurnResult(info["decision"], info["reason"], usage.get("prompt_tokens", 0), info["pulled_tokens"],
-                      info["computed_tokens"], ttft or (time.perf_counter() - started) * 1000, text)
+    got = await stream_chat(client, session, {"messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                                              "disable_pull": disable_pull})
+    return TurnResult(got.kv["decision"], got.kv["reason"], got.usage.get("prompt_tokens", 0),
+                      got.kv["pulled_tokens"], got.kv["computed_tokens"], got.ttft_ms, got.text)
 
 
 async def flush_prefill_caches(workers: list[common_pb2.Worker]) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import time
 import uuid
 from typing import Any
@@ -27,6 +26,7 @@ import httpx
 from control_plane import kv_params
 from control_plane.continuation import plan_continuation
 from services.bench.samples import IDEAL, TurnSample
+from services.chat_stream import StreamError, stream_chat
 from services.gateway.tokenizer import GatewayTokenizer
 from workers.engine_client import EngineClient, Final
 
@@ -69,33 +69,15 @@ class GatewayLane:
     async def turn(self, user_text: str, max_tokens: int) -> TurnSample:
         h = self.history
         h.add_user(user_text)
-        body: dict[str, Any] = {"messages": h.messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                                "stream_options": {"include_usage": True}, "disable_pull": self.mode != "pull"}
+        body: dict[str, Any] = {"messages": h.messages, "max_tokens": max_tokens, "temperature": 0,
+                                "disable_pull": self.mode != "pull"}
         if self.model:
             body["model"] = self.model
-        started = time.perf_counter()
-        ttft = None
-        text, info, usage = "", {}, {}
-        async with self.client.stream("POST", "/v1/chat/completions", json=body,
-                                      headers={"X-Session-ID": self.session}) as resp:
-            if resp.status_code != 200:
-                raise LaneError(f"gateway answered {resp.status_code}: {(await resp.aread()).decode()[:500]}")
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    raise LaneError(f"stream failed: {chunk['error']}")
-                for choice in chunk.get("choices", []):
-                    piece = choice.get("delta", {}).get("content")
-                    if piece:
-                        ttft = ttft or time.perf_counter()
-                        text += piece
-                info = chunk.get("kvshuttle", info)
-                usage = chunk.get("usage") or usage
-        ended = time.perf_counter()
-        if not info or not usage:
-            raise LaneError("the stream ended without usage and kvshuttle figures")
+        try:
+            got = await stream_chat(self.client, self.session, body)
+        except StreamError as exc:
+            raise LaneError(str(exc)) from None
+        text, info, usage = got.text, got.kv, got.usage
         prompt, output = usage["prompt_tokens"], usage["completion_tokens"]
         history = h.previous_tokens if h.turn > 1 else 0
         h.add_answer(text, prompt, output)
@@ -103,7 +85,7 @@ class GatewayLane:
         return TurnSample(
             mode=self.mode, conversation=self.conversation, turn=h.turn, prompt_tokens=prompt,
             history_tokens=history, new_tokens=prompt - history,
-            ttft_ms=((ttft or ended) - started) * 1000, latency_ms=(ended - started) * 1000, output_tokens=output,
+            ttft_ms=got.ttft_ms, latency_ms=got.latency_ms, output_tokens=output,
             decision=info["decision"], pulled_tokens=info["pulled_tokens"], computed_tokens=info["computed_tokens"],
             output_digest=digest(text))
 
