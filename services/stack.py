@@ -50,6 +50,8 @@ class StackConfig(TelemetryConfig):
                                      "share of the cores; any other value is passed to every worker as is")
     nixl_progress_delay_us: int = setting(500, "NIXL progress-thread poll delay for the workers (0: NIXL's busy "
                                                    "polling, which burns a core per idle engine)")
+    vllm_idle_spin_ms: int = setting(20, "How long the workers' vLLM queue readers spin after a message before "
+                                         "sleeping (vLLM: 1000 ms, which keeps idle engines on the CPU); -1: vLLM's")
     worker_nice: int = setting(10, "Run the vLLM workers at this nice level: idle vLLM-CPU engines busy-poll every "
                                    "core they are given, and the control plane must stay responsive")
     gpus: str = setting("", "GPU machines: one GPU id per worker, prefill workers first, then decode workers (then "
@@ -166,6 +168,7 @@ class Stack:
                               "--work-dir", str(self.work / "workers" / name), "--nice", str(self.cfg.worker_nice),
                               "--cpu-affinity", bind if self.cfg.cpu_bind == "split" else "", *device,
                               "--nixl-progress-delay-us", str(self.cfg.nixl_progress_delay_us),
+                              "--vllm-idle-spin-ms", str(self.cfg.vllm_idle_spin_ms),
                               "--extra-args=" + (self.cfg.prefill_extra_args if role == "prefill"
                                                  else self.cfg.decode_extra_args))
         await self._wait_grpc(scheduler, self.scheduler_address, deadline)

@@ -161,17 +161,20 @@ class EngineClient:
         yield final
 
     async def prefill(self, request_id: str, prompt_ids: Sequence[int], *,
-                      kv_transfer_params: dict | None, timeout_s: float | None = None) -> Final:
+                      kv_transfer_params: dict | None, timeout_s: float | None = None, temperature: float = 0.0,
+                      top_p: float = 1.0, seed: int | None = None, ignore_eos: bool = False) -> Final:
         """Compute (or pull) the prompt's KV on a prefill worker: ``max_tokens=1``, not streamed.
 
         ``kv_transfer_params`` is a decode worker's (trimmed) handle to pull from, or None for a plain prefill
         (then the standard "keep the blocks for a decode worker" params are sent). The returned Final's
-        ``kv_transfer_params`` are the ones for the decode worker.
+        ``kv_transfer_params`` are the ones for the decode worker; its one output id is sampled with the given
+        parameters (the answer's first token).
         """
         params = prefill_request_params() if kv_transfer_params is None else kv_transfer_params
         final: Final | None = None
         async for item in self.generate(request_id, prompt_ids, max_tokens=1, kv_transfer_params=params,
-                                        stream=False, timeout_s=timeout_s):
+                                        stream=False, timeout_s=timeout_s, temperature=temperature, top_p=top_p,
+                                        seed=seed, ignore_eos=ignore_eos):
             if isinstance(item, Final):
                 final = item
         assert final is not None  # generate always ends with a Final or raises

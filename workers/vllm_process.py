@@ -50,6 +50,8 @@ class WorkerConfig(TelemetryConfig):
         30, "Seconds P keeps blocks for a decode worker that has not read them yet (D's heartbeats extend it)")
     nixl_progress_delay_us: int = setting(0, "Delay between NIXL UCX progress-thread polls (kvshuttle's vLLM plugin); "
                                                  "0 leaves NIXL's busy polling. Small CPU hosts: ~500")
+    vllm_idle_spin_ms: int = setting(-1, "How long vLLM's queue readers spin after a message before sleeping "
+                                          "(kvshuttle's vLLM plugin; vLLM: 1000). Small CPU hosts: ~20. -1: vLLM's")
     cpu_affinity: str = setting("", "Pin every thread of the vLLM process tree to these CPUs once it is up "
                                     "(e.g. '0' or '2-3'); empty: leave vLLM's own placement")
     nixl_num_threads: int = setting(-1, "NIXL UCX backend threads (NixlConnector num_threads); -1: vLLM's default")
@@ -175,6 +177,8 @@ def vllm_command(cfg: WorkerConfig) -> tuple[list[str], dict[str, str]]:
         env["CUDA_VISIBLE_DEVICES"] = cfg.cuda_visible_devices
     if cfg.nixl_progress_delay_us:
         env["KVSHUTTLE_NIXL_PROGRESS_DELAY_US"] = str(cfg.nixl_progress_delay_us)
+    if cfg.vllm_idle_spin_ms >= 0:
+        env["KVSHUTTLE_VLLM_IDLE_SPIN_MS"] = str(cfg.vllm_idle_spin_ms)
     if cfg.kv_cache_gib:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gib)
     return argv, env

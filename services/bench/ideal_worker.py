@@ -36,7 +36,8 @@ class IdealWorker:
         self.cfg = WorkerConfig(
             role=COLOCATED, model=str(Path(cfg.model_dir).resolve()), grpc_port=free_port(), nixl_port=free_port(),
             cpu_bind=cpus, cpu_affinity=cpus, cuda_visible_devices=gpus[workers] if gpus else "", dtype=cfg.dtype,
-            max_model_len=cfg.max_model_len, work_dir=str(work), nice=cfg.worker_nice, worker_id="ideal")
+            max_model_len=cfg.max_model_len, work_dir=str(work), nice=cfg.worker_nice, worker_id="ideal",
+            vllm_idle_spin_ms=cfg.vllm_idle_spin_ms)
         self.process = VllmProcess(self.cfg)
         self.address = self.cfg.local_grpc_address
 

@@ -184,11 +184,14 @@ class DirectLane(_ExactIdsLane):
         self._handle = None  # single use, pulled or not
         rid = uuid.uuid4().hex[:16]
         p_final = await self.prefill.prefill(f"direct-{rid}-p", prompt_ids, kv_transfer_params=params)
-        if p_final.finish_reason == "error":
+        if p_final.finish_reason == "error" or not p_final.output_ids:
             raise LaneError("P finished the prefill with an error")
-        output, first, final = await _stream(self.decode, f"direct-{rid}-d", prompt_ids, max_tokens,
-                                             p_final.kv_transfer_params)
+        # As the gateway does: P's token is the first one, D continues after it.
+        first_id, first = p_final.output_ids[-1], time.perf_counter()
+        more, _, final = await _stream(self.decode, f"direct-{rid}-d", [*prompt_ids, first_id],
+                                       max(1, max_tokens - 1), p_final.kv_transfer_params)
         ended = time.perf_counter()
+        output = [first_id] if p_final.finish_reason == "stop" or max_tokens == 1 else [first_id, *more]
         self._handle = final.kv_transfer_params
         return self._finish(DIRECT, prompt_ids, prompt_text, output, started, first, ended,
                             p_final.cached_tokens, pulled, "pull" if pulled else "recompute")

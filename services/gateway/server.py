@@ -41,6 +41,9 @@ class GatewayConfig(TelemetryConfig):
     default_max_tokens: int = setting(128, "max_tokens when a request gives none")
     engine_timeout_s: float = setting(300.0, "Deadline for each call to a vLLM worker")
     control_timeout_s: float = setting(5.0, "Deadline for each registry/scheduler call")
+    first_token_from_prefill: bool = setting(True, "Stream the prefill worker's sampled token as the answer's first "
+                                                   "token; the decode worker continues after it (requests with stop "
+                                                   "strings always let the decode worker sample it)")
     session_cache_mb: int = setting(64, "Keep the session records this gateway wrote (up to this many MiB) so the "
                                         "next turn needs no registry read; 0: always read")
     log_level: str = setting("INFO", "Log level", env="KVSHUTTLE_LOG_LEVEL")
@@ -70,7 +73,7 @@ class GatewayService:
             GatewayTokenizer(cfg.model_dir), registry_pb2_grpc.SessionRegistryStub(self.registry_channel),
             scheduler_pb2_grpc.TransferSchedulerStub(self.scheduler_channel), max_model_len=cfg.context_len(),
             engine_timeout_s=cfg.engine_timeout_s, control_timeout_s=cfg.control_timeout_s,
-            session_cache_bytes=cfg.session_cache_mb << 20)
+            session_cache_bytes=cfg.session_cache_mb << 20, first_token_from_prefill=cfg.first_token_from_prefill)
         servicer = GatewayServicer(self.runner, cfg.model_name(), cfg.default_max_tokens)
         self.grpc = Server(cfg.grpc_listen, [SERVICE_NAME],
                            [lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s)])

@@ -8,6 +8,7 @@ for D, and D's final message carries the handle the registry records for the nex
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -89,6 +90,10 @@ class PreparedTurn:
     started: float
     timings: dict[str, float] = field(default_factory=dict)
     span: Any = None
+    # The answer's first token as P sampled it (None: D samples it). D then continues after it: its prompt is the
+    # prompt plus this token, whose KV D computes itself, and the client gets it without waiting for D.
+    first_token: int | None = None
+    first_finish: str = ""  # P's finish reason for that token ("stop": it ended the answer)
 
 
 @dataclass
@@ -123,13 +128,15 @@ def _ms(since: float) -> float:
 class TurnRunner:
     def __init__(self, tokenizer: Tokenizer, registry: registry_pb2_grpc.SessionRegistryStub,
                  scheduler: scheduler_pb2_grpc.TransferSchedulerStub, *, max_model_len: int,
-                 engine_timeout_s: float = 120.0, control_timeout_s: float = 5.0, session_cache_bytes: int = 64 << 20):
+                 engine_timeout_s: float = 120.0, control_timeout_s: float = 5.0, session_cache_bytes: int = 64 << 20,
+                 first_token_from_prefill: bool = True):
         self.tokenizer = tokenizer
         self.registry = registry
         self.scheduler = scheduler
         self.max_model_len = max_model_len
         self.engine_timeout_s = engine_timeout_s
         self.control_timeout_s = control_timeout_s
+        self.first_token_from_prefill = first_token_from_prefill
         self._engines: dict[str, EngineClient] = {}
         # The records this gateway wrote (RecordTurn's answer, with its revision): the next turn of a session that
         # stays on this gateway needs no registry read. A record another gateway changed since makes the scheduler
@@ -257,15 +264,19 @@ class TurnRunner:
         })
 
         t = time.perf_counter()
-        p_final = await self._prefill(turn_id, plan, prompt_ids, kv)
+        p_final = await self._prefill(turn_id, plan, prompt_ids, kv, req)
         timings["prefill_ms"] = _ms(t)
         kv.computed_tokens = len(prompt_ids) - p_final.cached_tokens
         kv.pulled_tokens = plan.figures.reusable_tokens if kv.decision == "pull" else 0
         span.set_attributes({"kvshuttle.pulled_tokens": kv.pulled_tokens,
                              "kvshuttle.computed_tokens": kv.computed_tokens,
                              "kvshuttle.retried_as_recompute": kv.retried_as_recompute})
-        return PreparedTurn(turn_id, req, prompt_ids, prompt_text, plan, p_final.kv_transfer_params, kv, started,
-                            timings, span)
+        prepared = PreparedTurn(turn_id, req, prompt_ids, prompt_text, plan, p_final.kv_transfer_params, kv,
+                                started, timings, span)
+        # Stop strings are matched by D on what it generates; one starting inside the first token would be missed.
+        if self.first_token_from_prefill and not req.stop and p_final.output_ids:
+            prepared.first_token, prepared.first_finish = p_final.output_ids[-1], p_final.finish_reason
+        return prepared
 
     def _check_length(self, req: TurnRequest, prompt_ids: list[int]) -> None:
         if not prompt_ids:
@@ -288,13 +299,14 @@ class TurnRunner:
                 raise TurnError(503, grpc.StatusCode.UNAVAILABLE,
                                 f"scheduler unavailable: {exc.details() or exc.code().name}", retry_after_s=1) from None
 
-    async def _prefill(self, turn_id: str, plan, prompt_ids: list[int], kv: KvOutcome) -> Final:
+    async def _prefill(self, turn_id: str, plan, prompt_ids: list[int], kv: KvOutcome, req: TurnRequest) -> Final:
         engine = self.engine(plan.prefill)
+        sampling = {"temperature": req.temperature, "top_p": req.top_p, "seed": req.seed, "ignore_eos": req.ignore_eos}
         params = json.loads(plan.prefill_kv_transfer_params_json)
         with tracer.start_as_current_span("prefill") as span:
             span.set_attributes({"kvshuttle.worker": plan.prefill.worker_id, "kvshuttle.decision": kv.decision})
             try:
-                final = await engine.prefill(f"{turn_id}-p", prompt_ids, kv_transfer_params=params)
+                final = await engine.prefill(f"{turn_id}-p", prompt_ids, kv_transfer_params=params, **sampling)
                 if final.finish_reason != "error":
                     return final
                 failure = "prefill finished with error"
@@ -310,7 +322,7 @@ class TurnRunner:
             kv.reason = f"pull failed ({failure}); retried as recompute"
             try:
                 final = await engine.prefill(f"{turn_id}-r", prompt_ids,
-                                             kv_transfer_params=kv_params.prefill_request_params())
+                                             kv_transfer_params=kv_params.prefill_request_params(), **sampling)
             except EngineError as exc:
                 raise TurnError(503, grpc.StatusCode.UNAVAILABLE, f"prefill failed: {exc}", retry_after_s=1) from None
             if final.finish_reason == "error":
@@ -342,18 +354,36 @@ class TurnRunner:
         detokenize = self.tokenizer.stream_decoder(True)
         final: Final | None = None
         t = time.perf_counter()
+        d_prompt, d_max_tokens, done_at_first = turn.prompt_ids, req.max_tokens, ""
+        if turn.first_token is not None:
+            # P's token is the answer's first: the client gets it now, D continues after it.
+            first = turn.first_token
+            d_prompt, d_max_tokens = [*turn.prompt_ids, first], max(1, req.max_tokens - 1)
+            if turn.first_finish == "stop" or req.max_tokens == 1:
+                done_at_first = "stop" if turn.first_finish == "stop" else "length"
+                d_max_tokens = 1
+            output.append(first)
+            timings["ttft_ms"] = _ms(turn.started)
+            piece = detokenize([first])
+            if piece:
+                yield Delta(piece, [first])
+                sent.append(piece)
+            else:
+                pending.append(first)
         span = tracer.start_span("decode", context=trace.set_span_in_context(turn.span),
                                  attributes={"kvshuttle.worker": turn.plan.decode.worker_id})
         try:
             try:
+                # When the answer already ended at P's token, D still runs one step: it reads the prompt's KV
+                # (releasing P's blocks) and keeps prompt + first token for the next turn; its token is dropped.
                 async for item in engine.generate(
-                        f"{turn.id}-d", turn.prompt_ids, max_tokens=req.max_tokens, temperature=req.temperature,
+                        f"{turn.id}-d", d_prompt, max_tokens=d_max_tokens, temperature=req.temperature,
                         top_p=req.top_p, seed=req.seed, ignore_eos=req.ignore_eos, stop=req.stop,
                         kv_transfer_params=turn.decode_params, stream=True):
                     if isinstance(item, Final):
                         final = item
                         break
-                    if not item.token_ids:
+                    if not item.token_ids or done_at_first:
                         continue
                     if not output:
                         timings["ttft_ms"] = _ms(turn.started)
@@ -374,8 +404,12 @@ class TurnRunner:
         timings["decode_ms"] = _ms(t)
         if final is None:
             raise TurnError(503, grpc.StatusCode.UNAVAILABLE, "decode stream ended without a final message")
-        if final.output_ids and len(final.output_ids) > len(output):
-            output = list(final.output_ids)  # non-streaming engines report everything at the end
+        if done_at_first:
+            final = dataclasses.replace(final, finish_reason=done_at_first)
+        else:
+            mine = output[:1] if turn.first_token is not None else []
+            if final.output_ids and len(final.output_ids) > len(output) - len(mine):
+                output = [*mine, *final.output_ids]  # non-streaming engines report everything at the end
         text = self.tokenizer.decode(output, True)
         streamed = "".join(sent)
         if pending or len(text) > len(streamed):  # a held-back tail (e.g. an unfinished character)

@@ -35,16 +35,19 @@ class Tokenizer:
 
 class Engine:
     def __init__(self, fail_prefills: int = 0, answer: str = "ok"):
-        self.fail_prefills, self.answer, self.prefills = fail_prefills, answer, []
+        self.fail_prefills, self.answer, self.prefills, self.calls = fail_prefills, answer, [], []
 
-    async def prefill(self, request_id, prompt_ids, *, kv_transfer_params):
+    async def prefill(self, request_id, prompt_ids, *, kv_transfer_params, **sampling):
         self.prefills.append(kv_transfer_params)
+        self.sampling = sampling
         if self.fail_prefills:
             self.fail_prefills -= 1
             raise EngineError(grpc.StatusCode.INTERNAL, "engine said no")
-        return Final([7], "length", len(prompt_ids), 1, 0, {"for": "decode"})
+        first = self.answer[0] if self.answer else "!"
+        return Final([ord(first)], "stop" if first == "$" else "length", len(prompt_ids), 1, 0, {"for": "decode"})
 
     async def generate(self, request_id, prompt_ids, **kw):
+        self.calls.append((list(prompt_ids), kw))
         ids = [ord(c) for c in self.answer]
         for i in ids:
             yield Chunk([i], len(prompt_ids), 0)
@@ -100,10 +103,12 @@ def _rpc_error(code):
     return Err()
 
 
-def runner(decision, prefill: Engine, registry=None) -> tuple[TurnRunner, Scheduler, Registry]:
+def runner(decision, prefill: Engine, registry=None, decode: Engine | None = None,
+           first_token_from_prefill: bool = False) -> tuple[TurnRunner, Scheduler, Registry]:
     scheduler, registry = Scheduler(decision), registry or Registry()
-    r = TurnRunner(Tokenizer(), registry, scheduler, max_model_len=1000)
-    r._engines = {"p:1": prefill, "d:1": Engine()}
+    r = TurnRunner(Tokenizer(), registry, scheduler, max_model_len=1000,
+                   first_token_from_prefill=first_token_from_prefill)
+    r._engines = {"p:1": prefill, "d:1": decode or Engine()}
     return r, scheduler, registry
 
 
@@ -220,3 +225,38 @@ async def test_a_pull_consumes_the_gateway_s_copy_of_the_record():
             pass
     await r.prepare(TurnRequest(session_id="s", messages=CHAT, max_tokens=2))
     assert registry.reads == 2  # the pulled (claimed) record was not planned with again
+
+
+async def test_the_first_token_comes_from_p_and_d_continues_after_it():
+    # P samples "a"; D, given prompt + "a", continues with "bc" (a stand-in: each engine answers what it is told).
+    p, d = Engine(answer="abc"), Engine(answer="bc")
+    r, scheduler, registry = runner(scheduler_pb2.DECISION_RECOMPUTE, p, decode=d, first_token_from_prefill=True)
+    turn, events = await run(r, TurnRequest(session_id="s", prompt_text="hi", max_tokens=3, temperature=0.5, seed=7))
+    assert p.sampling == {"temperature": 0.5, "top_p": 1.0, "seed": 7, "ignore_eos": False}
+    (d_prompt, d_kw), = d.calls
+    assert d_prompt == [*[ord(c) for c in "hi"], ord("a")] and d_kw["max_tokens"] == 2
+    assert d_kw["kv_transfer_params"] == {"for": "decode"}
+    deltas = [e.text for e in events if isinstance(e, Delta)]
+    assert deltas[0] == "a" and "".join(deltas) == "abc" and "ttft_ms" in turn.timings
+    finished = events[-1]
+    assert finished.output_ids == [ord(c) for c in "abc"] and finished.text == "abc"
+    assert list(registry.recorded[-1].token_ids) == [ord(c) for c in "hiabc"]
+
+
+async def test_an_answer_that_ends_at_p_s_token_still_leaves_the_kv_on_d():
+    p, d = Engine(answer="$"), Engine(answer="zz")  # "$" plays the end-of-sequence token
+    r, _, registry = runner(scheduler_pb2.DECISION_RECOMPUTE, p, decode=d, first_token_from_prefill=True)
+    _, events = await run(r, TurnRequest(session_id="s", prompt_text="hi", max_tokens=5))
+    (d_prompt, d_kw), = d.calls
+    assert d_prompt[-1] == ord("$") and d_kw["max_tokens"] == 1
+    finished = events[-1]
+    assert finished.finish_reason == "stop" and finished.output_ids == [ord("$")]  # D's own tokens are dropped
+    assert list(registry.recorded[-1].token_ids) == [*[ord(c) for c in "hi"], ord("$")]
+
+
+async def test_with_stop_strings_d_samples_the_first_token_itself():
+    p, d = Engine(answer="abc"), Engine(answer="abc")
+    r, _, _ = runner(scheduler_pb2.DECISION_RECOMPUTE, p, decode=d, first_token_from_prefill=True)
+    await run(r, TurnRequest(session_id="s", prompt_text="hi", max_tokens=3, stop=["\n"]))
+    (d_prompt, d_kw), = d.calls
+    assert d_prompt == [ord(c) for c in "hi"] and d_kw["max_tokens"] == 3
