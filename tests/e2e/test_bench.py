@@ -60,3 +60,31 @@ async def test_bench_measures_every_mode_and_writes_results(stack, tmp_path, cap
     overhead = report["control_plane_overhead"]
     assert overhead["paired_turns"] == len(turns)
     assert overhead["hops"]["plan_ms"]["p50"] > 0 and overhead["hops"]["prefill_ms"]["p50"] > 0
+
+
+async def test_bench_replays_a_conversation_file(stack, tmp_path):
+    """vLLM's multi-turn benchmark format: the user turns are replayed, assistant lengths cap max_tokens."""
+    convs = [{"id": f"c{i}", "messages": [
+        {"role": "system", "content": f"You review code, conversation {i}."},
+        {"role": "user", "content": "def add(a, b):\n    return a + b\n" * 40 + "Review this."},
+        {"role": "assistant", "content": "Looks fine."},  # ~3 tokens: that turn generates at most 3
+        {"role": "user", "content": "class Stack:\n    def push(self, x):\n        self.items.append(x)\n" * 30},
+        {"role": "assistant", "content": "It needs an __init__ that creates the list. " * 3},
+    ]} for i in range(2)]
+    path = tmp_path / "conversations.json"
+    path.write_text(json.dumps(convs))
+    cfg = from_namespace(BenchConfig, environ={
+        "KVSHUTTLE_BENCH_GATEWAY_URL": stack.base_url, "KVSHUTTLE_MODEL_DIR": str(stack.model_dir),
+        "KVSHUTTLE_BENCH_OUT_DIR": str(tmp_path / "results"), "KVSHUTTLE_BENCH_CONVERSATION_FILE": str(path),
+        "KVSHUTTLE_BENCH_MODES": "pull,recompute", "KVSHUTTLE_BENCH_MAX_TOKENS": "8",
+        "KVSHUTTLE_BENCH_PROGRESS": "false", "KVSHUTTLE_STACK_MAX_MODEL_LEN": "4096",
+    })
+    assert await run_bench(cfg) == 0
+    (run_dir,) = (tmp_path / "results").iterdir()
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert sorted((s["conversation"], s["turn"], s["mode"]) for s in samples) == sorted(
+        (c, t, m) for c in ("c0", "c1") for t in (1, 2) for m in ("pull", "recompute"))
+    assert all(s["output_tokens"] <= 3 for s in samples if s["turn"] == 1)
+    assert all(s["decision"] == "pull" for s in samples if s["turn"] == 2 and s["mode"] == "pull")
+    report = json.loads((run_dir / "results.json").read_text())
+    assert report["meta"]["workload"] == str(path) and "ideal" not in report["overall"]["modes"]
