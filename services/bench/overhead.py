@@ -5,7 +5,8 @@ Two views, both reported:
 * **added TTFT**: the gateway's pull turn minus the direct client's turn of the same conversation and turn index
   (same prompt, same workers, measured a moment apart). Includes machine noise; its p50 is the honest headline.
 * **hops**: the gateway's own timers for each pull turn, split into client HTTP, the registry read, prompt
-  building, planning (scheduler + registry claim), P (prefill, incl. the NIXL pull) and D (NIXL read + first token).
+  building, planning (scheduler + registry claim), P (prefill, incl. the NIXL pull) and the first token's way out
+  (P's token streamed at once; D's NIXL read + first step when D samples it).
   ``control_plane_ms`` = registry read + plan: the time spent in kvshuttle's services on the way to the first token.
 """
 
@@ -23,7 +24,7 @@ HOPS: tuple[tuple[str, str], ...] = (
     ("prompt_other_ms", "gateway: chat template, tokenizing, exact-id splice"),
     ("plan_ms", "scheduler: PlanTurn (prefix check + registry claim)"),
     ("prefill_ms", "P: prefill over gRPC, incl. the NIXL pull"),
-    ("decode_first_ms", "D: NIXL read of P's blocks + first token"),
+    ("decode_first_ms", "first token out after P (when D samples it: D's NIXL read + first step)"),
 )
 
 Key = tuple[str, int]
