@@ -142,6 +142,7 @@ class TurnRunner:
         # stays on this gateway needs no registry read. A record another gateway changed since makes the scheduler
         # report the snapshot stale (its claim is at our revision), and the turn reads the record and plans again.
         self._sessions: BoundedLru[common_pb2.Session] = BoundedLru(session_cache_bytes)
+        self._reports: set[asyncio.Task] = set()  # outcome reports in flight (kept so they are not collected)
 
     def engine(self, worker: common_pb2.Worker) -> EngineClient:
         client = self._engines.get(worker.grpc_address)
@@ -268,6 +269,7 @@ class TurnRunner:
         timings["prefill_ms"] = _ms(t)
         kv.computed_tokens = len(prompt_ids) - p_final.cached_tokens
         kv.pulled_tokens = plan.figures.reusable_tokens if kv.decision == "pull" else 0
+        self._report(plan, kv, len(prompt_ids), timings["prefill_ms"])
         span.set_attributes({"kvshuttle.pulled_tokens": kv.pulled_tokens,
                              "kvshuttle.computed_tokens": kv.computed_tokens,
                              "kvshuttle.retried_as_recompute": kv.retried_as_recompute})
@@ -277,6 +279,25 @@ class TurnRunner:
         if self.first_token_from_prefill and not req.stop and p_final.output_ids:
             prepared.first_token, prepared.first_finish = p_final.output_ids[-1], p_final.finish_reason
         return prepared
+
+    def _report(self, plan: scheduler_pb2.PlanTurnResponse, kv: KvOutcome, prompt_tokens: int,
+                prefill_ms: float) -> None:
+        """Tell the scheduler what the prefill cost (its cost model learns from it); off the turn's path."""
+        request = scheduler_pb2.ReportOutcomeRequest(
+            prefill_worker_id=plan.prefill.worker_id, decode_worker_id=plan.decode.worker_id,
+            prompt_tokens=prompt_tokens, pulled_tokens=kv.pulled_tokens, computed_tokens=kv.computed_tokens,
+            prefill_ms=prefill_ms,
+            decision=scheduler_pb2.DECISION_PULL if kv.decision == "pull" else scheduler_pb2.DECISION_RECOMPUTE)
+
+        async def send() -> None:
+            try:
+                await self.scheduler.ReportOutcome(request, timeout=self.control_timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                log.debug("could not report a turn's outcome (%s)", exc.code().name)
+
+        task = asyncio.create_task(send())
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
 
     def _check_length(self, req: TurnRequest, prompt_ids: list[int]) -> None:
         if not prompt_ids:

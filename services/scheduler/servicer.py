@@ -12,7 +12,8 @@ from opentelemetry import trace
 
 from control_plane import kv_params
 from control_plane import session as session_rules
-from control_plane.decision import Choice, HandleView, Plan, PullPolicy, decide
+from control_plane.decision import Choice, HandleView, Plan, decide
+from control_plane.policies import Outcome, Policy
 from control_plane.selection import RoundRobin
 from services.scheduler.worker_view import WorkerView
 from services.telemetry import hashed
@@ -34,7 +35,7 @@ def source_matches(worker: common_pb2.Worker | None, handle_json: str) -> bool:
 
 
 class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
-    def __init__(self, registry: registry_pb2_grpc.SessionRegistryStub, workers: WorkerView, policy: PullPolicy,
+    def __init__(self, registry: registry_pb2_grpc.SessionRegistryStub, workers: WorkerView, policy: Policy,
                  registry_timeout_s: float = 2.0):
         self._registry = registry
         self._workers = workers
@@ -85,7 +86,8 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
                         await context.abort(exc.code(), exc.details() or "invalid session")
             source = self._workers.get(session.decode_worker_id) if session is not None else None
             handle = self._handle_view(session, expires_in, source, exclude)
-            plan = decide(prompt, handle, self._policy, disable_pull=request.disable_pull)
+            plan, predicted = self._policy.plan(prompt, handle, prefill_worker=prefill.worker_id,
+                                                disable_pull=request.disable_pull)
             if reason_override and plan.choice is Choice.RECOMPUTE and handle is None:
                 plan.reason = reason_override
             stale = False
@@ -99,8 +101,10 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
                 covered_tokens=session.covered_tokens if session else 0, matched_tokens=plan.matched_tokens,
                 reusable_tokens=plan.reusable_tokens, compute_tokens=plan.compute_tokens,
                 block_size=session.block_size if session else 0, expires_in_s=expires_in if session else 0.0,
-                pull_threshold_tokens=self._policy.pull_threshold_tokens,
+                pull_threshold_tokens=self._policy.safety.pull_threshold_tokens,
                 source_worker_alive=bool(handle and handle.source_alive), snapshot_stale=stale,
+                policy=self._policy.name, predicted_pull_ms=(predicted.pull_ms or 0.0) if predicted else 0.0,
+                predicted_recompute_ms=predicted.recompute_ms if predicted else 0.0,
             )
             decision = scheduler_pb2.DECISION_PULL if plan.choice is Choice.PULL else scheduler_pb2.DECISION_RECOMPUTE
             span.set_attributes({
@@ -114,6 +118,20 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
                 prefill_kv_transfer_params_json=json.dumps(plan.prefill_params),
                 source=source if plan.choice is Choice.PULL else None, figures=figures,
             )
+
+    async def ReportOutcome(self, request: scheduler_pb2.ReportOutcomeRequest, context: grpc.aio.ServicerContext):
+        if not request.prefill_worker_id or request.prompt_tokens <= 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prefill_worker_id and prompt_tokens are required")
+        if request.decision not in (scheduler_pb2.DECISION_PULL, scheduler_pb2.DECISION_RECOMPUTE):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "decision must be PULL or RECOMPUTE")
+        try:
+            self._policy.observe(Outcome(
+                request.prefill_worker_id, request.prompt_tokens, request.pulled_tokens, request.computed_tokens,
+                request.prefill_ms,
+                Choice.PULL if request.decision == scheduler_pb2.DECISION_PULL else Choice.RECOMPUTE))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return scheduler_pb2.ReportOutcomeResponse()
 
     def _pick(self, exclude: set[str]) -> tuple[common_pb2.Worker | None, common_pb2.Worker | None]:
         return (self._pick_prefill.pick(self._workers.by_role(common_pb2.WORKER_ROLE_PREFILL), exclude),
@@ -165,7 +183,7 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
             claimed = common_pb2.Session()
             claimed.CopyFrom(resp.session)
             claimed.claimed = False  # judge the record as it was before our claim
-            check = decide(prompt, self._handle_view(claimed, expires_in, source, exclude), self._policy)
+            check = decide(prompt, self._handle_view(claimed, expires_in, source, exclude), self._policy.safety)
         else:
             check = plan
         if (check.choice, check.reusable_tokens, check.prefill_params) != (

@@ -165,3 +165,54 @@ async def test_bad_plans_are_rejected_with_a_status(planes):
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await sched.PlanTurn(request)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in err.value.details()
+
+
+async def test_cost_policy_learns_from_reported_outcomes(etcd):
+    registry = await serve(RegistryConfig(listen="127.0.0.1:0", etcd_endpoints=etcd,
+                                          key_prefix=f"/cost-{uuid.uuid4().hex[:6]}/", expiry_margin_s=5))
+    scheduler = SchedulerService(SchedulerConfig(listen="127.0.0.1:0", registry=registry.address, policy="cost"))
+    await scheduler.start()
+    channels = [client_channel(registry.address), client_channel(scheduler.address)]
+    reg = registry_pb2_grpc.SessionRegistryStub(channels[0])
+    sched = scheduler_pb2_grpc.TransferSchedulerStub(channels[1])
+    try:
+        p, d = worker("p0", common_pb2.WORKER_ROLE_PREFILL, 7600), worker("d0", common_pb2.WORKER_ROLE_DECODE, 7700)
+        for w in (p, d):
+            await reg.RegisterWorker(registry_pb2.RegisterWorkerRequest(worker=w, lease_ttl_s=30))
+        history = list(range(3000, 3400))
+        session = f"s-{uuid.uuid4().hex[:8]}"
+
+        async def plan_next() -> scheduler_pb2.PlanTurnResponse:
+            await reg.RecordTurn(registry_pb2.RecordTurnRequest(session_id=session, decode_worker_id="d0",
+                                                                kv_transfer_params_json=handle_for(d, 399),
+                                                                token_ids=history))
+            for _ in range(100):
+                try:
+                    return await plan(sched, session, history + [1, 2])
+                except grpc.aio.AioRpcError as exc:  # the scheduler learns about the workers through the watch
+                    assert exc.code() == grpc.StatusCode.UNAVAILABLE
+                    await asyncio.sleep(0.05)
+            raise AssertionError("no plan")
+
+        first = await plan_next()  # priors: pulling 399 tokens beats computing them
+        assert first.decision == scheduler_pb2.DECISION_PULL and first.figures.policy == "cost", first.reason
+        assert 0 < first.figures.predicted_pull_ms < first.figures.predicted_recompute_ms
+
+        for _ in range(6):  # but on this link pulls are slow, and recomputes fast
+            for decision, pulled, ms in ((scheduler_pb2.DECISION_PULL, 399, 400.0),
+                                         (scheduler_pb2.DECISION_RECOMPUTE, 0, 30.0)):
+                await sched.ReportOutcome(scheduler_pb2.ReportOutcomeRequest(
+                    prefill_worker_id="p0", decode_worker_id="d0", prompt_tokens=401, pulled_tokens=pulled,
+                    computed_tokens=401 - pulled, prefill_ms=ms, decision=decision))
+        second = await plan_next()
+        assert second.decision == scheduler_pb2.DECISION_RECOMPUTE and "cost model" in second.reason, second.reason
+        assert second.figures.predicted_pull_ms > second.figures.predicted_recompute_ms
+
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await sched.ReportOutcome(scheduler_pb2.ReportOutcomeRequest(prefill_worker_id="p0", prompt_tokens=5))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "decision" in err.value.details()
+    finally:
+        for channel in channels:
+            await channel.close()
+        await scheduler.stop()
+        await registry.stop(grace=0.5)

@@ -40,3 +40,14 @@ def test_bad_flag_exits_with_usage(capsys):
     with pytest.raises(SystemExit):
         load(Demo, ["--port", "x"])
     assert "--port" in capsys.readouterr().err
+
+
+def test_scheduler_policy_parameters_are_checked_at_start():
+    from services.config import ConfigError
+    from services.scheduler.server import SchedulerConfig
+
+    SchedulerConfig(policy="cost", policy_params="forgetting=0.9").validate()
+    with pytest.raises(ConfigError, match="unknown parameter"):
+        SchedulerConfig(policy="cost", policy_params="bandwidth=3").validate()
+    with pytest.raises(ConfigError, match="pull-threshold-tokens must be >= 1"):
+        SchedulerConfig(pull_threshold_tokens=0).validate()

@@ -3,6 +3,7 @@ of a failed pull as a recompute, what gets recorded. (The real path is covered e
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import grpc
@@ -78,7 +79,11 @@ class Registry:
 
 class Scheduler:
     def __init__(self, decision):
-        self.decision, self.prompts, self.requests, self.stale = decision, [], [], 0
+        self.decision, self.prompts, self.requests, self.stale, self.outcomes = decision, [], [], 0, []
+
+    async def ReportOutcome(self, request, timeout=None):
+        self.outcomes.append(request)
+        return scheduler_pb2.ReportOutcomeResponse()
 
     async def PlanTurn(self, request, timeout=None):
         self.prompts.append(list(request.prompt_token_ids))
@@ -260,3 +265,16 @@ async def test_with_stop_strings_d_samples_the_first_token_itself():
     await run(r, TurnRequest(session_id="s", prompt_text="hi", max_tokens=3, stop=["\n"]))
     (d_prompt, d_kw), = d.calls
     assert d_prompt == [ord(c) for c in "hi"] and d_kw["max_tokens"] == 3
+
+
+async def test_each_prefill_is_reported_to_the_scheduler():
+    r, scheduler, _ = runner(scheduler_pb2.DECISION_PULL, Engine())
+    turn, _ = await run(r, TurnRequest(session_id="s", prompt_text="hello", max_tokens=2))
+    for _ in range(10):  # the report is sent off the turn's path
+        if scheduler.outcomes:
+            break
+        await asyncio.sleep(0.01)
+    (report,) = scheduler.outcomes
+    assert report.prefill_worker_id == "p" and report.decision == scheduler_pb2.DECISION_PULL
+    assert report.prompt_tokens == 5 and report.pulled_tokens == 3 and report.computed_tokens == 5
+    assert report.prefill_ms == turn.timings["prefill_ms"]

@@ -26,21 +26,25 @@ from kvshuttle.v1 import common_pb2 as kvshuttle_dot_v1_dot_common__pb2
 from kvshuttle.v1 import registry_pb2 as kvshuttle_dot_v1_dot_registry__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckvshuttle/v1/scheduler.proto\x12\x0ckvshuttle.v1\x1a\x19kvshuttle/v1/common.proto\x1a\x1bkvshuttle/v1/registry.proto\"\xed\x01\n\x0fPlanTurnRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0c\x64isable_pull\x18\x04 \x01(\x08\x12\x1a\n\x12\x65xclude_worker_ids\x18\x05 \x03(\t\x12<\n\x10session_snapshot\x18\x06 \x01(\x0b\x32 .kvshuttle.v1.GetSessionResponseH\x00\x12\x1b\n\x11session_not_found\x18\x07 \x01(\x08H\x00\x42\x0f\n\rknown_session\"\x9a\x02\n\x0bPlanFigures\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rsession_found\x18\x02 \x01(\x08\x12\x16\n\x0e\x63overed_tokens\x18\x03 \x01(\x05\x12\x16\n\x0ematched_tokens\x18\x04 \x01(\x05\x12\x17\n\x0freusable_tokens\x18\x05 \x01(\x05\x12\x16\n\x0e\x63ompute_tokens\x18\x06 \x01(\x05\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12\x14\n\x0c\x65xpires_in_s\x18\x08 \x01(\x01\x12\x1d\n\x15pull_threshold_tokens\x18\t \x01(\x05\x12\x1b\n\x13source_worker_alive\x18\n \x01(\x08\x12\x16\n\x0esnapshot_stale\x18\x0b \x01(\x08\"\x94\x02\n\x10PlanTurnResponse\x12(\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0e\x32\x16.kvshuttle.v1.Decision\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12%\n\x07prefill\x18\x03 \x01(\x0b\x32\x14.kvshuttle.v1.Worker\x12$\n\x06\x64\x65\x63ode\x18\x04 \x01(\x0b\x32\x14.kvshuttle.v1.Worker\x12\'\n\x1fprefill_kv_transfer_params_json\x18\x05 \x01(\t\x12$\n\x06source\x18\x06 \x01(\x0b\x32\x14.kvshuttle.v1.Worker\x12*\n\x07\x66igures\x18\x07 \x01(\x0b\x32\x19.kvshuttle.v1.PlanFigures*O\n\x08\x44\x65\x63ision\x12\x18\n\x14\x44\x45\x43ISION_UNSPECIFIED\x10\x00\x12\x11\n\rDECISION_PULL\x10\x01\x12\x16\n\x12\x44\x45\x43ISION_RECOMPUTE\x10\x02\x32^\n\x11TransferScheduler\x12I\n\x08PlanTurn\x12\x1d.kvshuttle.v1.PlanTurnRequest\x1a\x1e.kvshuttle.v1.PlanTurnResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckvshuttle/v1/scheduler.proto\x12\x0ckvshuttle.v1\x1a\x19kvshuttle/v1/common.proto\x1a\x1bkvshuttle/v1/registry.proto\"\xed\x01\n\x0fPlanTurnRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0c\x64isable_pull\x18\x04 \x01(\x08\x12\x1a\n\x12\x65xclude_worker_ids\x18\x05 \x03(\t\x12<\n\x10session_snapshot\x18\x06 \x01(\x0b\x32 .kvshuttle.v1.GetSessionResponseH\x00\x12\x1b\n\x11session_not_found\x18\x07 \x01(\x08H\x00\x42\x0f\n\rknown_session\"\xe5\x02\n\x0bPlanFigures\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rsession_found\x18\x02 \x01(\x08\x12\x16\n\x0e\x63overed_tokens\x18\x03 \x01(\x05\x12\x16\n\x0ematched_tokens\x18\x04 \x01(\x05\x12\x17\n\x0freusable_tokens\x18\x05 \x01(\x05\x12\x16\n\x0e\x63ompute_tokens\x18\x06 \x01(\x05\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12\x14\n\x0c\x65xpires_in_s\x18\x08 \x01(\x01\x12\x1d\n\x15pull_threshold_tokens\x18\t \x01(\x05\x12\x1b\n\x13source_worker_alive\x18\n \x01(\x08\x12\x16\n\x0esnapshot_stale\x18\x0b \x01(\x08\x12\x0e\n\x06policy\x18\x0c \x01(\t\x12\x19\n\x11predicted_pull_ms\x18\r \x01(\x01\x12\x1e\n\x16predicted_recompute_ms\x18\x0e \x01(\x01\"\xd0\x01\n\x14ReportOutcomeRequest\x12\x19\n\x11prefill_worker_id\x18\x01 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x05\x12\x15\n\rpulled_tokens\x18\x04 \x01(\x05\x12\x17\n\x0f\x63omputed_tokens\x18\x05 \x01(\x05\x12\x12\n\nprefill_ms\x18\x06 \x01(\x01\x12(\n\x08\x64\x65\x63ision\x18\x07 \x01(\x0e\x32\x16.kvshuttle.v1.Decision\"\x17\n\x15ReportOutcomeResponse\"\x94\x02\n\x10PlanTurnResponse\x12(\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0e\x32\x16.kvshuttle.v1.Decision\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12%\n\x07prefill\x18\x03 \x01(\x0b\x32\x14.kvshuttle.v1.Worker\x12$\n\x06\x64\x65\x63ode\x18\x04 \x01(\x0b\x32\x14.kvshuttle.v1.Worker\x12\'\n\x1fprefill_kv_transfer_params_json\x18\x05 \x01(\t\x12$\n\x06source\x18\x06 \x01(\x0b\x32\x14.kvshuttle.v1.Worker\x12*\n\x07\x66igures\x18\x07 \x01(\x0b\x32\x19.kvshuttle.v1.PlanFigures*O\n\x08\x44\x65\x63ision\x12\x18\n\x14\x44\x45\x43ISION_UNSPECIFIED\x10\x00\x12\x11\n\rDECISION_PULL\x10\x01\x12\x16\n\x12\x44\x45\x43ISION_RECOMPUTE\x10\x02\x32\xb8\x01\n\x11TransferScheduler\x12I\n\x08PlanTurn\x12\x1d.kvshuttle.v1.PlanTurnRequest\x1a\x1e.kvshuttle.v1.PlanTurnResponse\x12X\n\rReportOutcome\x12\".kvshuttle.v1.ReportOutcomeRequest\x1a#.kvshuttle.v1.ReportOutcomeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvshuttle.v1.scheduler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DECISION']._serialized_start=906
-  _globals['_DECISION']._serialized_end=985
+  _globals['_DECISION']._serialized_start=1217
+  _globals['_DECISION']._serialized_end=1296
   _globals['_PLANTURNREQUEST']._serialized_start=103
   _globals['_PLANTURNREQUEST']._serialized_end=340
   _globals['_PLANFIGURES']._serialized_start=343
-  _globals['_PLANFIGURES']._serialized_end=625
-  _globals['_PLANTURNRESPONSE']._serialized_start=628
-  _globals['_PLANTURNRESPONSE']._serialized_end=904
-  _globals['_TRANSFERSCHEDULER']._serialized_start=987
-  _globals['_TRANSFERSCHEDULER']._serialized_end=1081
+  _globals['_PLANFIGURES']._serialized_end=700
+  _globals['_REPORTOUTCOMEREQUEST']._serialized_start=703
+  _globals['_REPORTOUTCOMEREQUEST']._serialized_end=911
+  _globals['_REPORTOUTCOMERESPONSE']._serialized_start=913
+  _globals['_REPORTOUTCOMERESPONSE']._serialized_end=936
+  _globals['_PLANTURNRESPONSE']._serialized_start=939
+  _globals['_PLANTURNRESPONSE']._serialized_end=1215
+  _globals['_TRANSFERSCHEDULER']._serialized_start=1299
+  _globals['_TRANSFERSCHEDULER']._serialized_end=1483
 # @@protoc_insertion_point(module_scope)

@@ -37,7 +37,7 @@ class PlanTurnRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., disable_pull: _Optional[bool] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ..., session_snapshot: _Optional[_Union[_registry_pb2.GetSessionResponse, _Mapping]] = ..., session_not_found: _Optional[bool] = ...) -> None: ...
 
 class PlanFigures(_message.Message):
-    __slots__ = ("prompt_tokens", "session_found", "covered_tokens", "matched_tokens", "reusable_tokens", "compute_tokens", "block_size", "expires_in_s", "pull_threshold_tokens", "source_worker_alive", "snapshot_stale")
+    __slots__ = ("prompt_tokens", "session_found", "covered_tokens", "matched_tokens", "reusable_tokens", "compute_tokens", "block_size", "expires_in_s", "pull_threshold_tokens", "source_worker_alive", "snapshot_stale", "policy", "predicted_pull_ms", "predicted_recompute_ms")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SESSION_FOUND_FIELD_NUMBER: _ClassVar[int]
     COVERED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,9 @@ class PlanFigures(_message.Message):
     PULL_THRESHOLD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_WORKER_ALIVE_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_STALE_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_PULL_MS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_RECOMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     session_found: bool
     covered_tokens: int
@@ -60,7 +63,32 @@ class PlanFigures(_message.Message):
     pull_threshold_tokens: int
     source_worker_alive: bool
     snapshot_stale: bool
-    def __init__(self, prompt_tokens: _Optional[int] = ..., session_found: _Optional[bool] = ..., covered_tokens: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., reusable_tokens: _Optional[int] = ..., compute_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., expires_in_s: _Optional[float] = ..., pull_threshold_tokens: _Optional[int] = ..., source_worker_alive: _Optional[bool] = ..., snapshot_stale: _Optional[bool] = ...) -> None: ...
+    policy: str
+    predicted_pull_ms: float
+    predicted_recompute_ms: float
+    def __init__(self, prompt_tokens: _Optional[int] = ..., session_found: _Optional[bool] = ..., covered_tokens: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., reusable_tokens: _Optional[int] = ..., compute_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., expires_in_s: _Optional[float] = ..., pull_threshold_tokens: _Optional[int] = ..., source_worker_alive: _Optional[bool] = ..., snapshot_stale: _Optional[bool] = ..., policy: _Optional[str] = ..., predicted_pull_ms: _Optional[float] = ..., predicted_recompute_ms: _Optional[float] = ...) -> None: ...
+
+class ReportOutcomeRequest(_message.Message):
+    __slots__ = ("prefill_worker_id", "decode_worker_id", "prompt_tokens", "pulled_tokens", "computed_tokens", "prefill_ms", "decision")
+    PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PULLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    DECISION_FIELD_NUMBER: _ClassVar[int]
+    prefill_worker_id: str
+    decode_worker_id: str
+    prompt_tokens: int
+    pulled_tokens: int
+    computed_tokens: int
+    prefill_ms: float
+    decision: Decision
+    def __init__(self, prefill_worker_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., pulled_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., decision: _Optional[_Union[Decision, str]] = ...) -> None: ...
+
+class ReportOutcomeResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class PlanTurnResponse(_message.Message):
     __slots__ = ("decision", "reason", "prefill", "decode", "prefill_kv_transfer_params_json", "source", "figures")

@@ -40,6 +40,11 @@ class TransferSchedulerStub:
                 request_serializer=kvshuttle_dot_v1_dot_scheduler__pb2.PlanTurnRequest.SerializeToString,
                 response_deserializer=kvshuttle_dot_v1_dot_scheduler__pb2.PlanTurnResponse.FromString,
                 _registered_method=True)
+        self.ReportOutcome = channel.unary_unary(
+                '/kvshuttle.v1.TransferScheduler/ReportOutcome',
+                request_serializer=kvshuttle_dot_v1_dot_scheduler__pb2.ReportOutcomeRequest.SerializeToString,
+                response_deserializer=kvshuttle_dot_v1_dot_scheduler__pb2.ReportOutcomeResponse.FromString,
+                _registered_method=True)
 
 
 class TransferSchedulerServicer:
@@ -53,6 +58,14 @@ class TransferSchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportOutcome(self, request, context):
+        """What a planned turn's prefill actually cost: feeds the scheduler's cost model. Sent after the prefill, off the
+        turn's path.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TransferSchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -60,6 +73,11 @@ def add_TransferSchedulerServicer_to_server(servicer, server):
                     servicer.PlanTurn,
                     request_deserializer=kvshuttle_dot_v1_dot_scheduler__pb2.PlanTurnRequest.FromString,
                     response_serializer=kvshuttle_dot_v1_dot_scheduler__pb2.PlanTurnResponse.SerializeToString,
+            ),
+            'ReportOutcome': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportOutcome,
+                    request_deserializer=kvshuttle_dot_v1_dot_scheduler__pb2.ReportOutcomeRequest.FromString,
+                    response_serializer=kvshuttle_dot_v1_dot_scheduler__pb2.ReportOutcomeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -90,6 +108,33 @@ class TransferScheduler:
             '/kvshuttle.v1.TransferScheduler/PlanTurn',
             kvshuttle_dot_v1_dot_scheduler__pb2.PlanTurnRequest.SerializeToString,
             kvshuttle_dot_v1_dot_scheduler__pb2.PlanTurnResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportOutcome(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvshuttle.v1.TransferScheduler/ReportOutcome',
+            kvshuttle_dot_v1_dot_scheduler__pb2.ReportOutcomeRequest.SerializeToString,
+            kvshuttle_dot_v1_dot_scheduler__pb2.ReportOutcomeResponse.FromString,
             options,
             channel_credentials,
             insecure,
