@@ -46,6 +46,22 @@ def handle_for(w: common_pb2.Worker, covered: int) -> str:
                        "remote_block_ids": [list(range(100, 100 + -(-covered // BS)))]})
 
 
+async def register_pair(reg, prefill_id: str, decode_id: str, port: int) -> tuple[common_pb2.Worker, common_pb2.Worker]:
+    p, d = worker(prefill_id, common_pb2.WORKER_ROLE_PREFILL, port), worker(decode_id, common_pb2.WORKER_ROLE_DECODE,
+                                                                             port + 100)
+    for w in (p, d):
+        await reg.RegisterWorker(registry_pb2.RegisterWorkerRequest(worker=w, lease_ttl_s=30))
+    return p, d
+
+
+async def record(reg, session: str, d: common_pb2.Worker, history: list[int]) -> registry_pb2.GetSessionResponse:
+    """Record a turn whose handle covers all of ``history`` but its last token; return the record as read."""
+    await reg.RecordTurn(registry_pb2.RecordTurnRequest(session_id=session, decode_worker_id=d.worker_id,
+                                                        kv_transfer_params_json=handle_for(d, len(history) - 1),
+                                                        token_ids=history))
+    return await reg.GetSession(registry_pb2.GetSessionRequest(session_id=session))
+
+
 async def plan(sched, session: str, prompt: list[int], **kw) -> scheduler_pb2.PlanTurnResponse:
     return await sched.PlanTurn(scheduler_pb2.PlanTurnRequest(session_id=session, prompt_token_ids=prompt, **kw))
 
@@ -100,28 +116,23 @@ async def test_plans_pulls_only_for_verified_unclaimed_history(planes):
     d1 = worker("d1", common_pb2.WORKER_ROLE_DECODE, 7200)
     await reg.RegisterWorker(registry_pb2.RegisterWorkerRequest(worker=d1, lease_ttl_s=30))
     await reg.DeregisterWorker(registry_pb2.DeregisterWorkerRequest(worker_id="d0"))
-    for _ in range(50):  # the scheduler learns it through WatchWorkers
-        gone = await plan(sched, session, history + [5])
-        if "not alive" in gone.reason:
+    for _ in range(100):  # the scheduler learns it through WatchWorkers: then only d1 is picked
+        picks = {(await plan(sched, session, history + [5], disable_pull=True)).decode.worker_id for _ in range(2)}
+        if picks == {"d1"}:
             break
-    assert gone.decision == scheduler_pb2.DECISION_RECOMPUTE and gone.decode.worker_id == "d1"
+        await asyncio.sleep(0.05)
+    gone = await plan(sched, session, history + [5])
+    assert gone.decision == scheduler_pb2.DECISION_RECOMPUTE and "not alive" in gone.reason, gone.reason
+    assert gone.decode.worker_id == "d1"
 
 
 async def test_a_session_snapshot_saves_a_read_but_never_makes_a_wrong_pull(planes):
     """The gateway hands PlanTurn the record it just read. A stale or altered snapshot must not cause a pull the
     registry's record does not allow: the claim is at the snapshot's revision and the plan is re-checked."""
     reg, sched = planes
-    p, d = worker("p9", common_pb2.WORKER_ROLE_PREFILL, 7400), worker("d9", common_pb2.WORKER_ROLE_DECODE, 7500)
-    for w in (p, d):
-        await reg.RegisterWorker(registry_pb2.RegisterWorkerRequest(worker=w, lease_ttl_s=30))
+    _, d = await register_pair(reg, "p9", "d9", 7400)
     history = list(range(2000, 2100))
     session = f"s-{uuid.uuid4().hex[:8]}"
-
-    async def record() -> registry_pb2.GetSessionResponse:
-        await reg.RecordTurn(registry_pb2.RecordTurnRequest(session_id=session, decode_worker_id="d9",
-                                                            kv_transfer_params_json=handle_for(d, 99),
-                                                            token_ids=history))
-        return await reg.GetSession(registry_pb2.GetSessionRequest(session_id=session))
 
     async def plan_with(snapshot, prompt, **kw) -> scheduler_pb2.PlanTurnResponse:
         for _ in range(100):  # the scheduler learns about the workers through WatchWorkers
@@ -132,17 +143,17 @@ async def test_a_session_snapshot_saves_a_read_but_never_makes_a_wrong_pull(plan
             await asyncio.sleep(0.05)
         raise AssertionError(got)
 
-    snapshot = await record()
+    snapshot = await record(reg, session, d, history)
     pulled = await plan_with(snapshot, history + [1])
     assert pulled.decision == scheduler_pb2.DECISION_PULL and pulled.figures.reusable_tokens == 99, pulled.reason
 
-    stale = await record()
-    await record()  # the record changes after the caller read it
+    stale = await record(reg, session, d, history)
+    await record(reg, session, d, history)  # the record changes after the caller read it
     late = await plan_with(stale, history + [1])
     assert late.decision == scheduler_pb2.DECISION_RECOMPUTE and "changed" in late.reason, late.reason
     assert late.figures.snapshot_stale and not pulled.figures.snapshot_stale
 
-    forged = await record()
+    forged = await record(reg, session, d, history)
     edited = history.copy()
     edited[20] = 5  # differs from the real record in block 1; the snapshot claims the record holds these tokens
     del forged.session.block_hashes[:]
@@ -150,7 +161,7 @@ async def test_a_session_snapshot_saves_a_read_but_never_makes_a_wrong_pull(plan
     wrong = await plan_with(forged, edited + [1])
     assert wrong.decision == scheduler_pb2.DECISION_RECOMPUTE and "differs" in wrong.reason, wrong.reason
 
-    await record()
+    await record(reg, session, d, history)
     absent = await plan(sched, session, history + [1], session_not_found=True)
     assert absent.decision == scheduler_pb2.DECISION_RECOMPUTE and "no recorded KV" in absent.reason
 
@@ -176,16 +187,12 @@ async def test_cost_policy_learns_from_reported_outcomes(etcd):
     reg = registry_pb2_grpc.SessionRegistryStub(channels[0])
     sched = scheduler_pb2_grpc.TransferSchedulerStub(channels[1])
     try:
-        p, d = worker("p0", common_pb2.WORKER_ROLE_PREFILL, 7600), worker("d0", common_pb2.WORKER_ROLE_DECODE, 7700)
-        for w in (p, d):
-            await reg.RegisterWorker(registry_pb2.RegisterWorkerRequest(worker=w, lease_ttl_s=30))
+        _, d = await register_pair(reg, "p0", "d0", 7600)
         history = list(range(3000, 3400))
         session = f"s-{uuid.uuid4().hex[:8]}"
 
         async def plan_next() -> scheduler_pb2.PlanTurnResponse:
-            await reg.RecordTurn(registry_pb2.RecordTurnRequest(session_id=session, decode_worker_id="d0",
-                                                                kv_transfer_params_json=handle_for(d, 399),
-                                                                token_ids=history))
+            await record(reg, session, d, history)
             for _ in range(100):
                 try:
                     return await plan(sched, session, history + [1, 2])
