@@ -88,7 +88,7 @@ class DemoConfig(StackConfig):
         require(self.turns >= 1 and self.max_tokens >= 1, "--turns and --max-tokens must be >= 1")
 
 
-def _cpu_binds(workers: int) -> list[str]:
+def cpu_binds(workers: int) -> list[str]:
     """Split the cores evenly among the workers (VLLM_CPU_OMP_THREADS_BIND), one range each."""
     cores = os.cpu_count() or 2
     per = max(1, cores // workers)
@@ -156,7 +156,7 @@ class Stack:
         if gpus:  # GPU workers: no CPU binding; KV buffers on the GPU
             binds = [""] * len(roles)
         else:
-            binds = _cpu_binds(len(roles)) if self.cfg.cpu_bind == "split" else [self.cfg.cpu_bind] * len(roles)
+            binds = cpu_binds(len(roles)) if self.cfg.cpu_bind == "split" else [self.cfg.cpu_bind] * len(roles)
         for i, (role, bind) in enumerate(zip(roles, binds, strict=True)):
             name = f"{role}-{i}"
             device = ["--cuda-visible-devices", gpus[i], "--kv-buffer-device", "cuda"] if gpus else []

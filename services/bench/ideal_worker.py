@@ -8,22 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from pathlib import Path
 
 from services.etcd_process import free_port
+from services.stack import cpu_binds
 from workers.engine_client import EngineClient
 from workers.vllm_process import COLOCATED, VllmProcess, WorkerConfig
 
 log = logging.getLogger("kvshuttle.bench")
-
-
-def _first_worker_cpus(workers: int) -> str:
-    """The CPU range the local stack's 'split' binding gives its first worker (see services/stack.py)."""
-    cores = os.cpu_count() or 2
-    per = max(1, cores // workers)
-    return "0" if per == 1 else f"0-{per - 1}"
 
 
 class IdealWorker:
@@ -32,7 +25,7 @@ class IdealWorker:
         gpus = cfg.gpu_list
         if gpus and len(gpus) <= workers:
             raise ValueError("--gpus: the ideal worker needs its own GPU after the P and D workers' ones")
-        cpus = "" if gpus else cfg.ideal_cpus or _first_worker_cpus(workers)
+        cpus = "" if gpus else cfg.ideal_cpus or cpu_binds(workers)[0]
         self.cfg = WorkerConfig(
             role=COLOCATED, model=str(Path(cfg.model_dir).resolve()), grpc_port=free_port(), nixl_port=free_port(),
             cpu_bind=cpus, cpu_affinity=cpus, cuda_visible_devices=gpus[workers] if gpus else "", dtype=cfg.dtype,

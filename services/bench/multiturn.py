@@ -177,7 +177,7 @@ async def run_bench(cfg: BenchConfig) -> int:
     from workers.engine_client import EngineClient
 
     modes = cfg.mode_list
-    conversations = workload(cfg)
+    conversations = await asyncio.to_thread(workload, cfg)  # reads files
     run_id = uuid.uuid4().hex[:6]
     out_dir = Path(cfg.out_dir) / time.strftime("%Y%m%d-%H%M%S")
     started = time.time()
@@ -222,7 +222,7 @@ async def run_bench(cfg: BenchConfig) -> int:
                 return made
 
             if stack is not None:
-                counters_before = stack.prefill_prompt_tokens_by_source()
+                counters_before = await asyncio.to_thread(stack.prefill_prompt_tokens_by_source)
             print(f"kvshuttle bench: {len(conversations)} conversations, "
                   f"{sum(len(c.user_turns) for c in conversations)} turns in all, each in {', '.join(modes)}; "
                   f"concurrency {cfg.concurrency}; gateway {base_url}", flush=True)
@@ -230,7 +230,7 @@ async def run_bench(cfg: BenchConfig) -> int:
                                   progress=cfg.progress, turn_timeout_s=cfg.turn_timeout_s)
             counters = {}
             if stack is not None:
-                after = stack.prefill_prompt_tokens_by_source()
+                after = await asyncio.to_thread(stack.prefill_prompt_tokens_by_source)
                 counters = {k: after.get(k, 0.0) - counters_before.get(k, 0.0) for k in after}
     finally:
         for engine in engines:
