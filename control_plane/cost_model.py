@@ -1,86 +1,180 @@
-"""Predicted prefill time of a turn's options, learned online from measured turns (pure; issue #4, first part).
+"""Predicted prefill time of a turn's options, learned online from measured turns (pure).
 
-A prefill worker's time for a turn is modelled as linear in four features::
+A prefill worker P's time for a turn is modelled in two parts, each fitted separately::
 
-    prefill_ms ≈ fixed + a·computed + b·computed·context + c·pulled + d·[pulled > 0]
+    compute_ms(P)      ≈ fixed + a·computed + b·computed·context        (per prefill worker)
+    transfer_ms(P, D)  ≈ latency + c·pulled                             (per link: P pulling from decode worker D)
 
-``computed`` tokens P computes itself (attention over ``context`` tokens makes it super-linear), ``pulled`` tokens
-it loads over NIXL (bandwidth), and a fixed cost per transfer (connection, D's side). The weights start from priors
-(configurable) and are fitted per worker by recursive least squares with exponential forgetting; a turn the model
-mispredicts badly (a slower link, a loaded node) resets its confidence, so the change shows within a few turns. Features that a worker never exercised (e.g. it never pulled)
-keep their priors: their uncertainty is capped, not left to grow without bound.
+    RECOMPUTE ≈ compute_ms(prompt − P's own prefix-cache hit)
+    PULL      ≈ compute_ms(the new tokens) + transfer_ms(the reusable tokens)
 
-Predicting both options of a turn from the same model is what lets the scheduler choose PULL or RECOMPUTE by
-predicted time instead of a fixed token threshold. Not yet used by the scheduler (next increment of #4).
+``computed`` tokens P computes itself (attention over ``context`` tokens makes it super-linear); ``pulled`` tokens it
+loads over NIXL. The compute part is fitted from turns that pulled nothing (every conversation's first turn is one);
+the transfer part from pulls, as what the compute part does not explain. Fitting them apart keeps each fit small and
+well-conditioned: a joint fit of correlated features (pull turns compute few tokens of a long context) extrapolated
+badly in practice.
+
+Each fit is a non-negative least-squares fit over the last ``window`` observations, recent ones weighted more
+(weights halve every ``half_life`` observations) and pulled gently toward the configured priors, so a worker
+predicts from the priors until data arrives and never learns a negative cost. When the last few observations are all
+far off in the same direction, the world changed (a slower link, a loaded node): older observations are dropped, so
+the change shows within a few turns.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
-FEATURES = ("fixed_ms", "ms_per_ktoken", "ms_per_ktoken_per_kcontext", "ms_per_kpulled", "ms_per_transfer")
+R = TypeVar("R")
 
 
-def features(computed: int, context: int, pulled: int) -> list[float]:
-    """The model's inputs, scaled to similar magnitudes (thousands of tokens)."""
+def compute_features(computed: int, context: int) -> list[float]:
+    """Inputs of the compute fit, scaled to thousands of tokens."""
     k = computed / 1000
-    return [1.0, k, k * context / 1000, pulled / 1000, 1.0 if pulled > 0 else 0.0]
+    return [1.0, k, k * context / 1000]
+
+
+def transfer_features(pulled: int) -> list[float]:
+    return [1.0, pulled / 1000]
 
 
 @dataclass(frozen=True)
 class PrefillPrior:
-    """Weights before any measurement (one per feature, in FEATURES order), and how sure we are of them."""
+    """What the model assumes before measuring, and how it weighs and forgets measurements."""
 
-    fixed_ms: float = 10.0
-    ms_per_ktoken: float = 100.0
-    ms_per_ktoken_per_kcontext: float = 10.0
-    ms_per_kpulled: float = 2.0
-    ms_per_transfer: float = 5.0
-    variance: float = 1e4  # prior variance of each weight; also the cap on its uncertainty
+    fixed_ms: float = 10.0  # per prefill call
+    ms_per_ktoken: float = 100.0  # per thousand computed tokens
+    ms_per_ktoken_per_kcontext: float = 10.0  # attention: per thousand computed tokens per thousand of context
+    ms_per_transfer: float = 5.0  # per pull (connection, D's side, notification)
+    ms_per_kpulled: float = 2.0  # per thousand pulled tokens
+    prior_weight: float = 0.05  # the priors' weight, in observations (small: measurements take over fast)
+    window: int = 48  # observations kept per fit
+    half_life: float = 12.0  # observations after which an observation's weight has halved
+    surprise: float = 0.3  # relative error that counts as "far off"
+    change_after: int = 3  # this many far-off observations in a row, same direction: forget older ones
 
-    def weights(self) -> list[float]:
-        return [self.fixed_ms, self.ms_per_ktoken, self.ms_per_ktoken_per_kcontext, self.ms_per_kpulled,
-                self.ms_per_transfer]
+    def __post_init__(self) -> None:
+        for name in ("fixed_ms", "ms_per_ktoken", "ms_per_ktoken_per_kcontext", "ms_per_transfer", "ms_per_kpulled"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if self.prior_weight <= 0 or self.window < 2 or self.half_life <= 0 or self.surprise <= 0:
+            raise ValueError("prior_weight, half_life and surprise must be > 0, window >= 2")
+        if self.change_after < 1:
+            raise ValueError("change_after must be >= 1")
+
+    def compute(self) -> list[float]:
+        return [self.fixed_ms, self.ms_per_ktoken, self.ms_per_ktoken_per_kcontext]
+
+    def transfer(self) -> list[float]:
+        return [self.ms_per_transfer, self.ms_per_kpulled]
 
 
-class RecursiveLeastSquares:
-    """y ≈ θ·x fitted online; ``forgetting`` < 1 weighs recent observations more (memory ≈ 1/(1-forgetting))."""
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting for the tiny systems here; None when singular."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) < 1e-12:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(n):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                for c in range(col, n + 1):
+                    m[r][c] -= f * m[col][c]
+    return [m[i][n] / m[i][i] for i in range(n)]
 
-    def __init__(self, prior: Sequence[float], variance: float, forgetting: float = 0.95,
-                 surprise: float = 0.3):
-        if not 0 < forgetting <= 1:
-            raise ValueError("forgetting must be in (0, 1]")
-        self.surprise = surprise  # a relative error above this means the world changed: forget what we knew
-        self.theta = [float(w) for w in prior]
-        n = len(self.theta)
-        self.cov = [[variance if i == j else 0.0 for j in range(n)] for i in range(n)]
-        self.cap = variance
-        self.forgetting = forgetting
+
+def nonnegative_least_squares(a: list[list[float]], b: list[float]) -> list[float]:
+    """argmin θᵀAθ − 2bᵀθ subject to θ ≥ 0, for a positive-definite ``a`` of a few dimensions (every active set)."""
+    n = len(b)
+    best, best_value = [0.0] * n, 0.0
+    for size in range(1, n + 1):
+        for free in itertools.combinations(range(n), size):
+            sub = _solve([[a[i][j] for j in free] for i in free], [b[i] for i in free])
+            if sub is None or min(sub) < 0:
+                continue
+            theta = [0.0] * n
+            for i, v in zip(free, sub, strict=True):
+                theta[i] = v
+            value = sum(theta[i] * a[i][j] * theta[j] for i in range(n) for j in range(n)) - 2 * sum(
+                t * v for t, v in zip(theta, b, strict=True))
+            if value < best_value:
+                best, best_value = theta, value
+    return best
+
+
+class RecentFit(Generic[R]):
+    """y ≈ θ·x, θ ≥ 0, fitted to recent observations with the prior as a weak extra observation per weight.
+
+    Observations are kept as records and turned into ``(x, y, measured ms)`` by ``to_xy`` at every fit, so a fit whose target
+    depends on another fit (a link's transfer time is what the compute fit leaves unexplained) stays consistent.
+    """
+
+    def __init__(self, prior: Sequence[float], settings: PrefillPrior,
+                 to_xy: Callable[[R], tuple[Sequence[float], float, float]]):
+        self.prior = [float(w) for w in prior]
+        self.settings = settings
+        self.to_xy = to_xy
+        self.records: deque[R] = deque(maxlen=settings.window)
+        self.theta = list(self.prior)
         self.observations = 0
+        self.changes = 0  # times a change was detected and older observations dropped
+        self._streak = 0  # far-off observations in a row, signed by direction
 
     def predict(self, x: Sequence[float]) -> float:
         return sum(t * v for t, v in zip(self.theta, x, strict=True))
 
-    def update(self, x: Sequence[float], y: float) -> None:
-        n = len(self.theta)
-        if self.observations and abs(y - self.predict(x)) > self.surprise * max(abs(y), 1.0):
-            self.cov = [[self.cap if i == j else 0.0 for j in range(n)] for i in range(n)]  # keep θ, doubt it
-        px = [sum(self.cov[i][j] * x[j] for j in range(n)) for i in range(n)]
-        denom = self.forgetting + sum(x[i] * px[i] for i in range(n))
-        gain = [v / denom for v in px]
-        error = y - self.predict(x)
-        self.theta = [t + g * error for t, g in zip(self.theta, gain, strict=True)]
-        for i in range(n):
-            for j in range(n):
-                self.cov[i][j] = (self.cov[i][j] - gain[i] * px[j]) / self.forgetting
-        for i in range(n):  # bounded uncertainty: directions that are never excited must not blow up
-            if self.cov[i][i] > self.cap:
-                scale = (self.cap / self.cov[i][i]) ** 0.5
-                for j in range(n):
-                    self.cov[i][j] *= scale
-                    self.cov[j][i] *= scale
+    def add(self, record: R) -> None:
+        x, y, measured = self.to_xy(record)
+        error = (y - self.predict(x)) / max(measured, 1.0)
+        if self.observations and abs(error) > self.settings.surprise:
+            sign = 1 if error > 0 else -1
+            self._streak = self._streak + sign if self._streak * sign > 0 else sign
+        else:
+            self._streak = 0
+        self.records.append(record)
         self.observations += 1
+        if abs(self._streak) >= self.settings.change_after and len(self.records) > abs(self._streak):
+            recent = list(self.records)[-abs(self._streak):]
+            self.records.clear()
+            self.records.extend(recent)
+            self.changes += 1
+            self._streak = 0
+        self.refit()
+
+    def refit(self) -> None:
+        """Fit θ to the kept observations by relative error (a 10 ms turn counts as much as a 1 s one), newest
+        weighted most. The priors act as ``prior_weight`` of one extra observation of typical size, so they decide
+        only what the data cannot (e.g. a feature that never varied)."""
+        n = len(self.prior)
+        decay = 0.5 ** (1 / self.settings.half_life)
+        rows = [(self.to_xy(record), decay**age) for age, record in enumerate(reversed(self.records))]
+        if not rows:
+            self.theta = list(self.prior)
+            return
+        total = sum(w for _, w in rows)
+        typical_ms = max(sum(w * m for (_, _, m), w in rows) / total, 1.0)
+        typical_x = [max(sum(w * abs(x[j]) for (x, _, _), w in rows) / total, 1e-3) for j in range(n)]
+        lam = self.settings.prior_weight
+        a = [[0.0] * n for _ in range(n)]
+        b = [0.0] * n
+        for j in range(n):
+            weight = lam * (typical_x[j] / typical_ms) ** 2
+            a[j][j] += weight
+            b[j] += weight * self.prior[j]
+        for (x, y, measured), w in rows:
+            w /= max(measured, 1.0) ** 2
+            for i in range(n):
+                b[i] += w * x[i] * y
+                for j in range(n):
+                    a[i][j] += w * x[i] * x[j]
+        self.theta = nonnegative_least_squares(a, b)
 
 
 @dataclass(frozen=True)
@@ -92,46 +186,115 @@ class Prediction:
     def pull_is_faster(self) -> bool:
         return self.pull_ms is not None and self.pull_ms < self.recompute_ms
 
+    @property
+    def best_ms(self) -> float:
+        return min(self.recompute_ms, self.pull_ms) if self.pull_ms is not None else self.recompute_ms
+
+
+@dataclass(frozen=True)
+class Turn:
+    computed: int
+    context: int
+    pulled: int
+    ms: float
+
 
 class PrefillCostModel:
-    """One fitted model per prefill worker; a worker not seen yet predicts from the priors."""
+    """Compute fits per prefill worker and transfer fits per (prefill, decode) link; unseen ones use the priors."""
 
-    def __init__(self, prior: PrefillPrior | None = None, forgetting: float = 0.95):
+    def __init__(self, prior: PrefillPrior | None = None):
         self.prior = prior or PrefillPrior()
-        self.forgetting = forgetting
-        self._models: dict[str, RecursiveLeastSquares] = {}
+        self._compute: dict[str, RecentFit[Turn]] = {}
+        self._links: dict[tuple[str, str], RecentFit[Turn]] = {}
+        self._stale: set[tuple[str, str]] = set()  # links to refit: their worker's compute fit changed
 
-    def _model(self, worker: str) -> RecursiveLeastSquares:
-        model = self._models.get(worker)
-        if model is None:
-            model = self._models[worker] = RecursiveLeastSquares(self.prior.weights(), self.prior.variance,
-                                                                 self.forgetting)
-        return model
+    def compute_ms(self, worker: str, computed: int, context: int) -> float:
+        fit = self._compute.get(worker)
+        theta = fit.theta if fit else self.prior.compute()
+        return sum(t * v for t, v in zip(theta, compute_features(computed, context), strict=True))
+
+    def transfer_ms(self, worker: str, source: str, pulled: int) -> float:
+        fit = self._link_fit(worker, source)
+        theta = fit.theta if fit else self.prior.transfer()
+        return sum(t * v for t, v in zip(theta, transfer_features(pulled), strict=True))
+
+    def _link_fit(self, worker: str, source: str) -> RecentFit[Turn] | None:
+        """The link's fit; for a link never used, the worker's most-measured link (same P, another D)."""
+        key = (worker, source)
+        if key not in self._links:
+            known = [k for k in self._links if k[0] == worker]
+            if not known:
+                return None
+            key = max(known, key=lambda k: self._links[k].observations)
+        if key in self._stale:
+            self._links[key].refit()
+            self._stale.discard(key)
+        return self._links[key]
 
     def observe(self, worker: str, *, prompt_tokens: int, computed_tokens: int, pulled_tokens: int,
-                prefill_ms: float) -> None:
-        """A measured turn on ``worker``: how many prompt tokens it computed and pulled, and how long it took."""
+                prefill_ms: float, source: str = "") -> None:
+        """A measured turn on ``worker``: tokens it computed and pulled (from ``source``), and how long it took."""
         if prompt_tokens <= 0 or computed_tokens < 0 or pulled_tokens < 0 or prefill_ms < 0:
             raise ValueError("token counts and time must be non-negative, and the prompt non-empty")
-        self._model(worker).update(features(computed_tokens, prompt_tokens, pulled_tokens), prefill_ms)
-
-    def predict_ms(self, worker: str, *, prompt_tokens: int, computed_tokens: int, pulled_tokens: int) -> float:
-        model = self._models.get(worker) or RecursiveLeastSquares(self.prior.weights(), self.prior.variance)
-        return max(0.0, model.predict(features(computed_tokens, prompt_tokens, pulled_tokens)))
+        turn = Turn(computed_tokens, prompt_tokens, pulled_tokens, prefill_ms)
+        if pulled_tokens == 0:
+            fit = self._compute.get(worker)
+            if fit is None:
+                fit = self._compute[worker] = RecentFit(
+                    self.prior.compute(), self.prior, lambda t: (compute_features(t.computed, t.context), t.ms, t.ms))
+            fit.add(turn)
+            self._stale.update(k for k in self._links if k[0] == worker)
+            return
+        key = (worker, source)
+        fit = self._links.get(key)
+        if fit is None:
+            fit = self._links[key] = RecentFit(
+                self.prior.transfer(), self.prior,
+                lambda t: (transfer_features(t.pulled), t.ms - self.compute_ms(worker, t.computed, t.context), t.ms))
+        if key in self._stale:
+            fit.refit()
+            self._stale.discard(key)
+        fit.add(turn)
 
     def predict(self, worker: str, *, prompt_tokens: int, reusable_tokens: int, cached_tokens: int = 0,
-                ) -> Prediction:
-        """Both options of a turn on ``worker``: PULL (load ``reusable_tokens``, compute the rest) or RECOMPUTE
-        (compute all but the ``cached_tokens`` P already holds in its own prefix cache)."""
-        recompute = self.predict_ms(worker, prompt_tokens=prompt_tokens,
-                                    computed_tokens=prompt_tokens - cached_tokens, pulled_tokens=0)
+                source: str = "") -> Prediction:
+        """Both options of a turn on ``worker``: PULL (load ``reusable_tokens`` from ``source``, compute the rest)
+        or RECOMPUTE (compute all but the ``cached_tokens`` P already holds in its own prefix cache)."""
+        recompute = self.compute_ms(worker, prompt_tokens - cached_tokens, prompt_tokens)
         if reusable_tokens <= 0:
             return Prediction(None, recompute)
         pulled = max(0, reusable_tokens - cached_tokens)  # P loads only what it does not hold
         computed = prompt_tokens - max(reusable_tokens, cached_tokens)
-        pull = self.predict_ms(worker, prompt_tokens=prompt_tokens, computed_tokens=computed, pulled_tokens=pulled)
+        pull = self.compute_ms(worker, computed, prompt_tokens)
+        if pulled:
+            pull += self.transfer_ms(worker, source, pulled)
         return Prediction(pull, recompute)
 
-    def observations(self, worker: str) -> int:
-        model = self._models.get(worker)
-        return model.observations if model else 0
+    def observations(self, worker: str) -> tuple[int, int]:
+        """(turns without a pull, pulls) measured on ``worker``."""
+        fit = self._compute.get(worker)
+        return (fit.observations if fit else 0,
+                sum(f.observations for k, f in self._links.items() if k[0] == worker))
+
+    def pulls_on_link(self, worker: str, source: str) -> int:
+        fit = self._links.get((worker, source))
+        return fit.observations if fit else 0
+
+    def compute_fits(self) -> dict[str, RecentFit[Turn]]:
+        return dict(self._compute)
+
+    def link_fits(self) -> dict[tuple[str, str], RecentFit[Turn]]:
+        """Every measured link's fit, refitted first where its worker's compute fit changed."""
+        return {key: self._link_fit(*key) for key in list(self._links)}
+
+    def describe(self) -> dict[str, dict[str, float]]:
+        """The fitted weights, by worker and link (for explanations and stats)."""
+        out: dict[str, dict[str, float]] = {}
+        for worker, fit in self._compute.items():
+            out[worker] = dict(zip(("fixed_ms", "ms_per_ktoken", "ms_per_ktoken_per_kcontext"), fit.theta,
+                                   strict=True)) | {"observations": fit.observations}
+        for worker, source in list(self._links):
+            fit = self._link_fit(worker, source)
+            out[f"{worker}<-{source}"] = dict(zip(("ms_per_transfer", "ms_per_kpulled"), fit.theta, strict=True)) | {
+                "observations": fit.observations}
+        return out

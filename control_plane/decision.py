@@ -52,6 +52,8 @@ class Plan:
     matched_tokens: int = 0
     reusable_tokens: int = 0
     prefill_params: dict[str, Any] = field(default_factory=kv_params.prefill_request_params)
+    # A RECOMPUTE that could have pulled safely: the tokens that pull would have loaded (the option not taken).
+    pullable_tokens: int = 0
 
     @property
     def compute_tokens(self) -> int:
@@ -75,8 +77,8 @@ def decide(prompt: Sequence[int], handle: HandleView | None, policy: PullPolicy,
     if n == 0:
         raise ValueError("empty prompt")
 
-    def recompute(reason: str, matched: int = 0) -> Plan:
-        return Plan(Choice.RECOMPUTE, reason, n, matched_tokens=matched)
+    def recompute(reason: str, matched: int = 0, pullable: int = 0) -> Plan:
+        return Plan(Choice.RECOMPUTE, reason, n, matched_tokens=matched, pullable_tokens=pullable)
 
     if disable_pull:
         return recompute("pull disabled for this turn")
@@ -96,7 +98,8 @@ def decide(prompt: Sequence[int], handle: HandleView | None, policy: PullPolicy,
             why = f"prompt diverges from the recorded tokens at block boundary {matched}"
         else:
             why = "too few reusable tokens"
-        return recompute(f"{why}: {reusable} reusable < threshold {policy.pull_threshold_tokens}", matched)
+        return recompute(f"{why}: {reusable} reusable < threshold {policy.pull_threshold_tokens}", matched,
+                         pullable=reusable)
     try:
         params = kv_params.pull_params(kv_params.parse_handle(handle.kv_transfer_params_json), reusable,
                                        handle.block_size)

@@ -1,26 +1,40 @@
 """Pull-vs-recompute policies, chosen by name with validated parameters (pure).
 
-Every policy first applies the safety rules of :func:`control_plane.decision.decide` (prefix check, expiry guard,
-live source, unclaimed handle): no policy can pull what is unsafe to pull. They differ in when a safe pull is worth it.
+Every policy starts from the plan of :func:`control_plane.decision.decide` under its own ``safety`` knobs (prefix
+check, expiry guard, live source, unclaimed handle, fewest tokens worth a pull): no policy can pull what is unsafe
+to pull. They differ in when a safe pull is worth it. After the policy, one rule holds for all
+(:func:`plan_turn`): a pull that the cost model predicts to end within ``expiry_guard_s`` of the handle's expiry
+(waiting at P included) is refused.
 
 - ``threshold``: pull when at least ``pull_threshold_tokens`` tokens are reusable (vLLM's own rule; the baseline).
-- ``cost`` (experimental): pull when the learned prefill-time model (:mod:`control_plane.cost_model`) predicts the
-  pull faster than recomputing on the chosen prefill worker; the model learns from each turn's reported outcome, and
-  keeps pulling now and then so it never stops measuring pulls. Not yet reliable enough to be the default: with few,
-  noisy measurements of correlated features its fit can extrapolate badly and recompute where a pull is faster.
+- ``cost``: pull when the learned prefill-time model (:mod:`control_plane.cost_model`, shared by all policies and fed
+  by every reported turn) predicts the pull faster than recomputing on the chosen prefill worker. While a link has
+  few measured pulls, and then on one eligible turn in ``explore_every``, it pulls even when the model disagrees
+  (within ``explore_ratio``), so it never stops measuring pulls.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from control_plane.cost_model import Prediction, PrefillCostModel, PrefillPrior
-from control_plane.decision import Choice, HandleView, Plan, PullPolicy, decide
+from control_plane.decision import Choice, Plan, PullPolicy
 
 
 class PolicyError(ValueError):
     """A policy name or parameter that is not valid (the message says which and why)."""
+
+
+@dataclass(frozen=True)
+class TurnContext:
+    """What a policy knows about the chosen workers, besides the safe plan."""
+
+    prefill_worker: str
+    source_worker: str = ""  # the decode worker holding the KV ("" without a handle)
+    prediction: Prediction | None = None  # both options on the prefill worker (cost model)
+    wait_ms: float = 0.0  # predicted wait at the prefill worker before this turn's prefill starts
+    expires_in_s: float = 0.0  # the handle's time left
 
 
 @dataclass(frozen=True)
@@ -33,99 +47,117 @@ class Outcome:
     computed_tokens: int
     prefill_ms: float
     decision: Choice
+    source_worker: str = ""  # the decode worker P pulled from
+    pullable_tokens: int = 0  # a RECOMPUTE's alternative: tokens a safe pull would have loaded (0: none)
+    policy: str = ""  # the policy that planned the turn
+
+
+def demote(plan: Plan, reason: str) -> Plan:
+    return Plan(Choice.RECOMPUTE, reason, plan.prompt_tokens, matched_tokens=plan.matched_tokens,
+                pullable_tokens=plan.reusable_tokens)
 
 
 class ThresholdPolicy:
-    name = "threshold"
+    kind = "threshold"
 
-    def __init__(self, pull_threshold_tokens: int = 16, expiry_guard_s: float = 2.0):
+    def __init__(self, pull_threshold_tokens: int = 16, expiry_guard_s: float = 2.0, name: str = "threshold"):
         if pull_threshold_tokens < 1:
-            raise PolicyError("threshold: pull_threshold_tokens must be >= 1")
+            raise PolicyError(f"{name}: pull_threshold_tokens must be >= 1")
         if expiry_guard_s < 0:
-            raise PolicyError("threshold: expiry_guard_s must be >= 0")
+            raise PolicyError(f"{name}: expiry_guard_s must be >= 0")
+        self.name = name
         self.safety = PullPolicy(pull_threshold_tokens, expiry_guard_s)
 
-    def plan(self, prompt: Sequence[int], handle: HandleView | None, *, prefill_worker: str,
-             disable_pull: bool = False) -> tuple[Plan, Prediction | None]:
-        return decide(prompt, handle, self.safety, disable_pull=disable_pull), None
-
-    def observe(self, outcome: Outcome) -> None:
-        pass
+    def choose(self, plan: Plan, ctx: TurnContext) -> Plan:
+        return plan  # decide() already applied the threshold
 
 
 class CostPolicy:
-    name = "cost"
+    kind = "cost"
 
-    def __init__(self, expiry_guard_s: float = 2.0, min_pull_tokens: int = 1, forgetting: float = 0.95,
-                 prior: PrefillPrior | None = None, explore_every: int = 10, explore_ratio: float = 2.0,
-                 warmup_pulls: int = 5):
+    def __init__(self, model: PrefillCostModel, expiry_guard_s: float = 2.0, min_pull_tokens: int = 1,
+                 explore_every: int = 20, explore_ratio: float = 2.0, warmup_pulls: int = 3, name: str = "cost"):
         if expiry_guard_s < 0:
-            raise PolicyError("cost: expiry_guard_s must be >= 0")
+            raise PolicyError(f"{name}: expiry_guard_s must be >= 0")
         if min_pull_tokens < 1:
-            raise PolicyError("cost: min_pull_tokens must be >= 1")
-        if not 0 < forgetting <= 1:
-            raise PolicyError("cost: forgetting must be in (0, 1]")
+            raise PolicyError(f"{name}: min_pull_tokens must be >= 1")
         if explore_every < 0 or explore_ratio < 1 or warmup_pulls < 0:
-            raise PolicyError("cost: explore_every and warmup_pulls must be >= 0, explore_ratio >= 1")
+            raise PolicyError(f"{name}: explore_every and warmup_pulls must be >= 0, explore_ratio >= 1")
+        self.name = name
         self.safety = PullPolicy(min_pull_tokens, expiry_guard_s)
-        # A model that stops pulling stops learning what pulls cost: pull anyway while a worker has fewer than
-        # warmup_pulls measured pulls, and then one eligible turn in explore_every, when the pull is predicted at
-        # most explore_ratio times slower than the recompute.
         self.explore_every, self.explore_ratio, self.warmup_pulls = explore_every, explore_ratio, warmup_pulls
-        self._pulls_seen: dict[str, int] = {}
-        self._eligible: dict[str, int] = {}
-        self.model = PrefillCostModel(prior, forgetting)
-        self.turns = 0
-        self.regrets = 0
+        self.model = model
+        self._eligible: dict[tuple[str, str], int] = {}
 
-    def plan(self, prompt: Sequence[int], handle: HandleView | None, *, prefill_worker: str,
-             disable_pull: bool = False) -> tuple[Plan, Prediction | None]:
-        plan = decide(prompt, handle, self.safety, disable_pull=disable_pull)
-        if plan.choice is not Choice.PULL:
-            return plan, None
-        predicted = self.model.predict(prefill_worker, prompt_tokens=len(prompt), reusable_tokens=plan.reusable_tokens)
+    def choose(self, plan: Plan, ctx: TurnContext) -> Plan:
+        predicted = ctx.prediction
+        if plan.choice is not Choice.PULL or predicted is None or predicted.pull_ms is None:
+            return plan
         figures = f"predicted pull {predicted.pull_ms:.1f} ms vs recompute {predicted.recompute_ms:.1f} ms"
         if predicted.pull_is_faster:
             plan.reason = f"{plan.reason}; {figures}"
-            return plan, predicted
-        if self._explore(prefill_worker, predicted):
-            plan.reason = f"{plan.reason}; {figures}; pulling anyway to keep measuring pulls"
-            return plan, predicted
-        return Plan(Choice.RECOMPUTE, f"cost model: recompute is faster ({figures})", plan.prompt_tokens,
-                    matched_tokens=plan.matched_tokens), predicted
+            return plan
+        if self._explore(ctx.prefill_worker, ctx.source_worker, predicted):
+            plan.reason = f"{plan.reason}; {figures}; pulling anyway to keep measuring this link"
+            return plan
+        return demote(plan, f"cost model: recompute is faster ({figures})")
 
-    def _explore(self, worker: str, predicted: Prediction) -> bool:
+    def _explore(self, worker: str, source: str, predicted: Prediction) -> bool:
         if predicted.pull_ms is None or predicted.pull_ms > self.explore_ratio * predicted.recompute_ms:
             return False
-        if self._pulls_seen.get(worker, 0) < self.warmup_pulls:
+        if self.model.pulls_on_link(worker, source) < self.warmup_pulls:
             return True
-        self._eligible[worker] = self._eligible.get(worker, 0) + 1
-        return bool(self.explore_every) and self._eligible[worker] % self.explore_every == 0
-
-    def observe(self, outcome: Outcome) -> None:
-        """Learn from a turn, and count it as a regret when the option not taken now looks faster than what the
-        taken one cost (judged by the model as it stands after this turn)."""
-        self.model.observe(outcome.prefill_worker, prompt_tokens=outcome.prompt_tokens,
-                           computed_tokens=outcome.computed_tokens, pulled_tokens=outcome.pulled_tokens,
-                           prefill_ms=outcome.prefill_ms)
-        self.turns += 1
-        if outcome.decision is Choice.PULL and outcome.pulled_tokens > 0:
-            self._pulls_seen[outcome.prefill_worker] = self._pulls_seen.get(outcome.prefill_worker, 0) + 1
-        if outcome.decision is Choice.PULL:
-            other = self.model.predict_ms(outcome.prefill_worker, prompt_tokens=outcome.prompt_tokens,
-                                          computed_tokens=outcome.prompt_tokens, pulled_tokens=0)
-        else:
-            return  # a recompute's alternative needs the reusable tokens, which the outcome does not carry
-        self.regrets += int(other < outcome.prefill_ms)
-
-    @property
-    def regret(self) -> float | None:
-        """Share of the observed pulls that the model now thinks recomputing would have beaten."""
-        return self.regrets / self.turns if self.turns else None
+        key = (worker, source)
+        self._eligible[key] = self._eligible.get(key, 0) + 1
+        return bool(self.explore_every) and self._eligible[key] % self.explore_every == 0
 
 
 Policy = ThresholdPolicy | CostPolicy
-POLICIES: dict[str, type] = {ThresholdPolicy.name: ThresholdPolicy, CostPolicy.name: CostPolicy}
+
+
+def plan_turn(policy: Policy, plan: Plan, ctx: TurnContext) -> Plan:
+    """The policy's choice, then the rule for every policy: a pull must end before the handle's expiry guard."""
+    plan = policy.choose(plan, ctx)
+    if plan.choice is Choice.PULL and ctx.prediction is not None and ctx.prediction.pull_ms is not None:
+        ends_in_s = (ctx.wait_ms + ctx.prediction.pull_ms) / 1000
+        if ctx.expires_in_s - ends_in_s <= policy.safety.expiry_guard_s:
+            return demote(plan, f"the pull would end {ends_in_s:.1f}s from now, within "
+                                f"{policy.safety.expiry_guard_s:g}s of the handle's expiry "
+                                f"({ctx.expires_in_s:.1f}s left): recompute")
+    return plan
+
+
+class RegretMeter:
+    """Per policy: of the turns that had an alternative, how many the alternative would have served faster.
+
+    The alternative's time is the cost model's prediction (it was not run); the taken option's is the measured one.
+    """
+
+    def __init__(self) -> None:
+        self.turns: dict[str, int] = {}
+        self.regrets: dict[str, int] = {}
+
+    def record(self, outcome: Outcome, model: PrefillCostModel) -> bool | None:
+        """Count ``outcome`` (judged by ``model`` before it learns from it); None when it had no alternative."""
+        if outcome.decision is Choice.PULL:
+            alternative = model.compute_ms(outcome.prefill_worker, outcome.prompt_tokens, outcome.prompt_tokens)
+        elif outcome.pullable_tokens > 0:
+            alternative = model.predict(outcome.prefill_worker, prompt_tokens=outcome.prompt_tokens,
+                                        reusable_tokens=outcome.pullable_tokens,
+                                        source=outcome.source_worker).pull_ms
+        else:
+            return None
+        regret = alternative is not None and alternative < outcome.prefill_ms
+        name = outcome.policy or "?"
+        self.turns[name] = self.turns.get(name, 0) + 1
+        self.regrets[name] = self.regrets.get(name, 0) + int(regret)
+        return regret
+
+    def regret(self, policy: str) -> float | None:
+        turns = self.turns.get(policy, 0)
+        return self.regrets.get(policy, 0) / turns if turns else None
+
+
 _PRIOR_FIELDS = {f.name: f.type for f in fields(PrefillPrior)}
 
 
@@ -140,32 +172,63 @@ def parse_params(text: str) -> dict[str, str]:
     return out
 
 
-def make_policy(name: str, params: Mapping[str, str] | None = None, *, expiry_guard_s: float = 2.0) -> Policy:
-    """The policy called ``name`` with its parameters, validated; unknown names or keys are errors."""
+def _number(name: str, params: dict[str, str], key: str, kind: type):
+    raw = params.pop(key)
+    try:
+        return kind(raw)
+    except ValueError:
+        raise PolicyError(f"{name}: {key}={raw!r} is not a{'n' if kind is int else ''} {kind.__name__}") from None
+
+
+def make_prior(params: Mapping[str, str] | None) -> PrefillPrior:
+    """The cost model's priors and fitting settings from ``key=value`` text (--cost-model-params)."""
     params = dict(params or {})
-    if name not in POLICIES:
-        raise PolicyError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
-
-    def number(key: str, kind: type):
-        raw = params.pop(key)
-        try:
-            return kind(raw)
-        except ValueError:
-            raise PolicyError(f"{name}: {key}={raw!r} is not a {kind.__name__}") from None
-
-    if name == ThresholdPolicy.name:
-        kwargs = {"expiry_guard_s": expiry_guard_s}
-        if "pull_threshold_tokens" in params:
-            kwargs["pull_threshold_tokens"] = number("pull_threshold_tokens", int)
-        policy: Policy = ThresholdPolicy(**kwargs)
-    else:
-        kwargs = {"expiry_guard_s": expiry_guard_s}
-        for key, kind in (("min_pull_tokens", int), ("forgetting", float), ("explore_every", int),
-                          ("explore_ratio", float), ("warmup_pulls", int)):
-            if key in params:
-                kwargs[key] = number(key, kind)
-        prior = {key: number(key, float) for key in list(params) if key in _PRIOR_FIELDS}
-        policy = CostPolicy(prior=PrefillPrior(**prior), **kwargs)
+    values = {key: _number("cost model", params, key, int if _PRIOR_FIELDS[key] == "int" else float)
+              for key in list(params) if key in _PRIOR_FIELDS}
     if params:
-        raise PolicyError(f"{name}: unknown parameter(s) {', '.join(sorted(params))}")
-    return policy
+        raise PolicyError(f"cost model: unknown parameter(s) {', '.join(sorted(params))}; "
+                          f"known: {', '.join(_PRIOR_FIELDS)}")
+    try:
+        return PrefillPrior(**values)
+    except ValueError as exc:
+        raise PolicyError(f"cost model: {exc}") from None
+
+
+KINDS = {ThresholdPolicy.kind: ("pull_threshold_tokens",),
+         CostPolicy.kind: ("min_pull_tokens", "explore_every", "explore_ratio", "warmup_pulls")}
+
+
+def make_policy(kind: str, params: Mapping[str, str] | None = None, *, model: PrefillCostModel,
+                expiry_guard_s: float = 2.0, name: str = "") -> Policy:
+    """The policy of ``kind`` with its parameters, validated; unknown kinds or keys are errors."""
+    params = dict(params or {})
+    name = name or kind
+    if kind not in KINDS:
+        raise PolicyError(f"unknown policy {kind!r}; choose one of {', '.join(KINDS)}")
+    kwargs = {"expiry_guard_s": expiry_guard_s, "name": name}
+    for key in KINDS[kind]:
+        if key in params:
+            kwargs[key] = _number(name, params, key, float if key == "explore_ratio" else int)
+    if "expiry_guard_s" in params:
+        kwargs["expiry_guard_s"] = _number(name, params, "expiry_guard_s", float)
+    if params:
+        raise PolicyError(f"{name}: unknown parameter(s) {', '.join(sorted(params))}; "
+                          f"known: {', '.join(KINDS[kind] + ('expiry_guard_s',))}")
+    if kind == ThresholdPolicy.kind:
+        return ThresholdPolicy(**kwargs)
+    return CostPolicy(model, **kwargs)
+
+
+def parse_policy_specs(text: str) -> list[tuple[str, str, dict[str, str]]]:
+    """``"t64=threshold:pull_threshold_tokens=64; cost=cost"`` → ``[(name, kind, params), ...]``."""
+    out = []
+    for spec in filter(None, (s.strip() for s in text.split(";"))):
+        name, sep, rest = spec.partition("=")
+        kind, _, params = rest.partition(":")
+        name, kind = name.strip(), kind.strip()
+        if not sep or not name or not kind:
+            raise PolicyError(f"policy spec {spec!r} is not name=kind[:key=value,...]")
+        if not name.replace("-", "").replace("_", "").isalnum():
+            raise PolicyError(f"policy name {name!r}: use letters, digits, - and _")
+        out.append((name, kind, parse_params(params)))
+    return out

@@ -18,6 +18,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("workers.agent", "Run a vLLM prefill or decode worker and register it"),
     "make-model": ("workers.model_builder", "Build the small offline test model into a directory"),
     "bench-services": ("services.bench.services_bench", "Microbenchmarks of the registry and scheduler (no vLLM)"),
+    "bench-policies": ("services.bench.policy_sweep", "Pull-vs-recompute policies compared: the cost model vs fixed "
+                                                      "thresholds, TTFT by history length"),
 }
 
 

@@ -1,4 +1,8 @@
-"""One way to run a kvshuttle gRPC server: grpc.aio with health, reflection and trace propagation."""
+"""One way to run a kvshuttle gRPC server: grpc.aio with health, reflection and trace propagation.
+
+Trace context travels only in a process that traces (``services.telemetry.tracing_enabled()`` when the server or
+channel is built, i.e. after ``setup_tracing``): otherwise the OpenTelemetry interceptors are left out.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ from opentelemetry.instrumentation.grpc import (
     aio_server_interceptor,
 )
 
+from services.telemetry import tracing_enabled
+
 log = logging.getLogger(__name__)
 
 
@@ -28,7 +34,7 @@ class Server:
     def __init__(self, address: str, service_names: Iterable[str],
                  register: Iterable[Callable[[grpc.aio.Server], None]]):
         self.service_names = list(service_names)
-        self.server = grpc.aio.server(interceptors=[aio_server_interceptor()])
+        self.server = grpc.aio.server(interceptors=[aio_server_interceptor()] if tracing_enabled() else None)
         for add in register:
             add(self.server)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
@@ -61,8 +67,8 @@ async def _maybe_await(value: object) -> None:
 
 
 def client_channel(address: str) -> grpc.aio.Channel:
-    """An insecure grpc.aio channel that propagates the current trace context."""
-    return grpc.aio.insecure_channel(address, interceptors=aio_client_interceptors())
+    """An insecure grpc.aio channel that propagates the current trace context (when this process traces)."""
+    return grpc.aio.insecure_channel(address, interceptors=aio_client_interceptors() if tracing_enabled() else None)
 
 
 def service_main(config_cls: type, argv, prog: str, trace_name: str, make_service) -> None:

@@ -100,8 +100,10 @@ def _port(preferred: int) -> int:
 
 
 class Stack:
-    def __init__(self, cfg: StackConfig):
+    def __init__(self, cfg: StackConfig, *, scheduler_env: dict[str, str] | None = None):
+        """``scheduler_env``: extra KVSHUTTLE_SCHEDULER_* settings for the scheduler (e.g. named policies)."""
         self.cfg = cfg
+        self.scheduler_env = dict(scheduler_env or {})
         self.work = Path(cfg.work_dir).resolve()
         self.logs = self.work / "logs"
         self.model_dir = Path(cfg.model_dir).resolve()
@@ -147,7 +149,9 @@ class Stack:
         registry = await self._spawn("registry", "registry", "--listen", self.registry_address,
                                      "--expiry-margin-s", str(self.cfg.expiry_margin_s))
         await self._wait_grpc(registry, self.registry_address, deadline)
-        scheduler = await self._spawn("scheduler", "scheduler", "--listen", self.scheduler_address)
+        # The scheduler claims KV handles in etcd itself (the registry's store code), one hop less per plan.
+        scheduler = await self._spawn("scheduler", "scheduler", "--listen", self.scheduler_address,
+                                      "--etcd-endpoints", self.etcd.endpoints, env=self.scheduler_env)
         gateway = await self._spawn("gateway", "gateway", "--grpc-listen", self.gateway_grpc,
                                     "--http-listen", self.gateway_http, "--max-model-len",
                                     str(self.cfg.max_model_len))

@@ -37,6 +37,15 @@ def setup_tracing(service_name: str, config: TelemetryConfig, exporter: SpanExpo
     log.info("tracing to %s", config.traces_exporter if exporter is None else type(exporter).__name__)
 
 
+def tracing_enabled() -> bool:
+    """Whether this process records spans (a tracer provider is installed, by ``setup_tracing`` or otherwise).
+
+    The gRPC servers and channels built after this is true carry trace context; without a provider they skip the
+    OpenTelemetry interceptors, which cost ~0.1 ms of CPU per call even though every span they make is a no-op.
+    """
+    return not isinstance(trace.get_tracer_provider(), (trace.ProxyTracerProvider, trace.NoOpTracerProvider))
+
+
 def hashed(value: str) -> str:
     """A stable, non-reversible id for span attributes and logs (session ids are conversation keys)."""
     return hashlib.sha256(value.encode()).hexdigest()[:16]

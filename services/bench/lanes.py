@@ -60,17 +60,23 @@ class _History:
 
 class GatewayLane:
     def __init__(self, client: httpx.AsyncClient, mode: str, conversation: str, system: str | None, run_id: str,
-                 model: str | None = None):
+                 model: str | None = None, *, disable_pull: bool | None = None, policy: str = ""):
+        """``disable_pull`` defaults to ``mode != "pull"``; ``policy`` names a scheduler policy ("": its default)."""
         self.client, self.mode, self.conversation, self.model = client, mode, conversation, model
+        self.disable_pull = mode != "pull" if disable_pull is None else disable_pull
+        self.policy = policy
         self.session = f"bench-{run_id}-{conversation}-{mode}"
         self.history = _History(system)
         self.last_timings: dict[str, float] = {}  # the gateway's per-hop timers for the last turn
+        self.last_kv: dict[str, Any] = {}  # the gateway's kvshuttle report of the last turn (decision, figures)
 
     async def turn(self, user_text: str, max_tokens: int) -> TurnSample:
         h = self.history
         h.add_user(user_text)
         body: dict[str, Any] = {"messages": h.messages, "max_tokens": max_tokens, "temperature": 0,
-                                "disable_pull": self.mode != "pull"}
+                                "disable_pull": self.disable_pull}
+        if self.policy:
+            body["policy"] = self.policy
         if self.model:
             body["model"] = self.model
         try:
@@ -82,6 +88,7 @@ class GatewayLane:
         history = h.previous_tokens if h.turn > 1 else 0
         h.add_answer(text, prompt, output)
         self.last_timings = dict(info.get("timings_ms", {}))
+        self.last_kv = dict(info)
         return TurnSample(
             mode=self.mode, conversation=self.conversation, turn=h.turn, prompt_tokens=prompt,
             history_tokens=history, new_tokens=prompt - history,

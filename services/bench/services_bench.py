@@ -4,23 +4,24 @@ What runs: a real etcd (data on /dev/shm), the session registry and the transfer
 loopback (``python -m services.cli registry|scheduler``, the way ``kvshuttle up`` starts them; logs in
 ``<work dir>/logs``). A fake prefill and a fake decode worker are registered through ``RegisterWorker`` and kept
 alive with ``KeepAlive`` for the whole run; nothing listens at their addresses, nothing needs to: the services only
-ever look at the records.
+ever look at the records (the scheduler runs without load polling, ``--load-poll-interval-s 0``).
 
 What is measured, per operation and per concurrency level:
 
 ``PlanTurn recompute``
-    ``TransferScheduler.PlanTurn`` for a session that has no record: the scheduler asks the registry (NOT_FOUND) and
+    ``TransferScheduler.PlanTurn`` for a session that has no record: the scheduler reads it (none there) and
     answers RECOMPUTE.
 ``PlanTurn pull``
     ``PlanTurn`` for a session recorded just before (``RecordTurn`` with ``history_tokens`` ids, untimed): the
     scheduler reads the record, checks the prompt against its block hash chain, claims the handle (an etcd
-    transaction) and answers PULL. Every timed plan is a verified pull with a claim; only ``PlanTurn`` is timed.
+    transaction at the record's revision) and answers PULL. Every timed plan is a verified pull with a claim; only
+    ``PlanTurn`` is timed.
 ``PlanTurn pull+snapshot``
     The same, the way the gateway plans: with the record it has just read (``session_snapshot``, read untimed), so
     the scheduler skips its own read; it still claims at the snapshot's revision and re-checks the claimed record.
 ``PlanTurn disable_pull``
-    ``PlanTurn`` with ``disable_pull``: the scheduler picks workers and answers RECOMPUTE without a registry call,
-    i.e. the scheduler's own cost plus one gRPC hop.
+    ``PlanTurn`` with ``disable_pull``: the scheduler picks workers and answers RECOMPUTE without reading the
+    session, i.e. the scheduler's own cost plus one gRPC hop.
 ``RecordTurn``
     ``SessionRegistry.RecordTurn`` with ``history_tokens`` token ids (and ~4 characters of text per token, as the
     gateway records): each client re-records its own conversation, i.e. the usual turn 2+ path (read the previous
@@ -29,6 +30,9 @@ What is measured, per operation and per concurrency level:
     ``SessionRegistry.ClaimSession`` on a freshly recorded session (recorded untimed); only the claim is timed.
 ``GetSession``
     ``SessionRegistry.GetSession`` of recorded sessions (each answer carries the ``history_tokens`` ids).
+
+The scheduler reads records and claims handles in etcd itself (``--claims etcd``, with the registry's store code,
+as ``kvshuttle up`` runs it) or through the registry's ``GetSession``/``ClaimSession`` (``--claims registry``).
 
 Prompts are ``history_tokens`` recorded ids followed by ``new_tokens`` new ones; the decode worker's handle covers
 all recorded ids but the last (vLLM's ``remote_num_tokens``) in ``block_size``-token blocks, so the registry hashes
@@ -118,6 +122,9 @@ class ServicesBenchConfig:
     block_size: int = setting(16, "The fake decode worker's KV block size (tokens per hashed block)")
     channels: int = setting(1, "gRPC channels per service that the client coroutines share round-robin "
                                "(1: one connection, like one gateway)")
+    claims: str = setting("etcd", "Where the scheduler reads session records and claims handles: etcd (directly, "
+                                  "as `kvshuttle up` runs it) or registry (through the registry's gRPC API)",
+                          choices=("etcd", "registry"))
     rpc_timeout_s: float = setting(10.0, "Deadline of each benchmarked RPC")
     startup_timeout_s: float = setting(60.0, "Seconds to wait for etcd, the registry and the scheduler")
     seed: int = setting(0, "Seed of the random token ids")
@@ -244,8 +251,9 @@ def _proc_cpu_seconds(pid: int | None) -> float:
 class Services:
     """etcd, then the registry and the scheduler as child processes on free loopback ports."""
 
-    def __init__(self, work: Path, log_level: str, startup_timeout_s: float):
+    def __init__(self, work: Path, log_level: str, startup_timeout_s: float, claims: str = "etcd"):
         self.logs = work / "logs"
+        self.claims = claims
         self.log_level = log_level
         self.startup_timeout_s = startup_timeout_s
         self.etcd: EtcdProcess | None = None
@@ -264,13 +272,15 @@ class Services:
         log.info("etcd on %s (pid %s, data in %s)", self.etcd.endpoints, self.etcd.proc.pid if self.etcd.proc else None,
                  self.etcd.data_dir)
         self.registry_address = await self._start_service("registry", deadline)
-        self.scheduler_address = await self._start_service("scheduler", deadline)
+        self.scheduler_address = await self._start_service(
+            "scheduler", deadline, "--etcd-endpoints", self.etcd.endpoints if self.claims == "etcd" else "",
+            "--load-poll-interval-s", "0")  # nothing listens at the fake workers: no GetLoads to poll
 
-    async def _start_service(self, name: str, deadline: float) -> str:
-        """Start ``kvshuttle <name> --listen 127.0.0.1:<free port>``; a port taken meanwhile is retried."""
+    async def _start_service(self, name: str, deadline: float, *args: str) -> str:
+        """Start ``kvshuttle <name> --listen 127.0.0.1:<free port> <args>``; a port taken meanwhile is retried."""
         for attempt in range(3):
             address = f"127.0.0.1:{free_port()}"
-            child = ChildProcess(name, [sys.executable, "-m", "services.cli", name, "--listen", address],
+            child = ChildProcess(name, [sys.executable, "-m", "services.cli", name, "--listen", address, *args],
                                  self.logs / f"{name}.log", env=self._env(), stop_grace_s=10.0, cwd=REPO)
             self.children[name] = child
             await child.start()
@@ -381,6 +391,17 @@ class Workload:
 
         return await asyncio.gather(*(one(s) for s in session_ids))
 
+    async def _read_many(self, session_ids: Sequence[str]) -> list[registry_pb2.GetSessionResponse]:
+        """Read each session once (untimed setup), a few at a time."""
+        gate = asyncio.Semaphore(SETUP_CONCURRENCY)
+
+        async def one(session_id: str) -> registry_pb2.GetSessionResponse:
+            async with gate:
+                return await self.setup.registry.GetSession(registry_pb2.GetSessionRequest(session_id=session_id),
+                                                            timeout=self.cfg.rpc_timeout_s)
+
+        return await asyncio.gather(*(one(s) for s in session_ids))
+
     async def prepare(self, op: str, requests: int, concurrency: int) -> list[Any]:
         """One payload per request (request ``i`` is sent by coroutine ``i % concurrency``)."""
         self._cells += 1
@@ -399,8 +420,7 @@ class Workload:
         if op == PLAN_PULL_SNAPSHOT:  # as the gateway plans: with the record it has just read (GetSession untimed)
             ids = [f"{prefix}-snap-{i}" for i in range(requests)]
             await self._record_many(ids)
-            snapshots = await asyncio.gather(*(self.setup.registry.GetSession(
-                registry_pb2.GetSessionRequest(session_id=s), timeout=self.cfg.rpc_timeout_s) for s in ids))
+            snapshots = await self._read_many(ids)
             for snap in snapshots:  # what the gateway sends: the record without its history
                 snap.session.ClearField("token_ids")
                 snap.session.ClearField("text")
@@ -586,7 +606,7 @@ async def run_benchmark(cfg: ServicesBenchConfig, emit: Callable[[str], None] = 
     environment = {"cpus": os.cpu_count(), "load_average_at_start": list(os.getloadavg()),
                    "python": platform.python_version(), "grpcio": grpc.__version__,
                    "etcd": await _etcd_version(), "platform": platform.platform()}
-    services = Services(work, cfg.log_level, cfg.startup_timeout_s)
+    services = Services(work, cfg.log_level, cfg.startup_timeout_s, cfg.claims)
     results: list[CellResult] = []
     channels: list[grpc.aio.Channel] = []
     workers: FakeWorkers | None = None
@@ -632,6 +652,7 @@ async def run_benchmark(cfg: ServicesBenchConfig, emit: Callable[[str], None] = 
             "client": "one process, one event loop; `concurrency` coroutines, closed loop, "
                       f"{cfg.channels} grpc.aio channel(s) per service shared round-robin",
             "services": "etcd, registry and scheduler as separate processes on loopback",
+            "scheduler_claims": f"session reads and claims via {cfg.claims}",
             "history_tokens": cfg.history_tokens, "covered_tokens": workload.covered,
             "prompt_tokens": len(workload.prompt), "block_size": cfg.block_size,
             "blocks_per_record": -(-workload.covered // cfg.block_size), "text_chars": len(workload.text),

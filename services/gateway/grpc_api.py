@@ -40,7 +40,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return TurnRequest(session_id=msg.session_id, max_tokens=s.max_tokens or self.default_max_tokens,
                            temperature=s.temperature, top_p=s.top_p or 1.0,
                            seed=s.seed if s.HasField("seed") else None, ignore_eos=s.ignore_eos, stop=list(s.stop),
-                           disable_pull=msg.disable_pull, **prompt)
+                           disable_pull=msg.disable_pull, policy=msg.policy, **prompt)
 
     def _complete_request(self, msg: gateway_pb2.CompleteRequest) -> TurnRequest:
         if msg.prompt and msg.prompt_token_ids:

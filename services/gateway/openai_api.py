@@ -68,6 +68,8 @@ class SamplingIn(BaseModel):
     ignore_eos: bool = False
     conversation_id: str | None = Field(default=None, max_length=256)
     disable_pull: bool = False  # kvshuttle extension: force a recompute (benchmarks)
+    # kvshuttle extension: plan with this named scheduler policy (A/B tests, benchmarks)
+    policy: str = Field(default="", max_length=64, pattern=r"^[A-Za-z0-9_-]*$")
 
 
 class ChatCompletionIn(SamplingIn):
@@ -102,6 +104,10 @@ def kv_body(kv: KvOutcome, timings: dict[str, float]) -> dict[str, Any]:
         "computed_tokens": kv.computed_tokens, "retried_as_recompute": kv.retried_as_recompute,
         "prefill_worker": kv.prefill_worker_id, "decode_worker": kv.decode_worker_id,
         "matched_tokens": fig.matched_tokens if fig else 0, "covered_tokens": fig.covered_tokens if fig else 0,
+        "policy": fig.policy if fig else "", "pullable_tokens": fig.pullable_tokens if fig else 0,
+        "predicted_pull_ms": fig.predicted_pull_ms if fig else 0.0,
+        "predicted_recompute_ms": fig.predicted_recompute_ms if fig else 0.0,
+        "worker_choice": fig.worker_choice if fig else "",
         "timings_ms": timings,
     }
 
@@ -150,7 +156,7 @@ def create_app(runner: TurnRunner, served_model: str, default_max_tokens: int,
         session = request.headers.get("x-session-id") or body.conversation_id or ""
         return TurnRequest(session_id=session, max_tokens=max_tokens or default_max_tokens,
                            temperature=body.temperature, top_p=body.top_p, seed=body.seed, ignore_eos=body.ignore_eos,
-                           stop=stop, disable_pull=body.disable_pull, **prompt)
+                           stop=stop, disable_pull=body.disable_pull, policy=body.policy, **prompt)
 
     async def respond(body: SamplingIn, req: TurnRequest, shape: _Shape):
         turn = await runner.prepare(req)

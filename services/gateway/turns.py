@@ -62,6 +62,7 @@ class TurnRequest:
     ignore_eos: bool = False
     stop: list[str] = field(default_factory=list)
     disable_pull: bool = False
+    policy: str = ""  # a named scheduler policy ("": the scheduler's default)
 
 
 @dataclass
@@ -286,7 +287,8 @@ class TurnRunner:
         request = scheduler_pb2.ReportOutcomeRequest(
             prefill_worker_id=plan.prefill.worker_id, decode_worker_id=plan.decode.worker_id,
             prompt_tokens=prompt_tokens, pulled_tokens=kv.pulled_tokens, computed_tokens=kv.computed_tokens,
-            prefill_ms=prefill_ms,
+            prefill_ms=prefill_ms, source_worker_id=plan.source.worker_id,
+            pullable_tokens=plan.figures.pullable_tokens, policy=plan.figures.policy,
             decision=scheduler_pb2.DECISION_PULL if kv.decision == "pull" else scheduler_pb2.DECISION_RECOMPUTE)
 
         async def send() -> None:
@@ -313,7 +315,8 @@ class TurnRunner:
             try:
                 return await self.scheduler.PlanTurn(scheduler_pb2.PlanTurnRequest(
                     session_id=req.session_id, tenant=req.tenant, prompt_token_ids=prompt_ids,
-                    disable_pull=req.disable_pull, **known_session), timeout=self.control_timeout_s)
+                    disable_pull=req.disable_pull, policy=req.policy, **known_session),
+                    timeout=self.control_timeout_s)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise TurnError(400, exc.code(), exc.details() or "invalid request") from None

@@ -3,17 +3,25 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 
 from kvshuttle.v1 import registry_pb2_grpc, scheduler_pb2_grpc
 
-from control_plane.policies import POLICIES, PolicyError, make_policy, parse_params
+from control_plane.cost_model import PrefillCostModel
+from control_plane.planner import Planner
+from control_plane.policies import KINDS, PolicyError, make_policy, make_prior, parse_params, parse_policy_specs
+from control_plane.selection import SELECTORS, make_selector
 from services.config import TelemetryConfig, require, setting
 from services.grpc_server import Server, client_channel, service_main
+from services.registry.store import RegistryStore, parse_endpoints
+from services.scheduler.claims import EtcdClaims, RegistryClaims, SessionClaims
+from services.scheduler.load_monitor import LoadMonitor
 from services.scheduler.servicer import TransferSchedulerServicer
 from services.scheduler.worker_view import WorkerView
 
 SERVICE_NAME = "kvshuttle.v1.TransferScheduler"
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -23,32 +31,64 @@ class SchedulerConfig(TelemetryConfig):
     ENV_PREFIX = "KVSHUTTLE_SCHEDULER_"
     listen: str = setting("127.0.0.1:50052", "gRPC listen address (host:port; port 0 picks a free one)")
     registry: str = setting("127.0.0.1:50051", "Session registry gRPC address", env="KVSHUTTLE_REGISTRY_ADDRESS")
-    policy: str = setting("threshold", "Pull-vs-recompute policy: threshold (pull when enough tokens are "
-                                       "reusable) or cost (experimental: pull when the learned model "
-                                       "predicts it faster)",
-                          choices=tuple(POLICIES))
-    policy_params: str = setting("", "The policy's parameters as key=value,... (cost: min_pull_tokens, forgetting, "
-                                     "fixed_ms, ms_per_ktoken, ms_per_ktoken_per_kcontext, ms_per_kpulled, "
-                                     "ms_per_transfer, variance)")
+    etcd_endpoints: str = setting("", "etcd client endpoints (host:port,...) of the registry's store: when set, the "
+                                      "scheduler reads session records and claims KV handles in etcd itself, with "
+                                      "the registry's store code, instead of through the registry (one hop less "
+                                      "per plan); empty: through the registry", env="KVSHUTTLE_ETCD_ENDPOINTS")
+    key_prefix: str = setting("/kvshuttle/", "The registry's etcd key prefix (with --etcd-endpoints)",
+                              env="KVSHUTTLE_REGISTRY_KEY_PREFIX")
+    policy: str = setting("threshold", "Default pull-vs-recompute policy: threshold (pull when enough tokens are "
+                                       "reusable, vLLM's rule) or cost (pull when the learned cost model predicts "
+                                       "it faster)", choices=tuple(KINDS))
+    policy_params: str = setting("", "The default policy's parameters as key=value,... (threshold: "
+                                     "pull_threshold_tokens; cost: min_pull_tokens, explore_every, explore_ratio, "
+                                     "warmup_pulls; both: expiry_guard_s)")
+    policies: str = setting("", "More named policies a request may choose (PlanTurnRequest.policy, the gateway's "
+                                "`policy` field), for A/B tests and benchmarks: name=kind[:key=value,...];...")
+    cost_model_params: str = setting("", "The cost model's priors and fitting (key=value,...): fixed_ms, "
+                                         "ms_per_ktoken, ms_per_ktoken_per_kcontext, ms_per_transfer, "
+                                         "ms_per_kpulled, prior_weight, window, half_life, surprise, change_after")
+    selector: str = setting("load", "How prefill and decode workers are chosen: load (predicted time and queue for "
+                                    "P, free KV cache for D) or round_robin", choices=tuple(SELECTORS))
+    load_poll_interval_s: float = setting(0.5, "Poll each worker's vLLM GetLoads this often (0: never; every "
+                                               "worker then counts as idle)")
+    load_timeout_s: float = setting(1.0, "Deadline of one GetLoads poll")
     pull_threshold_tokens: int = setting(16, "threshold policy: fewest reusable tokens worth a pull")
     expiry_guard_s: float = setting(2.0, "Refuse a pull when the handle expires within this many seconds")
-    registry_timeout_s: float = setting(2.0, "Deadline for each registry call on the planning path")
+    registry_timeout_s: float = setting(2.0, "Deadline for each registry (or etcd) call on the planning path")
     log_level: str = setting("INFO", "Log level", env="KVSHUTTLE_LOG_LEVEL")
 
     def validate(self) -> None:
         require(self.pull_threshold_tokens >= 1, "--pull-threshold-tokens must be >= 1")
         require(self.expiry_guard_s >= 0, "--expiry-guard-s must be >= 0")
         require(self.registry_timeout_s > 0, "--registry-timeout-s must be > 0")
+        if self.etcd_endpoints:
+            try:
+                parse_endpoints(self.etcd_endpoints)
+            except ValueError:
+                require(False, "--etcd-endpoints (KVSHUTTLE_ETCD_ENDPOINTS) must list host:port,... or be empty")
+        require(self.key_prefix.startswith("/"), "--key-prefix must start with '/'")
+        if not self.key_prefix.endswith("/"):
+            self.key_prefix += "/"
+        require(self.load_poll_interval_s >= 0 and self.load_timeout_s > 0,
+                "--load-poll-interval-s must be >= 0 and --load-timeout-s > 0")
         try:
-            self.make_policy()
+            self.make_planner()
         except PolicyError as exc:
-            require(False, f"--policy/--policy-params: {exc}")
+            require(False, f"--policy/--policy-params/--policies/--cost-model-params: {exc}")
 
-    def make_policy(self):
+    def make_planner(self) -> Planner:
+        """The default policy (named after its kind), the named extra policies, one cost model shared by them."""
+        model = PrefillCostModel(make_prior(parse_params(self.cost_model_params)))
         params = parse_params(self.policy_params)
         if self.policy == "threshold":
             params.setdefault("pull_threshold_tokens", str(self.pull_threshold_tokens))
-        return make_policy(self.policy, params, expiry_guard_s=self.expiry_guard_s)
+        policies = {self.policy: make_policy(self.policy, params, model=model, expiry_guard_s=self.expiry_guard_s)}
+        for name, kind, extra in parse_policy_specs(self.policies):
+            if name in policies:
+                raise PolicyError(f"policy name {name!r} is used twice")
+            policies[name] = make_policy(kind, extra, model=model, expiry_guard_s=self.expiry_guard_s, name=name)
+        return Planner(policies, self.policy, model, make_selector(self.selector))
 
 
 class SchedulerService:
@@ -59,19 +99,39 @@ class SchedulerService:
         self.channel = client_channel(cfg.registry)
         registry = registry_pb2_grpc.SessionRegistryStub(self.channel)
         self.workers = WorkerView(registry)
-        policy = cfg.make_policy()
-        servicer = TransferSchedulerServicer(registry, self.workers, policy, cfg.registry_timeout_s)
+        self.planner = cfg.make_planner()
+        self.claims = self.make_claims(cfg, registry)
+        self.loads = (LoadMonitor(self.workers, cfg.load_poll_interval_s, cfg.load_timeout_s)
+                      if cfg.load_poll_interval_s > 0 else None)
+        servicer = TransferSchedulerServicer(registry, self.workers, self.planner, cfg.registry_timeout_s,
+                                             self.claims, self.loads)
         self.server = Server(cfg.listen, [SERVICE_NAME],
                              [lambda s: scheduler_pb2_grpc.add_TransferSchedulerServicer_to_server(servicer, s)])
         self.address = self.server.address
 
+    @staticmethod
+    def make_claims(cfg: SchedulerConfig, registry: registry_pb2_grpc.SessionRegistryStub) -> SessionClaims:
+        if not cfg.etcd_endpoints:
+            return RegistryClaims(registry, cfg.registry_timeout_s)
+        store = RegistryStore(cfg.etcd_endpoints, cfg.key_prefix, timeout_s=cfg.registry_timeout_s,
+                              attempt_timeout_s=cfg.registry_timeout_s / 2)
+        return EtcdClaims(store)
+
     async def start(self) -> None:
+        await self.claims.start()
         self.workers.start()
+        if self.loads is not None:
+            self.loads.start()
         await self.server.start()
+        log.info("sessions are read and claimed via %s%s", self.claims.via,
+                 f" ({self.cfg.etcd_endpoints}, prefix {self.cfg.key_prefix})" if self.cfg.etcd_endpoints else "")
 
     async def stop(self) -> None:
         await self.server.stop()
+        if self.loads is not None:
+            await self.loads.stop()
         await self.workers.stop()
+        await self.claims.close()
         await self.channel.close()
 
 

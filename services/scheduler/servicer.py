@@ -1,26 +1,30 @@
-"""TransferScheduler servicer: adapts PlanTurn to control_plane.decision, then claims the handle for a pull."""
+"""TransferScheduler servicer: adapts PlanTurn to control_plane.planner, then claims the handle for a pull."""
 
 from __future__ import annotations
 
 import json
 import logging
 import time
+from collections.abc import Mapping
 
 import grpc
-from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from kvshuttle.v1 import common_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from opentelemetry import trace
 
 from control_plane import kv_params
 from control_plane import session as session_rules
 from control_plane.decision import Choice, HandleView, Plan, decide
-from control_plane.policies import Outcome, Policy
-from control_plane.selection import RoundRobin
+from control_plane.load import WorkerLoad
+from control_plane.planner import Planner, TurnPlan
+from control_plane.policies import Outcome, Policy, PolicyError
+from control_plane.selection import UNKNOWN
+from services.scheduler.claims import ClaimsError, RegistryClaims, SessionClaims
+from services.scheduler.load_monitor import LoadMonitor
 from services.scheduler.worker_view import WorkerView
 from services.telemetry import hashed
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("kvshuttle.scheduler")
-MAX_TOKEN_ID = 2**31 - 1
 
 
 def source_matches(worker: common_pb2.Worker | None, handle_json: str) -> bool:
@@ -35,20 +39,23 @@ def source_matches(worker: common_pb2.Worker | None, handle_json: str) -> bool:
 
 
 class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
-    def __init__(self, registry: registry_pb2_grpc.SessionRegistryStub, workers: WorkerView, policy: Policy,
-                 registry_timeout_s: float = 2.0):
-        self._registry = registry
+    def __init__(self, registry: registry_pb2_grpc.SessionRegistryStub, workers: WorkerView, planner: Planner,
+                 registry_timeout_s: float = 2.0, claims: SessionClaims | None = None,
+                 loads: LoadMonitor | None = None):
+        """``claims`` reads records and claims handles (default: through ``registry``; see claims.py); ``loads``
+        gives the workers' live load (None: every worker counts as idle)."""
+        self._claims = claims or RegistryClaims(registry, registry_timeout_s)
         self._workers = workers
-        self._policy = policy
+        self._planner = planner
+        self._loads = loads
         self._timeout = registry_timeout_s
-        self._pick_prefill: RoundRobin = RoundRobin()
-        self._pick_decode: RoundRobin = RoundRobin()
+        self._assigned: dict[str, int] = {}  # turns assigned per worker (stats)
 
     async def PlanTurn(self, request: scheduler_pb2.PlanTurnRequest, context: grpc.aio.ServicerContext):
         prompt = list(request.prompt_token_ids)
         if not prompt:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids must not be empty")
-        if any(t < 0 or t > MAX_TOKEN_ID for t in prompt):
+        if min(prompt) < 0:  # int32 on the wire: never above 2**31 - 1
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids must be non-negative token ids")
         if request.session_id:
             try:
@@ -57,22 +64,15 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
                     session_rules.validate_id("tenant", request.tenant)
             except session_rules.InvalidArgument as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if not await self._workers.wait_ready(5.0):
+        try:
+            self._planner.policy(request.policy)
+        except PolicyError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if not self._workers.ready.is_set() and not await self._workers.wait_ready(5.0):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker list from the registry yet")
 
         with tracer.start_as_current_span("scheduler.plan_turn") as span:
             exclude = set(request.exclude_worker_ids)
-            prefill, decode = self._pick(exclude)
-            if prefill is None or decode is None:  # the watch may lag behind a registration: ask once
-                try:
-                    await self._workers.refresh(self._timeout)
-                except grpc.aio.AioRpcError as exc:
-                    log.warning("could not refresh the worker list (%s)", exc.code().name)
-                prefill, decode = self._pick(exclude)
-            if prefill is None or decode is None:
-                await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                    f"no live {'prefill' if prefill is None else 'decode'} worker")
-
             session, expires_in = None, 0.0
             reason_override = None
             known = request.WhichOneof("known_session")
@@ -82,17 +82,29 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
                 elif known is None:
                     try:
                         session, expires_in, reason_override = await self._get_session(request)
-                    except grpc.aio.AioRpcError as exc:
-                        await context.abort(exc.code(), exc.details() or "invalid session")
+                    except ClaimsError as exc:
+                        await context.abort(exc.code, exc.details or "invalid session")
             source = self._workers.get(session.decode_worker_id) if session is not None else None
-            handle = self._handle_view(session, expires_in, source, exclude)
-            plan, predicted = self._policy.plan(prompt, handle, prefill_worker=prefill.worker_id,
-                                                disable_pull=request.disable_pull)
+            loads = self._loads.loads() if self._loads is not None else {}
+            handle = self._handle_view(session, expires_in, source, exclude, loads)
+            turn = self._plan(prompt, handle, session, loads, exclude, request)
+            if turn is None:  # the watch may lag behind a registration: ask once
+                try:
+                    await self._workers.refresh(self._timeout)
+                except grpc.aio.AioRpcError as exc:
+                    log.warning("could not refresh the worker list (%s)", exc.code().name)
+                turn = self._plan(prompt, handle, session, loads, exclude, request)
+            if turn is None:
+                missing = "prefill" if not [w for w in self._workers.by_role(common_pb2.WORKER_ROLE_PREFILL)
+                                            if w.worker_id not in exclude] else "decode"
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"no live {missing} worker")
+            plan, policy, prefill, decode, predicted = turn.plan, turn.policy, turn.prefill, turn.decode, turn.prediction
             if reason_override and plan.choice is Choice.RECOMPUTE and handle is None:
                 plan.reason = reason_override
             stale = False
             if plan.choice is Choice.PULL:
-                plan, refusal = await self._claim(request, session, plan, prompt, expires_in, source, exclude)
+                plan, refusal = await self._claim(request, session, plan, prompt, expires_in, source, exclude,
+                                                  policy)
                 stale = known == "session_snapshot" and refusal.startswith(
                     (session_rules.CHANGED, session_rules.MISSING))
 
@@ -101,22 +113,30 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
                 covered_tokens=session.covered_tokens if session else 0, matched_tokens=plan.matched_tokens,
                 reusable_tokens=plan.reusable_tokens, compute_tokens=plan.compute_tokens,
                 block_size=session.block_size if session else 0, expires_in_s=expires_in if session else 0.0,
-                pull_threshold_tokens=self._policy.safety.pull_threshold_tokens,
+                pull_threshold_tokens=policy.safety.pull_threshold_tokens,
                 source_worker_alive=bool(handle and handle.source_alive), snapshot_stale=stale,
-                policy=self._policy.name, predicted_pull_ms=(predicted.pull_ms or 0.0) if predicted else 0.0,
+                policy=policy.name, predicted_pull_ms=(predicted.pull_ms or 0.0) if predicted else 0.0,
                 predicted_recompute_ms=predicted.recompute_ms if predicted else 0.0,
+                pullable_tokens=plan.pullable_tokens, predicted_wait_ms=turn.wait_ms, worker_choice=turn.worker_choice,
             )
+            self._note_assigned(prefill.worker_id, plan.compute_tokens)
+            self._note_assigned(decode.worker_id, len(prompt))
             decision = scheduler_pb2.DECISION_PULL if plan.choice is Choice.PULL else scheduler_pb2.DECISION_RECOMPUTE
-            span.set_attributes({
-                "kvshuttle.decision": plan.choice.value, "kvshuttle.reason": plan.reason,
-                "kvshuttle.session": hashed(request.session_id) if request.session_id else "",
-                "kvshuttle.prompt_tokens": len(prompt), "kvshuttle.reusable_tokens": plan.reusable_tokens,
-                "kvshuttle.prefill_worker": prefill.worker_id, "kvshuttle.decode_worker": decode.worker_id,
-            })
+            if span.is_recording():
+                span.set_attributes({
+                    "kvshuttle.decision": plan.choice.value, "kvshuttle.reason": plan.reason,
+                    "kvshuttle.session": hashed(request.session_id) if request.session_id else "",
+                    "kvshuttle.prompt_tokens": len(prompt), "kvshuttle.reusable_tokens": plan.reusable_tokens,
+                    "kvshuttle.prefill_worker": prefill.worker_id, "kvshuttle.decode_worker": decode.worker_id,
+                    "kvshuttle.policy": policy.name, "kvshuttle.pullable_tokens": plan.pullable_tokens,
+                    "kvshuttle.predicted_pull_ms": figures.predicted_pull_ms,
+                    "kvshuttle.predicted_recompute_ms": figures.predicted_recompute_ms,
+                    "kvshuttle.predicted_wait_ms": turn.wait_ms, "kvshuttle.worker_choice": turn.worker_choice,
+                })
             return scheduler_pb2.PlanTurnResponse(
                 decision=decision, reason=plan.reason, prefill=prefill, decode=decode,
                 prefill_kv_transfer_params_json=json.dumps(plan.prefill_params),
-                source=source if plan.choice is Choice.PULL else None, figures=figures,
+                source=source if plan.choice is Choice.PULL or plan.pullable_tokens else None, figures=figures,
             )
 
     async def ReportOutcome(self, request: scheduler_pb2.ReportOutcomeRequest, context: grpc.aio.ServicerContext):
@@ -125,35 +145,67 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
         if request.decision not in (scheduler_pb2.DECISION_PULL, scheduler_pb2.DECISION_RECOMPUTE):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "decision must be PULL or RECOMPUTE")
         try:
-            self._policy.observe(Outcome(
+            self._planner.observe(Outcome(
                 request.prefill_worker_id, request.prompt_tokens, request.pulled_tokens, request.computed_tokens,
                 request.prefill_ms,
-                Choice.PULL if request.decision == scheduler_pb2.DECISION_PULL else Choice.RECOMPUTE))
+                Choice.PULL if request.decision == scheduler_pb2.DECISION_PULL else Choice.RECOMPUTE,
+                source_worker=request.source_worker_id, pullable_tokens=request.pullable_tokens,
+                policy=request.policy))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return scheduler_pb2.ReportOutcomeResponse()
 
-    def _pick(self, exclude: set[str]) -> tuple[common_pb2.Worker | None, common_pb2.Worker | None]:
-        return (self._pick_prefill.pick(self._workers.by_role(common_pb2.WORKER_ROLE_PREFILL), exclude),
-                self._pick_decode.pick(self._workers.by_role(common_pb2.WORKER_ROLE_DECODE), exclude))
+    async def GetStats(self, request: scheduler_pb2.GetStatsRequest, context: grpc.aio.ServicerContext):
+        planner = self._planner
+        out = scheduler_pb2.GetStatsResponse(reported_turns=planner.reported)
+        for name, policy in planner.policies.items():
+            judged, regrets = planner.regret.turns.get(name, 0), planner.regret.regrets.get(name, 0)
+            out.policies.add(name=name, kind=policy.kind, is_default=name == planner.default, judged_turns=judged,
+                             regret_turns=regrets, regret=regrets / judged if judged else 0.0)
+        for worker, fit in planner.model.compute_fits().items():
+            out.compute.add(prefill_worker_id=worker, fixed_ms=fit.theta[0], ms_per_ktoken=fit.theta[1],
+                            ms_per_ktoken_per_kcontext=fit.theta[2], observations=fit.observations)
+        for (worker, source), fit in planner.model.link_fits().items():
+            out.transfers.add(prefill_worker_id=worker, decode_worker_id=source, ms_per_transfer=fit.theta[0],
+                              ms_per_kpulled=fit.theta[1], observations=fit.observations)
+        loads = self._loads.loads() if self._loads is not None else {}
+        for worker_id in sorted(set(loads) | set(self._assigned)):
+            load = loads.get(worker_id)
+            row = out.loads.add(worker_id=worker_id, assigned_turns=self._assigned.get(worker_id, 0))
+            if load is not None:
+                row.running, row.waiting, row.pending = load.running, load.waiting, load.pending
+                row.used_tokens, row.capacity_tokens = load.used_tokens, load.capacity_tokens
+                row.age_s, row.reachable = load.age_s, load.reachable
+        return out
 
-    async def _get_session(self, request) -> tuple[registry_pb2.GetSessionResponse | None, float, str | None]:
+    def _plan(self, prompt: list[int], handle: HandleView | None, session: common_pb2.Session | None, loads,
+              exclude: set[str], request: scheduler_pb2.PlanTurnRequest) -> TurnPlan | None:
+        return self._planner.plan(
+            prompt, handle, prefill=self._workers.by_role(common_pb2.WORKER_ROLE_PREFILL),
+            decode=self._workers.by_role(common_pb2.WORKER_ROLE_DECODE), loads=loads,
+            source_worker=session.decode_worker_id if session is not None else "", exclude=exclude,
+            disable_pull=request.disable_pull, policy=request.policy)
+
+    def _note_assigned(self, worker_id: str, tokens: int) -> None:
+        self._assigned[worker_id] = self._assigned.get(worker_id, 0) + 1
+        if self._loads is not None:
+            self._loads.note_assigned(worker_id, tokens)
+
+    async def _get_session(self, request) -> tuple[common_pb2.Session | None, float, str | None]:
         try:
-            resp = await self._registry.GetSession(
-                registry_pb2.GetSessionRequest(session_id=request.session_id, tenant=request.tenant),
-                timeout=self._timeout)
-            return resp.session, resp.expires_in_s, None
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:
-                return None, 0.0, None
-            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+            found = await self._claims.get_session(request.tenant, request.session_id)
+        except ClaimsError as exc:
+            if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
                 raise
-            log.warning("registry unavailable for GetSession (%s); recomputing", exc.code().name)
-            return None, 0.0, f"session registry unavailable ({exc.code().name}): recompute"
+            log.warning("session read via %s failed (%s); recomputing", self._claims.via, exc.code.name)
+            return None, 0.0, f"session registry unavailable ({exc.code.name}): recompute"
+        return (None, 0.0, None) if found is None else (*found, None)
 
     @staticmethod
     def _handle_view(session: common_pb2.Session | None, expires_in: float, source: common_pb2.Worker | None,
-                     exclude: set[str]) -> HandleView | None:
+                     exclude: set[str], loads: Mapping[str, WorkerLoad] | None = None) -> HandleView | None:
+        """The record as the decision sees it. Its decode worker counts as alive only while registered at the address
+        the handle names, not excluded, and (when loads are polled) answering."""
         if session is None:
             return None
         if not session.kv_transfer_params_json:
@@ -163,27 +215,26 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
             covered_tokens=session.covered_tokens, block_size=session.block_size,
             block_hashes=list(session.block_hashes), expires_in_s=expires_in, claimed=session.claimed,
             source_alive=source_matches(source, session.kv_transfer_params_json)
-            and session.decode_worker_id not in exclude,
+            and session.decode_worker_id not in exclude
+            and (loads or {}).get(session.decode_worker_id, UNKNOWN).reachable,
         )
 
     async def _claim(self, request, session: common_pb2.Session, plan: Plan, prompt: list[int], expires_in: float,
-                     source: common_pb2.Worker | None, exclude: set[str]) -> tuple[Plan, str]:
+                     source: common_pb2.Worker | None, exclude: set[str], policy: Policy) -> tuple[Plan, str]:
         """Take the handle at the planned revision; the pull goes ahead only if the claimed record (the registry's,
         not the caller's snapshot) gives the very same plan. Returns the plan and the registry's refusal ('')."""
         started = time.perf_counter()
         try:
-            resp = await self._registry.ClaimSession(
-                registry_pb2.ClaimSessionRequest(session_id=request.session_id, tenant=request.tenant,
-                                                 revision=session.revision), timeout=self._timeout)
-        except grpc.aio.AioRpcError as exc:
-            return _demote(plan, f"could not claim the KV handle ({exc.code().name}): recompute"), ""
+            resp = await self._claims.claim(request.tenant, request.session_id, session.revision)
+        except ClaimsError as exc:
+            return _demote(plan, f"could not claim the KV handle ({exc.code.name}): recompute"), ""
         if not resp.claimed:
             return _demote(plan, f"KV handle claimed by a concurrent turn ({resp.reason}): recompute"), resp.reason
         if not _same_kv(resp.session, session):  # never the case unless the snapshot was wrong
             claimed = common_pb2.Session()
             claimed.CopyFrom(resp.session)
             claimed.claimed = False  # judge the record as it was before our claim
-            check = decide(prompt, self._handle_view(claimed, expires_in, source, exclude), self._policy.safety)
+            check = decide(prompt, self._handle_view(claimed, expires_in, source, exclude), policy.safety)
         else:
             check = plan
         if (check.choice, check.reusable_tokens, check.prefill_params) != (

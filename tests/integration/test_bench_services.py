@@ -56,6 +56,7 @@ async def test_tiny_run_reports_every_operation_at_every_level(tmp_path):
         assert 0 < r["p50_ms"] <= r["p99_ms"] <= r["max_ms"], where
         assert set(r["cpu_ms_per_op"]) == {"client", "registry", "scheduler", "etcd"}, where
     assert report["setup"]["history_tokens"] == 4096 and report["setup"]["prompt_tokens"] == 4096 + 64
+    assert report["setup"]["scheduler_claims"].endswith("via etcd")  # the default, as `kvshuttle up` runs it
 
     table = stdout.decode().splitlines()
     for label in LABELS.values():
@@ -63,6 +64,20 @@ async def test_tiny_run_reports_every_operation_at_every_level(tmp_path):
     assert (work / "logs" / "registry.log").is_file() and (work / "logs" / "scheduler.log").is_file()
     for name, info in report["processes"].items():  # everything it started is stopped
         assert info["pid"] and _gone(info["pid"]), name
+
+
+async def test_plans_claim_through_the_registry_on_request(tmp_path):
+    out, work = tmp_path / "out", tmp_path / "work"
+    plans = "plan_recompute,plan_pull,plan_pull_snapshot"
+    proc = await _bench("--claims", "registry", "--operations", plans, "--concurrency", "1",
+                        "--requests-per-level", "4", "--warmup-requests", "0", "--out", str(out),
+                        "--work-dir", str(work), "--log-level", "INFO")
+    _, stderr = await asyncio.wait_for(proc.communicate(), 90)
+    assert proc.returncode == 0, stderr.decode()[-3000:]
+    report = json.loads((out / "services.json").read_text())
+    assert report["setup"]["scheduler_claims"].endswith("via registry")
+    assert [(r["operation"], r["errors"]) for r in report["results"]] == [(op, 0) for op in plans.split(",")]
+    assert "sessions are read and claimed via registry" in (work / "logs" / "scheduler.log").read_text()
 
 
 async def test_ctrl_c_stops_every_child(tmp_path):
@@ -89,6 +104,6 @@ def test_settings_are_checked():
     cfg = load(ServicesBenchConfig, ["--concurrency", "2,8", "--operations", "get_session"])
     assert cfg.levels() == [2, 8] and cfg.operation_list() == ["get_session"]
     for bad in (["--concurrency", "0"], ["--concurrency", "a"], ["--operations", "nope"],
-                ["--history-tokens", "8"]):
+                ["--history-tokens", "8"], ["--claims", "nowhere"]):
         with pytest.raises(SystemExit):
             load(ServicesBenchConfig, bad)

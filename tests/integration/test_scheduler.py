@@ -1,30 +1,46 @@
-"""TransferScheduler over loopback against a real registry and etcd: worker choice, the prefix check, the claim."""
+"""TransferScheduler over loopback against a real registry and etcd: worker choice, the prefix check, the claim.
+
+The scheduler reads and claims sessions either through the registry or in etcd directly (``--etcd-endpoints``); the
+shared tests run both ways.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
+import textwrap
 import uuid
+from pathlib import Path
 
 import grpc
 import pytest
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
+from control_plane import session as session_rules
 from control_plane.prefix import block_hash_chain
+from services.config import from_namespace
 from services.grpc_server import client_channel
 from services.registry.server import RegistryConfig, serve
+from services.registry.store import RegistryStore
+from services.scheduler.claims import ClaimsError, EtcdClaims
 from services.scheduler.server import SchedulerConfig, SchedulerService
 
 BS = 16
 
 
-@pytest.fixture(scope="module")
-async def planes(etcd):
-    """A registry with its own key prefix (no other test's workers), a scheduler on it, and their stubs."""
-    registry = await serve(RegistryConfig(listen="127.0.0.1:0", etcd_endpoints=etcd,
-                                          key_prefix=f"/sched-{uuid.uuid4().hex[:6]}/", expiry_margin_s=5))
+@pytest.fixture(scope="module", params=["registry", "etcd"])
+async def planes(etcd, request):
+    """A registry with its own key prefix (no other test's workers), a scheduler on it that claims through the
+    registry or in etcd directly, and their stubs."""
+    prefix = f"/sched-{uuid.uuid4().hex[:6]}/"
+    registry = await serve(RegistryConfig(listen="127.0.0.1:0", etcd_endpoints=etcd, key_prefix=prefix,
+                                          expiry_margin_s=5))
     scheduler = SchedulerService(SchedulerConfig(listen="127.0.0.1:0", registry=registry.address,
-                                                 pull_threshold_tokens=16))
+                                                 pull_threshold_tokens=16, key_prefix=prefix,
+                                                 etcd_endpoints=etcd if request.param == "etcd" else ""))
+    assert scheduler.claims.via == request.param
     await scheduler.start()
     channels = [client_channel(registry.address), client_channel(scheduler.address)]
     yield registry_pb2_grpc.SessionRegistryStub(channels[0]), scheduler_pb2_grpc.TransferSchedulerStub(channels[1])
@@ -223,3 +239,172 @@ async def test_cost_policy_learns_from_reported_outcomes(etcd):
             await channel.close()
         await scheduler.stop()
         await registry.stop(grace=0.5)
+
+
+# ------------------------------------------------------------------------------------------- claims in etcd directly
+
+@pytest.fixture(scope="module")
+async def direct(etcd):
+    """A registry and a scheduler that claims in etcd itself (same key prefix), their stubs, and a pair of workers."""
+    prefix = f"/direct-{uuid.uuid4().hex[:6]}/"
+    registry = await serve(RegistryConfig(listen="127.0.0.1:0", etcd_endpoints=etcd, key_prefix=prefix,
+                                          expiry_margin_s=5))
+    scheduler = SchedulerService(SchedulerConfig(listen="127.0.0.1:0", registry=registry.address,
+                                                 etcd_endpoints=etcd, key_prefix=prefix))
+    await scheduler.start()
+    channels = [client_channel(registry.address), client_channel(scheduler.address)]
+    reg = registry_pb2_grpc.SessionRegistryStub(channels[0])
+    sched = scheduler_pb2_grpc.TransferSchedulerStub(channels[1])
+    _, d = await register_pair(reg, "p0", "d0", 7800)
+    for _ in range(100):  # until the scheduler's worker view has them
+        got = await plan(sched, "warm-up", [1, 2, 3], disable_pull=True)
+        if got.decode.worker_id == "d0":
+            break
+        await asyncio.sleep(0.05)
+    yield reg, sched, d, prefix
+    for channel in channels:
+        await channel.close()
+    await scheduler.stop()
+    await registry.stop(grace=0.5)
+
+
+async def test_direct_claims_pull_once_and_concurrent_plans_recompute(direct):
+    reg, sched, d, _ = direct
+    history = list(range(4000, 4200))
+    for with_snapshot in (True, False):
+        session = f"s-{uuid.uuid4().hex[:8]}"
+        snapshot = await record(reg, session, d, history)
+        extra = {"session_snapshot": snapshot} if with_snapshot else {}
+        plans = await asyncio.gather(*(plan(sched, session, history + [1], **extra) for _ in range(8)))
+        pulls = [p for p in plans if p.decision == scheduler_pb2.DECISION_PULL]
+        assert len(pulls) == 1, [p.reason for p in plans]
+        assert pulls[0].figures.reusable_tokens == 199 and pulls[0].source.worker_id == "d0"
+        for other in plans:
+            if other is not pulls[0]:
+                assert other.decision == scheduler_pb2.DECISION_RECOMPUTE
+                assert "claimed" in other.reason or "already" in other.reason, other.reason
+        # The claim is in etcd, where the registry sees it: the record has no handle any more.
+        after = await reg.GetSession(registry_pb2.GetSessionRequest(session_id=session))
+        assert after.session.claimed and not after.session.kv_transfer_params_json
+        again = await plan(sched, session, history + [1])
+        assert again.decision == scheduler_pb2.DECISION_RECOMPUTE and "already" in again.reason, again.reason
+
+
+async def test_direct_claims_refuse_a_stale_revision_and_agree_with_the_registry(direct, etcd):
+    reg, sched, d, prefix = direct
+    history = list(range(5000, 5100))
+    session = f"s-{uuid.uuid4().hex[:8]}"
+    stale = await record(reg, session, d, history)
+    fresh = await record(reg, session, d, history)
+    assert fresh.session.revision > stale.session.revision
+
+    late = await plan(sched, session, history + [1], session_snapshot=stale)
+    assert late.decision == scheduler_pb2.DECISION_RECOMPUTE and "changed" in late.reason, late.reason
+    assert late.figures.snapshot_stale
+
+    claims = EtcdClaims(RegistryStore(etcd, prefix))
+    await claims.start()
+    try:
+        refused = await claims.claim("", session, stale.session.revision)
+        assert not refused.claimed and refused.reason.startswith(session_rules.CHANGED)
+        assert not refused.session.kv_transfer_params_json  # a refusal never hands out the handle
+        with pytest.raises(ClaimsError) as err:
+            await claims.claim("", session, 0)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(ClaimsError) as err:
+            await claims.get_session("", "a/b")
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        found, expires_in = await claims.get_session("", session)
+        assert found.revision == fresh.session.revision and 0 < expires_in <= 60
+        assert await claims.get_session("", "never-recorded") is None
+
+        # The registry claims the fresh record first: a direct claim of the same revision is refused, and back.
+        won = await reg.ClaimSession(registry_pb2.ClaimSessionRequest(session_id=session,
+                                                                      revision=fresh.session.revision))
+        assert won.claimed
+        lost = await claims.claim("", session, fresh.session.revision)
+        assert not lost.claimed and lost.reason.startswith((session_rules.CHANGED, session_rules.CLAIMED))
+        newest = await record(reg, session, d, history)
+        mine = await claims.claim("", session, newest.session.revision)
+        assert mine.claimed and mine.session.kv_transfer_params_json == handle_for(d, 99)
+        theirs = await reg.ClaimSession(registry_pb2.ClaimSessionRequest(session_id=session,
+                                                                          revision=newest.session.revision))
+        assert not theirs.claimed
+    finally:
+        await claims.close()
+
+
+async def test_direct_claims_recompute_when_etcd_is_unreachable():
+    dead = EtcdClaims(RegistryStore("127.0.0.1:1", timeout_s=0.3, attempt_timeout_s=0.1))
+    await dead.start()
+    try:
+        for call in (dead.get_session("", "s"), dead.claim("", "s", 5)):
+            with pytest.raises(ClaimsError) as err:
+                await call
+            assert err.value.code == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await dead.close()
+
+
+def test_the_scheduler_claims_in_etcd_when_given_its_endpoints():
+    assert SchedulerConfig().etcd_endpoints == ""  # default: through the registry
+    cfg = from_namespace(SchedulerConfig, environ={"KVSHUTTLE_ETCD_ENDPOINTS": "127.0.0.1:2379,127.0.0.1:2380",
+                                                   "KVSHUTTLE_REGISTRY_KEY_PREFIX": "/other"})
+    assert cfg.etcd_endpoints == "127.0.0.1:2379,127.0.0.1:2380" and cfg.key_prefix == "/other/"
+    with pytest.raises(ValueError, match="etcd-endpoints"):
+        from_namespace(SchedulerConfig, environ={"KVSHUTTLE_ETCD_ENDPOINTS": " , "})
+
+
+_TRACED = textwrap.dedent("""
+    import asyncio, sys, uuid
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from kvshuttle.v1 import registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+    from services.config import TelemetryConfig
+    from services.grpc_server import client_channel
+    from services.registry.server import RegistryConfig, serve
+    from services.scheduler.server import SchedulerConfig, SchedulerService
+    from services.telemetry import setup_tracing, tracing_enabled
+    from tests.integration.test_scheduler import register_pair
+
+    async def main(etcd):
+        assert not tracing_enabled()
+        spans = InMemorySpanExporter()
+        setup_tracing("kvshuttle-test", TelemetryConfig(), exporter=spans)
+        assert tracing_enabled()
+        prefix = f"/traced-{uuid.uuid4().hex[:6]}/"
+        registry = await serve(RegistryConfig(listen="127.0.0.1:0", etcd_endpoints=etcd, key_prefix=prefix))
+        scheduler = SchedulerService(SchedulerConfig(listen="127.0.0.1:0", registry=registry.address,
+                                                     etcd_endpoints=etcd, key_prefix=prefix))
+        await scheduler.start()
+        channels = [client_channel(registry.address), client_channel(scheduler.address)]
+        await register_pair(registry_pb2_grpc.SessionRegistryStub(channels[0]), "p0", "d0", 7900)
+        sched = scheduler_pb2_grpc.TransferSchedulerStub(channels[1])
+        with trace.get_tracer("test").start_as_current_span("caller") as caller:
+            for _ in range(100):
+                try:
+                    await sched.PlanTurn(scheduler_pb2.PlanTurnRequest(session_id="s1", prompt_token_ids=[1, 2]))
+                    break
+                except Exception:  # the worker view is not ready yet
+                    await asyncio.sleep(0.05)
+        trace.get_tracer_provider().force_flush()
+        plans = [s for s in spans.get_finished_spans() if s.name == "scheduler.plan_turn"]
+        assert plans and plans[-1].context.trace_id == caller.get_span_context().trace_id, plans
+        assert plans[-1].attributes["kvshuttle.decision"] == "recompute"
+        for channel in channels:
+            await channel.close()
+        await scheduler.stop()
+        await registry.stop(grace=0.5)
+        print("traced")
+
+    asyncio.run(main(sys.argv[1]))
+""")
+
+
+def test_a_traced_process_carries_trace_context_into_the_scheduler(etcd):
+    """The OpenTelemetry gRPC interceptors are installed only where tracing is set up; there the caller's trace
+    reaches the scheduler's span. (A subprocess: the tracer provider is process-wide and set once.)"""
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", _TRACED, etcd], cwd=root, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0 and "traced" in done.stdout, done.stderr[-3000:]

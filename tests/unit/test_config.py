@@ -46,8 +46,18 @@ def test_scheduler_policy_parameters_are_checked_at_start():
     from services.config import ConfigError
     from services.scheduler.server import SchedulerConfig
 
-    SchedulerConfig(policy="cost", policy_params="forgetting=0.9").validate()
-    with pytest.raises(ConfigError, match="unknown parameter"):
-        SchedulerConfig(policy="cost", policy_params="bandwidth=3").validate()
+    cfg = SchedulerConfig(policy="cost", policy_params="explore_every=5", cost_model_params="window=20",
+                          policies="t64=threshold:pull_threshold_tokens=64; always-pull=threshold:pull_threshold_tokens=1")
+    cfg.validate()
+    planner = cfg.make_planner()
+    assert list(planner.policies) == ["cost", "t64", "always-pull"] and planner.default == "cost"
+    assert planner.policy("t64").safety.pull_threshold_tokens == 64 and planner.model.prior.window == 20
+    for bad, words in [({"policy": "cost", "policy_params": "bandwidth=3"}, "unknown parameter"),
+                       ({"policies": "t=threshold; t=cost"}, "used twice"),
+                       ({"policies": "oops"}, "name=kind"),
+                       ({"cost_model_params": "window=1"}, "window"),
+                       ({"load_poll_interval_s": -1}, "load-poll-interval-s")]:
+        with pytest.raises(ConfigError, match=words):
+            SchedulerConfig(**bad).validate()
     with pytest.raises(ConfigError, match="pull-threshold-tokens must be >= 1"):
         SchedulerConfig(pull_threshold_tokens=0).validate()

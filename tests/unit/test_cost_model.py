@@ -6,87 +6,90 @@ import random
 
 import pytest
 
-from control_plane.cost_model import PrefillCostModel, PrefillPrior, RecursiveLeastSquares, features
+from control_plane.cost_model import PrefillCostModel, PrefillPrior, nonnegative_least_squares
 
-TRUE = [8.0, 120.0, 15.0, 3.0, 6.0]  # fixed, per ktoken, per ktoken·kcontext, per kpulled, per transfer
-
-
-def true_ms(weights, computed, context, pulled):
-    return sum(w * x for w, x in zip(weights, features(computed, context, pulled), strict=True))
+COMPUTE = (8.0, 120.0, 15.0)  # fixed ms, per ktoken, per ktoken·kcontext
+LINK = (6.0, 3.0)  # per transfer, per kpulled
 
 
-def turns(rng: random.Random, n: int):
+def true_ms(computed: int, context: int, pulled: int, compute=COMPUTE, link=LINK) -> float:
+    k = computed / 1000
+    ms = compute[0] + compute[1] * k + compute[2] * k * context / 1000
+    return ms + (link[0] + link[1] * pulled / 1000 if pulled else 0.0)
+
+
+def feed(model: PrefillCostModel, rng: random.Random, n: int, noise=0.02, link=LINK, pull_share=0.5) -> None:
     for _ in range(n):
-        context = rng.randrange(200, 8000)
-        pulled = rng.choice([0, rng.randrange(0, context - 50)])
-        yield context, context - pulled, pulled
+        context = rng.randrange(100, 8000)
+        # a pull loads the history and computes the new turn (16 to 800 tokens)
+        pulled = context - rng.randrange(16, min(800, context - 16)) if rng.random() < pull_share else 0
+        ms = true_ms(context - pulled, context, pulled, link=link) * (1 + rng.uniform(-noise, noise))
+        model.observe("p0", prompt_tokens=context, computed_tokens=context - pulled, pulled_tokens=pulled,
+                      prefill_ms=ms, source="d0")
 
 
-def feed(model: PrefillCostModel, weights, rng, n, noise=0.02):
-    for context, computed, pulled in turns(rng, n):
-        ms = true_ms(weights, computed, context, pulled) * (1 + rng.uniform(-noise, noise))
-        model.observe("p0", prompt_tokens=context, computed_tokens=computed, pulled_tokens=pulled, prefill_ms=ms)
-
-
-def relative_errors(model: PrefillCostModel, weights, rng) -> list[float]:
-    errors = []
-    for context, computed, pulled in turns(rng, 50):
-        truth = true_ms(weights, computed, context, pulled)
-        got = model.predict_ms("p0", prompt_tokens=context, computed_tokens=computed, pulled_tokens=pulled)
-        errors.append(abs(got - truth) / truth)
-    return sorted(errors)
+def errors(model: PrefillCostModel, link=LINK) -> list[float]:
+    rng = random.Random(9)
+    out = []
+    for _ in range(60):
+        context = rng.randrange(100, 8000)
+        reusable = context - rng.randrange(16, min(800, context - 16))
+        got = model.predict("p0", prompt_tokens=context, reusable_tokens=reusable, source="d0")
+        for predicted, truth in ((got.pull_ms, true_ms(context - reusable, context, reusable, link=link)),
+                                 (got.recompute_ms, true_ms(context, context, 0))):
+            out.append(abs(predicted - truth) / truth)
+    return sorted(out)
 
 
 def test_converges_from_wrong_priors():
-    rng = random.Random(1)
     model = PrefillCostModel(PrefillPrior(fixed_ms=50, ms_per_ktoken=10, ms_per_ktoken_per_kcontext=1,
                                           ms_per_kpulled=20, ms_per_transfer=1))
-    before = relative_errors(model, TRUE, random.Random(9))
-    feed(model, TRUE, rng, 60)  # measurements with ±2% noise
-    after = relative_errors(model, TRUE, random.Random(9))
-    assert before[25] > 0.5, before[25]
-    assert after[25] < 0.02 and after[45] < 0.1, (after[25], after[45])  # median and p90
-    assert model.observations("p0") == 60
+    before = errors(model)
+    feed(model, random.Random(1), 60)  # measurements with ±2% noise
+    after = errors(model)
+    assert before[60] > 0.3, before[60]
+    assert after[60] < 0.04 and after[108] < 0.1, (after[60], after[108])  # median and p90
+    computed_only, pulls = model.observations("p0")
+    assert computed_only + pulls == 60 and pulls > 10
 
 
 def test_adapts_within_a_few_turns_when_the_link_slows_down():
     rng = random.Random(2)
     model = PrefillCostModel()
-    feed(model, TRUE, rng, 80)
-    slow = [8.0, 120.0, 15.0, 40.0, 60.0]  # pulls now cost 13x per token and 10x per transfer
-    pull_turn = {"prompt_tokens": 5000, "computed_tokens": 300, "pulled_tokens": 4700}
-    stale = model.predict_ms("p0", **pull_turn)
-    feed(model, slow, rng, 15)
-    fresh = model.predict_ms("p0", **pull_turn)
-    truth = true_ms(slow, 300, 5000, 4700)
-    assert abs(stale - truth) / truth > 0.4 and abs(fresh - truth) / truth < 0.1, (stale, fresh, truth)
+    feed(model, rng, 80)
+    slow = (60.0, 40.0)  # each pull now costs 10x more, each pulled token 13x
+    turn = {"prompt_tokens": 5000, "reusable_tokens": 4700, "source": "d0"}
+    stale = model.predict("p0", **turn).pull_ms
+    feed(model, rng, 12, link=slow)  # about 6 of them pulls
+    fresh = model.predict("p0", **turn).pull_ms
+    truth = true_ms(300, 5000, 4700, link=slow)
+    assert abs(stale - truth) / truth > 0.4 and abs(fresh - truth) / truth < 0.15, (stale, fresh, truth)
 
 
-def test_a_worker_that_never_pulled_keeps_the_pull_priors():
+def test_a_worker_that_never_pulled_keeps_the_pull_priors_and_links_are_separate():
     rng = random.Random(3)
     prior = PrefillPrior()
     model = PrefillCostModel(prior)
-    for _ in range(200):  # recomputes only
-        context = rng.randrange(200, 8000)
-        model.observe("p0", prompt_tokens=context, computed_tokens=context, pulled_tokens=0,
-                      prefill_ms=true_ms(TRUE, context, context, 0))
-    fitted = model._models["p0"]
-    assert fitted.theta[3] == pytest.approx(prior.ms_per_kpulled, abs=1e-6)
-    assert fitted.theta[4] == pytest.approx(prior.ms_per_transfer, abs=1e-6)
-    assert all(fitted.cov[i][i] <= prior.variance * (1 + 1e-9) for i in range(5))  # bounded, not blown up
+    feed(model, rng, 100, pull_share=0.0)
+    assert model.transfer_ms("p0", "d0", 2000) == pytest.approx(prior.ms_per_transfer + 2 * prior.ms_per_kpulled)
+    feed(model, rng, 40, link=(50.0, 30.0))  # d0 is far away
+    for _ in range(10):  # d1 is close: measured separately
+        model.observe("p0", prompt_tokens=3000, computed_tokens=100, pulled_tokens=2900,
+                      prefill_ms=true_ms(100, 3000, 2900, link=(1.0, 1.0)), source="d1")
+    assert model.transfer_ms("p0", "d0", 2900) > 5 * model.transfer_ms("p0", "d1", 2900)
+    assert model.transfer_ms("p0", "d9", 2900) == model.transfer_ms("p0", "d0", 2900)  # unseen: best-known link
 
 
 def test_predicts_both_options_and_prefers_the_faster():
-    rng = random.Random(4)
     model = PrefillCostModel()
-    feed(model, TRUE, rng, 60)
-    long_history = model.predict("p0", prompt_tokens=6000, reusable_tokens=5700)
+    feed(model, random.Random(4), 60)
+    long_history = model.predict("p0", prompt_tokens=6000, reusable_tokens=5700, source="d0")
     assert long_history.pull_is_faster and long_history.recompute_ms > 3 * long_history.pull_ms
     assert model.predict("p0", prompt_tokens=500, reusable_tokens=0).pull_ms is None
 
-    slow = [8.0, 120.0, 15.0, 400.0, 300.0]  # a link so slow that a short history is cheaper to recompute
-    feed(model, slow, rng, 40)
-    short_history = model.predict("p0", prompt_tokens=300, reusable_tokens=256)
+    slow = PrefillCostModel()
+    feed(slow, random.Random(5), 60, link=(300.0, 400.0))  # a link so slow that a short history is cheaper to redo
+    short_history = slow.predict("p0", prompt_tokens=300, reusable_tokens=256, source="d0")
     assert not short_history.pull_is_faster
 
 
@@ -98,11 +101,25 @@ def test_p_s_own_cache_is_neither_pulled_nor_computed():
     assert got.pull_ms == pytest.approx(100.0 + 10.0)  # 1000 computed + 1000 pulled
 
 
+def test_fits_never_go_negative():
+    # y = 2·x1 − 1·x2 unconstrained; with θ ≥ 0 the best fit drops x2
+    a = [[2.0, 1.0], [1.0, 2.0]]
+    b = [3.0, 0.0]
+    theta = nonnegative_least_squares(a, b)
+    assert min(theta) >= 0 and theta[1] == 0 and theta[0] == pytest.approx(1.5)
+    model = PrefillCostModel()
+    for _ in range(20):  # pulls "faster than computing the new tokens alone": noise, not negative transfer costs
+        model.observe("p0", prompt_tokens=3000, computed_tokens=3000, pulled_tokens=0, prefill_ms=400.0)
+        model.observe("p0", prompt_tokens=3000, computed_tokens=500, pulled_tokens=2500, prefill_ms=10.0, source="d")
+    assert model.transfer_ms("p0", "d", 2500) >= 0
+
+
 def test_bad_observations_and_settings_are_refused():
     model = PrefillCostModel()
     with pytest.raises(ValueError):
         model.observe("p0", prompt_tokens=0, computed_tokens=0, pulled_tokens=0, prefill_ms=1)
     with pytest.raises(ValueError):
         model.observe("p0", prompt_tokens=10, computed_tokens=10, pulled_tokens=0, prefill_ms=-1)
-    with pytest.raises(ValueError):
-        RecursiveLeastSquares([0.0], 1.0, forgetting=0)
+    for bad in ({"window": 1}, {"half_life": 0}, {"ms_per_kpulled": -1}, {"change_after": 0}):
+        with pytest.raises(ValueError):
+            PrefillPrior(**bad)

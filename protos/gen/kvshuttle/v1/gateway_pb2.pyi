@@ -33,34 +33,38 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class CompleteRequest(_message.Message):
-    __slots__ = ("session_id", "model", "prompt", "prompt_token_ids", "sampling", "disable_pull")
+    __slots__ = ("session_id", "model", "prompt", "prompt_token_ids", "sampling", "disable_pull", "policy")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DISABLE_PULL_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     model: str
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingOptions
     disable_pull: bool
-    def __init__(self, session_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., disable_pull: _Optional[bool] = ...) -> None: ...
+    policy: str
+    def __init__(self, session_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., disable_pull: _Optional[bool] = ..., policy: _Optional[str] = ...) -> None: ...
 
 class ChatCompleteRequest(_message.Message):
-    __slots__ = ("session_id", "model", "messages", "sampling", "disable_pull")
+    __slots__ = ("session_id", "model", "messages", "sampling", "disable_pull", "policy")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DISABLE_PULL_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     model: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     sampling: SamplingOptions
     disable_pull: bool
-    def __init__(self, session_id: _Optional[str] = ..., model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., disable_pull: _Optional[bool] = ...) -> None: ...
+    policy: str
+    def __init__(self, session_id: _Optional[str] = ..., model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., disable_pull: _Optional[bool] = ..., policy: _Optional[str] = ...) -> None: ...
 
 class KvReport(_message.Message):
     __slots__ = ("decision", "reason", "pulled_tokens", "computed_tokens", "retried_as_recompute", "prefill_worker_id", "decode_worker_id", "figures")

@@ -19,7 +19,7 @@ DECISION_PULL: Decision
 DECISION_RECOMPUTE: Decision
 
 class PlanTurnRequest(_message.Message):
-    __slots__ = ("session_id", "tenant", "prompt_token_ids", "disable_pull", "exclude_worker_ids", "session_snapshot", "session_not_found")
+    __slots__ = ("session_id", "tenant", "prompt_token_ids", "disable_pull", "exclude_worker_ids", "session_snapshot", "session_not_found", "policy")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class PlanTurnRequest(_message.Message):
     EXCLUDE_WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
     SESSION_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     SESSION_NOT_FOUND_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tenant: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -34,10 +35,11 @@ class PlanTurnRequest(_message.Message):
     exclude_worker_ids: _containers.RepeatedScalarFieldContainer[str]
     session_snapshot: _registry_pb2.GetSessionResponse
     session_not_found: bool
-    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., disable_pull: _Optional[bool] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ..., session_snapshot: _Optional[_Union[_registry_pb2.GetSessionResponse, _Mapping]] = ..., session_not_found: _Optional[bool] = ...) -> None: ...
+    policy: str
+    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., disable_pull: _Optional[bool] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ..., session_snapshot: _Optional[_Union[_registry_pb2.GetSessionResponse, _Mapping]] = ..., session_not_found: _Optional[bool] = ..., policy: _Optional[str] = ...) -> None: ...
 
 class PlanFigures(_message.Message):
-    __slots__ = ("prompt_tokens", "session_found", "covered_tokens", "matched_tokens", "reusable_tokens", "compute_tokens", "block_size", "expires_in_s", "pull_threshold_tokens", "source_worker_alive", "snapshot_stale", "policy", "predicted_pull_ms", "predicted_recompute_ms")
+    __slots__ = ("prompt_tokens", "session_found", "covered_tokens", "matched_tokens", "reusable_tokens", "compute_tokens", "block_size", "expires_in_s", "pull_threshold_tokens", "source_worker_alive", "snapshot_stale", "policy", "predicted_pull_ms", "predicted_recompute_ms", "pullable_tokens", "predicted_wait_ms", "worker_choice")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SESSION_FOUND_FIELD_NUMBER: _ClassVar[int]
     COVERED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +54,9 @@ class PlanFigures(_message.Message):
     POLICY_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_PULL_MS_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_RECOMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    PULLABLE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_CHOICE_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     session_found: bool
     covered_tokens: int
@@ -66,10 +71,13 @@ class PlanFigures(_message.Message):
     policy: str
     predicted_pull_ms: float
     predicted_recompute_ms: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., session_found: _Optional[bool] = ..., covered_tokens: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., reusable_tokens: _Optional[int] = ..., compute_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., expires_in_s: _Optional[float] = ..., pull_threshold_tokens: _Optional[int] = ..., source_worker_alive: _Optional[bool] = ..., snapshot_stale: _Optional[bool] = ..., policy: _Optional[str] = ..., predicted_pull_ms: _Optional[float] = ..., predicted_recompute_ms: _Optional[float] = ...) -> None: ...
+    pullable_tokens: int
+    predicted_wait_ms: float
+    worker_choice: str
+    def __init__(self, prompt_tokens: _Optional[int] = ..., session_found: _Optional[bool] = ..., covered_tokens: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., reusable_tokens: _Optional[int] = ..., compute_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., expires_in_s: _Optional[float] = ..., pull_threshold_tokens: _Optional[int] = ..., source_worker_alive: _Optional[bool] = ..., snapshot_stale: _Optional[bool] = ..., policy: _Optional[str] = ..., predicted_pull_ms: _Optional[float] = ..., predicted_recompute_ms: _Optional[float] = ..., pullable_tokens: _Optional[int] = ..., predicted_wait_ms: _Optional[float] = ..., worker_choice: _Optional[str] = ...) -> None: ...
 
 class ReportOutcomeRequest(_message.Message):
-    __slots__ = ("prefill_worker_id", "decode_worker_id", "prompt_tokens", "pulled_tokens", "computed_tokens", "prefill_ms", "decision")
+    __slots__ = ("prefill_worker_id", "decode_worker_id", "prompt_tokens", "pulled_tokens", "computed_tokens", "prefill_ms", "decision", "source_worker_id", "pullable_tokens", "policy")
     PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +85,9 @@ class ReportOutcomeRequest(_message.Message):
     COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     DECISION_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PULLABLE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
     prefill_worker_id: str
     decode_worker_id: str
     prompt_tokens: int
@@ -84,7 +95,10 @@ class ReportOutcomeRequest(_message.Message):
     computed_tokens: int
     prefill_ms: float
     decision: Decision
-    def __init__(self, prefill_worker_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., pulled_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., decision: _Optional[_Union[Decision, str]] = ...) -> None: ...
+    source_worker_id: str
+    pullable_tokens: int
+    policy: str
+    def __init__(self, prefill_worker_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., pulled_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., decision: _Optional[_Union[Decision, str]] = ..., source_worker_id: _Optional[str] = ..., pullable_tokens: _Optional[int] = ..., policy: _Optional[str] = ...) -> None: ...
 
 class ReportOutcomeResponse(_message.Message):
     __slots__ = ()
@@ -107,3 +121,87 @@ class PlanTurnResponse(_message.Message):
     source: _common_pb2.Worker
     figures: PlanFigures
     def __init__(self, decision: _Optional[_Union[Decision, str]] = ..., reason: _Optional[str] = ..., prefill: _Optional[_Union[_common_pb2.Worker, _Mapping]] = ..., decode: _Optional[_Union[_common_pb2.Worker, _Mapping]] = ..., prefill_kv_transfer_params_json: _Optional[str] = ..., source: _Optional[_Union[_common_pb2.Worker, _Mapping]] = ..., figures: _Optional[_Union[PlanFigures, _Mapping]] = ...) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PolicyStats(_message.Message):
+    __slots__ = ("name", "kind", "is_default", "judged_turns", "regret_turns", "regret")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    IS_DEFAULT_FIELD_NUMBER: _ClassVar[int]
+    JUDGED_TURNS_FIELD_NUMBER: _ClassVar[int]
+    REGRET_TURNS_FIELD_NUMBER: _ClassVar[int]
+    REGRET_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    kind: str
+    is_default: bool
+    judged_turns: int
+    regret_turns: int
+    regret: float
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., is_default: _Optional[bool] = ..., judged_turns: _Optional[int] = ..., regret_turns: _Optional[int] = ..., regret: _Optional[float] = ...) -> None: ...
+
+class ComputeEstimate(_message.Message):
+    __slots__ = ("prefill_worker_id", "fixed_ms", "ms_per_ktoken", "ms_per_ktoken_per_kcontext", "observations")
+    PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    FIXED_MS_FIELD_NUMBER: _ClassVar[int]
+    MS_PER_KTOKEN_FIELD_NUMBER: _ClassVar[int]
+    MS_PER_KTOKEN_PER_KCONTEXT_FIELD_NUMBER: _ClassVar[int]
+    OBSERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    prefill_worker_id: str
+    fixed_ms: float
+    ms_per_ktoken: float
+    ms_per_ktoken_per_kcontext: float
+    observations: int
+    def __init__(self, prefill_worker_id: _Optional[str] = ..., fixed_ms: _Optional[float] = ..., ms_per_ktoken: _Optional[float] = ..., ms_per_ktoken_per_kcontext: _Optional[float] = ..., observations: _Optional[int] = ...) -> None: ...
+
+class TransferEstimate(_message.Message):
+    __slots__ = ("prefill_worker_id", "decode_worker_id", "ms_per_transfer", "ms_per_kpulled", "observations")
+    PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    MS_PER_TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    MS_PER_KPULLED_FIELD_NUMBER: _ClassVar[int]
+    OBSERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    prefill_worker_id: str
+    decode_worker_id: str
+    ms_per_transfer: float
+    ms_per_kpulled: float
+    observations: int
+    def __init__(self, prefill_worker_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., ms_per_transfer: _Optional[float] = ..., ms_per_kpulled: _Optional[float] = ..., observations: _Optional[int] = ...) -> None: ...
+
+class WorkerLoadStats(_message.Message):
+    __slots__ = ("worker_id", "running", "waiting", "pending", "used_tokens", "capacity_tokens", "age_s", "reachable", "assigned_turns")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    USED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
+    REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNED_TURNS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    running: int
+    waiting: int
+    pending: int
+    used_tokens: int
+    capacity_tokens: int
+    age_s: float
+    reachable: bool
+    assigned_turns: int
+    def __init__(self, worker_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., pending: _Optional[int] = ..., used_tokens: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., age_s: _Optional[float] = ..., reachable: _Optional[bool] = ..., assigned_turns: _Optional[int] = ...) -> None: ...
+
+class GetStatsResponse(_message.Message):
+    __slots__ = ("policies", "compute", "transfers", "loads", "reported_turns")
+    POLICIES_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    LOADS_FIELD_NUMBER: _ClassVar[int]
+    REPORTED_TURNS_FIELD_NUMBER: _ClassVar[int]
+    policies: _containers.RepeatedCompositeFieldContainer[PolicyStats]
+    compute: _containers.RepeatedCompositeFieldContainer[ComputeEstimate]
+    transfers: _containers.RepeatedCompositeFieldContainer[TransferEstimate]
+    loads: _containers.RepeatedCompositeFieldContainer[WorkerLoadStats]
+    reported_turns: int
+    def __init__(self, policies: _Optional[_Iterable[_Union[PolicyStats, _Mapping]]] = ..., compute: _Optional[_Iterable[_Union[ComputeEstimate, _Mapping]]] = ..., transfers: _Optional[_Iterable[_Union[TransferEstimate, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[WorkerLoadStats, _Mapping]]] = ..., reported_turns: _Optional[int] = ...) -> None: ...

@@ -45,6 +45,11 @@ class TransferSchedulerStub:
                 request_serializer=kvshuttle_dot_v1_dot_scheduler__pb2.ReportOutcomeRequest.SerializeToString,
                 response_deserializer=kvshuttle_dot_v1_dot_scheduler__pb2.ReportOutcomeResponse.FromString,
                 _registered_method=True)
+        self.GetStats = channel.unary_unary(
+                '/kvshuttle.v1.TransferScheduler/GetStats',
+                request_serializer=kvshuttle_dot_v1_dot_scheduler__pb2.GetStatsRequest.SerializeToString,
+                response_deserializer=kvshuttle_dot_v1_dot_scheduler__pb2.GetStatsResponse.FromString,
+                _registered_method=True)
 
 
 class TransferSchedulerServicer:
@@ -66,6 +71,13 @@ class TransferSchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetStats(self, request, context):
+        """What the scheduler has learned: its policies' regret, the cost model's fitted figures, the workers' loads.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TransferSchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -78,6 +90,11 @@ def add_TransferSchedulerServicer_to_server(servicer, server):
                     servicer.ReportOutcome,
                     request_deserializer=kvshuttle_dot_v1_dot_scheduler__pb2.ReportOutcomeRequest.FromString,
                     response_serializer=kvshuttle_dot_v1_dot_scheduler__pb2.ReportOutcomeResponse.SerializeToString,
+            ),
+            'GetStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStats,
+                    request_deserializer=kvshuttle_dot_v1_dot_scheduler__pb2.GetStatsRequest.FromString,
+                    response_serializer=kvshuttle_dot_v1_dot_scheduler__pb2.GetStatsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -135,6 +152,33 @@ class TransferScheduler:
             '/kvshuttle.v1.TransferScheduler/ReportOutcome',
             kvshuttle_dot_v1_dot_scheduler__pb2.ReportOutcomeRequest.SerializeToString,
             kvshuttle_dot_v1_dot_scheduler__pb2.ReportOutcomeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvshuttle.v1.TransferScheduler/GetStats',
+            kvshuttle_dot_v1_dot_scheduler__pb2.GetStatsRequest.SerializeToString,
+            kvshuttle_dot_v1_dot_scheduler__pb2.GetStatsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,95 @@
+"""One turn's plan, start to finish (pure): safety rules, prefill worker, policy, expiry, decode worker.
+
+The order matters. The safety rules (:func:`control_plane.decision.decide`) do not depend on the workers, so they
+come first and say how many tokens a pull could reuse; that lets the prefill worker be chosen by its predicted time
+for *this* turn (a worker with a slow link to the session's decode worker, or a long queue, loses); then the policy
+judges pull vs recompute on that worker, and the expiry rule checks the predicted end of the pull against the
+handle's expiry. The decode worker is chosen last, by free KV cache.
+
+The scheduler adapts this to gRPC; a simulator can drive it directly with synthetic loads and outcomes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from control_plane.cost_model import Prediction, PrefillCostModel
+from control_plane.decision import Choice, HandleView, Plan, decide
+from control_plane.load import WorkerLoad
+from control_plane.policies import CostPolicy, Outcome, Policy, PolicyError, RegretMeter, TurnContext, plan_turn
+from control_plane.selection import UNKNOWN, HasId, Selector
+
+W = TypeVar("W", bound=HasId)
+
+
+@dataclass
+class TurnPlan(Generic[W]):
+    plan: Plan
+    policy: Policy
+    prefill: W
+    decode: W
+    prediction: Prediction | None  # both options on the chosen prefill worker
+    wait_ms: float  # predicted wait at the prefill worker
+    worker_choice: str  # why these workers
+
+
+class Planner(Generic[W]):
+    def __init__(self, policies: Mapping[str, Policy], default: str, model: PrefillCostModel, selector: Selector):
+        if default not in policies:
+            raise PolicyError(f"default policy {default!r} is not among {', '.join(policies)}")
+        self.policies = dict(policies)
+        self.default = default
+        self.model = model
+        self.selector = selector
+        self.regret = RegretMeter()
+        self.reported = 0
+
+    def policy(self, name: str = "") -> Policy:
+        policy = self.policies.get(name or self.default)
+        if policy is None:
+            raise PolicyError(f"unknown policy {name!r}; this scheduler has {', '.join(self.policies)}")
+        return policy
+
+    def plan(self, prompt: Sequence[int], handle: HandleView | None, *, prefill: Sequence[W], decode: Sequence[W],
+             loads: Mapping[str, WorkerLoad], source_worker: str = "", exclude: Collection[str] = (),
+             disable_pull: bool = False, policy: str = "") -> TurnPlan[W] | None:
+        """The turn's plan; None when there is no live prefill or decode worker (outside ``exclude``)."""
+        chosen_policy = self.policy(policy)
+        safe = decide(prompt, handle, chosen_policy.safety, disable_pull=disable_pull)
+        n = len(prompt)
+        can_pull = safe.choice is Choice.PULL
+        # tokens a pull would load: the planned pull's, or the one a threshold refused (predicted to explain it)
+        reusable = safe.reusable_tokens if can_pull else safe.pullable_tokens
+        predictions: dict[str, Prediction] = {}
+
+        def prefill_ms(worker_id: str) -> float:
+            predicted = predictions.get(worker_id)
+            if predicted is None:
+                predicted = predictions[worker_id] = self.model.predict(
+                    worker_id, prompt_tokens=n, reusable_tokens=reusable, source=source_worker)
+            if not can_pull or predicted.pull_ms is None:
+                return predicted.recompute_ms
+            return predicted.best_ms if isinstance(chosen_policy, CostPolicy) else predicted.pull_ms
+
+        p = self.selector.pick_prefill(prefill, loads, exclude, prefill_ms)
+        d = self.selector.pick_decode(decode, loads, exclude)
+        if p is None or d is None:
+            return None
+        load = loads.get(p.worker.worker_id, UNKNOWN)
+        wait_ms = load.queued * prefill_ms(p.worker.worker_id)
+        prediction = predictions[p.worker.worker_id]
+        ctx = TurnContext(p.worker.worker_id, source_worker, prediction if can_pull else None, wait_ms,
+                          handle.expires_in_s if handle else 0.0)
+        final = plan_turn(chosen_policy, safe, ctx)
+        return TurnPlan(final, chosen_policy, p.worker, d.worker, prediction, wait_ms, f"{p.why}; {d.why}")
+
+    def observe(self, outcome: Outcome) -> bool | None:
+        """Learn from a reported turn; returns whether it counts as a regret (None: it had no alternative)."""
+        regret = self.regret.record(outcome, self.model)
+        self.model.observe(outcome.prefill_worker, prompt_tokens=outcome.prompt_tokens,
+                           computed_tokens=outcome.computed_tokens, pulled_tokens=outcome.pulled_tokens,
+                           prefill_ms=outcome.prefill_ms, source=outcome.source_worker)
+        self.reported += 1
+        return regret
