@@ -14,8 +14,11 @@ the transfer part from pulls, as what the compute part does not explain. Fitting
 well-conditioned: a joint fit of correlated features (pull turns compute few tokens of a long context) extrapolated
 badly in practice.
 
-Each fit is a non-negative least-squares fit over the last ``window`` observations, recent ones weighted more
-(weights halve every ``half_life`` observations) and pulled gently toward the configured priors, so a worker
+Each fit is a non-negative least-squares fit by relative error over recent observations, kept per size class (powers
+of two of the tokens computed or pulled: the last ``window`` of each), so what a worker did an hour ago at another
+size still pins down the fixed part while recent turns of today's sizes dominate their own class (weights halve every
+``half_life`` observations within a class and every ``memory`` observations overall). It is pulled gently toward the
+configured priors, so a worker
 predicts from the priors until data arrives and never learns a negative cost. When the last few observations are all
 far off in the same direction, the world changed (a slower link, a loaded node): older observations are dropped, so
 the change shows within a few turns.
@@ -52,8 +55,9 @@ class PrefillPrior:
     ms_per_transfer: float = 5.0  # per pull (connection, D's side, notification)
     ms_per_kpulled: float = 2.0  # per thousand pulled tokens
     prior_weight: float = 0.05  # the priors' weight, in observations (small: measurements take over fast)
-    window: int = 48  # observations kept per fit
-    half_life: float = 12.0  # observations after which an observation's weight has halved
+    window: int = 8  # observations kept per size class (tokens computed, or pulled, by powers of two)
+    half_life: float = 4.0  # newer observations of a size class after which an observation's weight has halved
+    memory: float = 100.0  # observations of any size after which an observation's weight has halved
     surprise: float = 0.3  # relative error that counts as "far off"
     change_after: int = 3  # this many far-off observations in a row, same direction: forget older ones
 
@@ -61,8 +65,9 @@ class PrefillPrior:
         for name in ("fixed_ms", "ms_per_ktoken", "ms_per_ktoken_per_kcontext", "ms_per_transfer", "ms_per_kpulled"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
-        if self.prior_weight <= 0 or self.window < 2 or self.half_life <= 0 or self.surprise <= 0:
-            raise ValueError("prior_weight, half_life and surprise must be > 0, window >= 2")
+        if (self.prior_weight <= 0 or self.window < 2 or self.half_life <= 0 or self.memory <= 0
+                or self.surprise <= 0):
+            raise ValueError("prior_weight, half_life, memory and surprise must be > 0, window >= 2")
         if self.change_after < 1:
             raise ValueError("change_after must be >= 1")
 
@@ -110,22 +115,30 @@ def nonnegative_least_squares(a: list[list[float]], b: list[float]) -> list[floa
 
 
 class RecentFit(Generic[R]):
-    """y ≈ θ·x, θ ≥ 0, fitted to recent observations with the prior as a weak extra observation per weight.
+    """y ≈ θ·x, θ ≥ 0, fitted to recent observations of every size class, with the priors as a weak extra
+    observation per weight.
 
-    Observations are kept as records and turned into ``(x, y, measured ms)`` by ``to_xy`` at every fit, so a fit whose target
-    depends on another fit (a link's transfer time is what the compute fit leaves unexplained) stays consistent.
+    Observations are kept as records and turned into ``(x, y, measured ms)`` by ``to_xy`` at every fit, so a fit whose
+    target depends on another fit (a link's transfer time is what the compute fit leaves unexplained) stays
+    consistent. ``size_of(record)`` gives the tokens that decide its size class.
     """
 
     def __init__(self, prior: Sequence[float], settings: PrefillPrior,
-                 to_xy: Callable[[R], tuple[Sequence[float], float, float]]):
+                 to_xy: Callable[[R], tuple[Sequence[float], float, float]], size_of: Callable[[R], int]):
         self.prior = [float(w) for w in prior]
         self.settings = settings
         self.to_xy = to_xy
-        self.records: deque[R] = deque(maxlen=settings.window)
+        self.size_of = size_of
+        self._classes: dict[int, deque[tuple[int, R]]] = {}  # size class -> (observation index, record), oldest first
+        self._recent: deque[tuple[int, int, R]] = deque(maxlen=settings.change_after)  # (class, index, record)
         self.theta = list(self.prior)
         self.observations = 0
         self.changes = 0  # times a change was detected and older observations dropped
         self._streak = 0  # far-off observations in a row, signed by direction
+
+    @property
+    def records(self) -> list[R]:
+        return [r for kept in self._classes.values() for _, r in kept]
 
     def predict(self, x: Sequence[float]) -> float:
         return sum(t * v for t, v in zip(self.theta, x, strict=True))
@@ -138,12 +151,16 @@ class RecentFit(Generic[R]):
             self._streak = self._streak + sign if self._streak * sign > 0 else sign
         else:
             self._streak = 0
-        self.records.append(record)
+        size_class = max(0, self.size_of(record)).bit_length()
+        kept = self._classes.setdefault(size_class, deque(maxlen=self.settings.window))
+        kept.append((self.observations, record))
+        self._recent.append((size_class, self.observations, record))
         self.observations += 1
-        if abs(self._streak) >= self.settings.change_after and len(self.records) > abs(self._streak):
-            recent = list(self.records)[-abs(self._streak):]
-            self.records.clear()
-            self.records.extend(recent)
+        streak = abs(self._streak)
+        if streak >= self.settings.change_after and len(self.records) > streak:
+            self._classes.clear()  # the world changed: keep only the observations that showed it
+            for cls, index, rec in list(self._recent)[-streak:]:
+                self._classes.setdefault(cls, deque(maxlen=self.settings.window)).append((index, rec))
             self.changes += 1
             self._streak = 0
         self.refit()
@@ -153,8 +170,12 @@ class RecentFit(Generic[R]):
         weighted most. The priors act as ``prior_weight`` of one extra observation of typical size, so they decide
         only what the data cannot (e.g. a feature that never varied)."""
         n = len(self.prior)
-        decay = 0.5 ** (1 / self.settings.half_life)
-        rows = [(self.to_xy(record), decay**age) for age, record in enumerate(reversed(self.records))]
+        in_class = 0.5 ** (1 / self.settings.half_life)
+        overall = 0.5 ** (1 / self.settings.memory)
+        last = self.observations - 1
+        rows = [(self.to_xy(record), in_class**rank * overall ** (last - index))
+                for kept in self._classes.values()
+                for rank, (index, record) in enumerate(reversed(kept))]
         if not rows:
             self.theta = list(self.prior)
             return
@@ -241,7 +262,8 @@ class PrefillCostModel:
             fit = self._compute.get(worker)
             if fit is None:
                 fit = self._compute[worker] = RecentFit(
-                    self.prior.compute(), self.prior, lambda t: (compute_features(t.computed, t.context), t.ms, t.ms))
+                    self.prior.compute(), self.prior, lambda t: (compute_features(t.computed, t.context), t.ms, t.ms),
+                    lambda t: t.computed)
             fit.add(turn)
             self._stale.update(k for k in self._links if k[0] == worker)
             return
@@ -250,7 +272,8 @@ class PrefillCostModel:
         if fit is None:
             fit = self._links[key] = RecentFit(
                 self.prior.transfer(), self.prior,
-                lambda t: (transfer_features(t.pulled), t.ms - self.compute_ms(worker, t.computed, t.context), t.ms))
+                lambda t: (transfer_features(t.pulled), t.ms - self.compute_ms(worker, t.computed, t.context), t.ms),
+                lambda t: t.pulled)
         if key in self._stale:
             fit.refit()
             self._stale.discard(key)

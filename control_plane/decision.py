@@ -42,6 +42,8 @@ class HandleView:
     expires_in_s: float
     claimed: bool
     source_alive: bool
+    # One hash of the covered tokens (Session.prefix_digest; empty: walk the chain)
+    prefix_digest: bytes = b""
 
 
 @dataclass
@@ -91,7 +93,8 @@ def decide(prompt: Sequence[int], handle: HandleView | None, policy: PullPolicy,
                          f"({handle.expires_in_s:.1f}s left)")
     if not handle.source_alive:
         return recompute("the decode worker holding the KV is not alive")
-    matched = matched_prefix_tokens(handle.block_hashes, handle.covered_tokens, handle.block_size, prompt)
+    matched = matched_prefix_tokens(handle.block_hashes, handle.covered_tokens, handle.block_size, prompt,
+                                    handle.prefix_digest)
     reusable = reusable_tokens(matched, handle.covered_tokens, n, handle.block_size)
     if reusable < policy.pull_threshold_tokens:
         if matched < min(handle.covered_tokens, n):

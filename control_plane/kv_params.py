@@ -93,3 +93,19 @@ def pull_params(handle: Handle, tokens: int, block_size: int) -> dict[str, Any]:
     params["remote_block_ids"] = groups
     params["remote_num_tokens"] = tokens
     return params
+
+
+def covers_extra_token(params: dict[str, Any] | None, prompt_tokens: int, block_size: int) -> bool:
+    """Whether P's handle for D lists enough blocks for D's prompt to be the prompt plus one token (P's first token).
+
+    D allocates blocks for its whole prompt and vLLM's NIXL connector asserts that P sent at least as many: when the
+    prompt fills its last block exactly (and P lists only the prompt's blocks, as it does with prefix caching on),
+    one more token needs a block P did not send, and the assertion kills D's engine. The caller then lets D sample
+    the first token itself.
+    """
+    if not params or block_size <= 0:
+        return False
+    groups = params.get("remote_block_ids") or []
+    if not groups or not all(isinstance(g, list) for g in groups):
+        return False
+    return min(len(g) for g in groups) >= blocks_for(prompt_tokens + 1, block_size)

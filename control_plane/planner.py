@@ -11,7 +11,7 @@ The scheduler adapts this to gRPC; a simulator can drive it directly with synthe
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -19,6 +19,7 @@ from control_plane.cost_model import Prediction, PrefillCostModel
 from control_plane.decision import Choice, HandleView, Plan, decide
 from control_plane.load import WorkerLoad
 from control_plane.policies import CostPolicy, Outcome, Policy, PolicyError, RegretMeter, TurnContext, plan_turn
+from control_plane.prefill_cache import PrefillCacheHints
 from control_plane.selection import UNKNOWN, HasId, Selector
 
 W = TypeVar("W", bound=HasId)
@@ -33,6 +34,7 @@ class TurnPlan(Generic[W]):
     prediction: Prediction | None  # both options on the chosen prefill worker
     wait_ms: float  # predicted wait at the prefill worker
     worker_choice: str  # why these workers
+    cached_tokens: int = 0  # the prefill worker's predicted prefix-cache hit
 
 
 class Planner(Generic[W]):
@@ -45,6 +47,7 @@ class Planner(Generic[W]):
         self.selector = selector
         self.regret = RegretMeter()
         self.reported = 0
+        self.cache_hints = PrefillCacheHints()
 
     def policy(self, name: str = "") -> Policy:
         policy = self.policies.get(name or self.default)
@@ -54,8 +57,11 @@ class Planner(Generic[W]):
 
     def plan(self, prompt: Sequence[int], handle: HandleView | None, *, prefill: Sequence[W], decode: Sequence[W],
              loads: Mapping[str, WorkerLoad], source_worker: str = "", exclude: Collection[str] = (),
-             disable_pull: bool = False, policy: str = "") -> TurnPlan[W] | None:
-        """The turn's plan; None when there is no live prefill or decode worker (outside ``exclude``)."""
+             disable_pull: bool = False, policy: str = "", session: Hashable | None = None) -> TurnPlan[W] | None:
+        """The turn's plan; None when there is no live prefill or decode worker (outside ``exclude``).
+
+        ``session`` (e.g. (tenant, session id)) lets the planner count on the prefix cache of the prefill worker that
+        prefilled the session's last turn."""
         chosen_policy = self.policy(policy)
         safe = decide(prompt, handle, chosen_policy.safety, disable_pull=disable_pull)
         n = len(prompt)
@@ -63,12 +69,18 @@ class Planner(Generic[W]):
         # tokens a pull would load: the planned pull's, or the one a threshold refused (predicted to explain it)
         reusable = safe.reusable_tokens if can_pull else safe.pullable_tokens
         predictions: dict[str, Prediction] = {}
+        cached: dict[str, int] = {}
+        block_sizes = {w.worker_id: getattr(w, "block_size", 0) for w in prefill}
 
         def prefill_ms(worker_id: str) -> float:
             predicted = predictions.get(worker_id)
             if predicted is None:
+                cached[worker_id] = self.cache_hints.estimate(
+                    session, worker_id, matched_tokens=safe.matched_tokens, prompt_tokens=n,
+                    block_size=block_sizes.get(worker_id, 0))
                 predicted = predictions[worker_id] = self.model.predict(
-                    worker_id, prompt_tokens=n, reusable_tokens=reusable, source=source_worker)
+                    worker_id, prompt_tokens=n, reusable_tokens=reusable, cached_tokens=cached[worker_id],
+                    source=source_worker)
             if not can_pull or predicted.pull_ms is None:
                 return predicted.recompute_ms
             return predicted.best_ms if isinstance(chosen_policy, CostPolicy) else predicted.pull_ms
@@ -83,11 +95,17 @@ class Planner(Generic[W]):
         ctx = TurnContext(p.worker.worker_id, source_worker, prediction if can_pull else None, wait_ms,
                           handle.expires_in_s if handle else 0.0)
         final = plan_turn(chosen_policy, safe, ctx)
-        return TurnPlan(final, chosen_policy, p.worker, d.worker, prediction, wait_ms, f"{p.why}; {d.why}")
+        if session is not None:
+            self.cache_hints.note(session, p.worker.worker_id, n)
+        return TurnPlan(final, chosen_policy, p.worker, d.worker, prediction, wait_ms, f"{p.why}; {d.why}",
+                        cached[p.worker.worker_id])
 
     def observe(self, outcome: Outcome) -> bool | None:
         """Learn from a reported turn; returns whether it counts as a regret (None: it had no alternative)."""
         regret = self.regret.record(outcome, self.model)
+        if outcome.decision is Choice.RECOMPUTE:
+            self.cache_hints.observe(outcome.prefill_worker, estimated=outcome.cached_estimate,
+                                     actual=outcome.prompt_tokens - outcome.computed_tokens)
         self.model.observe(outcome.prefill_worker, prompt_tokens=outcome.prompt_tokens,
                            computed_tokens=outcome.computed_tokens, pulled_tokens=outcome.pulled_tokens,
                            prefill_ms=outcome.prefill_ms, source=outcome.source_worker)

@@ -50,6 +50,7 @@ class Outcome:
     source_worker: str = ""  # the decode worker P pulled from
     pullable_tokens: int = 0  # a RECOMPUTE's alternative: tokens a safe pull would have loaded (0: none)
     policy: str = ""  # the policy that planned the turn
+    cached_estimate: int = 0  # the prefill worker's prefix-cache hit the plan predicted
 
 
 def demote(plan: Plan, reason: str) -> Plan:

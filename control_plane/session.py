@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from kvshuttle.v1 import common_pb2, registry_pb2
 
 from control_plane.kv_params import HandleError, blocks_for, parse_handle
-from control_plane.prefix import block_hash_chain
+from control_plane.prefix import block_hash_chain, prefix_digest
 
 MAX_ID_LEN = 256
 _ID_RE = re.compile(r"[A-Za-z0-9._:@=+-]+")
@@ -108,8 +108,9 @@ def build_session(req: registry_pb2.RecordTurnRequest, worker: common_pb2.Worker
     """The Session record for a finished turn on ``worker`` (the decode worker, looked up by the caller).
 
     covered_tokens is the handle's ``remote_num_tokens``; block hashes chain ``token_ids[:covered]`` in the decode
-    worker's block size. The handle expires at ``finished_at + kv_blocks_ttl_s - margin_s``; a ``finished_at`` in
-    the future (clock skew) counts as now, so skew never lengthens a handle's life.
+    worker's block size, and prefix_digest hashes them in one piece. The handle expires at
+    ``finished_at + kv_blocks_ttl_s - margin_s``; a ``finished_at`` in the future (clock skew) counts as now, so skew
+    never lengthens a handle's life.
     """
     validate_id("session_id", req.session_id)
     validate_id("tenant", req.tenant)
@@ -155,6 +156,7 @@ def build_session(req: registry_pb2.RecordTurnRequest, worker: common_pb2.Worker
         kv_transfer_params_json=req.kv_transfer_params_json, covered_tokens=covered,
         block_size=worker.block_size,
         block_hashes=block_hash_chain(req.token_ids, covered, worker.block_size),
+        prefix_digest=prefix_digest(req.token_ids, covered),
         token_ids=req.token_ids, text=req.text,
         turn=(previous.turn if previous is not None else 0) + 1, claimed=False,
     )
@@ -182,13 +184,3 @@ def claim_refusal(session: common_pb2.Session | None, revision: int, now: float)
         return f"{EXPIRED} {-left:.1f}s ago"
     return None
 
-
-def claimed_record(session: common_pb2.Session, now: float) -> common_pb2.Session:
-    """The record to store once ``session``'s handle is taken: handle cleared, claimed set."""
-    out = common_pb2.Session()
-    out.CopyFrom(session)
-    out.kv_transfer_params_json = ""
-    out.claimed = True
-    out.revision = 0
-    set_seconds(out.updated_at, now)
-    return out

@@ -138,6 +138,22 @@ class Stack:
         self.children.append(child)
         return child
 
+    async def spawn_worker(self, role: str, name: str, bind: str, gpu: str = "") -> ChildProcess:
+        """Start one ``kvshuttle worker`` (it registers itself) with the stack's settings: own ports and work dir,
+        CPU binding ``bind`` (or GPU ``gpu``)."""
+        device = ["--cuda-visible-devices", gpu, "--kv-buffer-device", "cuda"] if gpu else []
+        return await self._spawn(name, "worker", "--role", role, "--model", str(self.model_dir),
+                                 "--grpc-port", str(free_port()), "--nixl-port", str(free_port()),
+                                 "--cpu-bind", bind, "--dtype", self.cfg.dtype, "--worker-id", name,
+                                 "--decoder-kv-blocks-ttl", str(self.cfg.decoder_kv_blocks_ttl),
+                                 "--max-model-len", str(self.cfg.max_model_len),
+                                 "--work-dir", str(self.work / "workers" / name), "--nice", str(self.cfg.worker_nice),
+                                 "--cpu-affinity", bind if self.cfg.cpu_bind == "split" else "", *device,
+                                 "--nixl-progress-delay-us", str(self.cfg.nixl_progress_delay_us),
+                                 "--vllm-idle-spin-ms", str(self.cfg.vllm_idle_spin_ms),
+                                 "--extra-args=" + (self.cfg.prefill_extra_args if role == "prefill"
+                                                    else self.cfg.decode_extra_args))
+
     async def start(self) -> None:
         deadline = time.monotonic() + self.cfg.startup_timeout_s
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -162,19 +178,7 @@ class Stack:
         else:
             binds = cpu_binds(len(roles)) if self.cfg.cpu_bind == "split" else [self.cfg.cpu_bind] * len(roles)
         for i, (role, bind) in enumerate(zip(roles, binds, strict=True)):
-            name = f"{role}-{i}"
-            device = ["--cuda-visible-devices", gpus[i], "--kv-buffer-device", "cuda"] if gpus else []
-            await self._spawn(name, "worker", "--role", role, "--model", str(self.model_dir),
-                              "--grpc-port", str(free_port()), "--nixl-port", str(free_port()),
-                              "--cpu-bind", bind, "--dtype", self.cfg.dtype, "--worker-id", name,
-                              "--decoder-kv-blocks-ttl", str(self.cfg.decoder_kv_blocks_ttl),
-                              "--max-model-len", str(self.cfg.max_model_len),
-                              "--work-dir", str(self.work / "workers" / name), "--nice", str(self.cfg.worker_nice),
-                              "--cpu-affinity", bind if self.cfg.cpu_bind == "split" else "", *device,
-                              "--nixl-progress-delay-us", str(self.cfg.nixl_progress_delay_us),
-                              "--vllm-idle-spin-ms", str(self.cfg.vllm_idle_spin_ms),
-                              "--extra-args=" + (self.cfg.prefill_extra_args if role == "prefill"
-                                                 else self.cfg.decode_extra_args))
+            await self.spawn_worker(role, f"{role}-{i}", bind, gpus[i] if gpus else "")
         await self._wait_grpc(scheduler, self.scheduler_address, deadline)
         await self._wait_grpc(gateway, self.gateway_grpc, deadline)
         await self._wait_workers(len(roles), deadline)

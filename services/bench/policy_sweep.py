@@ -14,6 +14,12 @@ measured, any other what the recompute lane measured. The cost policy is shown t
 choices (each turn's choice priced with the same two measurements as the thresholds, which removes the noise of a
 separate run). ``oracle`` takes the faster of the two measurements each turn: no policy can beat it.
 
+``--link-mbit N`` emulates a slower P-D link, as between nodes: the workers' NIXL transfers go over TCP
+(``UCX_TLS=tcp,self``) and the loopback interface is limited to N Mbit/s with a Linux ``htb`` qdisc (needs root and
+``tc``; it slows every loopback connection, so the control plane's few small messages too, in every lane alike; the
+qdisc is removed at the end). With shared memory (the default) a pull beats recomputing almost everywhere on a CPU,
+so a low fixed threshold is already right; over a slow link the right choice depends on the history's length.
+
 The scheduler's cost model is shared by its policies and learns from every lane's reported outcomes, so the cost
 lane learns from the other lanes' turns too (they run on the same workers). ``--cost-only`` runs the cost lane alone
 (no side-by-side prices then, only its live TTFT and decisions) to see it learn from its own turns.
@@ -22,12 +28,15 @@ lane learns from the other lanes' turns too (they run on the same workers). ``--
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
 import os
+import shutil
 import signal
 import statistics
+import subprocess
 import time
 import uuid
 from collections.abc import Sequence
@@ -47,7 +56,7 @@ log = logging.getLogger("kvshuttle.bench.policies")
 ALWAYS_PULL, RECOMPUTE, COST = "always-pull", "recompute", "cost"
 ORACLE = "oracle"
 # (system prompt tokens, (smallest, largest) new user turn): short and long histories, small and large deltas.
-SWEEP_CLASSES = ((60, (20, 100)), (60, (300, 1200)), (1500, (20, 100)), (1500, (300, 1200)))
+SWEEP_CLASSES = ((0, (10, 50)), (60, (20, 100)), (60, (300, 1200)), (1500, (20, 100)), (1500, (300, 1200)))
 
 
 @dataclasses.dataclass
@@ -55,17 +64,27 @@ class PolicySweepConfig(StackConfig):
     """The policy sweep; the local stack's settings apply to the stack it starts."""
 
     ENV_PREFIX = "KVSHUTTLE_SWEEP_"
-    per_class: int = setting(2, "Conversations per sweep class (4 classes: short/long system prompt x small/large "
-                                "new turns)")
+    per_class: int = setting(2, "Conversations per sweep class (5 classes: no system prompt and tiny turns, then "
+                                "short/long system prompt x small/large new turns)")
+    prefill_cache: str = setting("cold", "P's own prefix cache: cold (off: a turn pulls or recomputes its history) or "
+                                         "warm (on: P still holds what it prefilled; each lane then gets its own "
+                                         "system-prompt tag so the lanes do not share P's cache)",
+                                 choices=("cold", "warm"))
     seed: int = setting(0, "Workload seed")
     max_history_tokens: int = setting(5000, "Grow each conversation up to about this many tokens")
     max_turns: int = setting(10, "At most this many turns per conversation")
     max_tokens: int = setting(32, "Tokens generated per turn")
     thresholds: str = setting("16,64,512", "Fixed pull thresholds (reusable tokens) to compare with")
     buckets: str = setting("1,256,1000,3000", "History-length bucket edges in tokens (turn 1 has none: left out)")
+    gateway_url: str = setting("", "Drive this running stack instead of starting one; its scheduler must host the "
+                                   "policies always-pull and cost (see sweep_policies()) and --scheduler-address "
+                                   "gives its stats")
+    scheduler_address: str = setting("", "With --gateway-url: the scheduler's gRPC address (for its stats)")
     cost_only: bool = setting(False, "Run only the cost lane (it then learns only from its own turns)")
     cost_params: str = setting("", "Parameters of the cost policy (key=value,...; see kvshuttle scheduler)")
     cost_model_params: str = setting("", "The scheduler's cost-model parameters (key=value,...)")
+    link_mbit: int = setting(0, "Emulate a slow P-D link: NIXL over TCP and loopback limited to this many Mbit/s "
+                                "(root and tc needed; 0: shared memory, no limit)")
     out_dir: str = setting("var/bench", "Results go to <out-dir>/policies-<timestamp>/")
     progress: bool = setting(True, "Show a progress bar")
     turn_timeout_s: float = setting(600.0, "Deadline of one turn")
@@ -91,6 +110,12 @@ class PolicySweepConfig(StackConfig):
         except ValueError:
             ok = False
         require(ok and bool(self.bucket_edges), "--thresholds must be integers >= 1, --buckets increasing integers")
+        require(self.link_mbit >= 0, "--link-mbit must be >= 0")
+
+
+def sweep_policies(cost_params: str = "") -> str:
+    """The scheduler's extra policies the sweep's lanes name (KVSHUTTLE_SCHEDULER_POLICIES)."""
+    return f"{ALWAYS_PULL}=threshold:pull_threshold_tokens=1; {COST}=cost" + (f":{cost_params}" if cost_params else "")
 
 
 def sweep_workload(cfg: PolicySweepConfig) -> list[Conversation]:
@@ -221,42 +246,106 @@ async def _scheduler_stats(address: str) -> dict[str, Any]:
     return json_format.MessageToDict(resp, preserving_proto_field_name=True)
 
 
+class _RecordingLane:
+    """A gateway lane that keeps the gateway's kvshuttle report (decision, reason, predictions) of every turn."""
+
+    def __init__(self, lane: lanes_mod.GatewayLane, reports: list[dict[str, Any]]):
+        self.lane, self.reports = lane, reports
+
+    async def turn(self, user_text: str, max_tokens: int) -> TurnSample:
+        sample = await self.lane.turn(user_text, max_tokens)
+        kv = {k: v for k, v in self.lane.last_kv.items() if k != "timings_ms"}
+        self.reports.append({"mode": sample.mode, "conversation": sample.conversation, "turn": sample.turn,
+                             "prefill_ms": self.lane.last_timings.get("prefill_ms"), **kv})
+        return sample
+
+    async def close(self) -> None:
+        await self.lane.close()
+
+
+class SlowLink:
+    """Loopback limited to ``mbit`` Mbit/s (htb qdisc) and NIXL over TCP, for the duration of a ``with`` block."""
+
+    def __init__(self, mbit: int):
+        self.mbit = mbit
+        self._ucx = os.environ.get("UCX_TLS")
+
+    def _tc(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["tc", *args], capture_output=True, text=True, check=False)
+
+    def __enter__(self) -> SlowLink:
+        if shutil.which("tc") is None:
+            raise SystemExit("--link-mbit needs tc (Debian: iproute2)")
+        for args in (("qdisc", "add", "dev", "lo", "root", "handle", "1:", "htb", "default", "10", "r2q", "1000"),
+                     ("class", "add", "dev", "lo", "parent", "1:", "classid", "1:10", "htb", "rate",
+                      f"{self.mbit}mbit", "ceil", f"{self.mbit}mbit", "burst", "64k")):
+            done = self._tc(*args)
+            if done.returncode != 0:
+                self._tc("qdisc", "del", "dev", "lo", "root")
+                raise SystemExit(f"--link-mbit: `tc {' '.join(args)}` failed (root needed; is a qdisc already on "
+                                 f"lo?): {done.stderr.strip()}")
+        os.environ["UCX_TLS"] = "tcp,self"  # the workers inherit it: NIXL moves KV over TCP, through the limit
+        log.info("loopback limited to %d Mbit/s, NIXL over TCP", self.mbit)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._tc("qdisc", "del", "dev", "lo", "root")
+        if self._ucx is None:
+            os.environ.pop("UCX_TLS", None)
+        else:
+            os.environ["UCX_TLS"] = self._ucx
+
+
 async def run_sweep(cfg: PolicySweepConfig) -> int:
+    with SlowLink(cfg.link_mbit) if cfg.link_mbit else contextlib.nullcontext():
+        return await _run_sweep(cfg)
+
+
+async def _run_sweep(cfg: PolicySweepConfig) -> int:
     conversations = await asyncio.to_thread(sweep_workload, cfg)
     lanes = [COST] if cfg.cost_only else [ALWAYS_PULL, RECOMPUTE, COST]
     run_id = uuid.uuid4().hex[:6]
     out_dir = Path(cfg.out_dir) / time.strftime("policies-%Y%m%d-%H%M%S")
-    if NO_PREFIX_CACHING not in cfg.prefill_extra_args:  # P's cache cold: a turn pulls or recomputes its history
+    if cfg.prefill_cache == "cold" and NO_PREFIX_CACHING not in cfg.prefill_extra_args:
         cfg.prefill_extra_args = f"{cfg.prefill_extra_args} {NO_PREFIX_CACHING}".strip()
-    cost_spec = f"cost=cost:{cfg.cost_params}" if cfg.cost_params else "cost=cost"
-    scheduler_env = {"KVSHUTTLE_SCHEDULER_POLICIES": f"always-pull=threshold:pull_threshold_tokens=1; {cost_spec}",
+    scheduler_env = {"KVSHUTTLE_SCHEDULER_POLICIES": sweep_policies(cfg.cost_params),
                      "KVSHUTTLE_SCHEDULER_COST_MODEL_PARAMS": cfg.cost_model_params}
     started = time.time()
-    stack = Stack(cfg, scheduler_env=scheduler_env)
+    stack = None if cfg.gateway_url else Stack(cfg, scheduler_env=scheduler_env)
     stats: dict[str, Any] = {}
+    reports: list[dict[str, Any]] = []
     try:
-        await stack.start()
-        async with httpx.AsyncClient(base_url=stack.base_url, timeout=cfg.turn_timeout_s) as client:
+        if stack is not None:
+            await stack.start()
+        base_url = stack.base_url if stack is not None else cfg.gateway_url.rstrip("/")
+        async with httpx.AsyncClient(base_url=base_url, timeout=cfg.turn_timeout_s) as client:
             def make_lanes(conv: Conversation) -> dict:
                 made = {}
                 for lane in lanes:
                     policy = "" if lane == RECOMPUTE else lane
-                    made[lane] = lanes_mod.GatewayLane(client, lane, conv.id, conv.system, run_id,
-                                                       disable_pull=lane == RECOMPUTE, policy=policy)
+                    system = conv.system
+                    if cfg.prefill_cache == "warm":  # distinct first tokens: no lane hits another's cache on P
+                        system = f"[{lane} lane] {system or ''}"
+                    made[lane] = _RecordingLane(lanes_mod.GatewayLane(
+                        client, lane, conv.id, system, run_id, disable_pull=lane == RECOMPUTE, policy=policy), reports)
                 return made
 
             print(f"kvshuttle bench-policies: {len(conversations)} conversations, "
                   f"{sum(len(c.user_turns) for c in conversations)} turns each in {', '.join(lanes)}", flush=True)
             outcome = await drive(conversations, make_lanes, lanes, concurrency=1, progress=cfg.progress,
                                   turn_timeout_s=cfg.turn_timeout_s)
-        stats = await _scheduler_stats(stack.scheduler_address)
+        scheduler = stack.scheduler_address if stack is not None else cfg.scheduler_address
+        if scheduler:
+            stats = await _scheduler_stats(scheduler)
     finally:
-        await stack.stop()
+        if stack is not None:
+            await stack.stop()
 
     rows = price_turns(outcome.samples, cfg.threshold_list)
     report = sweep_report(rows, cfg.threshold_list, cfg.bucket_edges) if rows else {}
     report["meta"] = {"wall_s": round(time.time() - started, 1), "lanes": lanes, "conversations": len(conversations),
                       "seed": cfg.seed, "max_history_tokens": cfg.max_history_tokens, "max_tokens": cfg.max_tokens,
+                      "prefill_cache": cfg.prefill_cache, "link_mbit": cfg.link_mbit,
                       "failures": outcome.failures, "machine": {"cpus": os.cpu_count()}}
     report["scheduler_stats"] = stats
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -264,6 +353,9 @@ async def run_sweep(cfg: PolicySweepConfig) -> int:
     with (out_dir / "samples.jsonl").open("w") as f:
         for s in outcome.samples:
             f.write(json.dumps(s.to_dict()) + "\n")
+    with (out_dir / "decisions.jsonl").open("w") as f:  # each turn's decision, reason and predictions
+        for r in reports:
+            f.write(json.dumps(r) + "\n")
     print()
     if rows:
         print(format_sweep(report))
@@ -284,6 +376,7 @@ async def run_sweep(cfg: PolicySweepConfig) -> int:
 def main(argv: Sequence[str] | None = None) -> None:
     cfg = load(PolicySweepConfig, argv, prog="kvshuttle bench-policies")
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
 
     async def run() -> int:
         task = asyncio.current_task()

@@ -277,7 +277,10 @@ class TurnRunner:
         prepared = PreparedTurn(turn_id, req, prompt_ids, prompt_text, plan, p_final.kv_transfer_params, kv,
                                 started, timings, span)
         # Stop strings are matched by D on what it generates; one starting inside the first token would be missed.
-        if self.first_token_from_prefill and not req.stop and p_final.output_ids:
+        # D's prompt grows by that token: P's handle must list a block for it (see covers_extra_token).
+        if (self.first_token_from_prefill and not req.stop and p_final.output_ids
+                and kv_params.covers_extra_token(p_final.kv_transfer_params, len(prompt_ids),
+                                                 plan.decode.block_size)):
             prepared.first_token, prepared.first_finish = p_final.output_ids[-1], p_final.finish_reason
         return prepared
 
@@ -289,6 +292,7 @@ class TurnRunner:
             prompt_tokens=prompt_tokens, pulled_tokens=kv.pulled_tokens, computed_tokens=kv.computed_tokens,
             prefill_ms=prefill_ms, source_worker_id=plan.source.worker_id,
             pullable_tokens=plan.figures.pullable_tokens, policy=plan.figures.policy,
+            cached_tokens_estimate=plan.figures.cached_tokens_estimate,
             decision=scheduler_pb2.DECISION_PULL if kv.decision == "pull" else scheduler_pb2.DECISION_RECOMPUTE)
 
         async def send() -> None:

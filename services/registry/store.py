@@ -2,10 +2,12 @@
 
 Key layout under ``prefix`` (default ``/kvshuttle/``)::
 
-    workers/{worker_id}             Worker proto, attached to the worker's lease (Worker.lease_id)
-    sessions/{tenant}/{session_id}  Session proto, attached to its own lease (TTL = seconds until expiry + grace)
+    workers/{worker_id}                   Worker proto, attached to the worker's lease (Worker.lease_id)
+    sessions/{tenant}/{session_id}        Session proto, attached to its own lease (TTL = seconds until expiry + grace)
+    sessions/{tenant}/{session_id}!claim  the record's claim (the claimed revision, as text), on the record's lease
 
-Session.revision in returned records is the key's mod_revision; ``claim_session`` compares it in one transaction.
+Session.revision and Session.lease_id in returned records are the key's mod_revision and lease. ``claim_session``
+creates the claim key in one transaction comparing them; ``put_session`` deletes it with the record it replaces.
 Errors surface as ``StoreUnavailable`` (etcd unreachable, no leader, timeout) or ``StoreError``.
 
 Pinned to etcd3aio 0.3.0: the watch stream and txn compares use its generated stubs (``etcd3aio._protobuf``) because
@@ -31,7 +33,7 @@ from google.protobuf.message import DecodeError
 from kvshuttle.v1 import common_pb2
 
 from control_plane.lru import BoundedLru
-from control_plane.session import claim_refusal, claimed_record
+from control_plane.session import CHANGED, claim_refusal
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,8 @@ _CHANNEL_OPTIONS = [
 # etcd fails a watch instead of hanging when its member has no leader (clientv3.WithRequireLeader).
 _REQUIRE_LEADER = (("hasleader", "true"),)
 _EVENT_PUT = 0
+# A session's claim key is its record's key + this: ids never contain "!", and it sorts before every id character.
+_CLAIM_SUFFIX = "!claim"
 
 
 class StoreError(Exception):
@@ -66,7 +70,7 @@ class WorkerEvent:
 class ClaimResult:
     claimed: bool
     reason: str
-    # Claimed: the record with its handle (revision = the claim's). Refused: the current record without handle.
+    # Claimed: the stored record at the claimed revision, with its handle. Refused: the current record without handle.
     session: common_pb2.Session | None
 
 
@@ -297,34 +301,39 @@ class RegistryStore:
     def session_key(self, tenant: str, session_id: str) -> str:
         return f"{self.prefix}sessions/{tenant}/{session_id}"
 
-    async def _get_session_kv(self, tenant: str, session_id: str) -> tuple[common_pb2.Session | None, int]:
-        resp = await self._call("get session", self.kv.get, self.session_key(tenant, session_id))
-        if not resp.kvs:
-            return None, 0
-        kv = resp.kvs[0]
-        session = _parse_session(kv.value, kv.mod_revision)
-        if session is not None:
-            self._recent.put(self.session_key(tenant, session_id), session, kv.lease, len(kv.value))
-        return session, kv.lease
+    def claim_key(self, tenant: str, session_id: str) -> str:
+        """The claim of a session's current record: a small key right after the record's (see _session_range_end)."""
+        return self.session_key(tenant, session_id) + _CLAIM_SUFFIX
 
     async def get_session(self, tenant: str, session_id: str) -> common_pb2.Session | None:
-        """The record with ``revision`` = its mod_revision, or None."""
-        return (await self._get_session_kv(tenant, session_id))[0]
+        """The record with ``revision`` = its mod_revision and ``lease_id`` = its lease, or None. A claimed record
+        comes with ``claimed`` set and its handle cleared. One range read returns the record and its claim."""
+        key = self.session_key(tenant, session_id)
+        resp = await self._call("get session", self.kv.get, key, _session_range_end(key))
+        session = _session_from(resp.kvs, key)
+        if session is not None and not session.claimed:
+            self._recent.put(key, session)
+        return session
 
     async def put_session(self, session: common_pb2.Session, lease_id: int, *,
                           expect_revision: int) -> common_pb2.Session | None:
         """Write ``session`` under ``lease_id`` if the key's mod_revision is still ``expect_revision`` (0: absent).
 
-        Returns the stored record (with its new revision), or None when the record changed meanwhile. The lease of
-        the replaced record is revoked (best effort) since nothing else hangs on it.
+        The same transaction deletes the claim of the record it replaces, so a claim only ever stands for the record
+        it was made on. Returns the stored record (with its new revision and lease), or None when the record changed
+        meanwhile. The lease of the replaced record is revoked (best effort) since nothing else hangs on it.
         """
         key = self.session_key(session.tenant, session.session_id)
-        record = _without_revision(session)
+        record = common_pb2.Session()
+        record.CopyFrom(session)
+        record.revision, record.lease_id, record.claimed = 0, 0, False
         value = record.SerializeToString()
         resp = await self._call("put session", self.kv.txn,
                                 [_mod_revision_is(key, expect_revision)],
-                                [KVService.txn_op_put(key, value, lease=lease_id, prev_kv=True)],
+                                [KVService.txn_op_put(key, value, lease=lease_id, prev_kv=True),
+                                 KVService.txn_op_delete(key + _CLAIM_SUFFIX)],
                                 [KVService.txn_op_get(key)])
+        record.lease_id = lease_id
         if not resp.succeeded:
             kvs = resp.responses[0].response_range.kvs
             if kvs and kvs[0].value == value and kvs[0].lease == lease_id:  # a retried attempt had committed
@@ -335,57 +344,73 @@ class RegistryStore:
         if old_lease and old_lease != lease_id:
             await self._revoke_quietly(old_lease)
         record.revision = resp.header.revision
-        self._recent.put(key, record, lease_id, len(value))
+        self._recent.put(key, record)
         return record
 
     async def delete_session(self, tenant: str, session_id: str) -> bool:
-        """Delete the record and revoke its lease; False when there was none."""
-        self._recent.discard(self.session_key(tenant, session_id))
-        resp = await self._call("delete session", self.kv.delete, self.session_key(tenant, session_id),
-                                prev_kv=True)
-        for kv in resp.prev_kvs:
-            if kv.lease:
-                await self._revoke_quietly(kv.lease)
-        return resp.deleted > 0
+        """Delete the record (and its claim) and revoke its lease; False when there was none."""
+        key = self.session_key(tenant, session_id)
+        self._recent.discard(key)
+        resp = await self._call("delete session", self.kv.delete, key, _session_range_end(key), prev_kv=True)
+        for lease in {kv.lease for kv in resp.prev_kvs} - {0}:
+            await self._revoke_quietly(lease)
+        return any(kv.key == key.encode() for kv in resp.prev_kvs)
 
-    async def claim_session(self, tenant: str, session_id: str, revision: int, *, now: float) -> ClaimResult:
-        """Take the handle of the record at ``revision``: one transaction comparing the key's mod_revision.
+    async def claim_session(self, tenant: str, session_id: str, revision: int, *, now: float,
+                            known: common_pb2.Session | None = None) -> ClaimResult:
+        """Take the handle of the record at ``revision``: one transaction that creates the record's claim key.
 
-        On success the stored record becomes claimed (handle cleared, same lease); the result carries the record
-        with its handle. Refusals (missing, already claimed, changed, no handle, expired) carry a reason.
+        The transaction compares the record's mod_revision (and lease) and that no claim exists, puts a small claim
+        key under the record's lease (so it ends with the record), and reads the record back: the result carries the
+        record as stored at ``revision`` (claimed, with its handle), never the caller's copy. The record itself is
+        not rewritten. ``known`` is the caller's copy of the record at ``revision`` (a snapshot, possibly stale or
+        wrong): its lease and expiry save a read; the transaction checks the lease. Refusals (missing, already
+        claimed, changed, no handle, expired) carry a reason and the current record without its handle.
         """
         key = self.session_key(tenant, session_id)
-        # The record at ``revision`` is immutable: when this process wrote or read it lately, skip the read. The
-        # transaction below compares the revision, so a record changed since is still caught.
-        current, lease_id = self._recent.get(key, revision) or await self._get_session_kv(tenant, session_id)
-        reason = claim_refusal(current, revision, now)
-        if reason is not None:
-            return ClaimResult(False, reason, _handle_cleared(current))
-        try:
-            resp = await self._call("claim session", self.kv.txn,
-                                    [_mod_revision_is(key, revision)],
-                                    [KVService.txn_op_put(key, claimed_record(current, now).SerializeToString(),
-                                                          lease=lease_id)],
-                                    [KVService.txn_op_get(key)])
-        except StoreUnavailable:
-            raise
-        except StoreError as exc:
-            if "lease not found" in str(exc):  # the lease ended between our read and the transaction
-                return ClaimResult(False, "expired (lease ended)", None)
-            raise
-        if not resp.succeeded:
+        # The record at ``revision`` is immutable: its lease and expiry, from the caller or from this process's own
+        # recent reads and writes, need no read. The transaction compares revision and lease, so a wrong or
+        # outdated hint costs a refusal or one more round trip, never a second claim.
+        hint = known if known is not None and known.revision == revision and known.lease_id else None
+        hint = hint or self._recent.get(key, revision)
+        if hint is None or claim_refusal(hint, revision, now) is not None:
+            hint = await self.get_session(tenant, session_id)
+            reason = claim_refusal(hint, revision, now)
+            if reason is not None:
+                return ClaimResult(False, reason, _handle_cleared(hint))
+        for attempt in range(2):
+            try:
+                resp = await self._call(
+                    "claim session", self.kv.txn,
+                    [_mod_revision_is(key, revision), _lease_is(key, hint.lease_id), _absent(key + _CLAIM_SUFFIX)],
+                    [KVService.txn_op_put(key + _CLAIM_SUFFIX, str(revision).encode(), lease=hint.lease_id),
+                     KVService.txn_op_get(key)],
+                    [KVService.txn_op_get(key, range_end=_session_range_end(key))])
+            except StoreUnavailable:
+                raise
+            except StoreError as exc:
+                if "lease not found" in str(exc):  # the lease ended as the transaction ran
+                    return ClaimResult(False, "expired (lease ended)", None)
+                raise
+            if resp.succeeded:
+                self._recent.discard(key)
+                won = _session_from(resp.responses[1].response_range.kvs, key)
+                # The real record (the hint may have been wrong about its handle or expiry); the claim stands
+                # either way, and a handle that cannot be used has nothing to pull.
+                reason = claim_refusal(won, revision, now)
+                if reason is not None:
+                    return ClaimResult(False, reason, _handle_cleared(won))
+                won.claimed = True
+                return ClaimResult(True, "", won)
             # Also when an earlier attempt of ours committed but its answer was lost (etcd failover): then the
             # handle goes unused and the next turn recomputes, which is safe; two pulls of one handle are not.
-            kvs = resp.responses[0].response_range.kvs
-            now_record = _parse_session(kvs[0].value, kvs[0].mod_revision) if kvs else None
-            reason = claim_refusal(now_record, revision, now) or f"changed: revision {revision} is gone"
-            return ClaimResult(False, reason, _handle_cleared(now_record))
-        self._recent.discard(key)
-        won = common_pb2.Session()
-        won.CopyFrom(current)
-        won.claimed = True
-        won.revision = resp.header.revision
-        return ClaimResult(True, "", won)
+            current = _session_from(resp.responses[0].response_range.kvs, key)
+            reason = claim_refusal(current, revision, now)
+            if reason is None and current.lease_id != hint.lease_id and attempt == 0:
+                hint = current  # only the hint's lease was wrong: once more with the record's own
+                continue
+            return ClaimResult(False, reason or f"{CHANGED}: revision {revision} is gone", _handle_cleared(current))
+        raise AssertionError("unreachable")
 
 
 class _WatchLost(Exception):
@@ -393,22 +418,24 @@ class _WatchLost(Exception):
 
 
 class _RecentSessions:
-    """Session records this process wrote or read lately, at one revision each; bounded in bytes (LRU).
+    """What a claim needs to know of the session records this process wrote or read lately (revision, lease,
+    handle, expiry; not the history), one revision per session; bounded in bytes (LRU).
 
-    Only ever used for a record at a given revision (immutable in etcd), never to answer "what is current".
+    Only ever a hint for a record at a given revision (immutable in etcd), never an answer to "what is current".
     """
 
     def __init__(self, max_bytes: int):
-        self._lru: BoundedLru[tuple[common_pb2.Session, int]] = BoundedLru(max_bytes)
+        self._lru: BoundedLru[common_pb2.Session] = BoundedLru(max_bytes)
 
-    def put(self, key: str, session: common_pb2.Session, lease_id: int, size: int) -> None:
-        copy = common_pb2.Session()
-        copy.CopyFrom(session)  # callers may change theirs
-        self._lru.put(key, (copy, lease_id), size)
+    def put(self, key: str, session: common_pb2.Session) -> None:
+        hint = common_pb2.Session(revision=session.revision, lease_id=session.lease_id,
+                                  kv_transfer_params_json=session.kv_transfer_params_json)
+        hint.expires_at.CopyFrom(session.expires_at)
+        self._lru.put(key, hint, len(key) + len(hint.kv_transfer_params_json) + 64)
 
-    def get(self, key: str, revision: int) -> tuple[common_pb2.Session, int] | None:
-        item = self._lru.get(key)
-        return item if item is not None and item[0].revision == revision else None
+    def get(self, key: str, revision: int) -> common_pb2.Session | None:
+        hint = self._lru.get(key)
+        return hint if hint is not None and hint.revision == revision else None
 
     def discard(self, key: str) -> None:
         self._lru.discard(key)
@@ -417,6 +444,41 @@ class _RecentSessions:
 def _mod_revision_is(key: str, revision: int) -> Compare:
     # etcd compares an absent key as mod_revision 0.
     return Compare(result=Compare.EQUAL, target=Compare.MOD, key=key.encode(), mod_revision=revision)
+
+
+def _lease_is(key: str, lease_id: int) -> Compare:
+    return Compare(result=Compare.EQUAL, target=Compare.LEASE, key=key.encode(), lease=lease_id)
+
+
+def _absent(key: str) -> Compare:
+    return Compare(result=Compare.EQUAL, target=Compare.CREATE, key=key.encode(), create_revision=0)
+
+
+def _session_range_end(record_key: str) -> bytes:
+    """End of the range holding exactly a session's record and its claim key: ids use no character below '+', so
+    no other session's key starts with the record's key followed by a character below '"' (the claim's '!')."""
+    return (record_key + '"').encode()
+
+
+def _session_from(kvs, key: str) -> common_pb2.Session | None:
+    """The record among ``kvs`` (a range up to _session_range_end), claimed when its claim key is there too: the handle
+    is cleared then (it is spent)."""
+    record = claim = None
+    for kv in kvs:
+        if kv.key == key.encode():
+            record = kv
+        elif kv.key == (key + _CLAIM_SUFFIX).encode():
+            claim = kv
+    if record is None:
+        return None
+    session = _parse_session(record.value, record.mod_revision)
+    if session is None:
+        return None
+    session.lease_id = record.lease
+    if claim is not None:
+        session.claimed = True
+        session.kv_transfer_params_json = ""
+    return session
 
 
 def _parse_worker(value: bytes) -> common_pb2.Worker | None:
@@ -435,13 +497,6 @@ def _parse_session(value: bytes, mod_revision: int) -> common_pb2.Session | None
         return None
     session.revision = mod_revision
     return session
-
-
-def _without_revision(session: common_pb2.Session) -> common_pb2.Session:
-    out = common_pb2.Session()
-    out.CopyFrom(session)
-    out.revision = 0
-    return out
 
 
 def _handle_cleared(session: common_pb2.Session | None) -> common_pb2.Session | None:

@@ -2,13 +2,15 @@
 
 ``RegistryClaims`` calls the registry (``GetSession``, ``ClaimSession``): one more gRPC hop per call, but the
 scheduler needs no access to etcd. ``EtcdClaims`` runs the very same store code the registry runs
-(``RegistryStore.get_session`` / ``claim_session``: one etcd transaction comparing the record's mod_revision, so a
-handle is claimed at most once whoever claims it) in the scheduler's own process, which saves the hop and the
-registry's CPU on the planning path. The scheduler picks ``EtcdClaims`` when it is given etcd endpoints.
+(``RegistryStore.get_session`` / ``claim_session``: one etcd transaction that creates the record's claim key only
+while the record is at the planned revision and unclaimed, so a handle is claimed at most once whoever claims it) in
+the scheduler's own process, which saves the hop and the registry's CPU on the planning path. The scheduler picks
+``EtcdClaims`` when it is given etcd endpoints.
 
 Both answer alike: ``get_session`` gives the record (``revision`` = its mod_revision) and the seconds until its handle
-expires, or None when there is none; ``claim`` gives a ``Claim``; failures raise ``ClaimsError`` with the gRPC status
-the registry would have answered.
+expires, or None when there is none; ``claim`` gives a ``Claim`` (``known``, the caller's copy of the record at that
+revision, may save the etcd claim a read: its lease is compared, its content never trusted); failures raise
+``ClaimsError`` with the gRPC status the registry would have answered.
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ class SessionClaims(Protocol):
 
     async def get_session(self, tenant: str, session_id: str) -> tuple[common_pb2.Session, float] | None: ...
 
-    async def claim(self, tenant: str, session_id: str, revision: int) -> Claim: ...
+    async def claim(self, tenant: str, session_id: str, revision: int,
+                    known: common_pb2.Session | None = None) -> Claim: ...
 
     async def start(self) -> None: ...
 
@@ -81,7 +84,8 @@ class RegistryClaims:
             raise ClaimsError(exc.code(), exc.details() or "") from None
         return resp.session, resp.expires_in_s
 
-    async def claim(self, tenant: str, session_id: str, revision: int) -> Claim:
+    async def claim(self, tenant: str, session_id: str, revision: int,
+                    known: common_pb2.Session | None = None) -> Claim:
         try:
             resp = await self._registry.ClaimSession(
                 registry_pb2.ClaimSessionRequest(session_id=session_id, tenant=tenant, revision=revision),
@@ -114,13 +118,14 @@ class EtcdClaims:
             raise _status(exc) from None
         return None if found is None else (found, session_rules.expires_in(found, self._clock()))
 
-    async def claim(self, tenant: str, session_id: str, revision: int) -> Claim:
+    async def claim(self, tenant: str, session_id: str, revision: int,
+                    known: common_pb2.Session | None = None) -> Claim:
         tenant = _checked(tenant, session_id)
         if revision <= 0:
             raise ClaimsError(grpc.StatusCode.INVALID_ARGUMENT,
                               "revision is required: the record revision the caller planned with")
         try:
-            result = await self._store.claim_session(tenant, session_id, revision, now=self._clock())
+            result = await self._store.claim_session(tenant, session_id, revision, now=self._clock(), known=known)
         except StoreError as exc:
             raise _status(exc) from None
         return Claim(result.claimed, result.reason, result.session)

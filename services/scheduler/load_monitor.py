@@ -136,6 +136,13 @@ class LoadMonitor:
         """The scheduler has just sent a turn of ``tokens`` prompt tokens to this worker."""
         self._pending.setdefault(worker_id, deque()).append((self._clock(), max(0, int(tokens))))
 
+    def note_finished(self, worker_id: str) -> None:
+        """One turn sent to this worker is done (its prefill was reported): it no longer counts as pending. Short
+        prefills finish within one engine step and never show in GetLoads, so this is what clears them promptly."""
+        pending = self._pending.get(worker_id)
+        if pending:
+            pending.popleft()
+
     # -- polling -------------------------------------------------------------------------------------------------
 
     async def poll_now(self) -> None:

@@ -47,7 +47,7 @@ class SchedulerConfig(TelemetryConfig):
                                 "`policy` field), for A/B tests and benchmarks: name=kind[:key=value,...];...")
     cost_model_params: str = setting("", "The cost model's priors and fitting (key=value,...): fixed_ms, "
                                          "ms_per_ktoken, ms_per_ktoken_per_kcontext, ms_per_transfer, "
-                                         "ms_per_kpulled, prior_weight, window, half_life, surprise, change_after")
+                                         "ms_per_kpulled, prior_weight, window, half_life, memory, surprise, change_after")
     selector: str = setting("load", "How prefill and decode workers are chosen: load (predicted time and queue for "
                                     "P, free KV cache for D) or round_robin", choices=tuple(SELECTORS))
     load_poll_interval_s: float = setting(0.5, "Poll each worker's vLLM GetLoads this often (0: never; every "

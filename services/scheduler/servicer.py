@@ -52,7 +52,7 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
         self._assigned: dict[str, int] = {}  # turns assigned per worker (stats)
 
     async def PlanTurn(self, request: scheduler_pb2.PlanTurnRequest, context: grpc.aio.ServicerContext):
-        prompt = list(request.prompt_token_ids)
+        prompt = request.prompt_token_ids[:]  # a list (slicing converts faster than list())
         if not prompt:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids must not be empty")
         if min(prompt) < 0:  # int32 on the wire: never above 2**31 - 1
@@ -118,6 +118,7 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
                 policy=policy.name, predicted_pull_ms=(predicted.pull_ms or 0.0) if predicted else 0.0,
                 predicted_recompute_ms=predicted.recompute_ms if predicted else 0.0,
                 pullable_tokens=plan.pullable_tokens, predicted_wait_ms=turn.wait_ms, worker_choice=turn.worker_choice,
+                cached_tokens_estimate=turn.cached_tokens,
             )
             self._note_assigned(prefill.worker_id, plan.compute_tokens)
             self._note_assigned(decode.worker_id, len(prompt))
@@ -150,9 +151,11 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
                 request.prefill_ms,
                 Choice.PULL if request.decision == scheduler_pb2.DECISION_PULL else Choice.RECOMPUTE,
                 source_worker=request.source_worker_id, pullable_tokens=request.pullable_tokens,
-                policy=request.policy))
+                policy=request.policy, cached_estimate=request.cached_tokens_estimate))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if self._loads is not None:
+            self._loads.note_finished(request.prefill_worker_id)
         return scheduler_pb2.ReportOutcomeResponse()
 
     async def GetStats(self, request: scheduler_pb2.GetStatsRequest, context: grpc.aio.ServicerContext):
@@ -184,7 +187,8 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
             prompt, handle, prefill=self._workers.by_role(common_pb2.WORKER_ROLE_PREFILL),
             decode=self._workers.by_role(common_pb2.WORKER_ROLE_DECODE), loads=loads,
             source_worker=session.decode_worker_id if session is not None else "", exclude=exclude,
-            disable_pull=request.disable_pull, policy=request.policy)
+            disable_pull=request.disable_pull, policy=request.policy,
+            session=(request.tenant or "default", request.session_id) if request.session_id else None)
 
     def _note_assigned(self, worker_id: str, tokens: int) -> None:
         self._assigned[worker_id] = self._assigned.get(worker_id, 0) + 1
@@ -213,10 +217,11 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
         return HandleView(
             kv_transfer_params_json=session.kv_transfer_params_json,
             covered_tokens=session.covered_tokens, block_size=session.block_size,
-            block_hashes=list(session.block_hashes), expires_in_s=expires_in, claimed=session.claimed,
+            block_hashes=session.block_hashes, expires_in_s=expires_in, claimed=session.claimed,
             source_alive=source_matches(source, session.kv_transfer_params_json)
             and session.decode_worker_id not in exclude
             and (loads or {}).get(session.decode_worker_id, UNKNOWN).reachable,
+            prefix_digest=session.prefix_digest,
         )
 
     async def _claim(self, request, session: common_pb2.Session, plan: Plan, prompt: list[int], expires_in: float,
@@ -225,7 +230,7 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
         not the caller's snapshot) gives the very same plan. Returns the plan and the registry's refusal ('')."""
         started = time.perf_counter()
         try:
-            resp = await self._claims.claim(request.tenant, request.session_id, session.revision)
+            resp = await self._claims.claim(request.tenant, request.session_id, session.revision, known=session)
         except ClaimsError as exc:
             return _demote(plan, f"could not claim the KV handle ({exc.code.name}): recompute"), ""
         if not resp.claimed:
@@ -247,10 +252,10 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
 
 
 def _same_kv(a: common_pb2.Session, b: common_pb2.Session) -> bool:
-    """Whether two records describe the same KV: handle, holder, covered tokens and hash chain."""
+    """Whether two records describe the same KV: handle, holder, covered tokens, hash chain and prefix digest."""
     return (a.kv_transfer_params_json == b.kv_transfer_params_json and a.decode_worker_id == b.decode_worker_id
             and a.covered_tokens == b.covered_tokens and a.block_size == b.block_size
-            and a.block_hashes == b.block_hashes)
+            and a.prefix_digest == b.prefix_digest and a.block_hashes == b.block_hashes)
 
 
 def _demote(plan: Plan, reason: str) -> Plan:

@@ -11,6 +11,7 @@ import subprocess
 
 import pytest
 
+from services.bench.policy_sweep import sweep_policies
 from services.config import from_namespace
 from services.stack import DemoConfig, Stack
 from tests.support.otlp import OtlpReceiver
@@ -34,7 +35,7 @@ async def stack(model_dir, otlp, tmp_path_factory):
         "KVSHUTTLE_TRACES_EXPORTER": "otlp", "KVSHUTTLE_OTLP_ENDPOINT": otlp.endpoint,
         "KVSHUTTLE_STACK_MAX_MODEL_LEN": "4096", "KVSHUTTLE_STACK_TURNS": "3", "KVSHUTTLE_STACK_MAX_TOKENS": "16",
     })
-    s = Stack(cfg)
+    s = Stack(cfg, scheduler_env={"KVSHUTTLE_SCHEDULER_POLICIES": sweep_policies()})  # for the policy sweep test
     try:
         await s.start()
         yield s

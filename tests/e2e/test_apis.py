@@ -69,6 +69,28 @@ async def test_grpc_gateway_unary_and_stream(stack):
     assert events[-1].finished.kv.pulled_tokens >= len(first.prompt_token_ids) // 128 * 128 > 0
 
 
+async def test_prompts_that_fill_their_last_block_exactly(stack):
+    """A prompt of a whole number of KV blocks: P (prefix caching on) hands D exactly the prompt's blocks, so D must
+    sample the first token itself (prompt + P's token would need one more block; vLLM's connector asserts on that
+    and its engine dies). Then the next turn pulls, and the decode worker still serves."""
+    block = stack.workers[0].block_size
+    session = new_session("whole-blocks")
+    async with grpc.aio.insecure_channel(stack.gateway_grpc) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+
+        async def turn(prompt: list[int]) -> gateway_pb2.CompleteResponse:
+            resp = await stub.Complete(gateway_pb2.CompleteRequest(
+                session_id=session, prompt_token_ids=prompt, sampling=gateway_pb2.SamplingOptions(max_tokens=4)))
+            assert list(resp.prompt_token_ids) == prompt and len(resp.token_ids) == 4
+            return resp
+
+        first = await turn([(7 * i) % 500 + 10 for i in range(2 * block)])
+        # the next turn extends what D holds (prompt + answer) with new tokens, up to exactly 3 blocks again
+        history = list(first.prompt_token_ids) + list(first.token_ids)
+        second = await turn(history + [(11 * i) % 500 + 10 for i in range(3 * block - len(history))])
+        assert second.kv.decision == scheduler_pb2.DECISION_PULL, second.kv.reason
+
+
 async def test_rest_bridge_serves_annotated_registry_reads(stack):
     session = new_session("rest")
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=300) as client:
@@ -104,6 +126,8 @@ def test_grpcurl_lists_describes_and_health_checks_every_service(stack):
     ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-7"}, 404, "not found"),
     ({"messages": [{"role": "user", "content": "hi"}], "conversation_id": "x" * 300}, 400, "conversation_id"),
     ({"prompt": "x" * 200_000, "max_tokens": 1}, 400, "context"),
+    ({"messages": [{"role": "user", "content": "hi"}], "policy": "fastest"}, 400, "unknown policy 'fastest'"),
+    ({"messages": [{"role": "user", "content": "hi"}], "policy": "a;b"}, 400, "policy"),
 ])
 async def test_bad_input_gets_a_4xx_json_error(stack, body, status, word):
     path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"

@@ -9,6 +9,7 @@ import pytest
 
 from services.bench.ideal_worker import IdealWorker
 from services.bench.multiturn import BenchConfig, run_bench
+from services.bench.policy_sweep import ALWAYS_PULL, COST, RECOMPUTE, PolicySweepConfig, run_sweep
 from services.config import from_namespace
 
 pytestmark = pytest.mark.e2e
@@ -88,3 +89,37 @@ async def test_bench_replays_a_conversation_file(stack, tmp_path):
     assert all(s["decision"] == "pull" for s in samples if s["turn"] == 2 and s["mode"] == "pull")
     report = json.loads((run_dir / "results.json").read_text())
     assert report["meta"]["workload"] == str(path) and "ideal" not in report["overall"]["modes"]
+
+
+async def test_policy_sweep_prices_every_policy_on_the_same_turns(stack, tmp_path, capsys):
+    cfg = from_namespace(PolicySweepConfig, environ={
+        "KVSHUTTLE_SWEEP_GATEWAY_URL": stack.base_url, "KVSHUTTLE_SWEEP_SCHEDULER_ADDRESS": stack.scheduler_address,
+        "KVSHUTTLE_MODEL_DIR": str(stack.model_dir), "KVSHUTTLE_SWEEP_OUT_DIR": str(tmp_path / "results"),
+        "KVSHUTTLE_SWEEP_PER_CLASS": "1", "KVSHUTTLE_SWEEP_MAX_TURNS": "2", "KVSHUTTLE_SWEEP_MAX_TOKENS": "6",
+        "KVSHUTTLE_SWEEP_MAX_HISTORY_TOKENS": "2500", "KVSHUTTLE_SWEEP_PREFILL_CACHE": "warm",
+        "KVSHUTTLE_SWEEP_PROGRESS": "false",
+    })
+    assert await run_sweep(cfg) == 0
+    printed = capsys.readouterr().out
+    assert "By history length" in printed and "cost-choices" in printed and "policy cost: regret" in printed
+    (run_dir,) = (tmp_path / "results").iterdir()
+    report = json.loads((run_dir / "sweep.json").read_text())
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    turns = {(s["conversation"], s["turn"]) for s in samples}
+    assert len(turns) == 10  # five classes, two turns each, every one in all three lanes
+    for lane in (ALWAYS_PULL, RECOMPUTE, COST):
+        assert {(s["conversation"], s["turn"]) for s in samples if s["mode"] == lane} == turns, lane
+    assert all(s["decision"] == "recompute" for s in samples if s["mode"] == RECOMPUTE)
+    assert any(s["decision"] == "pull" for s in samples if s["mode"] == ALWAYS_PULL and s["turn"] == 2)
+    overall = report["overall"]
+    assert overall["turns"] == 5 and overall["threshold-16"]["n"] == 5 and overall["cost-choices"]["n"] == 5
+    for column in ("threshold-16", "threshold-512", ALWAYS_PULL, RECOMPUTE, "cost-choices", "oracle"):
+        assert overall[column]["mean"] > 0, column
+    assert overall["oracle"]["mean"] <= min(overall[c]["mean"] for c in ("threshold-16", "threshold-512",
+                                                                         "cost-choices"))
+    decisions = [json.loads(line) for line in (run_dir / "decisions.jsonl").read_text().splitlines()]
+    cost = [d for d in decisions if d["mode"] == COST and d["turn"] == 2]
+    assert len(cost) == 5 and all(d["policy"] == COST and d["predicted_recompute_ms"] > 0 for d in cost), cost
+    policies = {p["name"]: p for p in report["scheduler_stats"]["policies"]}
+    assert {ALWAYS_PULL, COST} <= set(policies) and int(policies[COST]["judged_turns"]) > 0
+    assert report["scheduler_stats"]["compute"] and int(report["scheduler_stats"]["reported_turns"]) >= 15

@@ -20,7 +20,6 @@ import pytest
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 from control_plane.load import parse_get_loads
-from services.etcd_process import free_port
 from services.processes import ChildProcess
 from services.stack import cpu_binds
 from workers.engine_client import EngineClient
@@ -34,17 +33,8 @@ EXTRA_STARTUP_TIMEOUT_S = 240.0
 async def start_prefill_worker(stack, name: str) -> ChildProcess:
     """One more prefill worker, started the way the stack starts its own (own ports, work dir, CPU binding)."""
     cfg = stack.cfg
-    count = len(stack.workers) + 1
-    bind = cpu_binds(count)[-1] if cfg.cpu_bind == "split" else cfg.cpu_bind
-    return await stack._spawn(
-        name, "worker", "--role", "prefill", "--model", str(stack.model_dir),
-        "--grpc-port", str(free_port()), "--nixl-port", str(free_port()),
-        "--cpu-bind", bind, "--dtype", cfg.dtype, "--worker-id", name,
-        "--decoder-kv-blocks-ttl", str(cfg.decoder_kv_blocks_ttl), "--max-model-len", str(cfg.max_model_len),
-        "--work-dir", str(stack.work / "workers" / name), "--nice", str(cfg.worker_nice),
-        "--cpu-affinity", bind if cfg.cpu_bind == "split" else "",
-        "--nixl-progress-delay-us", str(cfg.nixl_progress_delay_us),
-        "--vllm-idle-spin-ms", str(cfg.vllm_idle_spin_ms), "--extra-args=" + cfg.prefill_extra_args)
+    bind = cpu_binds(len(stack.workers) + 1)[-1] if cfg.cpu_bind == "split" else cfg.cpu_bind
+    return await stack.spawn_worker("prefill", name, bind)
 
 
 async def wait_registered(registry: registry_pb2_grpc.SessionRegistryStub, child: ChildProcess, worker_id: str,

@@ -238,6 +238,18 @@ async def test_pending_for_a_worker_the_monitor_has_not_seen_yet(monitor):
     assert (load.pending, load.pending_tokens, load.reachable) == (1, 50, True)
 
 
+async def test_a_reported_prefill_stops_counting_as_pending(monitor):
+    monitor.note_assigned("p", 50)
+    monitor.note_assigned("p", 70)
+    monitor.note_finished("p")  # the oldest turn is done
+    load = monitor.loads()["p"]
+    assert (load.pending, load.pending_tokens) == (1, 70)
+    monitor.note_finished("p")
+    monitor.note_finished("p")  # more reports than notes (e.g. after a restart): nothing to clear
+    monitor.note_finished("never-noted")
+    assert "p" not in monitor.loads() or monitor.loads()["p"].pending == 0
+
+
 async def test_unreachable_after_failed_polls_then_recovery(monitor, servers, caplog):
     s = await servers(num_running_reqs=4, num_used_tokens=1234)
     put(monitor.view, worker("p", s.address))

@@ -19,7 +19,7 @@ import pytest
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 from control_plane import session as session_rules
-from control_plane.prefix import block_hash_chain
+from control_plane.prefix import block_hash_chain, prefix_digest
 from services.config import from_namespace
 from services.grpc_server import client_channel
 from services.registry.server import RegistryConfig, serve
@@ -37,8 +37,9 @@ async def planes(etcd, request):
     prefix = f"/sched-{uuid.uuid4().hex[:6]}/"
     registry = await serve(RegistryConfig(listen="127.0.0.1:0", etcd_endpoints=etcd, key_prefix=prefix,
                                           expiry_margin_s=5))
+    # the workers here are registry records without engines: no load polls (they would mark them unreachable)
     scheduler = SchedulerService(SchedulerConfig(listen="127.0.0.1:0", registry=registry.address,
-                                                 pull_threshold_tokens=16, key_prefix=prefix,
+                                                 pull_threshold_tokens=16, key_prefix=prefix, load_poll_interval_s=0,
                                                  etcd_endpoints=etcd if request.param == "etcd" else ""))
     assert scheduler.claims.via == request.param
     await scheduler.start()
@@ -177,6 +178,12 @@ async def test_a_session_snapshot_saves_a_read_but_never_makes_a_wrong_pull(plan
     wrong = await plan_with(forged, edited + [1])
     assert wrong.decision == scheduler_pb2.DECISION_RECOMPUTE and "differs" in wrong.reason, wrong.reason
 
+    forged = await record(reg, session, d, history)  # the real chain, but a digest vouching for the edited tokens
+    assert forged.session.prefix_digest
+    forged.session.prefix_digest = prefix_digest(edited, 99)
+    wrong = await plan_with(forged, edited + [1])
+    assert wrong.decision == scheduler_pb2.DECISION_RECOMPUTE and "differs" in wrong.reason, wrong.reason
+
     await record(reg, session, d, history)
     absent = await plan(sched, session, history + [1], session_not_found=True)
     assert absent.decision == scheduler_pb2.DECISION_RECOMPUTE and "no recorded KV" in absent.reason
@@ -197,7 +204,8 @@ async def test_bad_plans_are_rejected_with_a_status(planes):
 async def test_cost_policy_learns_from_reported_outcomes(etcd):
     registry = await serve(RegistryConfig(listen="127.0.0.1:0", etcd_endpoints=etcd,
                                           key_prefix=f"/cost-{uuid.uuid4().hex[:6]}/", expiry_margin_s=5))
-    scheduler = SchedulerService(SchedulerConfig(listen="127.0.0.1:0", registry=registry.address, policy="cost"))
+    scheduler = SchedulerService(SchedulerConfig(listen="127.0.0.1:0", registry=registry.address, policy="cost",
+                                                 load_poll_interval_s=0))  # fake workers: nothing to poll
     await scheduler.start()
     channels = [client_channel(registry.address), client_channel(scheduler.address)]
     reg = registry_pb2_grpc.SessionRegistryStub(channels[0])
@@ -250,7 +258,7 @@ async def direct(etcd):
     registry = await serve(RegistryConfig(listen="127.0.0.1:0", etcd_endpoints=etcd, key_prefix=prefix,
                                           expiry_margin_s=5))
     scheduler = SchedulerService(SchedulerConfig(listen="127.0.0.1:0", registry=registry.address,
-                                                 etcd_endpoints=etcd, key_prefix=prefix))
+                                                 etcd_endpoints=etcd, key_prefix=prefix, load_poll_interval_s=0))
     await scheduler.start()
     channels = [client_channel(registry.address), client_channel(scheduler.address)]
     reg = registry_pb2_grpc.SessionRegistryStub(channels[0])
@@ -375,7 +383,7 @@ _TRACED = textwrap.dedent("""
         prefix = f"/traced-{uuid.uuid4().hex[:6]}/"
         registry = await serve(RegistryConfig(listen="127.0.0.1:0", etcd_endpoints=etcd, key_prefix=prefix))
         scheduler = SchedulerService(SchedulerConfig(listen="127.0.0.1:0", registry=registry.address,
-                                                     etcd_endpoints=etcd, key_prefix=prefix))
+                                                     etcd_endpoints=etcd, key_prefix=prefix, load_poll_interval_s=0))
         await scheduler.start()
         channels = [client_channel(registry.address), client_channel(scheduler.address)]
         await register_pair(registry_pb2_grpc.SessionRegistryStub(channels[0]), "p0", "d0", 7900)

@@ -18,14 +18,16 @@ from services.scheduler.server import SchedulerConfig, SchedulerService
 from tests.integration.test_scheduler import record, register_pair
 
 
-@pytest.fixture
-async def stubs(etcd):
+@pytest.fixture(params=[0.0])
+async def stubs(etcd, request):
+    """Registry + scheduler stubs; ``request.param`` is the load poll interval (0: off, as the fake workers here have
+    no engine to poll; on: they are soon unreachable, so no pull is planned from them)."""
     registry = await serve(RegistryConfig(listen="127.0.0.1:0", etcd_endpoints=etcd,
                                           key_prefix=f"/pol-{uuid.uuid4().hex[:6]}/", expiry_margin_s=5))
     scheduler = SchedulerService(SchedulerConfig(
         listen="127.0.0.1:0", registry=registry.address, policy="cost",
         policies="t512=threshold:pull_threshold_tokens=512; always-pull=threshold:pull_threshold_tokens=1",
-        load_poll_interval_s=0.2))
+        load_poll_interval_s=request.param))
     await scheduler.start()
     channels = [client_channel(registry.address), client_channel(scheduler.address)]
     from kvshuttle.v1 import registry_pb2_grpc
@@ -74,6 +76,7 @@ async def test_requests_choose_among_the_configured_policies(stubs):
     assert "unknown policy 'fastest'" in err.value.details() and "t512" in err.value.details()
 
 
+@pytest.mark.parametrize("stubs", [0.2], indirect=True)
 async def test_stats_show_the_fitted_model_regret_per_policy_and_loads(stubs):
     reg, sched = stubs
     await register_pair(reg, "p0", "d0", 7800)

@@ -123,3 +123,18 @@ def test_bad_observations_and_settings_are_refused():
     for bad in ({"window": 1}, {"half_life": 0}, {"ms_per_kpulled": -1}, {"change_after": 0}):
         with pytest.raises(ValueError):
             PrefillPrior(**bad)
+
+
+def test_sizes_measured_long_ago_still_pin_down_small_turns():
+    rng = random.Random(6)
+    model = PrefillCostModel()
+    for _ in range(10):  # short prompts first (a conversation just started)...
+        context = rng.randrange(80, 300)
+        model.observe("p0", prompt_tokens=context, computed_tokens=context, pulled_tokens=0,
+                      prefill_ms=true_ms(context, context, 0) * (1 + rng.uniform(-0.02, 0.02)))
+    for _ in range(200):  # ...then only long ones for a long while
+        context = rng.randrange(3000, 8000)
+        model.observe("p0", prompt_tokens=context, computed_tokens=context, pulled_tokens=0,
+                      prefill_ms=true_ms(context, context, 0) * (1 + rng.uniform(-0.02, 0.02)))
+    small = model.predict("p0", prompt_tokens=150, reusable_tokens=0).recompute_ms
+    assert abs(small - true_ms(150, 150, 0)) / true_ms(150, 150, 0) < 0.1, small

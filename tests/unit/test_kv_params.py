@@ -51,3 +51,15 @@ def test_pull_params_refuse_impossible_pulls():
         kv_params.pull_params(h, 300, 128)  # 3 blocks needed, 2 held: would kill P's engine
     with pytest.raises(kv_params.HandleError):
         kv_params.pull_params(h, 301, 128)
+
+
+def test_d_can_continue_after_p_s_token_only_when_p_sent_a_block_for_it():
+    from control_plane.kv_params import covers_extra_token
+
+    assert covers_extra_token({"remote_block_ids": [[1, 2, 3]]}, 256, 128)  # 257 tokens fit in 3 blocks
+    assert not covers_extra_token({"remote_block_ids": [[1, 2]]}, 256, 128)  # the prompt fills 2 blocks exactly
+    assert covers_extra_token({"remote_block_ids": [[1, 2]]}, 255, 128)
+    assert not covers_extra_token({"remote_block_ids": [[1, 2, 3], [4, 5]]}, 256, 128)  # every group counts
+    for params in (None, {}, {"remote_block_ids": None}, {"remote_block_ids": ["x"]}):
+        assert not covers_extra_token(params, 10, 128)
+    assert not covers_extra_token({"remote_block_ids": [[1]]}, 10, 0)

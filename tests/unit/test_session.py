@@ -4,7 +4,7 @@ import pytest
 from kvshuttle.v1 import common_pb2, registry_pb2
 
 from control_plane import session as rules
-from control_plane.prefix import block_hash_chain, matched_prefix_tokens
+from control_plane.prefix import block_hash_chain, matched_prefix_tokens, prefix_digest
 
 NOW = 1_800_000_000.0
 
@@ -67,6 +67,8 @@ def test_build_session_covers_handle_tokens():
     assert list(s.block_hashes) == block_hash_chain(list(range(100, 110)), 9, 4)
     assert len(s.block_hashes) == 3  # 4 + 4 + 1 (partial last block)
     assert matched_prefix_tokens(list(s.block_hashes), 9, 4, list(range(100, 120))) == 9
+    assert s.prefix_digest == prefix_digest(list(range(100, 110)), 9) and len(s.prefix_digest) == 16
+    assert matched_prefix_tokens(list(s.block_hashes), 9, 4, list(range(100, 120)), s.prefix_digest) == 9
     assert s.turn == 1 and not s.claimed and s.revision == 0
     assert rules.expires_in(s, NOW) == pytest.approx(450, abs=1e-6)
     assert plan.lease_ttl_s == 450 + rules.LEASE_GRACE_S
@@ -170,11 +172,3 @@ def test_claim_refusal_allows_fresh_record():
 def test_claim_refusals(session, revision, now, reason):
     assert rules.claim_refusal(session, revision, now).startswith(reason)
 
-
-def test_claimed_record_clears_handle_only():
-    s = stored()
-    c = rules.claimed_record(s, NOW + 5)
-    assert c.claimed and c.kv_transfer_params_json == "" and c.revision == 0
-    assert list(c.token_ids) == list(s.token_ids) and list(c.block_hashes) == list(s.block_hashes)
-    assert c.expires_at == s.expires_at and rules.to_seconds(c.updated_at) == pytest.approx(NOW + 5)
-    assert s.kv_transfer_params_json and not s.claimed  # the input is untouched

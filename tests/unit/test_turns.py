@@ -34,9 +34,15 @@ class Tokenizer:
         return self.decode
 
 
+BLOCK = 4  # the fake decode worker's KV block size
+
+
 class Engine:
-    def __init__(self, fail_prefills: int = 0, answer: str = "ok"):
+    def __init__(self, fail_prefills: int = 0, answer: str = "ok", tight_blocks: bool = False):
+        """``tight_blocks``: the handle P returns lists only the prompt's blocks (vLLM with prefix caching), not one
+        for the token P generated."""
         self.fail_prefills, self.answer, self.prefills, self.calls = fail_prefills, answer, [], []
+        self.tight_blocks = tight_blocks
 
     async def prefill(self, request_id, prompt_ids, *, kv_transfer_params, **sampling):
         self.prefills.append(kv_transfer_params)
@@ -45,7 +51,9 @@ class Engine:
             self.fail_prefills -= 1
             raise EngineError(grpc.StatusCode.INTERNAL, "engine said no")
         first = self.answer[0] if self.answer else "!"
-        return Final([ord(first)], "stop" if first == "$" else "length", len(prompt_ids), 1, 0, {"for": "decode"})
+        tokens = len(prompt_ids) + (0 if self.tight_blocks else 1)
+        handle = {"for": "decode", "remote_block_ids": [list(range(-(-tokens // BLOCK)))]}
+        return Final([ord(first)], "stop" if first == "$" else "length", len(prompt_ids), 1, 0, handle)
 
     async def generate(self, request_id, prompt_ids, **kw):
         self.calls.append((list(prompt_ids), kw))
@@ -97,7 +105,7 @@ class Scheduler:
         return scheduler_pb2.PlanTurnResponse(
             decision=self.decision, reason="test", prefill_kv_transfer_params_json=json.dumps(params),
             prefill=common_pb2.Worker(worker_id="p", grpc_address="p:1"),
-            decode=common_pb2.Worker(worker_id="d", grpc_address="d:1"),
+            decode=common_pb2.Worker(worker_id="d", grpc_address="d:1", block_size=BLOCK),
             figures=scheduler_pb2.PlanFigures(reusable_tokens=3 if pull else 0))
 
 
@@ -240,7 +248,7 @@ async def test_the_first_token_comes_from_p_and_d_continues_after_it():
     assert p.sampling == {"temperature": 0.5, "top_p": 1.0, "seed": 7, "ignore_eos": False}
     (d_prompt, d_kw), = d.calls
     assert d_prompt == [*[ord(c) for c in "hi"], ord("a")] and d_kw["max_tokens"] == 2
-    assert d_kw["kv_transfer_params"] == {"for": "decode"}
+    assert d_kw["kv_transfer_params"]["for"] == "decode"
     deltas = [e.text for e in events if isinstance(e, Delta)]
     assert deltas[0] == "a" and "".join(deltas) == "abc" and "ttft_ms" in turn.timings
     finished = events[-1]
@@ -257,6 +265,22 @@ async def test_an_answer_that_ends_at_p_s_token_still_leaves_the_kv_on_d():
     finished = events[-1]
     assert finished.finish_reason == "stop" and finished.output_ids == [ord("$")]  # D's own tokens are dropped
     assert list(registry.recorded[-1].token_ids) == [*[ord(c) for c in "hi"], ord("$")]
+
+
+async def test_when_p_sent_no_block_for_its_token_d_samples_the_first_token_itself():
+    # "hiya" fills its 4-token block exactly; P's handle lists that one block only: D's prompt "hiya" + "a" would need
+    # a second block, and vLLM's connector would assert and kill D's engine
+    p, d = Engine(answer="abc", tight_blocks=True), Engine(answer="abc")
+    r, _, _ = runner(scheduler_pb2.DECISION_RECOMPUTE, p, decode=d, first_token_from_prefill=True)
+    await run(r, TurnRequest(session_id="s", prompt_text="hiya", max_tokens=3))
+    (d_prompt, d_kw), = d.calls
+    assert d_prompt == [ord(c) for c in "hiya"] and d_kw["max_tokens"] == 3
+    # one token shorter, the block has room: D continues after P's token
+    p, d = Engine(answer="abc", tight_blocks=True), Engine(answer="bc")
+    r, _, _ = runner(scheduler_pb2.DECISION_RECOMPUTE, p, decode=d, first_token_from_prefill=True)
+    await run(r, TurnRequest(session_id="s", prompt_text="hiy", max_tokens=3))
+    (d_prompt, d_kw), = d.calls
+    assert d_prompt == [*[ord(c) for c in "hiy"], ord("a")] and d_kw["max_tokens"] == 2
 
 
 async def test_with_stop_strings_d_samples_the_first_token_itself():

@@ -26,37 +26,37 @@ from kvshuttle.v1 import common_pb2 as kvshuttle_dot_v1_dot_common__pb2
 from kvshuttle.v1 import registry_pb2 as kvshuttle_dot_v1_dot_registry__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckvshuttle/v1/scheduler.proto\x12\x0ckvshuttle.v1\x1a\x19kvshuttle/v1/common.proto\x1a\x1bkvshuttle/v1/registry.proto\"\xfd\x01\n\x0fPlanTurnRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0c\x64isable_pull\x18\x04 \x01(\x08\x12\x1a\n\x12\x65xclude_worker_ids\x18\x05 \x03(\t\x12<\n\x10session_snapshot\x18\x06 \x01(\x0b\x32 .kvshuttle.v1.GetSessionResponseH\x00\x12\x1b\n\x11session_not_found\x18\x07 \x01(\x08H\x00\x12\x0e\n\x06policy\x18\x08 \x01(\tB\x0f\n\rknown_session\"\xb0\x03\n\x0bPlanFigures\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rsession_found\x18\x02 \x01(\x08\x12\x16\n\x0e\x63overed_tokens\x18\x03 \x01(\x05\x12\x16\n\x0ematched_tokens\x18\x04 \x01(\x05\x12\x17\n\x0freusable_tokens\x18\x05 \x01(\x05\x12\x16\n\x0e\x63ompute_tokens\x18\x06 \x01(\x05\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12\x14\n\x0c\x65xpires_in_s\x18\x08 \x01(\x01\x12\x1d\n\x15pull_threshold_tokens\x18\t \x01(\x05\x12\x1b\n\x13source_worker_alive\x18\n \x01(\x08\x12\x16\n\x0esnapshot_stale\x18\x0b \x01(\x08\x12\x0e\n\x06policy\x18\x0c \x01(\t\x12\x19\n\x11predicted_pull_ms\x18\r \x01(\x01\x12\x1e\n\x16predicted_recompute_ms\x18\x0e \x01(\x01\x12\x17\n\x0fpullable_tokens\x18\x0f \x01(\x05\x12\x19\n\x11predicted_wait_ms\x18\x10 \x01(\x01\x12\x15\n\rworker_choice\x18\x11 \x01(\t\"\x93\x02\n\x14ReportOutcomeRequest\x12\x19\n\x11prefill_worker_id\x18\x01 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x05\x12\x15\n\rpulled_tokens\x18\x04 \x01(\x05\x12\x17\n\x0f\x63omputed_tokens\x18\x05 \x01(\x05\x12\x12\n\nprefill_ms\x18\x06 \x01(\x01\x12(\n\x08\x64\x65\x63ision\x18\x07 \x01(\x0e\x32\x16.kvshuttle.v1.Decision\x12\x18\n\x10source_worker_id\x18\x08 \x01(\t\x12\x17\n\x0fpullable_tokens\x18\t \x01(\x05\x12\x0e\n\x06policy\x18\n \x01(\t\"\x17\n\x15ReportOutcomeResponse\"\x94\x02\n\x10PlanTurnResponse\x12(\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0e\x32\x16.kvshuttle.v1.Decision\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12%\n\x07prefill\x18\x03 \x01(\x0b\x32\x14.kvshuttle.v1.Worker\x12$\n\x06\x64\x65\x63ode\x18\x04 \x01(\x0b\x32\x14.kvshuttle.v1.Worker\x12\'\n\x1fprefill_kv_transfer_params_json\x18\x05 \x01(\t\x12$\n\x06source\x18\x06 \x01(\x0b\x32\x14.kvshuttle.v1.Worker\x12*\n\x07\x66igures\x18\x07 \x01(\x0b\x32\x19.kvshuttle.v1.PlanFigures\"\x11\n\x0fGetStatsRequest\"y\n\x0bPolicyStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x12\n\nis_default\x18\x03 \x01(\x08\x12\x14\n\x0cjudged_turns\x18\x04 \x01(\x03\x12\x14\n\x0cregret_turns\x18\x05 \x01(\x03\x12\x0e\n\x06regret\x18\x06 \x01(\x01\"\x8f\x01\n\x0f\x43omputeEstimate\x12\x19\n\x11prefill_worker_id\x18\x01 \x01(\t\x12\x10\n\x08\x66ixed_ms\x18\x02 \x01(\x01\x12\x15\n\rms_per_ktoken\x18\x03 \x01(\x01\x12\"\n\x1ams_per_ktoken_per_kcontext\x18\x04 \x01(\x01\x12\x14\n\x0cobservations\x18\x05 \x01(\x03\"\x8e\x01\n\x10TransferEstimate\x12\x19\n\x11prefill_worker_id\x18\x01 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x02 \x01(\t\x12\x17\n\x0fms_per_transfer\x18\x03 \x01(\x01\x12\x16\n\x0ems_per_kpulled\x18\x04 \x01(\x01\x12\x14\n\x0cobservations\x18\x05 \x01(\x03\"\xbf\x01\n\x0fWorkerLoadStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07running\x18\x02 \x01(\x05\x12\x0f\n\x07waiting\x18\x03 \x01(\x05\x12\x0f\n\x07pending\x18\x04 \x01(\x05\x12\x13\n\x0bused_tokens\x18\x05 \x01(\x03\x12\x17\n\x0f\x63\x61pacity_tokens\x18\x06 \x01(\x03\x12\r\n\x05\x61ge_s\x18\x07 \x01(\x01\x12\x11\n\treachable\x18\x08 \x01(\x08\x12\x16\n\x0e\x61ssigned_turns\x18\t \x01(\x03\"\xe8\x01\n\x10GetStatsResponse\x12+\n\x08policies\x18\x01 \x03(\x0b\x32\x19.kvshuttle.v1.PolicyStats\x12.\n\x07\x63ompute\x18\x02 \x03(\x0b\x32\x1d.kvshuttle.v1.ComputeEstimate\x12\x31\n\ttransfers\x18\x03 \x03(\x0b\x32\x1e.kvshuttle.v1.TransferEstimate\x12,\n\x05loads\x18\x04 \x03(\x0b\x32\x1d.kvshuttle.v1.WorkerLoadStats\x12\x16\n\x0ereported_turns\x18\x05 \x01(\x03*O\n\x08\x44\x65\x63ision\x12\x18\n\x14\x44\x45\x43ISION_UNSPECIFIED\x10\x00\x12\x11\n\rDECISION_PULL\x10\x01\x12\x16\n\x12\x44\x45\x43ISION_RECOMPUTE\x10\x02\x32\x83\x02\n\x11TransferScheduler\x12I\n\x08PlanTurn\x12\x1d.kvshuttle.v1.PlanTurnRequest\x1a\x1e.kvshuttle.v1.PlanTurnResponse\x12X\n\rReportOutcome\x12\".kvshuttle.v1.ReportOutcomeRequest\x1a#.kvshuttle.v1.ReportOutcomeResponse\x12I\n\x08GetStats\x12\x1d.kvshuttle.v1.GetStatsRequest\x1a\x1e.kvshuttle.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckvshuttle/v1/scheduler.proto\x12\x0ckvshuttle.v1\x1a\x19kvshuttle/v1/common.proto\x1a\x1bkvshuttle/v1/registry.proto\"\xfd\x01\n\x0fPlanTurnRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0c\x64isable_pull\x18\x04 \x01(\x08\x12\x1a\n\x12\x65xclude_worker_ids\x18\x05 \x03(\t\x12<\n\x10session_snapshot\x18\x06 \x01(\x0b\x32 .kvshuttle.v1.GetSessionResponseH\x00\x12\x1b\n\x11session_not_found\x18\x07 \x01(\x08H\x00\x12\x0e\n\x06policy\x18\x08 \x01(\tB\x0f\n\rknown_session\"\xd0\x03\n\x0bPlanFigures\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rsession_found\x18\x02 \x01(\x08\x12\x16\n\x0e\x63overed_tokens\x18\x03 \x01(\x05\x12\x16\n\x0ematched_tokens\x18\x04 \x01(\x05\x12\x17\n\x0freusable_tokens\x18\x05 \x01(\x05\x12\x16\n\x0e\x63ompute_tokens\x18\x06 \x01(\x05\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12\x14\n\x0c\x65xpires_in_s\x18\x08 \x01(\x01\x12\x1d\n\x15pull_threshold_tokens\x18\t \x01(\x05\x12\x1b\n\x13source_worker_alive\x18\n \x01(\x08\x12\x16\n\x0esnapshot_stale\x18\x0b \x01(\x08\x12\x0e\n\x06policy\x18\x0c \x01(\t\x12\x19\n\x11predicted_pull_ms\x18\r \x01(\x01\x12\x1e\n\x16predicted_recompute_ms\x18\x0e \x01(\x01\x12\x17\n\x0fpullable_tokens\x18\x0f \x01(\x05\x12\x19\n\x11predicted_wait_ms\x18\x10 \x01(\x01\x12\x15\n\rworker_choice\x18\x11 \x01(\t\x12\x1e\n\x16\x63\x61\x63hed_tokens_estimate\x18\x12 \x01(\x05\"\xb3\x02\n\x14ReportOutcomeRequest\x12\x19\n\x11prefill_worker_id\x18\x01 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x05\x12\x15\n\rpulled_tokens\x18\x04 \x01(\x05\x12\x17\n\x0f\x63omputed_tokens\x18\x05 \x01(\x05\x12\x12\n\nprefill_ms\x18\x06 \x01(\x01\x12(\n\x08\x64\x65\x63ision\x18\x07 \x01(\x0e\x32\x16.kvshuttle.v1.Decision\x12\x18\n\x10source_worker_id\x18\x08 \x01(\t\x12\x17\n\x0fpullable_tokens\x18\t \x01(\x05\x12\x0e\n\x06policy\x18\n \x01(\t\x12\x1e\n\x16\x63\x61\x63hed_tokens_estimate\x18\x0b \x01(\x05\"\x17\n\x15ReportOutcomeResponse\"\x94\x02\n\x10PlanTurnResponse\x12(\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0e\x32\x16.kvshuttle.v1.Decision\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12%\n\x07prefill\x18\x03 \x01(\x0b\x32\x14.kvshuttle.v1.Worker\x12$\n\x06\x64\x65\x63ode\x18\x04 \x01(\x0b\x32\x14.kvshuttle.v1.Worker\x12\'\n\x1fprefill_kv_transfer_params_json\x18\x05 \x01(\t\x12$\n\x06source\x18\x06 \x01(\x0b\x32\x14.kvshuttle.v1.Worker\x12*\n\x07\x66igures\x18\x07 \x01(\x0b\x32\x19.kvshuttle.v1.PlanFigures\"\x11\n\x0fGetStatsRequest\"y\n\x0bPolicyStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x12\n\nis_default\x18\x03 \x01(\x08\x12\x14\n\x0cjudged_turns\x18\x04 \x01(\x03\x12\x14\n\x0cregret_turns\x18\x05 \x01(\x03\x12\x0e\n\x06regret\x18\x06 \x01(\x01\"\x8f\x01\n\x0f\x43omputeEstimate\x12\x19\n\x11prefill_worker_id\x18\x01 \x01(\t\x12\x10\n\x08\x66ixed_ms\x18\x02 \x01(\x01\x12\x15\n\rms_per_ktoken\x18\x03 \x01(\x01\x12\"\n\x1ams_per_ktoken_per_kcontext\x18\x04 \x01(\x01\x12\x14\n\x0cobservations\x18\x05 \x01(\x03\"\x8e\x01\n\x10TransferEstimate\x12\x19\n\x11prefill_worker_id\x18\x01 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x02 \x01(\t\x12\x17\n\x0fms_per_transfer\x18\x03 \x01(\x01\x12\x16\n\x0ems_per_kpulled\x18\x04 \x01(\x01\x12\x14\n\x0cobservations\x18\x05 \x01(\x03\"\xbf\x01\n\x0fWorkerLoadStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07running\x18\x02 \x01(\x05\x12\x0f\n\x07waiting\x18\x03 \x01(\x05\x12\x0f\n\x07pending\x18\x04 \x01(\x05\x12\x13\n\x0bused_tokens\x18\x05 \x01(\x03\x12\x17\n\x0f\x63\x61pacity_tokens\x18\x06 \x01(\x03\x12\r\n\x05\x61ge_s\x18\x07 \x01(\x01\x12\x11\n\treachable\x18\x08 \x01(\x08\x12\x16\n\x0e\x61ssigned_turns\x18\t \x01(\x03\"\xe8\x01\n\x10GetStatsResponse\x12+\n\x08policies\x18\x01 \x03(\x0b\x32\x19.kvshuttle.v1.PolicyStats\x12.\n\x07\x63ompute\x18\x02 \x03(\x0b\x32\x1d.kvshuttle.v1.ComputeEstimate\x12\x31\n\ttransfers\x18\x03 \x03(\x0b\x32\x1e.kvshuttle.v1.TransferEstimate\x12,\n\x05loads\x18\x04 \x03(\x0b\x32\x1d.kvshuttle.v1.WorkerLoadStats\x12\x16\n\x0ereported_turns\x18\x05 \x01(\x03*O\n\x08\x44\x65\x63ision\x12\x18\n\x14\x44\x45\x43ISION_UNSPECIFIED\x10\x00\x12\x11\n\rDECISION_PULL\x10\x01\x12\x16\n\x12\x44\x45\x43ISION_RECOMPUTE\x10\x02\x32\x83\x02\n\x11TransferScheduler\x12I\n\x08PlanTurn\x12\x1d.kvshuttle.v1.PlanTurnRequest\x1a\x1e.kvshuttle.v1.PlanTurnResponse\x12X\n\rReportOutcome\x12\".kvshuttle.v1.ReportOutcomeRequest\x1a#.kvshuttle.v1.ReportOutcomeResponse\x12I\n\x08GetStats\x12\x1d.kvshuttle.v1.GetStatsRequest\x1a\x1e.kvshuttle.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvshuttle.v1.scheduler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DECISION']._serialized_start=2237
-  _globals['_DECISION']._serialized_end=2316
+  _globals['_DECISION']._serialized_start=2301
+  _globals['_DECISION']._serialized_end=2380
   _globals['_PLANTURNREQUEST']._serialized_start=103
   _globals['_PLANTURNREQUEST']._serialized_end=356
   _globals['_PLANFIGURES']._serialized_start=359
-  _globals['_PLANFIGURES']._serialized_end=791
-  _globals['_REPORTOUTCOMEREQUEST']._serialized_start=794
-  _globals['_REPORTOUTCOMEREQUEST']._serialized_end=1069
-  _globals['_REPORTOUTCOMERESPONSE']._serialized_start=1071
-  _globals['_REPORTOUTCOMERESPONSE']._serialized_end=1094
-  _globals['_PLANTURNRESPONSE']._serialized_start=1097
-  _globals['_PLANTURNRESPONSE']._serialized_end=1373
-  _globals['_GETSTATSREQUEST']._serialized_start=1375
-  _globals['_GETSTATSREQUEST']._serialized_end=1392
-  _globals['_POLICYSTATS']._serialized_start=1394
-  _globals['_POLICYSTATS']._serialized_end=1515
-  _globals['_COMPUTEESTIMATE']._serialized_start=1518
-  _globals['_COMPUTEESTIMATE']._serialized_end=1661
-  _globals['_TRANSFERESTIMATE']._serialized_start=1664
-  _globals['_TRANSFERESTIMATE']._serialized_end=1806
-  _globals['_WORKERLOADSTATS']._serialized_start=1809
-  _globals['_WORKERLOADSTATS']._serialized_end=2000
-  _globals['_GETSTATSRESPONSE']._serialized_start=2003
-  _globals['_GETSTATSRESPONSE']._serialized_end=2235
-  _globals['_TRANSFERSCHEDULER']._serialized_start=2319
-  _globals['_TRANSFERSCHEDULER']._serialized_end=2578
+  _globals['_PLANFIGURES']._serialized_end=823
+  _globals['_REPORTOUTCOMEREQUEST']._serialized_start=826
+  _globals['_REPORTOUTCOMEREQUEST']._serialized_end=1133
+  _globals['_REPORTOUTCOMERESPONSE']._serialized_start=1135
+  _globals['_REPORTOUTCOMERESPONSE']._serialized_end=1158
+  _globals['_PLANTURNRESPONSE']._serialized_start=1161
+  _globals['_PLANTURNRESPONSE']._serialized_end=1437
+  _globals['_GETSTATSREQUEST']._serialized_start=1439
+  _globals['_GETSTATSREQUEST']._serialized_end=1456
+  _globals['_POLICYSTATS']._serialized_start=1458
+  _globals['_POLICYSTATS']._serialized_end=1579
+  _globals['_COMPUTEESTIMATE']._serialized_start=1582
+  _globals['_COMPUTEESTIMATE']._serialized_end=1725
+  _globals['_TRANSFERESTIMATE']._serialized_start=1728
+  _globals['_TRANSFERESTIMATE']._serialized_end=1870
+  _globals['_WORKERLOADSTATS']._serialized_start=1873
+  _globals['_WORKERLOADSTATS']._serialized_end=2064
+  _globals['_GETSTATSRESPONSE']._serialized_start=2067
+  _globals['_GETSTATSRESPONSE']._serialized_end=2299
+  _globals['_TRANSFERSCHEDULER']._serialized_start=2383
+  _globals['_TRANSFERSCHEDULER']._serialized_end=2642
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,234 @@
+"""Claims as their own small etcd key next to the session record, against a real etcd.
+
+A claim is one transaction: the record is still at the planned revision (and lease) and has no claim key, then the
+claim key is created under the record's lease and the record is read back. RecordTurn replaces the record and drops
+its claim in one transaction; GetSession reports the claim.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+
+from control_plane import session as rules
+from control_plane.session import LEASE_GRACE_S
+from services.grpc_server import client_channel
+from services.registry.store import RegistryStore
+from tests.integration.test_registry import MARGIN_S, TENANT, _deregister, decode_worker, eventually, turn, uid
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+async def store(etcd):
+    async with RegistryStore(etcd) as s:  # the registry fixture's key prefix (the default)
+        yield s
+
+
+@pytest.fixture
+async def stub(registry):
+    channel = client_channel(registry)
+    yield registry_pb2_grpc.SessionRegistryStub(channel)
+    await channel.close()
+
+
+@pytest.fixture
+async def decode(stub):
+    w = decode_worker(uid("d"))
+    resp = await stub.RegisterWorker(registry_pb2.RegisterWorkerRequest(worker=w, lease_ttl_s=60))
+    yield resp.worker
+    await _deregister(stub, resp.worker)
+
+
+def snapshot(record: common_pb2.Session) -> common_pb2.Session:
+    """What a gateway sends the scheduler: the record without its history."""
+    out = common_pb2.Session()
+    out.CopyFrom(record)
+    out.ClearField("token_ids")
+    out.ClearField("text")
+    return out
+
+
+async def get(stub, sid: str) -> registry_pb2.GetSessionResponse:
+    return await stub.GetSession(registry_pb2.GetSessionRequest(session_id=sid, tenant=TENANT))
+
+
+async def test_records_carry_lease_and_digest_and_the_claim_is_its_own_key(stub, store, decode):
+    sid = uid("s")
+    rec = (await stub.RecordTurn(turn(decode, sid, list(range(50))))).session
+    assert rec.lease_id > 0 and len(rec.prefix_digest) == 16 and not rec.claimed
+    got = (await get(stub, sid)).session
+    assert got == rec
+    raw = await store.kv.get(store.session_key(TENANT, sid))
+    value = raw.kvs[0].value
+    won = await store.claim_session(TENANT, sid, rec.revision, now=time.time(), known=snapshot(rec))
+    assert won.claimed and won.session.claimed and won.session.revision == rec.revision
+    # The record is not rewritten: same value, same revision; the claim is a small key on the record's lease.
+    after = await store.kv.get(store.session_key(TENANT, sid))
+    assert after.kvs[0].value == value and after.kvs[0].mod_revision == rec.revision
+    claim = (await store.kv.get(store.claim_key(TENANT, sid))).kvs[0]
+    assert claim.lease == rec.lease_id and claim.value == str(rec.revision).encode() and len(claim.value) < 32
+    await stub.DeleteSession(registry_pb2.DeleteSessionRequest(session_id=sid, tenant=TENANT))
+    assert not (await store.kv.get(store.claim_key(TENANT, sid))).kvs  # deleted with the record
+
+
+async def test_concurrent_claims_of_one_revision_have_exactly_one_winner(etcd, stub, decode):
+    stores = [RegistryStore(etcd) for _ in range(4)]  # separate clients (channels), like scheduler replicas
+    for s in stores:
+        await s.connect()
+    sid = uid("s")
+    try:
+        history = list(range(60))
+        for i in range(10):
+            history.append(i)
+            rec = (await stub.RecordTurn(turn(decode, sid, history))).session
+            known = snapshot(rec)
+            results = await asyncio.gather(*(s.claim_session(TENANT, sid, rec.revision, now=time.time(), known=known)
+                                             for s in stores for _ in range(4)))
+            winners = [r for r in results if r.claimed]
+            assert len(winners) == 1, [r.reason for r in results]
+            assert winners[0].session.kv_transfer_params_json == rec.kv_transfer_params_json
+            for r in results:
+                if not r.claimed:
+                    assert r.reason == rules.CLAIMED, r.reason
+                    assert not r.session.kv_transfer_params_json  # a refusal never hands out the handle
+    finally:
+        for s in stores:
+            await s.close()
+        await stub.DeleteSession(registry_pb2.DeleteSessionRequest(session_id=sid, tenant=TENANT))
+
+
+async def test_a_claim_after_a_newer_record_turn_is_refused_as_changed(stub, store, decode):
+    sid = uid("s")
+    old = (await stub.RecordTurn(turn(decode, sid, list(range(40))))).session
+    new = (await stub.RecordTurn(turn(decode, sid, list(range(41))))).session
+    assert new.revision > old.revision and new.lease_id != old.lease_id
+    for known in (snapshot(old), None):  # with the caller's (stale) copy, and without any
+        stale = await store.claim_session(TENANT, sid, old.revision, now=time.time(), known=known)
+        assert not stale.claimed and stale.reason.startswith(rules.CHANGED), stale.reason
+        assert stale.session.revision == new.revision and not stale.session.kv_transfer_params_json
+    # The newer record is still there to claim.
+    won = await store.claim_session(TENANT, sid, new.revision, now=time.time(), known=snapshot(new))
+    assert won.claimed and won.session.covered_tokens == 40
+    await stub.DeleteSession(registry_pb2.DeleteSessionRequest(session_id=sid, tenant=TENANT))
+
+
+async def test_get_session_shows_the_claim_until_the_next_record_turn(stub, store, decode):
+    sid = uid("s")
+    rec = (await stub.RecordTurn(turn(decode, sid, list(range(30))))).session
+    won = await stub.ClaimSession(registry_pb2.ClaimSessionRequest(session_id=sid, tenant=TENANT,
+                                                                   revision=rec.revision))
+    assert won.claimed
+    got = (await get(stub, sid)).session
+    assert got.claimed and not got.kv_transfer_params_json and got.revision == rec.revision
+    assert list(got.token_ids) == list(range(30))  # the record itself is untouched
+    direct = await store.get_session(TENANT, sid)
+    assert direct.claimed and not direct.kv_transfer_params_json
+
+    nxt = (await stub.RecordTurn(turn(decode, sid, list(range(31))))).session
+    assert not nxt.claimed and nxt.turn == 2
+    got = (await get(stub, sid)).session
+    assert not got.claimed and got.kv_transfer_params_json == nxt.kv_transfer_params_json
+    assert not (await store.kv.get(store.claim_key(TENANT, sid))).kvs  # dropped with the record it stood for
+    again = await store.claim_session(TENANT, sid, nxt.revision, now=time.time(), known=snapshot(nxt))
+    assert again.claimed
+
+    # The claim goes in the same transaction as the record it stood for, not only with that record's lease (here the
+    # next record keeps the lease, so nothing is revoked).
+    third = common_pb2.Session()
+    third.CopyFrom(await store.get_session(TENANT, sid))
+    third.kv_transfer_params_json = nxt.kv_transfer_params_json
+    stored = await store.put_session(third, nxt.lease_id, expect_revision=nxt.revision)
+    assert stored is not None and stored.lease_id == nxt.lease_id and not stored.claimed
+    assert not (await store.kv.get(store.claim_key(TENANT, sid))).kvs
+    assert not (await store.get_session(TENANT, sid)).claimed
+    await stub.DeleteSession(registry_pb2.DeleteSessionRequest(session_id=sid, tenant=TENANT))
+
+
+async def test_the_claim_returns_the_stored_record_not_the_callers_copy(stub, store, decode):
+    sid = uid("s")
+    rec = (await stub.RecordTurn(turn(decode, sid, list(range(30))))).session
+    forged = snapshot(rec)
+    forged.kv_transfer_params_json = forged.kv_transfer_params_json.replace("127.0.0.1", "10.9.9.9")
+    forged.block_hashes[0] = b"x" * 16
+    forged.prefix_digest = b"y" * 16
+    forged.covered_tokens = 5
+    won = await store.claim_session(TENANT, sid, rec.revision, now=time.time(), known=forged)
+    assert won.claimed
+    assert won.session.kv_transfer_params_json == rec.kv_transfer_params_json
+    assert list(won.session.block_hashes) == list(rec.block_hashes)
+    assert won.session.prefix_digest == rec.prefix_digest and won.session.covered_tokens == 29
+    await stub.DeleteSession(registry_pb2.DeleteSessionRequest(session_id=sid, tenant=TENANT))
+
+
+async def test_a_wrong_or_missing_lease_hint_still_claims_once(stub, store, decode):
+    sid = uid("s")
+    rec = (await stub.RecordTurn(turn(decode, sid, list(range(30))))).session
+    wrong = snapshot(rec)
+    wrong.lease_id = rec.lease_id + 12345  # no such lease
+    won = await store.claim_session(TENANT, sid, rec.revision, now=time.time(), known=wrong)
+    assert won.claimed
+    claim = (await store.kv.get(store.claim_key(TENANT, sid))).kvs[0]
+    assert claim.lease == rec.lease_id  # on the record's own lease, not the hint's
+    again = await store.claim_session(TENANT, sid, rec.revision, now=time.time(), known=snapshot(rec))
+    assert not again.claimed and again.reason == rules.CLAIMED
+
+    # A store that never saw the record (another replica) and no hint: it reads the record first.
+    rec2 = (await stub.RecordTurn(turn(decode, sid, list(range(31))))).session
+    async with RegistryStore(store.endpoints) as fresh:
+        won2 = await fresh.claim_session(TENANT, sid, rec2.revision, now=time.time())
+    assert won2.claimed and won2.session.kv_transfer_params_json == rec2.kv_transfer_params_json
+    await stub.DeleteSession(registry_pb2.DeleteSessionRequest(session_id=sid, tenant=TENANT))
+
+
+async def test_an_expired_handle_is_refused_even_when_the_hint_says_otherwise(stub, store, decode):
+    sid = uid("s")
+    rec = (await stub.RecordTurn(turn(decode, sid, list(range(30))))).session
+    now = rules.to_seconds(rec.expires_at) + 1  # the registry's clock, past the handle's expiry
+    refused = await store.claim_session(TENANT, sid, rec.revision, now=now, known=snapshot(rec))
+    assert not refused.claimed and refused.reason.startswith(rules.EXPIRED), refused.reason
+    lying = snapshot(rec)
+    lying.expires_at.FromSeconds(int(now) + 600)
+    refused = await store.claim_session(TENANT, sid, rec.revision, now=now, known=lying)
+    assert not refused.claimed and refused.reason.startswith(rules.EXPIRED), refused.reason
+    assert not refused.session.kv_transfer_params_json
+    await stub.DeleteSession(registry_pb2.DeleteSessionRequest(session_id=sid, tenant=TENANT))
+
+
+async def test_the_claim_key_ends_with_the_session_lease(stub, store):
+    # KV TTL just above the margin: the handle expires ~2 s after the turn, its lease LEASE_GRACE_S later.
+    w = (await stub.RegisterWorker(registry_pb2.RegisterWorkerRequest(
+        worker=decode_worker(uid("d"), kv_blocks_ttl_s=MARGIN_S + 2), lease_ttl_s=60))).worker
+    try:
+        sid = uid("s")
+        rec = (await stub.RecordTurn(turn(w, sid, list(range(20))))).session
+        won = await store.claim_session(TENANT, sid, rec.revision, now=time.time(), known=snapshot(rec))
+        assert won.claimed
+        ttl = await store.kv.get(store.claim_key(TENANT, sid))
+        assert ttl.kvs and ttl.kvs[0].lease == rec.lease_id
+
+        async def gone():
+            record = await store.kv.get(store.session_key(TENANT, sid))
+            claim = await store.kv.get(store.claim_key(TENANT, sid))
+            return not record.kvs and not claim.kvs
+
+        assert await eventually(gone, timeout=LEASE_GRACE_S + 20), "the claim outlived the session's lease"
+        assert await store.get_session(TENANT, sid) is None
+    finally:
+        await _deregister(stub, w)
+
+
+def test_no_other_session_key_falls_in_a_sessions_range():
+    """get_session reads [record key, record key + '"'): its record and claim, nothing else (ids use A-Za-z0-9._:@=+-,
+    all above '"')."""
+    store = RegistryStore("127.0.0.1:1")
+    key = store.session_key("t", "s")
+    end = (key + '"').encode()
+    inside = [key, store.claim_key("t", "s")]
+    outside = [store.session_key("t", "s" + c) for c in "+-.0:=@AZ_az"] + [store.session_key("t", "r"),
+                                                                         store.session_key("t.x", "s")]
+    assert all(key.encode() <= k.encode() < end for k in inside)
+    assert not any(key.encode() <= k.encode() < end for k in outside)
