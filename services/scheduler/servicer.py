@@ -88,11 +88,13 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
             loads = self._loads.loads() if self._loads is not None else {}
             handle = self._handle_view(session, expires_in, source, exclude, loads)
             turn = self._plan(prompt, handle, session, loads, exclude, request)
-            if turn is None:  # the watch may lag behind a registration: ask once
+            if turn is None:  # the watch may lag behind a registration: ask once, and look at the source again
                 try:
                     await self._workers.refresh(self._timeout)
                 except grpc.aio.AioRpcError as exc:
                     log.warning("could not refresh the worker list (%s)", exc.code().name)
+                source = self._workers.get(session.decode_worker_id) if session is not None else None
+                handle = self._handle_view(session, expires_in, source, exclude, loads)
                 turn = self._plan(prompt, handle, session, loads, exclude, request)
             if turn is None:
                 missing = "prefill" if not [w for w in self._workers.by_role(common_pb2.WORKER_ROLE_PREFILL)
