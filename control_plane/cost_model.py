@@ -229,8 +229,16 @@ class PrefillCostModel:
         self._links: dict[tuple[str, str], RecentFit[Turn]] = {}
         self._stale: set[tuple[str, str]] = set()  # links to refit: their worker's compute fit changed
 
-    def compute_ms(self, worker: str, computed: int, context: int) -> float:
+    def _compute_fit(self, worker: str) -> RecentFit[Turn] | None:
+        """The worker's fit; for a worker not measured yet, the most-measured one's (workers of a fleet are alike,
+        and comparing one worker's measurements with another's priors would pick whichever guess is lower)."""
         fit = self._compute.get(worker)
+        if fit is None and self._compute:
+            fit = max(self._compute.values(), key=lambda f: f.observations)
+        return fit
+
+    def compute_ms(self, worker: str, computed: int, context: int) -> float:
+        fit = self._compute_fit(worker)
         theta = fit.theta if fit else self.prior.compute()
         return sum(t * v for t, v in zip(theta, compute_features(computed, context), strict=True))
 
@@ -240,10 +248,10 @@ class PrefillCostModel:
         return sum(t * v for t, v in zip(theta, transfer_features(pulled), strict=True))
 
     def _link_fit(self, worker: str, source: str) -> RecentFit[Turn] | None:
-        """The link's fit; for a link never used, the worker's most-measured link (same P, another D)."""
+        """The link's fit; for a link never used, the most-measured link of the same P, else of any P."""
         key = (worker, source)
         if key not in self._links:
-            known = [k for k in self._links if k[0] == worker]
+            known = [k for k in self._links if k[0] == worker] or list(self._links)
             if not known:
                 return None
             key = max(known, key=lambda k: self._links[k].observations)

@@ -7,8 +7,10 @@ to pull. They differ in when a safe pull is worth it. After the policy, one rule
 (waiting at P included) is refused.
 
 - ``threshold``: pull when at least ``pull_threshold_tokens`` tokens are reusable (vLLM's own rule; the baseline).
-- ``cost``: pull when the learned prefill-time model (:mod:`control_plane.cost_model`, shared by all policies and fed
-  by every reported turn) predicts the pull faster than recomputing on the chosen prefill worker. While a link has
+- ``cost``: pull unless the learned prefill-time model (:mod:`control_plane.cost_model`, shared by all policies and fed
+  by every reported turn) predicts recomputing on the chosen prefill worker faster by more than ``recompute_margin``
+  (10%): near a tie the pull wins, because it also frees D's blocks at once (an unused handle holds them until it
+  expires) and a near-tie prediction is within the model's noise. While a link has
   few measured pulls, and then on one eligible turn in ``explore_every``, it pulls even when the model disagrees
   (within ``explore_ratio``), so it never stops measuring pulls.
 """
@@ -77,13 +79,17 @@ class CostPolicy:
     kind = "cost"
 
     def __init__(self, model: PrefillCostModel, expiry_guard_s: float = 2.0, min_pull_tokens: int = 1,
-                 explore_every: int = 20, explore_ratio: float = 2.0, warmup_pulls: int = 3, name: str = "cost"):
+                 explore_every: int = 20, explore_ratio: float = 2.0, warmup_pulls: int = 3,
+                 recompute_margin: float = 0.1, name: str = "cost"):
         if expiry_guard_s < 0:
             raise PolicyError(f"{name}: expiry_guard_s must be >= 0")
         if min_pull_tokens < 1:
             raise PolicyError(f"{name}: min_pull_tokens must be >= 1")
         if explore_every < 0 or explore_ratio < 1 or warmup_pulls < 0:
             raise PolicyError(f"{name}: explore_every and warmup_pulls must be >= 0, explore_ratio >= 1")
+        if not 0 <= recompute_margin < 1:
+            raise PolicyError(f"{name}: recompute_margin must be in [0, 1)")
+        self.recompute_margin = recompute_margin
         self.name = name
         self.safety = PullPolicy(min_pull_tokens, expiry_guard_s)
         self.explore_every, self.explore_ratio, self.warmup_pulls = explore_every, explore_ratio, warmup_pulls
@@ -95,13 +101,13 @@ class CostPolicy:
         if plan.choice is not Choice.PULL or predicted is None or predicted.pull_ms is None:
             return plan
         figures = f"predicted pull {predicted.pull_ms:.1f} ms vs recompute {predicted.recompute_ms:.1f} ms"
-        if predicted.pull_is_faster:
+        if predicted.recompute_ms >= predicted.pull_ms * (1 - self.recompute_margin):
             plan.reason = f"{plan.reason}; {figures}"
             return plan
         if self._explore(ctx.prefill_worker, ctx.source_worker, predicted):
             plan.reason = f"{plan.reason}; {figures}; pulling anyway to keep measuring this link"
             return plan
-        return demote(plan, f"cost model: recompute is faster ({figures})")
+        return demote(plan, f"cost model: recompute is faster ({figures})")  # by more than the margin
 
     def _explore(self, worker: str, source: str, predicted: Prediction) -> bool:
         if predicted.pull_ms is None or predicted.pull_ms > self.explore_ratio * predicted.recompute_ms:
@@ -196,7 +202,7 @@ def make_prior(params: Mapping[str, str] | None) -> PrefillPrior:
 
 
 KINDS = {ThresholdPolicy.kind: ("pull_threshold_tokens",),
-         CostPolicy.kind: ("min_pull_tokens", "explore_every", "explore_ratio", "warmup_pulls")}
+         CostPolicy.kind: ("min_pull_tokens", "explore_every", "explore_ratio", "warmup_pulls", "recompute_margin")}
 
 
 def make_policy(kind: str, params: Mapping[str, str] | None = None, *, model: PrefillCostModel,
@@ -209,7 +215,7 @@ def make_policy(kind: str, params: Mapping[str, str] | None = None, *, model: Pr
     kwargs = {"expiry_guard_s": expiry_guard_s, "name": name}
     for key in KINDS[kind]:
         if key in params:
-            kwargs[key] = _number(name, params, key, float if key == "explore_ratio" else int)
+            kwargs[key] = _number(name, params, key, float if key in ("explore_ratio", "recompute_margin") else int)
     if "expiry_guard_s" in params:
         kwargs["expiry_guard_s"] = _number(name, params, "expiry_guard_s", float)
     if params:

@@ -1,7 +1,7 @@
 """`kvshuttle bench-policies`: the cost model's pull-vs-recompute choices against fixed token thresholds.
 
 It starts the local stack with the scheduler hosting two named policies besides its default, ``always-pull``
-(threshold 1) and ``cost``, and replays a sweep of conversations (short and long histories, small and large new
+(threshold 1) and ``sweep-cost`` (the cost policy), and replays a sweep of conversations (short and long histories, small and large new
 turns) in three lanes through the gateway, interleaved turn by turn (the order rotates):
 
 - ``always-pull``: every turn that can pull, pulls (measured);
@@ -55,6 +55,8 @@ from services.stack import Stack, StackConfig
 log = logging.getLogger("kvshuttle.bench.policies")
 ALWAYS_PULL, RECOMPUTE, COST = "always-pull", "recompute", "cost"
 ORACLE = "oracle"
+# The scheduler policies the lanes name (the cost lane's has its own name: the scheduler's default may be "cost").
+LANE_POLICIES = {ALWAYS_PULL: ALWAYS_PULL, COST: "sweep-cost"}
 # (system prompt tokens, (smallest, largest) new user turn): short and long histories, small and large deltas.
 SWEEP_CLASSES = ((0, (10, 50)), (60, (20, 100)), (60, (300, 1200)), (1500, (20, 100)), (1500, (300, 1200)))
 
@@ -115,7 +117,8 @@ class PolicySweepConfig(StackConfig):
 
 def sweep_policies(cost_params: str = "") -> str:
     """The scheduler's extra policies the sweep's lanes name (KVSHUTTLE_SCHEDULER_POLICIES)."""
-    return f"{ALWAYS_PULL}=threshold:pull_threshold_tokens=1; {COST}=cost" + (f":{cost_params}" if cost_params else "")
+    return (f"{LANE_POLICIES[ALWAYS_PULL]}=threshold:pull_threshold_tokens=1; {LANE_POLICIES[COST]}=cost"
+            + (f":{cost_params}" if cost_params else ""))
 
 
 def sweep_workload(cfg: PolicySweepConfig) -> list[Conversation]:
@@ -322,7 +325,7 @@ async def _run_sweep(cfg: PolicySweepConfig) -> int:
             def make_lanes(conv: Conversation) -> dict:
                 made = {}
                 for lane in lanes:
-                    policy = "" if lane == RECOMPUTE else lane
+                    policy = LANE_POLICIES.get(lane, "")
                     system = conv.system
                     if cfg.prefill_cache == "warm":  # distinct first tokens: no lane hits another's cache on P
                         system = f"[{lane} lane] {system or ''}"

@@ -37,12 +37,12 @@ class SchedulerConfig(TelemetryConfig):
                                       "per plan); empty: through the registry", env="KVSHUTTLE_ETCD_ENDPOINTS")
     key_prefix: str = setting("/kvshuttle/", "The registry's etcd key prefix (with --etcd-endpoints)",
                               env="KVSHUTTLE_REGISTRY_KEY_PREFIX")
-    policy: str = setting("threshold", "Default pull-vs-recompute policy: threshold (pull when enough tokens are "
-                                       "reusable, vLLM's rule) or cost (pull when the learned cost model predicts "
-                                       "it faster)", choices=tuple(KINDS))
+    policy: str = setting("cost", "Default pull-vs-recompute policy: cost (pull unless the learned cost model "
+                                  "predicts recomputing faster) or threshold (pull when enough tokens are reusable, "
+                                  "vLLM's rule)", choices=tuple(KINDS))
     policy_params: str = setting("", "The default policy's parameters as key=value,... (threshold: "
                                      "pull_threshold_tokens; cost: min_pull_tokens, explore_every, explore_ratio, "
-                                     "warmup_pulls; both: expiry_guard_s)")
+                                     "warmup_pulls, recompute_margin; both: expiry_guard_s)")
     policies: str = setting("", "More named policies a request may choose (PlanTurnRequest.policy, the gateway's "
                                 "`policy` field), for A/B tests and benchmarks: name=kind[:key=value,...];...")
     cost_model_params: str = setting("", "The cost model's priors and fitting (key=value,...): fixed_ms, "

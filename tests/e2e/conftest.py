@@ -35,7 +35,10 @@ async def stack(model_dir, otlp, tmp_path_factory):
         "KVSHUTTLE_TRACES_EXPORTER": "otlp", "KVSHUTTLE_OTLP_ENDPOINT": otlp.endpoint,
         "KVSHUTTLE_STACK_MAX_MODEL_LEN": "4096", "KVSHUTTLE_STACK_TURNS": "3", "KVSHUTTLE_STACK_MAX_TOKENS": "16",
     })
-    s = Stack(cfg, scheduler_env={"KVSHUTTLE_SCHEDULER_POLICIES": sweep_policies()})  # for the policy sweep test
+    # The e2e tests check the pull mechanics, so the default policy is the deterministic threshold one; the cost
+    # policy runs by name in the policy sweep test (its lanes' policies are hosted here too).
+    s = Stack(cfg, scheduler_env={"KVSHUTTLE_SCHEDULER_POLICY": "threshold",
+                                  "KVSHUTTLE_SCHEDULER_POLICIES": sweep_policies()})
     try:
         await s.start()
         yield s

@@ -9,7 +9,7 @@ import pytest
 
 from services.bench.ideal_worker import IdealWorker
 from services.bench.multiturn import BenchConfig, run_bench
-from services.bench.policy_sweep import ALWAYS_PULL, COST, RECOMPUTE, PolicySweepConfig, run_sweep
+from services.bench.policy_sweep import ALWAYS_PULL, COST, LANE_POLICIES, RECOMPUTE, PolicySweepConfig, run_sweep
 from services.config import from_namespace
 
 pytestmark = pytest.mark.e2e
@@ -101,7 +101,7 @@ async def test_policy_sweep_prices_every_policy_on_the_same_turns(stack, tmp_pat
     })
     assert await run_sweep(cfg) == 0
     printed = capsys.readouterr().out
-    assert "By history length" in printed and "cost-choices" in printed and "policy cost: regret" in printed
+    assert "By history length" in printed and "cost-choices" in printed and "policy sweep-cost: regret" in printed
     (run_dir,) = (tmp_path / "results").iterdir()
     report = json.loads((run_dir / "sweep.json").read_text())
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
@@ -119,7 +119,8 @@ async def test_policy_sweep_prices_every_policy_on_the_same_turns(stack, tmp_pat
                                                                          "cost-choices"))
     decisions = [json.loads(line) for line in (run_dir / "decisions.jsonl").read_text().splitlines()]
     cost = [d for d in decisions if d["mode"] == COST and d["turn"] == 2]
-    assert len(cost) == 5 and all(d["policy"] == COST and d["predicted_recompute_ms"] > 0 for d in cost), cost
+    assert len(cost) == 5 and all(d["policy"] == LANE_POLICIES[COST] and d["predicted_recompute_ms"] > 0
+                                  for d in cost), cost
     policies = {p["name"]: p for p in report["scheduler_stats"]["policies"]}
-    assert {ALWAYS_PULL, COST} <= set(policies) and int(policies[COST]["judged_turns"]) > 0
+    assert set(LANE_POLICIES.values()) <= set(policies) and int(policies[LANE_POLICIES[COST]]["judged_turns"]) > 0
     assert report["scheduler_stats"]["compute"] and int(report["scheduler_stats"]["reported_turns"]) >= 15

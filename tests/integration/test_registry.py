@@ -56,22 +56,6 @@ def turn(worker: common_pb2.Worker, session_id: str, tokens: list[int], covered:
                                           text="some text", **kw)
 
 
-@pytest.fixture
-async def stub(registry):
-    channel = client_channel(registry)
-    yield registry_pb2_grpc.SessionRegistryStub(channel)
-    await channel.close()
-
-
-@pytest.fixture
-async def decode(stub):
-    """A decode worker registered (long lease) for the test, deregistered after it."""
-    w = decode_worker(uid("d"))
-    resp = await stub.RegisterWorker(registry_pb2.RegisterWorkerRequest(worker=w, lease_ttl_s=60))
-    yield resp.worker
-    await _deregister(stub, resp.worker)
-
-
 async def _deregister(stub, worker: common_pb2.Worker) -> None:
     try:
         await stub.DeregisterWorker(registry_pb2.DeregisterWorkerRequest(worker_id=worker.worker_id,

@@ -11,11 +11,10 @@ import asyncio
 import time
 
 import pytest
-from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+from kvshuttle.v1 import common_pb2, registry_pb2
 
 from control_plane import session as rules
 from control_plane.session import LEASE_GRACE_S
-from services.grpc_server import client_channel
 from services.registry.store import RegistryStore
 from tests.integration.test_registry import MARGIN_S, TENANT, _deregister, decode_worker, eventually, turn, uid
 
@@ -26,21 +25,6 @@ pytestmark = pytest.mark.timeout(120)
 async def store(etcd):
     async with RegistryStore(etcd) as s:  # the registry fixture's key prefix (the default)
         yield s
-
-
-@pytest.fixture
-async def stub(registry):
-    channel = client_channel(registry)
-    yield registry_pb2_grpc.SessionRegistryStub(channel)
-    await channel.close()
-
-
-@pytest.fixture
-async def decode(stub):
-    w = decode_worker(uid("d"))
-    resp = await stub.RegisterWorker(registry_pb2.RegisterWorkerRequest(worker=w, lease_ttl_s=60))
-    yield resp.worker
-    await _deregister(stub, resp.worker)
 
 
 def snapshot(record: common_pb2.Session) -> common_pb2.Session:

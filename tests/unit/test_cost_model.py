@@ -138,3 +138,12 @@ def test_sizes_measured_long_ago_still_pin_down_small_turns():
                       prefill_ms=true_ms(context, context, 0) * (1 + rng.uniform(-0.02, 0.02)))
     small = model.predict("p0", prompt_tokens=150, reusable_tokens=0).recompute_ms
     assert abs(small - true_ms(150, 150, 0)) / true_ms(150, 150, 0) < 0.1, small
+
+
+def test_a_worker_not_measured_yet_is_taken_to_be_like_the_measured_ones():
+    model = PrefillCostModel(PrefillPrior(fixed_ms=1.0, ms_per_ktoken=1.0, ms_per_ktoken_per_kcontext=0.0))
+    feed(model, random.Random(7), 40)  # p0 is measured: far slower than the priors say
+    measured = model.predict("p0", prompt_tokens=2000, reusable_tokens=1900, source="d0")
+    new = model.predict("p9", prompt_tokens=2000, reusable_tokens=1900, source="d0")
+    assert new == measured and new.recompute_ms > 100
+    assert model.predict("p9", prompt_tokens=2000, reusable_tokens=1900, source="d7") == measured

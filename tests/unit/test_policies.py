@@ -170,3 +170,17 @@ def test_policies_are_made_by_name_with_checked_parameters():
         with pytest.raises(PolicyError) as err:
             make()
         assert words in str(err.value), (words, str(err.value))
+
+
+def test_near_a_tie_the_cost_policy_pulls():
+    p = planner(PrefillPrior(ms_per_kpulled=0.0, ms_per_transfer=0.0))
+    for _ in range(3):  # measured pulls on the link: past the warm-up
+        p.observe(Outcome("p0", 103, 99, 4, 21.0, Choice.PULL, source_worker="d", policy="cost"))
+    got = plan(p)
+    pull, recompute = got.prediction.pull_ms, got.prediction.recompute_ms
+    assert recompute < pull < recompute / 0.9, (pull, recompute)  # recompute predicted faster, but by under 10%
+    assert got.plan.choice is Choice.PULL
+    strict = planner(PrefillPrior(ms_per_kpulled=0.0, ms_per_transfer=0.0), c0="cost:recompute_margin=0")
+    for _ in range(3):
+        strict.observe(Outcome("p0", 103, 99, 4, 21.0, Choice.PULL, source_worker="d", policy="c0"))
+    assert plan(strict, policy="c0").plan.choice is Choice.RECOMPUTE
