@@ -233,8 +233,13 @@ class TurnRunner:
             raise bad("session id longer than 256 characters")
         if req.messages is not None and not req.messages:
             raise bad("messages must not be empty")
-        if req.prompt_ids is not None and any(not 0 <= t < 2**31 for t in req.prompt_ids):
-            raise bad("prompt token ids must be non-negative 32-bit integers")
+        if req.prompt_ids:
+            vocab = getattr(self.tokenizer, "vocab_size", None)
+            low, high = min(req.prompt_ids), max(req.prompt_ids)
+            if low < 0:
+                raise bad(f"prompt token id {low} is negative")
+            if isinstance(vocab, int) and high >= vocab:  # vLLM refuses it too, but as a failed prefill
+                raise bad(f"prompt token id {high} is outside the model's vocabulary (ids 0 to {vocab - 1})")
 
     async def _prepare(self, req: TurnRequest, turn_id: str, started: float, span) -> PreparedTurn:
         self.validate(req)
@@ -340,6 +345,8 @@ class TurnRunner:
                 failure = "prefill finished with error"
             except EngineError as exc:
                 failure = f"prefill failed: {exc}"
+                if exc.code == grpc.StatusCode.INVALID_ARGUMENT and kv.decision != "pull":
+                    raise _refused(exc) from None
             if kv.decision != "pull":
                 raise TurnError(503, grpc.StatusCode.UNAVAILABLE, f"{failure} on {plan.prefill.worker_id}",
                                 retry_after_s=1)
@@ -352,6 +359,8 @@ class TurnRunner:
                 final = await engine.prefill(f"{turn_id}-r", prompt_ids,
                                              kv_transfer_params=kv_params.prefill_request_params(), **sampling)
             except EngineError as exc:
+                if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise _refused(exc) from None
                 raise TurnError(503, grpc.StatusCode.UNAVAILABLE, f"prefill failed: {exc}", retry_after_s=1) from None
             if final.finish_reason == "error":
                 raise TurnError(503, grpc.StatusCode.UNAVAILABLE, "prefill finished with error", retry_after_s=1)
@@ -480,3 +489,8 @@ class TurnRunner:
                 finished = event
         assert finished is not None
         return turn, finished
+
+
+def _refused(exc: EngineError) -> TurnError:
+    """The engine found the request itself invalid (a client error that the gateway's own checks let through)."""
+    return TurnError(400, grpc.StatusCode.INVALID_ARGUMENT, f"the prefill worker refused the request: {exc.message}")

@@ -20,6 +20,8 @@ PULL_PARAMS = {"do_remote_decode": True, "remote_block_ids": [[1]], "remote_num_
 class Tokenizer:
     """Characters are tokens (id = code point): exact and easy to reason about."""
 
+    vocab_size = 65536
+
     def render_chat(self, messages, add_generation_prompt=True):
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt
                                                                            else "")
@@ -38,18 +40,19 @@ BLOCK = 4  # the fake decode worker's KV block size
 
 
 class Engine:
-    def __init__(self, fail_prefills: int = 0, answer: str = "ok", tight_blocks: bool = False):
+    def __init__(self, fail_prefills: int = 0, answer: str = "ok", tight_blocks: bool = False,
+                 fail_code: grpc.StatusCode = grpc.StatusCode.INTERNAL):
         """``tight_blocks``: the handle P returns lists only the prompt's blocks (vLLM with prefix caching), not one
         for the token P generated."""
         self.fail_prefills, self.answer, self.prefills, self.calls = fail_prefills, answer, [], []
-        self.tight_blocks = tight_blocks
+        self.tight_blocks, self.fail_code = tight_blocks, fail_code
 
     async def prefill(self, request_id, prompt_ids, *, kv_transfer_params, **sampling):
         self.prefills.append(kv_transfer_params)
         self.sampling = sampling
         if self.fail_prefills:
             self.fail_prefills -= 1
-            raise EngineError(grpc.StatusCode.INTERNAL, "engine said no")
+            raise EngineError(self.fail_code, "engine said no")
         first = self.answer[0] if self.answer else "!"
         tokens = len(prompt_ids) + (0 if self.tight_blocks else 1)
         handle = {"for": "decode", "remote_block_ids": [list(range(-(-tokens // BLOCK)))]}
@@ -179,7 +182,8 @@ async def test_edited_history_is_tokenized_from_scratch():
     (TurnRequest(prompt_text="x", max_tokens=0), "max_tokens"),
     (TurnRequest(prompt_text="x" * 999, max_tokens=5), "context"),
     (TurnRequest(prompt_text="x", temperature=3.0), "temperature"),
-    (TurnRequest(prompt_ids=[-1]), "token ids"),
+    (TurnRequest(prompt_ids=[-1]), "token id -1 is negative"),
+    (TurnRequest(prompt_ids=[5, 70_000]), "token id 70000 is outside the model's vocabulary (ids 0 to 65535)"),
     (TurnRequest(messages=[]), "messages"),
 ])
 async def test_bad_requests_are_400(req, words):
@@ -302,3 +306,15 @@ async def test_each_prefill_is_reported_to_the_scheduler():
     assert report.prefill_worker_id == "p" and report.decision == scheduler_pb2.DECISION_PULL
     assert report.prompt_tokens == 5 and report.pulled_tokens == 3 and report.computed_tokens == 5
     assert report.prefill_ms == turn.timings["prefill_ms"]
+
+
+async def test_a_request_the_engine_finds_invalid_is_a_400_not_a_503():
+    r, _, _ = runner(scheduler_pb2.DECISION_RECOMPUTE, Engine(fail_prefills=1,
+                                                              fail_code=grpc.StatusCode.INVALID_ARGUMENT))
+    with pytest.raises(TurnError) as err:
+        await r.prepare(TurnRequest(session_id="s", prompt_text="hi", max_tokens=2))
+    assert err.value.http_status == 400 and "refused the request: engine said no" in str(err.value)
+    r, _, _ = runner(scheduler_pb2.DECISION_RECOMPUTE, Engine(fail_prefills=1))  # anything else: the worker's fault
+    with pytest.raises(TurnError) as err:
+        await r.prepare(TurnRequest(session_id="s", prompt_text="hi", max_tokens=2))
+    assert err.value.http_status == 503
