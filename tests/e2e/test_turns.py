@@ -3,6 +3,8 @@ answers are exactly what a full recompute gives (fp32, greedy)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 
@@ -77,3 +79,58 @@ async def test_edited_history_is_not_pulled_past_the_divergence(stack):
     assert delta.get("external_kv_transfer", 0) == kv["pulled_tokens"]
     assert body["choices"][0]["message"] == reference["choices"][0]["message"]
     assert body["usage"] == reference["usage"]
+
+
+async def _two_turns(client, session: str, system: str) -> tuple[list[dict], dict]:
+    """A first turn, then its answer and a second user turn appended: what the session's D holds covers turn 1."""
+    messages = [{"role": "system", "content": system}, user_turn(0)]
+    first = (await chat(client, session, messages)).json()
+    return messages + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]}], first
+
+
+@pytest.mark.parametrize("change", ["system prompt changed", "reasoning stripped", "history truncated"])
+async def test_a_diverging_history_never_pulls_past_the_first_differing_block(stack, change):
+    session = new_session("diverge")
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=300) as client:
+        system = "You are a careful coding agent. <think>Plan the steps before answering.</think>"
+        history, first = await _two_turns(client, session, system)
+        if change == "system prompt changed":  # the very first tokens differ: nothing is reusable
+            prompt = [{"role": "system", "content": "You are a terse agent."}, *history[1:], user_turn(1)]
+        elif change == "reasoning stripped":  # the client drops the reasoning text from the system prompt
+            prompt = [{"role": "system", "content": system.split(" <think>")[0]}, *history[1:], user_turn(1)]
+        else:  # the client sends a shorter history: the first user turn cut in half, no answer
+            cut = dict(history[1], content=history[1]["content"][: len(history[1]["content"]) // 2])
+            prompt = [history[0], cut]
+        await flush_prefill(stack)
+        before = prompt_token_sources(stack)
+        body = (await chat(client, session, prompt)).json()
+        delta = {k: v - before.get(k, 0) for k, v in prompt_token_sources(stack).items()}
+        reference = (await chat(client, new_session("diverge-ref"), prompt, disable_pull=True)).json()
+
+    kv = body["kvshuttle"]
+    # Whatever was pulled is whole 128-token blocks of tokens that provably match, and nothing past them.
+    assert kv["pulled_tokens"] <= kv["matched_tokens"] and kv["pulled_tokens"] % 128 == 0, kv
+    assert delta.get("external_kv_transfer", 0) == kv["pulled_tokens"], delta
+    if change != "history truncated":
+        assert kv["matched_tokens"] < 128, kv  # the system prompt is in the first block
+    assert kv["matched_tokens"] < first["usage"]["prompt_tokens"], kv
+    assert body["choices"][0]["message"] == reference["choices"][0]["message"]  # the same answer as a recompute
+    assert body["usage"] == reference["usage"]
+
+
+async def test_two_requests_on_one_session_at_once_pull_exactly_once(stack):
+    session, twin = new_session("concurrent"), new_session("concurrent-twin")
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=300) as client:
+        history, _ = await _two_turns(client, session, "You are a careful coding agent.")
+        prompt = [*history, user_turn(1)]
+        first, second = await asyncio.gather(chat(client, session, prompt), chat(client, session, prompt))
+        # The same conversation on a twin session, recomputed: the gateway continues its exact ids the same way
+        # (a fresh session would re-tokenize the history: other ids, another answer).
+        twin_history, _ = await _two_turns(client, twin, "You are a careful coding agent.")
+        assert twin_history == history
+        reference = (await chat(client, twin, prompt, disable_pull=True)).json()
+    decisions = sorted(r.headers["X-KV-Decision"] for r in (first, second))
+    assert decisions == ["pull", "recompute"], [r.headers["X-KV-Reason"] for r in (first, second)]
+    for resp in (first, second):  # both succeed, with the answer a recompute gives
+        assert resp.json()["choices"][0]["message"] == reference["choices"][0]["message"]
+        assert resp.json()["usage"] == reference["usage"]
