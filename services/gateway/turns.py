@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 tracer = trace.get_tracer("kvshuttle.gateway")
 
 
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 32, 512
+
+
 class TurnError(Exception):
     """A turn that cannot run; carries both an HTTP status and a gRPC code for the two front ends."""
 
@@ -233,6 +236,11 @@ class TurnRunner:
             raise bad("session id longer than 256 characters")
         if req.messages is not None and not req.messages:
             raise bad("messages must not be empty")
+        if req.stop:
+            if len(req.stop) > MAX_STOP_STRINGS:
+                raise bad(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(req.stop)}")
+            if any(not s or len(s) > MAX_STOP_CHARS for s in req.stop):
+                raise bad(f"stop strings must be 1 to {MAX_STOP_CHARS} characters long")
         if req.prompt_ids:
             vocab = getattr(self.tokenizer, "vocab_size", None)
             low, high = min(req.prompt_ids), max(req.prompt_ids)

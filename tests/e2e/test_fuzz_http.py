@@ -1,4 +1,4 @@
-"""Generated bad input for the gateway's OpenAI HTTP API, on the real stack (issue #5, item 7).
+"""Generated bad input for the gateway's OpenAI HTTP API and its gRPC API, on the real stack (issue #5, item 7).
 
 hypothesis builds request bodies field by field: mostly plausible, with one field at a time of the wrong type,
 missing, out of range, huge, or strange (unknown model, malformed session ids, negative and huge max_tokens, odd
@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 
+import grpc
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kvshuttle.v1 import gateway_pb2, gateway_pb2_grpc
 
 from tests.e2e.helpers import new_session
 
@@ -109,3 +111,48 @@ def test_the_gateway_still_serves_a_conversation_after_the_fuzzing(client):
         messages += [{"role": "assistant", "content": resp.json()["choices"][0]["message"]["content"]},
                      {"role": "user", "content": "Go on."}]
     assert resp.headers["x-kv-decision"] == "pull", resp.headers["x-kv-reason"]
+
+
+GRPC_CLIENT_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,
+                      grpc.StatusCode.OUT_OF_RANGE}
+SAMPLING = st.builds(
+    gateway_pb2.SamplingOptions, max_tokens=mostly(st.integers(1, 4), st.integers(-(2**31), 2**31 - 1)),
+    temperature=mostly(st.sampled_from([0.0, 0.5]), st.floats(width=32)),
+    top_p=mostly(st.just(1.0), st.floats(width=32)), ignore_eos=st.booleans(),
+    stop=mostly(st.just([]), st.lists(st.text(max_size=3), max_size=2)))
+GRPC_IDS = mostly(st.from_regex(r"fuzz-[a-z0-9]{1,8}", fullmatch=True), st.text(max_size=300))
+
+
+@pytest.fixture(scope="module")
+def gateway(stack):
+    with grpc.insecure_channel(stack.gateway_grpc) as channel:
+        yield gateway_pb2_grpc.GatewayStub(channel)
+
+
+def grpc_call(method, request) -> None:
+    try:
+        method(request, timeout=120)
+    except grpc.RpcError as exc:
+        assert exc.code() in GRPC_CLIENT_ERRORS, (exc.code(), exc.details(), request)
+        assert exc.details(), request
+
+
+@EXAMPLES
+@given(session=GRPC_IDS, model=mostly(st.just(""), st.text(max_size=20)), sampling=SAMPLING,
+       messages=mostly(st.lists(st.builds(gateway_pb2.ChatMessage,
+                                          role=mostly(st.sampled_from(["user", "system"]), st.text(max_size=8)),
+                                          content=st.text(max_size=60)), min_size=1, max_size=3), st.just([])),
+       policy=mostly(st.just(""), st.text(max_size=70)))
+def test_the_grpc_chat_api_answers_bad_input_with_a_client_error(gateway, session, model, sampling, messages,
+                                                                 policy):
+    grpc_call(gateway.ChatComplete, gateway_pb2.ChatCompleteRequest(
+        session_id=session, model=model, messages=messages, sampling=sampling, policy=policy))
+
+
+@EXAMPLES
+@given(session=GRPC_IDS, sampling=SAMPLING, text=st.text(max_size=60),
+       ids=mostly(st.lists(st.integers(0, 4000), max_size=30), st.lists(st.integers(-(2**31), 2**31 - 1),
+                                                                         max_size=30)))
+def test_the_grpc_completion_api_answers_bad_input_with_a_client_error(gateway, session, sampling, text, ids):
+    grpc_call(gateway.Complete, gateway_pb2.CompleteRequest(session_id=session, prompt=text, prompt_token_ids=ids,
+                                                            sampling=sampling))

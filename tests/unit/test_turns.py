@@ -183,6 +183,8 @@ async def test_edited_history_is_tokenized_from_scratch():
     (TurnRequest(prompt_text="x" * 999, max_tokens=5), "context"),
     (TurnRequest(prompt_text="x", temperature=3.0), "temperature"),
     (TurnRequest(prompt_ids=[-1]), "token id -1 is negative"),
+    (TurnRequest(prompt_text="x", stop=[""]), "stop strings must be 1 to 512 characters long"),
+    (TurnRequest(prompt_text="x", stop=["a"] * 33), "at most 32 stop strings"),
     (TurnRequest(prompt_ids=[5, 70_000]), "token id 70000 is outside the model's vocabulary (ids 0 to 65535)"),
     (TurnRequest(messages=[]), "messages"),
 ])
