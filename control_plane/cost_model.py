@@ -317,15 +317,3 @@ class PrefillCostModel:
     def link_fits(self) -> dict[tuple[str, str], RecentFit[Turn]]:
         """Every measured link's fit, refitted first where its worker's compute fit changed."""
         return {key: self._link_fit(*key) for key in list(self._links)}
-
-    def describe(self) -> dict[str, dict[str, float]]:
-        """The fitted weights, by worker and link (for explanations and stats)."""
-        out: dict[str, dict[str, float]] = {}
-        for worker, fit in self._compute.items():
-            out[worker] = dict(zip(("fixed_ms", "ms_per_ktoken", "ms_per_ktoken_per_kcontext"), fit.theta,
-                                   strict=True)) | {"observations": fit.observations}
-        for worker, source in list(self._links):
-            fit = self._link_fit(worker, source)
-            out[f"{worker}<-{source}"] = dict(zip(("ms_per_transfer", "ms_per_kpulled"), fit.theta, strict=True)) | {
-                "observations": fit.observations}
-        return out
