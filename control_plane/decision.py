@@ -93,6 +93,9 @@ def decide(prompt: Sequence[int], handle: HandleView | None, policy: PullPolicy,
                          f"({handle.expires_in_s:.1f}s left)")
     if not handle.source_alive:
         return recompute("the decode worker holding the KV is not alive")
+    if (handle.block_size <= 0 or handle.covered_tokens < 0
+            or len(handle.block_hashes) != -(-handle.covered_tokens // handle.block_size)):
+        return recompute("the session record is inconsistent (block size, covered tokens and hash chain disagree)")
     matched = matched_prefix_tokens(handle.block_hashes, handle.covered_tokens, handle.block_size, prompt,
                                     handle.prefix_digest)
     reusable = reusable_tokens(matched, handle.covered_tokens, n, handle.block_size)

@@ -31,6 +31,9 @@ CLAIMED = "already claimed"
 CHANGED = "changed"
 NO_HANDLE = "no handle"
 EXPIRED = "expired"
+# A plan's reason starts with this when the turn recomputes because the session store (the registry or etcd) could
+# not be reached; the gateway counts such turns.
+STORE_UNAVAILABLE = "session store unavailable"
 
 
 class InvalidArgument(ValueError):

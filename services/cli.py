@@ -16,8 +16,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "scheduler": ("services.scheduler.server", "Run the transfer scheduler (gRPC)"),
     "gateway": ("services.gateway.server", "Run the gateway (OpenAI HTTP API, REST bridge, gRPC)"),
     "worker": ("workers.agent", "Run a vLLM prefill or decode worker and register it"),
+    "hash-key": ("services.auth", "Print the gateway's API-keys-file entry for a key (read on stdin) or a new one"),
     "make-model": ("workers.model_builder", "Build the small offline test model into a directory"),
     "bench-services": ("services.bench.services_bench", "Microbenchmarks of the registry and scheduler (no vLLM)"),
+    "soak": ("services.bench.soak", "Many concurrent sessions through the gateway for minutes: failed turns (must "
+                                    "be 0), turns/s and the services' memory over time (starts the local stack)"),
     "bench-policies": ("services.bench.policy_sweep", "Pull-vs-recompute policies compared: the cost model vs fixed "
                                                       "thresholds, TTFT by history length"),
 }

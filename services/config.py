@@ -22,8 +22,11 @@ class ConfigError(ValueError):
     """A setting with a wrong type or value; the message names the flag and the env var."""
 
 
-def setting(default: Any, help: str, *, env: str | None = None, choices: Sequence[Any] | None = None) -> Any:
-    return dataclasses.field(default=default, metadata={"help": help, "env": env, "choices": choices})
+def setting(default: Any, help: str, *, env: str | None = None, choices: Sequence[Any] | None = None,
+            secret: bool = False) -> Any:
+    """A config field; ``secret`` ones (passwords) are left out of the config's repr."""
+    return dataclasses.field(default=default, repr=not secret,
+                             metadata={"help": help, "env": env, "choices": choices, "secret": secret})
 
 
 def env_name(cls: type, f: dataclasses.Field) -> str:

@@ -16,15 +16,18 @@ import atexit
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 from services.processes import die_with_parent
@@ -60,17 +63,67 @@ def _sweep_stale(base: Path) -> None:
                 path.unlink()
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (the kernel picks it; a rare race is handled by retrying start)."""
+    """A port that was free a moment ago, for a server to listen on.
+
+    Picked below the kernel's ephemeral range when there is room: a port the kernel hands out (port 0) is also what
+    it gives outgoing connections as their local port, and on a busy machine one of those can take it before the
+    server binds (seen: vLLM's NIXL side channel failing with "Address already in use"). Falls back to port 0.
+    """
+    low, _ = _ephemeral_range()
+    lo = 20000 if low > 21000 else 1024
+    if low - lo > 100:
+        for _ in range(50):
+            port = random.randint(lo, low - 1)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
 
-def _http(url: str, body: bytes | None = None, timeout: float = 1.0) -> dict:
+def _http(url: str, body: bytes | None = None, timeout: float = 1.0, context: ssl.SSLContext | None = None) -> dict:
     req = urllib.request.Request(url, data=body, method="POST" if body is not None else "GET")
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
+    with urllib.request.urlopen(req, timeout=timeout, context=context) as resp:
         return json.loads(resp.read() or b"{}")
+
+
+@dataclass(frozen=True)
+class EtcdTls:
+    """Client TLS for an etcd member (PEM file paths): its certificate and key, and with ``client_ca`` it requires
+    client certificates signed by that CA (``--client-cert-auth``). ``health_cert``/``health_key``: the client
+    certificate the health checks present then."""
+
+    cert_file: str
+    key_file: str
+    client_ca: str = ""
+    ca_file: str = ""  # verifies the member's certificate in health checks (default: client_ca)
+    health_cert: str = ""
+    health_key: str = ""
+
+    def args(self) -> list[str]:
+        args = ["--cert-file", self.cert_file, "--key-file", self.key_file]
+        if self.client_ca:
+            args += ["--client-cert-auth", "--trusted-ca-file", self.client_ca]
+        return args
+
+    def context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(cafile=self.ca_file or self.client_ca or None)
+        if self.health_cert:
+            context.load_cert_chain(self.health_cert, self.health_key)
+        return context
 
 
 class EtcdProcess:
@@ -83,8 +136,10 @@ class EtcdProcess:
     def __init__(self, name: str = "s1", *, client_port: int | None = None, peer_port: int | None = None,
                  data_dir: str | Path | None = None, initial_cluster: str | None = None,
                  cluster_token: str | None = None, heartbeat_ms: int = 100, election_ms: int = 1000,
-                 extra_args: list[str] | None = None):
+                 extra_args: list[str] | None = None, tls: EtcdTls | None = None):
+        """``tls``: serve clients over TLS only (https; peers stay plaintext on loopback)."""
         self.name = name
+        self.tls = tls
         self.client_port = client_port or free_port()
         self.peer_port = peer_port or free_port()
         self._own_dir = data_dir is None
@@ -103,7 +158,7 @@ class EtcdProcess:
 
     @property
     def client_url(self) -> str:
-        return f"http://127.0.0.1:{self.client_port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
@@ -133,6 +188,7 @@ class EtcdProcess:
             "--initial-cluster-token", self.cluster_token,
             "--heartbeat-interval", str(self.heartbeat_ms), "--election-timeout", str(self.election_ms),
             "--logger", "zap", "--log-level", "warn",
+            *(self.tls.args() if self.tls else []),
             *self.extra_args,
         ]
         self._log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -150,7 +206,8 @@ class EtcdProcess:
         if not self.running:
             return False
         try:
-            return str(_http(f"{self.client_url}/health", timeout=timeout).get("health")) == "true"
+            return str(_http(f"{self.client_url}/health", timeout=timeout,
+                             context=self.tls.context() if self.tls else None).get("health")) == "true"
         except (OSError, ValueError, urllib.error.URLError):
             return False
 
@@ -249,7 +306,8 @@ class EtcdProcess:
 
     def status(self) -> dict:
         """The member's maintenance status (JSON gateway): ``header.member_id``, ``leader``, ``raftTerm``..."""
-        return _http(f"{self.client_url}/v3/maintenance/status", body=b"{}")
+        return _http(f"{self.client_url}/v3/maintenance/status", body=b"{}",
+                     context=self.tls.context() if self.tls else None)
 
     def is_leader(self) -> bool:
         try:
@@ -326,6 +384,21 @@ class EtcdCluster:
     async def arestart(self, i: int, timeout: float = 20.0) -> None:
         self.members[i].spawn()
         await self.members[i].await_healthy(timeout)
+
+    def kill_all(self) -> None:
+        """SIGKILL every member (a full outage); ``arestart_all`` brings them back on their data dirs."""
+        for m in self.members:
+            m.kill()
+
+    async def arestart_all(self, timeout: float = 30.0) -> None:
+        """Start every stopped member together (none is healthy before a quorum is back) and wait for all."""
+        for m in self.members:
+            m.spawn()
+        await asyncio.gather(*(m.await_healthy(timeout) for m in self.members))
+
+    def healthy(self) -> bool:
+        """Every member runs and answers /health with a leader."""
+        return all(m.healthy() for m in self.members)
 
     def stop(self) -> None:
         for m in self.members:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -20,6 +20,7 @@ from opentelemetry.instrumentation.grpc import (
 )
 
 from services.telemetry import tracing_enabled
+from services.tls import ClientTls, ServerTls
 
 log = logging.getLogger(__name__)
 
@@ -29,12 +30,17 @@ class Server:
 
     ``register`` callbacks add servicers (e.g. ``registry_pb2_grpc.add_SessionRegistryServicer_to_server``).
     ``service_names`` are full names (``kvshuttle.v1.SessionRegistry``) reported SERVING and listed by reflection.
+    ``tls`` serves TLS only (mutual TLS when it has a client CA); ``max_message_bytes`` caps received and sent
+    messages (gRPC's default: 4 MiB received; larger ones fail with RESOURCE_EXHAUSTED).
     """
 
     def __init__(self, address: str, service_names: Iterable[str],
-                 register: Iterable[Callable[[grpc.aio.Server], None]]):
+                 register: Iterable[Callable[[grpc.aio.Server], None]], *, tls: ServerTls | None = None,
+                 max_message_bytes: int | None = None):
         self.service_names = list(service_names)
-        self.server = grpc.aio.server(interceptors=[aio_server_interceptor()] if tracing_enabled() else None)
+        options = _message_options(max_message_bytes)
+        self.server = grpc.aio.server(interceptors=[aio_server_interceptor()] if tracing_enabled() else None,
+                                      options=options)
         for add in register:
             add(self.server)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
@@ -43,7 +49,11 @@ class Server:
             [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
             self.server,
         )
-        self.port = self.server.add_insecure_port(address)
+        self.tls = tls
+        if tls is not None:
+            self.port = self.server.add_secure_port(address, tls.credentials())
+        else:
+            self.port = self.server.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"cannot listen on {address}")
         host = address.rsplit(":", 1)[0]
@@ -53,7 +63,8 @@ class Server:
         await self.server.start()
         for name in [*self.service_names, ""]:
             await _maybe_await(self.health.set(name, health_pb2.HealthCheckResponse.SERVING))
-        log.info("serving %s on %s", ", ".join(self.service_names), self.address)
+        security = "plaintext" if self.tls is None else "mutual TLS" if self.tls.client_ca else "TLS"
+        log.info("serving %s on %s (%s)", ", ".join(self.service_names), self.address, security)
 
     async def stop(self, grace: float = 2.0) -> None:
         for name in [*self.service_names, ""]:
@@ -66,9 +77,23 @@ async def _maybe_await(value: object) -> None:
         await value
 
 
-def client_channel(address: str) -> grpc.aio.Channel:
-    """An insecure grpc.aio channel that propagates the current trace context (when this process traces)."""
-    return grpc.aio.insecure_channel(address, interceptors=aio_client_interceptors() if tracing_enabled() else None)
+def _message_options(max_message_bytes: int | None) -> list[tuple[str, int]]:
+    if not max_message_bytes:
+        return []
+    return [("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes)]
+
+
+def client_channel(address: str, tls: ClientTls | None = None, *, max_message_bytes: int | None = None,
+                   options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
+    """A grpc.aio channel (TLS when ``tls`` is given, else plaintext) that propagates the current trace context
+    (when this process traces)."""
+    interceptors = aio_client_interceptors() if tracing_enabled() else None
+    opts = [*options, *_message_options(max_message_bytes)]
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=opts, interceptors=interceptors)
+    return grpc.aio.secure_channel(address, tls.credentials(), options=[*opts, *tls.options()],
+                                   interceptors=interceptors)
 
 
 def service_main(config_cls: type, argv, prog: str, trace_name: str, make_service) -> None:

@@ -15,9 +15,12 @@ class _EmbeddedServer(uvicorn.Server):
 
 
 class HttpServer:
-    """Binds ``address`` (port 0 picks a free port) on construction so ``address`` is known before start()."""
+    """Binds ``address`` (port 0 picks a free port) on construction so ``address`` is known before start().
 
-    def __init__(self, app, address: str):
+    ``tls``: (certificate file, key file) to serve HTTPS instead of HTTP.
+    """
+
+    def __init__(self, app, address: str, tls: tuple[str, str] | None = None):
         host, port = address.rsplit(":", 1)
         self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -27,8 +30,9 @@ class HttpServer:
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock.bind((host, int(port)))
         self.address = f"{host}:{self._sock.getsockname()[1]}"
+        ssl = {"ssl_certfile": tls[0], "ssl_keyfile": tls[1]} if tls else {}
         self._server = _EmbeddedServer(uvicorn.Config(app, log_level="warning", lifespan="off",
-                                                      timeout_graceful_shutdown=5))
+                                                      timeout_graceful_shutdown=5, **ssl))
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:

@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 from services.config import TelemetryConfig, load, require, setting
-from services.etcd_process import EtcdProcess, free_port
+from services.etcd_process import EtcdCluster, EtcdProcess, free_port
 from services.processes import ChildProcess
 
 log = logging.getLogger("kvshuttle.stack")
@@ -46,6 +46,8 @@ class StackConfig(TelemetryConfig):
     decoder_kv_blocks_ttl: int = setting(480, "Seconds a decode worker keeps a finished turn's blocks")
     expiry_margin_s: float = setting(30.0, "Safety margin subtracted from the decode TTL for session expiry")
     max_model_len: int = setting(8192, "Context length for workers and gateway")
+    etcd_members: int = setting(1, "etcd members to start: 1, or 3 (a cluster that keeps serving when one member "
+                                   "dies; every service is given all endpoints)")
     cpu_bind: str = setting("split", "VLLM_CPU_OMP_THREADS_BIND for the workers: 'split' gives each worker its own "
                                      "share of the cores; any other value is passed to every worker as is")
     nixl_progress_delay_us: int = setting(500, "NIXL progress-thread poll delay for the workers (0: NIXL's busy "
@@ -71,6 +73,7 @@ class StackConfig(TelemetryConfig):
         require(not self.gpus or len(self.gpu_list) >= self.prefill_workers + self.decode_workers,
                 "--gpus needs one GPU id per worker")
         require(self.decoder_kv_blocks_ttl > self.expiry_margin_s, "the decode TTL must exceed the expiry margin")
+        require(self.etcd_members in (1, 3), "--etcd-members must be 1 or 3")
 
 
 @dataclasses.dataclass
@@ -107,7 +110,7 @@ class Stack:
         self.work = Path(cfg.work_dir).resolve()
         self.logs = self.work / "logs"
         self.model_dir = Path(cfg.model_dir).resolve()
-        self.etcd: EtcdProcess | None = None
+        self.etcd: EtcdProcess | EtcdCluster | None = None
         self.children: list[ChildProcess] = []
         self.registry_address = f"127.0.0.1:{free_port()}"
         self.scheduler_address = f"127.0.0.1:{free_port()}"
@@ -138,14 +141,15 @@ class Stack:
         self.children.append(child)
         return child
 
-    async def spawn_worker(self, role: str, name: str, bind: str, gpu: str = "") -> ChildProcess:
+    async def spawn_worker(self, role: str, name: str, bind: str, gpu: str = "",
+                           decoder_kv_blocks_ttl: int | None = None) -> ChildProcess:
         """Start one ``kvshuttle worker`` (it registers itself) with the stack's settings: own ports and work dir,
-        CPU binding ``bind`` (or GPU ``gpu``)."""
+        CPU binding ``bind`` (or GPU ``gpu``), and the stack's decode KV TTL unless ``decoder_kv_blocks_ttl``."""
         device = ["--cuda-visible-devices", gpu, "--kv-buffer-device", "cuda"] if gpu else []
         return await self._spawn(name, "worker", "--role", role, "--model", str(self.model_dir),
                                  "--grpc-port", str(free_port()), "--nixl-port", str(free_port()),
                                  "--cpu-bind", bind, "--dtype", self.cfg.dtype, "--worker-id", name,
-                                 "--decoder-kv-blocks-ttl", str(self.cfg.decoder_kv_blocks_ttl),
+                                 "--decoder-kv-blocks-ttl", str(decoder_kv_blocks_ttl or self.cfg.decoder_kv_blocks_ttl),
                                  "--max-model-len", str(self.cfg.max_model_len),
                                  "--work-dir", str(self.work / "workers" / name), "--nice", str(self.cfg.worker_nice),
                                  "--cpu-affinity", bind if self.cfg.cpu_bind == "split" else "", *device,
@@ -158,9 +162,10 @@ class Stack:
         deadline = time.monotonic() + self.cfg.startup_timeout_s
         self.logs.mkdir(parents=True, exist_ok=True)
         await self.ensure_model()
-        self.etcd = EtcdProcess()
+        self.etcd = EtcdCluster(3) if self.cfg.etcd_members == 3 else EtcdProcess()
         await self.etcd.astart()
-        log.info("etcd on %s", self.etcd.endpoints)
+        log.info("etcd (%d member%s) on %s", self.cfg.etcd_members, "s" * (self.cfg.etcd_members > 1),
+                 self.etcd.endpoints)
 
         registry = await self._spawn("registry", "registry", "--listen", self.registry_address,
                                      "--expiry-margin-s", str(self.cfg.expiry_margin_s))
@@ -205,7 +210,7 @@ class Stack:
                                          json={"messages": messages, "max_tokens": 2, "temperature": 0})
                 resp.raise_for_status()
                 messages += [resp.json()["choices"][0]["message"], {"role": "user", "content": "again " * 50}]
-            await client.delete(f"/v1/sessions/{session}")
+            await client.post(f"/v1/sessions/{session}:end")
         log.info("warm-up pull cycle done in %.1f s (last turn: %s)", time.perf_counter() - t,
                  resp.headers.get("x-kv-decision"))
 

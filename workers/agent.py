@@ -25,6 +25,7 @@ from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 from services.config import load
 from services.telemetry import setup_tracing, shutdown_tracing
+from services.tls import ClientTls
 from workers.engine_client import EngineClient, EngineError, ServerInfo, fast_reconnect_channel
 from workers.vllm_process import VllmProcess, WorkerConfig
 
@@ -45,7 +46,7 @@ class RegistryLink:
 
     def __init__(self, address: str, worker: common_pb2.Worker, ttl_s: int, *,
                  on_registered: Callable[[registry_pb2.RegisterWorkerResponse], None] | None = None,
-                 retry_s: float = 1.0, max_retry_s: float = 5.0):
+                 retry_s: float = 1.0, max_retry_s: float = 5.0, tls: ClientTls | None = None):
         self.address = address
         self.worker = worker
         self.ttl_s = ttl_s
@@ -57,7 +58,7 @@ class RegistryLink:
         self.registrations = 0
         self.keepalives = 0
         self.registered = asyncio.Event()
-        self._channel = fast_reconnect_channel(address)  # notices a returning registry within ~2 s
+        self._channel = fast_reconnect_channel(address, tls)  # notices a returning registry within ~2 s
         self._stub = registry_pb2_grpc.SessionRegistryStub(self._channel)
 
     async def run(self) -> None:
@@ -178,7 +179,7 @@ class Agent:
             if not await self._until_stopped(self._start_up()):
                 return 0
             self.link = RegistryLink(self.cfg.registry, self._worker_record(), self.cfg.lease_ttl_s,
-                                     on_registered=self._announce)
+                                     on_registered=self._announce, tls=self.cfg.client_tls())
             link_task = asyncio.create_task(self.link.run(), name="registry-link")
             reason = await self._until_stopped(self._watch(link_task))
             if reason:

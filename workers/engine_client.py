@@ -24,6 +24,7 @@ from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import common_pb2
 
 from control_plane.kv_params import prefill_request_params
+from services.tls import ClientTls
 
 SERVICE_NAME = "vllm.grpc.engine.VllmEngine"
 # gRPC's reconnect backoff grows to 120 s while a server is down: a worker that is starting (or restarting) would be
@@ -35,9 +36,16 @@ FAST_RECONNECT_OPTIONS = [
 ]
 
 
-def fast_reconnect_channel(address: str) -> grpc.aio.Channel:
-    """Like ``services.grpc_server.client_channel`` (trace context propagates), with a capped reconnect backoff."""
-    return grpc.aio.insecure_channel(address, options=FAST_RECONNECT_OPTIONS, interceptors=aio_client_interceptors())
+def fast_reconnect_channel(address: str, tls: ClientTls | None = None) -> grpc.aio.Channel:
+    """Like ``services.grpc_server.client_channel`` (trace context propagates), with a capped reconnect backoff.
+
+    ``tls`` is for kvshuttle's own servers (the registry); vLLM's gRPC server speaks plaintext only.
+    """
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=FAST_RECONNECT_OPTIONS,
+                                         interceptors=aio_client_interceptors())
+    return grpc.aio.secure_channel(address, tls.credentials(), options=[*FAST_RECONNECT_OPTIONS, *tls.options()],
+                                   interceptors=aio_client_interceptors())
 
 
 @dataclass

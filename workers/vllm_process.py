@@ -16,6 +16,7 @@ from pathlib import Path
 
 from services.config import TelemetryConfig, require, setting
 from services.processes import ChildProcess
+from services.tls import TlsClientConfig
 
 ROLES = ("prefill", "decode")
 # A plain vLLM server that prefills and decodes itself (no KV connector): the benchmark's "ideal" baseline.
@@ -24,7 +25,7 @@ WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")
 
 
 @dataclasses.dataclass
-class WorkerConfig(TelemetryConfig):
+class WorkerConfig(TelemetryConfig, TlsClientConfig):
     """Worker agent: runs one vLLM gRPC server (prefill or decode) and keeps it registered."""
 
     ENV_PREFIX = "KVSHUTTLE_WORKER_"
@@ -89,6 +90,7 @@ class WorkerConfig(TelemetryConfig):
         require(self.public_host not in WILDCARD_HOSTS, "--advertise-host is required when --host is a wildcard")
         require(self.kv_recompute_threshold >= 0, "--kv-recompute-threshold must be >= 0")
         require(self.kv_lease_duration_s >= 1 and self.decoder_kv_blocks_ttl >= 1, "KV lease and TTL must be >= 1 s")
+        self.validate_tls_client()  # towards the registry (vLLM's own gRPC server stays plaintext)
 
     @property
     def public_host(self) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 from kvshuttle.v1 import gateway_pb2, gateway_pb2_grpc, scheduler_pb2
 
+from services.auth import AuthError, KeyRing, Principal
 from services.gateway.turns import Delta, Finished, KvOutcome, PreparedTurn, TurnError, TurnRequest, TurnRunner
 
 _DECISIONS = {"pull": scheduler_pb2.DECISION_PULL, "recompute": scheduler_pb2.DECISION_RECOMPUTE}
@@ -14,7 +15,8 @@ def kv_report(kv: KvOutcome) -> gateway_pb2.KvReport:
     return gateway_pb2.KvReport(
         decision=_DECISIONS[kv.decision], reason=kv.reason, pulled_tokens=kv.pulled_tokens,
         computed_tokens=kv.computed_tokens, retried_as_recompute=kv.retried_as_recompute,
-        prefill_worker_id=kv.prefill_worker_id, decode_worker_id=kv.decode_worker_id, figures=kv.figures)
+        prefill_worker_id=kv.prefill_worker_id, decode_worker_id=kv.decode_worker_id, figures=kv.figures,
+        worker_failures=kv.worker_failures)
 
 
 def turn_timings(t: dict[str, float]) -> gateway_pb2.TurnTimings:
@@ -27,10 +29,36 @@ def usage(f: Finished) -> gateway_pb2.Usage:
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    def __init__(self, runner: TurnRunner, served_model: str, default_max_tokens: int):
+    def __init__(self, runner: TurnRunner, served_model: str, default_max_tokens: int, keys: KeyRing | None = None):
+        """``keys``: API keys (metadata ``authorization: Bearer <key>``); none: open, every caller the default
+        tenant."""
         self.runner = runner
         self.served_model = served_model
         self.default_max_tokens = default_max_tokens
+        self.keys = keys or KeyRing()
+
+    def _caller(self, context) -> Principal:
+        header = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
+        try:
+            return self.keys.from_header(header if isinstance(header, str) else None)
+        except AuthError as exc:
+            raise TurnError(401, grpc.StatusCode.UNAUTHENTICATED,
+                            f"{exc} (gRPC metadata 'authorization: Bearer <key>')") from None
+
+    def _authorized(self, req_fn, msg, context) -> TurnRequest:
+        """The turn for ``msg``, as the caller's tenant (the key decides it; nothing in the request can)."""
+        caller = self._caller(context)
+        req = req_fn(msg)
+        req.tenant = caller.tenant
+        return req
+
+    async def EndSession(self, request: gateway_pb2.EndSessionRequest, context) -> gateway_pb2.EndSessionResponse:
+        try:
+            caller = self._caller(context)
+            deleted, released = await self.runner.end_session(caller.tenant, request.session_id)
+        except TurnError as exc:
+            await context.abort(exc.code, exc.message)
+        return gateway_pb2.EndSessionResponse(deleted=deleted, kv_released=released)
 
     def _request(self, msg, **prompt) -> TurnRequest:
         if msg.model and msg.model != self.served_model:
@@ -69,7 +97,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def _unary(self, req_fn, msg, context):
         try:
-            req = req_fn(msg)
+            req = self._authorized(req_fn, msg, context)
             turn = await self._prepare(req, context)
             finished = None
             async for event in self.runner.decode(turn):
@@ -94,7 +122,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def _stream(self, req_fn, msg, context):
         try:
-            turn = await self._prepare(req_fn(msg), context)
+            turn = await self._prepare(self._authorized(req_fn, msg, context), context)
             yield gateway_pb2.TurnEvent(started=gateway_pb2.TurnEvent.Started(
                 id=turn.id, model=self.served_model, kv=kv_report(turn.kv), prompt_tokens=len(turn.prompt_ids)))
             async for event in self.runner.decode(turn):

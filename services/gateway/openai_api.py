@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import grpc
 from fastapi import FastAPI, Request
@@ -21,6 +21,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.auth import OPEN
+from services.gateway.http_guard import principal
 from services.gateway.turns import (
     Delta,
     Finished,
@@ -34,14 +36,15 @@ from services.gateway.turns import (
 log = logging.getLogger(__name__)
 
 
+# strict: JSON types exactly as documented (no "5" for 5, 0 for false or false for a token id), as the fuzzer expects.
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     type: Literal["text"]
     text: str
 
 
 class ChatMessageIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
 
@@ -51,22 +54,28 @@ class ChatMessageIn(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
     include_usage: bool = False
 
 
+# control_plane.session.validate_id's alphabet; "" means no session.
+SESSION_ID_PATTERN = r"^[A-Za-z0-9._:@=+-]*$"
+
+
 class SamplingIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # OpenAI clients send many optional fields; kv_transfer_params too
+    # OpenAI clients send many optional fields; kv_transfer_params too
+    model_config = ConfigDict(extra="ignore", strict=True)
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**31), le=2**31 - 1)  # vLLM's gRPC API takes an int32
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    conversation_id: str | None = Field(default=None, max_length=256)
+    conversation_id: str | None = Field(default=None, max_length=256, pattern=SESSION_ID_PATTERN)
     disable_pull: bool = False  # kvshuttle extension: force a recompute (benchmarks)
     # kvshuttle extension: plan with this named scheduler policy (A/B tests, benchmarks)
     policy: str = Field(default="", max_length=64, pattern=r"^[A-Za-z0-9_-]*$")
@@ -78,7 +87,8 @@ class ChatCompletionIn(SamplingIn):
 
 
 class CompletionIn(SamplingIn):
-    prompt: str | list[int] = Field(min_length=1)
+    # Constraints on each member, so that the OpenAPI document shows them too (on the union it showed none).
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 
 def error_body(status: int, message: str, kind: str | None = None, code: str | None = None) -> dict[str, Any]:
@@ -107,7 +117,7 @@ def kv_body(kv: KvOutcome, timings: dict[str, float]) -> dict[str, Any]:
         "policy": fig.policy if fig else "", "pullable_tokens": fig.pullable_tokens if fig else 0,
         "predicted_pull_ms": fig.predicted_pull_ms if fig else 0.0,
         "predicted_recompute_ms": fig.predicted_recompute_ms if fig else 0.0,
-        "worker_choice": fig.worker_choice if fig else "",
+        "worker_choice": fig.worker_choice if fig else "", "worker_failures": kv.worker_failures,
         "timings_ms": timings,
     }
 
@@ -116,12 +126,46 @@ def usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+_ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "code": {"anyOf": [{"type": "integer"}, {"type": "string"}]}}}}}
+# What a turn can answer, for the OpenAI routes' OpenAPI document (validation errors are 400s, not FastAPI's 422).
+TURN_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "The answer; with `stream: true`, server-sent events (JSON chunks, then `[DONE]`)",
+          "content": {"text/event-stream": {"schema": {"type": "object", "required": ["data"],
+                                                       "properties": {"data": {"type": "string"}}}}}},
+    **{status: {"description": text, "content": {"application/json": {"schema": _ERROR_SCHEMA}}}
+       for status, text in [(400, "Invalid request"), (401, "Missing or unknown API key"), (404, "Unknown model"),
+                            (413, "Request body too large"), (429, "Overloaded"), (503, "No worker could serve it"),
+                            (504, "A deadline passed")]},
+}
+SESSION_HEADER = {"parameters": [{
+    "name": "X-Session-ID", "in": "header", "required": False,
+    "description": "Conversation id (else the body's conversation_id): turns with the same id reuse each other's KV",
+    "schema": {"type": "string", "maxLength": 256, "pattern": SESSION_ID_PATTERN}}]}
+
+
+def _without_422(openapi):
+    """FastAPI documents a 422 on every route with a body; the gateway answers those errors with a 400."""
+    def document() -> dict[str, Any]:
+        doc = openapi()
+        for operations in doc.get("paths", {}).values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            doc.get("components", {}).get("schemas", {}).pop(name, None)
+        return doc
+    return document
+
+
 def create_app(runner: TurnRunner, served_model: str, default_max_tokens: int,
                extra_routes: list | None = None) -> FastAPI:
     app = FastAPI(title="kvshuttle gateway", version="0.1.0",
                   description="OpenAI-compatible API over P/D-disaggregated vLLM with KV reuse across turns.")
     for route in extra_routes or []:
         app.router.routes.append(route)
+    app.openapi = _without_422(app.openapi)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -132,8 +176,14 @@ def create_app(runner: TurnRunner, served_model: str, default_max_tokens: int,
         return JSONResponse(error_body(400, "; ".join(parts) or "invalid request"), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:  # Starlette's Allow names only the first route on the path (GET, not DELETE)
+            path = request.scope["path"]
+            headers["Allow"] = ", ".join(sorted({m for r in app.router.routes if getattr(r, "methods", None)
+                                                 and r.path_regex.match(path) for m in r.methods}))
+        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code,
+                            headers=headers)
 
     @app.exception_handler(TurnError)
     async def _turn(_: Request, exc: TurnError) -> JSONResponse:
@@ -141,10 +191,11 @@ def create_app(runner: TurnRunner, served_model: str, default_max_tokens: int,
         return JSONResponse(error_body(exc.http_status, exc.message), status_code=exc.http_status, headers=headers)
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> dict[str, Any]:
+        """Up; ``degraded`` counts the turns served without the session store (registry/etcd unreachable)."""
+        return {"status": "ok", "degraded": dict(runner.degraded)}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses={401: TURN_RESPONSES[401]})
     async def models() -> dict[str, Any]:
         return {"object": "list",
                 "data": [{"id": served_model, "object": "model", "created": 0, "owned_by": "kvshuttle"}]}
@@ -154,7 +205,8 @@ def create_app(runner: TurnRunner, served_model: str, default_max_tokens: int,
             raise TurnError(404, grpc.StatusCode.NOT_FOUND, f"model {body.model!r} not found; this gateway serves {served_model!r}")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         session = request.headers.get("x-session-id") or body.conversation_id or ""
-        return TurnRequest(session_id=session, max_tokens=max_tokens or default_max_tokens,
+        caller = principal(request) or OPEN  # the tenant comes from the API key only (no guard: open gateway)
+        return TurnRequest(session_id=session, tenant=caller.tenant, max_tokens=max_tokens or default_max_tokens,
                            temperature=body.temperature, top_p=body.top_p, seed=body.seed, ignore_eos=body.ignore_eos,
                            stop=stop, disable_pull=body.disable_pull, policy=body.policy, **prompt)
 
@@ -172,13 +224,13 @@ def create_app(runner: TurnRunner, served_model: str, default_max_tokens: int,
             "kvshuttle": kv_body(finished.kv, finished.timings),
         }, headers={**kv_headers(finished.kv), "X-Session-ID": req.session_id})
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=TURN_RESPONSES, openapi_extra=SESSION_HEADER)
     async def chat(body: ChatCompletionIn, request: Request):
         req = turn_request(body, request, body.max_completion_tokens or body.max_tokens,
                            messages=[m.plain() for m in body.messages])
         return await respond(body, req, CHAT)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=TURN_RESPONSES, openapi_extra=SESSION_HEADER)
     async def completions(body: CompletionIn, request: Request):
         prompt = {"prompt_text": body.prompt} if isinstance(body.prompt, str) else {"prompt_ids": body.prompt}
         return await respond(body, turn_request(body, request, body.max_tokens, **prompt), COMPLETION)

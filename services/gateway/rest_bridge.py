@@ -95,6 +95,8 @@ class BridgeOptions:
     ``method_timeouts`` overrides the deadline per method, keyed ``/kvshuttle.v1.Gateway/Complete``; ``None`` there
     or in ``timeout``/``stream_timeout`` means no deadline. ``forward_headers`` are copied, lower-cased, into the
     gRPC metadata. ``emit_defaults`` prints fields that hold their default value (grpc-gateway v2 does).
+    ``authorize(request, spec, message)`` runs before each call: it may change the request message (e.g. set the
+    caller's tenant, whatever the client sent) or raise BridgeError (e.g. PERMISSION_DENIED).
     """
 
     timeout: float | None = 60.0
@@ -103,6 +105,7 @@ class BridgeOptions:
     forward_headers: tuple[str, ...] = DEFAULT_FORWARD_HEADERS
     emit_defaults: bool = True
     max_body_bytes: int = 4 << 20
+    authorize: Callable[[Request, RouteSpec, Message], None] | None = None
 
     def timeout_for(self, spec: RouteSpec) -> float | None:
         if spec.full_method in self.method_timeouts:
@@ -355,6 +358,8 @@ class _Endpoint:
     async def handle(self, request: Request) -> Response:
         try:
             message = await self._request_message(request)
+            if self.options.authorize is not None:
+                self.options.authorize(request, self.spec, message)
         except BridgeError as e:
             return error_response(e.http_status, e.code, e.message)
         except ClientDisconnect:
@@ -447,8 +452,30 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+_NUMBER_TYPES = frozenset(getattr(FieldDescriptor, f"TYPE_{t}") for t in (
+    "DOUBLE", "FLOAT", "INT32", "INT64", "UINT32", "UINT64", "SINT32", "SINT64", "FIXED32", "FIXED64", "SFIXED32",
+    "SFIXED64", "ENUM"))
+
+
+def _reject_bool_numbers(value: Any, desc: Descriptor) -> None:
+    """protobuf's Python parser takes JSON ``true``/``false`` for numbers (bool is an int in Python); the JSON
+    mapping does not."""
+    if not isinstance(value, dict):
+        return
+    for key, item in value.items():
+        fd = desc.fields_by_name.get(key) or next((f for f in desc.fields if f.json_name == key), None)
+        if fd is None or (fd.type == FieldDescriptor.TYPE_MESSAGE and fd.message_type.GetOptions().map_entry):
+            continue
+        for v in item if fd.is_repeated and isinstance(item, list) else [item]:
+            if isinstance(v, bool) and fd.type in _NUMBER_TYPES:
+                raise BridgeError(f"field {fd.name}: {str(v).lower()} is not a number")
+            if fd.type == FieldDescriptor.TYPE_MESSAGE:
+                _reject_bool_numbers(v, fd.message_type)
+
+
 def _parse_into(value: dict[str, Any], message: Message) -> None:
     """Merge protobuf-JSON ``value`` into ``message``; any mismatch is a BridgeError (400)."""
+    _reject_bool_numbers(value, message.DESCRIPTOR)
     try:
         json_format.ParseDict(value, message, ignore_unknown_fields=False)
     except (json_format.ParseError, ValueError, TypeError, RecursionError) as e:
@@ -614,8 +641,8 @@ _WKT_SCHEMAS: dict[str, dict[str, Any]] = {
 }
 ERROR_SCHEMA_NAME = "kvshuttle.bridge.Error"
 _ERROR_SCHEMA = {
-    "type": "object",
-    "properties": {"error": {"type": "object", "properties": {
+    "type": "object", "required": ["error"],
+    "properties": {"error": {"type": "object", "required": ["code", "status", "message"], "properties": {
         "code": {"type": "integer", "description": "HTTP status"},
         "status": {"type": "string", "description": "gRPC status code name, e.g. NOT_FOUND"},
         "message": {"type": "string"}}}},
@@ -627,8 +654,12 @@ def _ref(name: str) -> dict[str, str]:
 
 
 class _SchemaCollector:
-    def __init__(self) -> None:
+    """``constraints``: extra JSON Schema keywords by full proto name, merged into that message's or field's schema
+    (a repeated field's: into the array; an ``items`` entry into its items) for what the server checks beyond types."""
+
+    def __init__(self, constraints: Mapping[str, Mapping[str, Any]] | None = None) -> None:
         self.schemas: dict[str, Any] = {}
+        self.constraints = constraints or {}
 
     def message(self, desc: Descriptor) -> dict[str, Any]:
         if desc.full_name in _WKT_SCHEMAS:
@@ -638,6 +669,7 @@ class _SchemaCollector:
             self.schemas[desc.full_name] = {
                 "type": "object",
                 "properties": {fd.json_name: self.field(fd) for fd in desc.fields},
+                **self.constraints.get(desc.full_name, {}),
             }
         return _ref(desc.full_name)
 
@@ -645,13 +677,18 @@ class _SchemaCollector:
         if fd.type == FieldDescriptor.TYPE_MESSAGE and fd.message_type.GetOptions().map_entry:
             return {"type": "object", "additionalProperties": self.single(fd.message_type.fields_by_name["value"])}
         single = self.single(fd)
-        return {"type": "array", "items": single} if fd.is_repeated else single
+        schema = {"type": "array", "items": single} if fd.is_repeated else single
+        extra = dict(self.constraints.get(fd.full_name, {}))
+        if isinstance(extra.get("items"), Mapping) and fd.is_repeated:
+            schema["items"] = {**single, **extra.pop("items")}
+        return {**schema, **extra}
 
     def single(self, fd: FieldDescriptor) -> dict[str, Any]:
         if fd.type in (FieldDescriptor.TYPE_MESSAGE, FieldDescriptor.TYPE_GROUP):
             return self.message(fd.message_type)
-        if fd.type == FieldDescriptor.TYPE_ENUM:
-            return {"type": "string", "enum": [v.name for v in fd.enum_type.values]}
+        if fd.type == FieldDescriptor.TYPE_ENUM:  # protobuf's JSON parser takes a value's name or its number
+            values = fd.enum_type.values
+            return {"type": ["string", "integer"], "enum": [v.name for v in values] + [v.number for v in values]}
         return dict(_SCALAR_SCHEMAS[fd.type])
 
 
@@ -679,12 +716,17 @@ def _query_parameters(spec: RouteSpec, collector: _SchemaCollector) -> list[dict
     return params
 
 
-def openapi_parts(service_names: Iterable[str], pool: descriptor_pool.DescriptorPool | None = None
+def openapi_parts(service_names: Iterable[str], pool: descriptor_pool.DescriptorPool | None = None,
+                  constraints: Mapping[str, Mapping[str, Any]] | None = None
                   ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """OpenAPI 3 ``paths`` and ``components.schemas`` for the bridged routes of ``service_names``."""
-    collector = _SchemaCollector()
+    """OpenAPI 3 ``paths`` and ``components.schemas`` for the bridged routes of ``service_names``.
+
+    ``constraints``: extra JSON Schema keywords by full proto message or field name (``pkg.Msg.field``), e.g. the
+    ``pattern`` of an id the server validates; without them the document only knows the proto's types."""
+    collector = _SchemaCollector(constraints)
     collector.schemas[ERROR_SCHEMA_NAME] = _ERROR_SCHEMA
     paths: dict[str, Any] = {}
+    request_roots: set[str] = set()
     for name in service_names:
         service = find_service(name, pool)
         per_method: dict[str, int] = {}
@@ -718,8 +760,51 @@ def openapi_parts(service_names: Iterable[str], pool: descriptor_pool.Descriptor
                                else collector.field(method.input_type.fields_by_name[spec.body]))
                 operation["requestBody"] = {"required": spec.body != "*",
                                             "content": {"application/json": {"schema": body_schema}}}
+                request_roots.update(_refs_in(body_schema))
             paths.setdefault(spec.template.openapi_path, {})[spec.http_method.lower()] = operation
+    _null_in_requests(collector.schemas, request_roots)
     return paths, collector.schemas
+
+
+def _refs_in(schema: Any) -> Iterator[str]:
+    if isinstance(schema, dict):
+        ref = schema.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/components/schemas/"):
+            yield ref.rsplit("/", 1)[1]
+        for value in schema.values():
+            yield from _refs_in(value)
+    elif isinstance(schema, list):
+        for value in schema:
+            yield from _refs_in(value)
+
+
+def _null_in_requests(schemas: dict[str, Any], roots: Iterable[str]) -> None:
+    """protobuf's JSON parser takes ``null`` for any field (the default value): say so in the messages a request body
+    may hold, except for the fields a constraint requires."""
+    seen: set[str] = set()
+    stack = list(roots)
+    while stack:
+        name = stack.pop()
+        if name not in seen and name in schemas:
+            seen.add(name)
+            stack.extend(_refs_in(schemas[name]))
+    for name in seen:
+        schema = schemas[name]
+        required = set(schema.get("required", ()))
+        schema["properties"] = {key: value if key in required else _or_null(value)
+                                for key, value in schema.get("properties", {}).items()}
+
+
+def _or_null(schema: dict[str, Any]) -> dict[str, Any]:
+    if "$ref" in schema:
+        return {"anyOf": [schema, {"type": "null"}]}
+    if "type" not in schema:
+        return schema
+    types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+    nullable = {**schema, "type": [*types, "null"]}
+    if "enum" in schema:
+        nullable["enum"] = [*schema["enum"], None]
+    return nullable
 
 
 def openapi_paths(service_names: Iterable[str], pool: descriptor_pool.DescriptorPool | None = None) -> dict[str, Any]:
@@ -728,15 +813,17 @@ def openapi_paths(service_names: Iterable[str], pool: descriptor_pool.Descriptor
 
 
 def install_openapi(app: Any, service_names: Iterable[str],
-                    pool: descriptor_pool.DescriptorPool | None = None) -> None:
-    """Merge the bridged routes into a FastAPI app's generated OpenAPI document (``app.openapi()``)."""
+                    pool: descriptor_pool.DescriptorPool | None = None,
+                    constraints: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+    """Merge the bridged routes into a FastAPI app's generated OpenAPI document (``app.openapi()``); ``constraints``:
+    see :func:`openapi_parts`."""
     names = list(service_names)
     original: Callable[[], dict[str, Any]] = app.openapi
 
     def openapi() -> dict[str, Any]:
         if getattr(app, "_bridge_openapi", None) is None:
             document = dict(original())
-            paths, schemas = openapi_parts(names, pool)
+            paths, schemas = openapi_parts(names, pool, constraints)
             merged_paths = dict(document.get("paths", {}))
             for path, operations in paths.items():
                 merged_paths.setdefault(path, {}).update(operations)

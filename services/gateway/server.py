@@ -4,26 +4,64 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
+import grpc
+from google.protobuf.message import Message
 from kvshuttle.v1 import gateway_pb2_grpc, registry_pb2_grpc, scheduler_pb2_grpc
+from starlette.requests import Request
 
+from services.auth import OPEN, KeyRing
 from services.config import TelemetryConfig, require, setting
 from services.gateway.grpc_api import GatewayServicer
-from services.gateway.openai_api import create_app
-from services.gateway.rest_bridge import BridgeOptions, bridge_routes, install_openapi
+from services.gateway.http_guard import HttpGuard, principal
+from services.gateway.openai_api import SESSION_ID_PATTERN, create_app
+from services.gateway.rest_bridge import (
+    DEFAULT_FORWARD_HEADERS,
+    BridgeError,
+    BridgeOptions,
+    RouteSpec,
+    bridge_routes,
+    install_openapi,
+)
 from services.gateway.tokenizer import GatewayTokenizer
 from services.gateway.turns import TurnRunner
 from services.grpc_server import Server, client_channel, service_main
 from services.http_server import HttpServer
+from services.tls import TlsConfig, read_pem
 
 SERVICE_NAME = "kvshuttle.v1.Gateway"
+log = logging.getLogger(__name__)
 REGISTRY_SERVICE = "kvshuttle.v1.SessionRegistry"
+
+_SESSION_ID = {"maxLength": 256, "pattern": SESSION_ID_PATTERN}
+_TEXT, _IDS = {"type": "string", "minLength": 1}, {"type": "array", "minItems": 1}
+# What the bridged methods check beyond the proto's types, for the OpenAPI document (tests/e2e/test_fuzz_openapi.py
+# sends requests that break each of these and expects a 4xx).
+OPENAPI_CONSTRAINTS = {
+    **{f"kvshuttle.v1.{m}.session_id": _SESSION_ID for m in ("CompleteRequest", "ChatCompleteRequest")},
+    **{f"kvshuttle.v1.{m}.session_id": {**_SESSION_ID, "minLength": 1}
+       for m in ("GetSessionRequest", "DeleteSessionRequest", "EndSessionRequest")},
+    "kvshuttle.v1.ChatCompleteRequest": {"required": ["messages"]},
+    "kvshuttle.v1.ChatCompleteRequest.messages": {"minItems": 1},
+    "kvshuttle.v1.ChatMessage": {"required": ["role"]},
+    "kvshuttle.v1.ChatMessage.role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
+    # A prompt as text or as token ids: one of them, not both (proto3: empty is the same as absent).
+    "kvshuttle.v1.CompleteRequest": {
+        "anyOf": [{"required": ["prompt"], "properties": {"prompt": _TEXT}},
+                  {"required": ["promptTokenIds"], "properties": {"promptTokenIds": _IDS}}],
+        "not": {"required": ["prompt", "promptTokenIds"], "properties": {"prompt": _TEXT, "promptTokenIds": _IDS}}},
+    "kvshuttle.v1.SamplingOptions.max_tokens": {"minimum": 0},
+    "kvshuttle.v1.SamplingOptions.temperature": {"minimum": 0, "maximum": 2},
+    "kvshuttle.v1.SamplingOptions.top_p": {"minimum": 0, "maximum": 1},
+    "kvshuttle.v1.CompleteRequest.prompt_token_ids": {"items": {"minimum": 0}},
+}
 
 
 @dataclasses.dataclass
-class GatewayConfig(TelemetryConfig):
+class GatewayConfig(TelemetryConfig, TlsConfig):
     """Gateway: runs each turn through the chosen prefill and decode workers."""
 
     ENV_PREFIX = "KVSHUTTLE_GATEWAY_"
@@ -41,18 +79,51 @@ class GatewayConfig(TelemetryConfig):
     default_max_tokens: int = setting(128, "max_tokens when a request gives none")
     engine_timeout_s: float = setting(300.0, "Deadline for each call to a vLLM worker")
     control_timeout_s: float = setting(5.0, "Deadline for each registry/scheduler call")
+    prefill_timeout_s: float = setting(120.0, "Deadline for one prefill call; past it the prefill worker counts as "
+                                              "failed and the turn is recomputed on another")
+    decode_stall_timeout_s: float = setting(120.0, "Longest wait for each token from the decode worker (the first "
+                                                   "included); past it the worker counts as failed and the answer "
+                                                   "resumes on another")
+    worker_retries: int = setting(2, "Failed workers one turn may move away from before it fails with a 503")
     first_token_from_prefill: bool = setting(True, "Stream the prefill worker's sampled token as the answer's first "
                                                    "token; the decode worker continues after it (requests with stop "
                                                    "strings always let the decode worker sample it)")
     session_cache_mb: int = setting(64, "Keep the session records this gateway wrote (up to this many MiB) so the "
                                         "next turn needs no registry read; 0: always read")
+    api_keys_file: str = setting("", "API keys file (JSON: SHA-256 of each key -> tenant, admin; `kvshuttle "
+                                     "hash-key` makes entries). Set: every request needs 'Authorization: Bearer "
+                                     "<key>' and runs as the key's tenant; empty: open gateway, one default tenant")
+    max_prompt_tokens: int = setting(0, "Longest prompt in tokens (history included) a request may have; longer: "
+                                        "400. 0: only the context length limits it")
+    max_body_bytes: int = setting(8 << 20, "Largest HTTP request body in bytes; larger: 413 (a declared "
+                                           "Content-Length over it is refused before the body is read)")
+    http_tls_cert: str = setting("", "Certificate (PEM) for HTTPS on --http-listen; empty: plain HTTP")
+    http_tls_key: str = setting("", "Private key (PEM) of --http-tls-cert")
     log_level: str = setting("INFO", "Log level", env="KVSHUTTLE_LOG_LEVEL")
 
     def validate(self) -> None:
         require(bool(self.model_dir), "--model-dir (KVSHUTTLE_MODEL_DIR) is required")
         require(Path(self.model_dir, "tokenizer.json").is_file(), f"no tokenizer.json in {self.model_dir}")
         require(self.default_max_tokens >= 1, "--default-max-tokens must be >= 1")
-        require(self.engine_timeout_s > 0 and self.control_timeout_s > 0, "timeouts must be > 0")
+        require(self.max_prompt_tokens >= 0, "--max-prompt-tokens must be >= 0")
+        require(self.max_body_bytes >= 1024, "--max-body-bytes must be >= 1024")
+        require(bool(self.http_tls_cert) == bool(self.http_tls_key), "--http-tls-cert and --http-tls-key go together")
+        for path in (self.http_tls_cert, self.http_tls_key):
+            if path:
+                read_pem(path, "--http-tls-cert/--http-tls-key")
+        self.validate_tls()
+        # The REST bridge calls this gateway's own gRPC API: over TLS that needs the CA (and a client certificate).
+        require(not self.tls_cert or bool(self.tls_ca),
+                "with --tls-cert the gateway needs --tls-ca (KVSHUTTLE_TLS_CA): its REST bridge calls its own gRPC API")
+        require(not self.tls_client_ca or bool(self.tls_client_cert),
+                "with --tls-client-ca the gateway needs --tls-client-cert: its REST bridge calls its own gRPC API")
+        self.key_ring()
+        require(min(self.engine_timeout_s, self.control_timeout_s, self.prefill_timeout_s,
+                    self.decode_stall_timeout_s) > 0, "timeouts must be > 0")
+        require(self.worker_retries >= 0, "--worker-retries must be >= 0")
+
+    def key_ring(self) -> KeyRing:
+        return KeyRing.load(self.api_keys_file) if self.api_keys_file else KeyRing()
 
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model_dir).name
@@ -67,29 +138,45 @@ class GatewayConfig(TelemetryConfig):
 class GatewayService:
     def __init__(self, cfg: GatewayConfig):
         self.cfg = cfg
-        self.registry_channel = client_channel(cfg.registry)
-        self.scheduler_channel = client_channel(cfg.scheduler)
+        tls, max_message = cfg.client_tls(), cfg.max_message_bytes
+        self.keys = cfg.key_ring()
+        self.registry_channel = client_channel(cfg.registry, tls, max_message_bytes=max_message)
+        self.scheduler_channel = client_channel(cfg.scheduler, tls, max_message_bytes=max_message)
         self.runner = TurnRunner(
             GatewayTokenizer(cfg.model_dir), registry_pb2_grpc.SessionRegistryStub(self.registry_channel),
             scheduler_pb2_grpc.TransferSchedulerStub(self.scheduler_channel), max_model_len=cfg.context_len(),
             engine_timeout_s=cfg.engine_timeout_s, control_timeout_s=cfg.control_timeout_s,
-            session_cache_bytes=cfg.session_cache_mb << 20, first_token_from_prefill=cfg.first_token_from_prefill)
-        servicer = GatewayServicer(self.runner, cfg.model_name(), cfg.default_max_tokens)
+            session_cache_bytes=cfg.session_cache_mb << 20, first_token_from_prefill=cfg.first_token_from_prefill,
+            prefill_timeout_s=cfg.prefill_timeout_s, decode_stall_timeout_s=cfg.decode_stall_timeout_s,
+            worker_retries=cfg.worker_retries)
+        self.runner.max_prompt_tokens = cfg.max_prompt_tokens
+        servicer = GatewayServicer(self.runner, cfg.model_name(), cfg.default_max_tokens, self.keys)
         self.grpc = Server(cfg.grpc_listen, [SERVICE_NAME],
-                           [lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s)])
-        self.self_channel = client_channel(self.grpc.address)
+                           [lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s)],
+                           tls=cfg.server_tls(), max_message_bytes=max_message)
+        self.self_channel = client_channel(self.grpc.address, tls, max_message_bytes=max_message)
         turn_deadline = 2 * cfg.engine_timeout_s + 4 * cfg.control_timeout_s
-        options = BridgeOptions(timeout=cfg.control_timeout_s, method_timeouts={
+        # The caller's API key goes on to the gateway's own gRPC API (which checks it again), never to the registry.
+        common = dict(timeout=cfg.control_timeout_s, max_body_bytes=cfg.max_body_bytes, authorize=bridge_policy)
+        to_registry = BridgeOptions(**common, forward_headers=tuple(
+            h for h in DEFAULT_FORWARD_HEADERS if h != "authorization"))
+        to_gateway = BridgeOptions(**common, method_timeouts={
             f"/{SERVICE_NAME}/{m}": turn_deadline for m in ("Complete", "ChatComplete")})
-        bridged = {REGISTRY_SERVICE: self.registry_channel, SERVICE_NAME: self.self_channel}
-        self.app = create_app(self.runner, cfg.model_name(), cfg.default_max_tokens,
-                              extra_routes=bridge_routes(bridged, options))
-        install_openapi(self.app, list(bridged))
-        self.http = HttpServer(self.app, cfg.http_listen)
+        routes = [*bridge_routes({REGISTRY_SERVICE: self.registry_channel}, to_registry),
+                  *bridge_routes({SERVICE_NAME: self.self_channel}, to_gateway)]
+        self.app = create_app(self.runner, cfg.model_name(), cfg.default_max_tokens, extra_routes=routes)
+        install_openapi(self.app, [REGISTRY_SERVICE, SERVICE_NAME], constraints=OPENAPI_CONSTRAINTS)
+        self.http = HttpServer(HttpGuard(self.app, self.keys, cfg.max_body_bytes), cfg.http_listen,
+                               tls=(cfg.http_tls_cert, cfg.http_tls_key) if cfg.http_tls_cert else None)
         self.grpc_address = self.grpc.address
         self.http_address = self.http.address
 
     async def start(self) -> None:
+        if self.keys.enabled:
+            log.info("API keys required: %d configured", len(self.keys))
+        else:
+            log.warning("no API keys configured (--api-keys-file): the gateway is open, every caller is tenant "
+                        "%r with admin rights", OPEN.tenant)
         await self.grpc.start()
         await self.http.start()
 
@@ -99,6 +186,20 @@ class GatewayService:
         await self.runner.close()
         for channel in (self.registry_channel, self.scheduler_channel, self.self_channel):
             await channel.close()
+
+
+def bridge_policy(request: Request, spec: RouteSpec, message: Message) -> None:
+    """Who may call what through the REST bridge: a request naming a tenant runs as the caller's tenant, whatever
+    it sent (``?tenant=`` included); the gateway's own API checks the forwarded key itself; every other bridged
+    method (e.g. listing workers) needs an admin key."""
+    caller = principal(request)
+    if caller is None:
+        raise BridgeError("no caller identity", grpc.StatusCode.UNAUTHENTICATED)
+    if "tenant" in message.DESCRIPTOR.fields_by_name:
+        message.tenant = caller.tenant
+    elif spec.method.containing_service.full_name != SERVICE_NAME and not caller.admin:
+        raise BridgeError(f"{spec.http_method} {spec.template.template} needs an admin API key",
+                          grpc.StatusCode.PERMISSION_DENIED)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

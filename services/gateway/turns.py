@@ -8,6 +8,7 @@ for D, and D's final message carries the handle the registry records for the nex
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -25,6 +26,7 @@ from control_plane import kv_params
 from control_plane import session as session_rules
 from control_plane.continuation import plan_continuation
 from control_plane.lru import BoundedLru
+from control_plane.prefix import matched_prefix_tokens
 from control_plane.session import DEFAULT_TENANT
 from services.telemetry import hashed
 from workers.engine_client import EngineClient, EngineError, Final
@@ -34,6 +36,10 @@ tracer = trace.get_tracer("kvshuttle.gateway")
 
 
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 32, 512
+RELEASE_MIN_LEFT_S = 10.0  # a handle closer to its expiry is left to expire (P declines reads 5 s before it)
+# TurnRunner.degraded: session reads that failed, turns that recomputed because the registry/etcd was unreachable,
+# and turns whose record could not be written (their next turn cannot pull them).
+DEGRADED_KINDS = ("session_read_failed", "recomputed_store_unavailable", "record_failed")
 
 
 class TurnError(Exception):
@@ -78,6 +84,7 @@ class KvOutcome:
     prefill_worker_id: str = ""
     decode_worker_id: str = ""
     figures: scheduler_pb2.PlanFigures | None = None
+    worker_failures: list[str] = field(default_factory=list)  # workers that failed in this turn, and what followed
 
 
 @dataclass
@@ -98,6 +105,8 @@ class PreparedTurn:
     # prompt plus this token, whose KV D computes itself, and the client gets it without waiting for D.
     first_token: int | None = None
     first_finish: str = ""  # P's finish reason for that token ("stop": it ended the answer)
+    excluded: list[str] = field(default_factory=list)  # workers that failed in this turn: never planned on again
+    release: asyncio.Task | None = None  # freeing the session's previous, unused KV handle on its decode worker
 
 
 @dataclass
@@ -125,15 +134,29 @@ def _without_history(resp: registry_pb2.GetSessionResponse) -> registry_pb2.GetS
     return out
 
 
+class WorkerDown(Exception):
+    """A worker failed a call (unreachable, crashed, timed out, engine dead): the turn goes on elsewhere."""
+
+    def __init__(self, worker_id: str, error: EngineError):
+        super().__init__(f"{worker_id}: {error}")
+        self.worker_id, self.error = worker_id, error
+
+
 def _ms(since: float) -> float:
     return round((time.perf_counter() - since) * 1000, 3)
 
 
 class TurnRunner:
+    max_prompt_tokens = 0  # the gateway's limit on a prompt's tokens (0: only the context length limits it)
+
     def __init__(self, tokenizer: Tokenizer, registry: registry_pb2_grpc.SessionRegistryStub,
                  scheduler: scheduler_pb2_grpc.TransferSchedulerStub, *, max_model_len: int,
                  engine_timeout_s: float = 120.0, control_timeout_s: float = 5.0, session_cache_bytes: int = 64 << 20,
-                 first_token_from_prefill: bool = True):
+                 first_token_from_prefill: bool = True, prefill_timeout_s: float = 120.0,
+                 decode_stall_timeout_s: float = 120.0, worker_retries: int = 2):
+        """``prefill_timeout_s`` bounds one prefill call, ``decode_stall_timeout_s`` the wait for each of D's
+        tokens (the first included): past them the worker counts as failed. ``worker_retries``: how many failed
+        workers one turn may move away from (to another worker of the same role) before it fails with a 503."""
         self.tokenizer = tokenizer
         self.registry = registry
         self.scheduler = scheduler
@@ -141,12 +164,20 @@ class TurnRunner:
         self.engine_timeout_s = engine_timeout_s
         self.control_timeout_s = control_timeout_s
         self.first_token_from_prefill = first_token_from_prefill
+        self.prefill_timeout_s = prefill_timeout_s
+        self.decode_stall_timeout_s = decode_stall_timeout_s
+        self.worker_retries = worker_retries
         self._engines: dict[str, EngineClient] = {}
         # The records this gateway wrote (RecordTurn's answer, with its revision): the next turn of a session that
         # stays on this gateway needs no registry read. A record another gateway changed since makes the scheduler
         # report the snapshot stale (its claim is at our revision), and the turn reads the record and plans again.
         self._sessions: BoundedLru[common_pb2.Session] = BoundedLru(session_cache_bytes)
         self._reports: set[asyncio.Task] = set()  # outcome reports in flight (kept so they are not collected)
+        # Turns served without the session store (registry/etcd unreachable), by kind; GET /health shows them.
+        # (Issue #7 turns these into Prometheus metrics.)
+        self.degraded: dict[str, int] = dict.fromkeys(DEGRADED_KINDS, 0)
+        self.release_unused_handles = True
+        self.released_handles = 0  # previous KV handles freed on their decode worker after a recompute
 
     def engine(self, worker: common_pb2.Worker) -> EngineClient:
         client = self._engines.get(worker.grpc_address)
@@ -180,7 +211,9 @@ class TurnRunner:
                 raise TurnError(400, exc.code(), exc.details() or "invalid session id") from None
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 return None, {"session_not_found": True}
-            log.warning("registry unavailable reading a session (%s): tokenizing from scratch", exc.code().name)
+            self.degraded["session_read_failed"] += 1
+            log.warning("registry unavailable reading a session (%s: %s): tokenizing from scratch (%d such reads)",
+                        exc.code().name, exc.details(), self.degraded["session_read_failed"])
             return None, {}
 
     async def build_prompt(self, req: TurnRequest, timings: dict[str, float] | None = None, *, fresh: bool = False,
@@ -267,6 +300,10 @@ class TurnRunner:
         if plan.decision == scheduler_pb2.DECISION_PULL:  # the claim consumed the record we hold
             self._sessions.discard((req.tenant, req.session_id))
         timings["plan_ms"] = _ms(t)
+        if plan.decision != scheduler_pb2.DECISION_PULL and plan.reason.startswith(session_rules.STORE_UNAVAILABLE):
+            self.degraded["recomputed_store_unavailable"] += 1
+            log.warning("turn %s recomputes without the session store: %s (%d such turns)", turn_id, plan.reason,
+                        self.degraded["recomputed_store_unavailable"])
         pull = plan.decision == scheduler_pb2.DECISION_PULL
         kv = KvOutcome("pull" if pull else "recompute", plan.reason, prefill_worker_id=plan.prefill.worker_id,
                        decode_worker_id=plan.decode.worker_id, figures=plan.figures)
@@ -279,7 +316,8 @@ class TurnRunner:
         })
 
         t = time.perf_counter()
-        p_final = await self._prefill(turn_id, plan, prompt_ids, kv, req)
+        excluded: list[str] = []
+        plan, p_final = await self._prefill_on_live_worker(turn_id, plan, prompt_ids, kv, req, excluded)
         timings["prefill_ms"] = _ms(t)
         kv.computed_tokens = len(prompt_ids) - p_final.cached_tokens
         kv.pulled_tokens = plan.figures.reusable_tokens if kv.decision == "pull" else 0
@@ -288,7 +326,8 @@ class TurnRunner:
                              "kvshuttle.computed_tokens": kv.computed_tokens,
                              "kvshuttle.retried_as_recompute": kv.retried_as_recompute})
         prepared = PreparedTurn(turn_id, req, prompt_ids, prompt_text, plan, p_final.kv_transfer_params, kv,
-                                started, timings, span)
+                                started, timings, span, excluded=excluded,
+                                release=self._release_unused_handle(turn_id, plan, known_session, prompt_ids, req))
         # Stop strings are matched by D on what it generates; one starting inside the first token would be missed.
         # D's prompt grows by that token: P's handle must list a block for it (see covers_extra_token).
         if (self.first_token_from_prefill and not req.stop and p_final.output_ids
@@ -296,6 +335,92 @@ class TurnRunner:
                                                  plan.decode.block_size)):
             prepared.first_token, prepared.first_finish = p_final.output_ids[-1], p_final.finish_reason
         return prepared
+
+    def _release_unused_handle(self, turn_id: str, plan: scheduler_pb2.PlanTurnResponse,
+                               known_session: dict[str, Any], prompt_ids: list[int], req: TurnRequest,
+                               ) -> asyncio.Task | None:
+        """A turn that recomputed leaves the session's previous KV handle unread, and its decode worker would keep
+        those blocks until its TTL (``decoder_kv_blocks_ttl``, minutes): under steady load that fills D's KV cache
+        and new turns wait for blocks. Free them: claim the handle (so no other turn can be reading it), then have
+        this turn's P read its first block, whose tokens the prompt provably repeats (P usually has that block in its
+        own cache just now, and then only notifies D); D frees all of a handle's blocks after any read.
+
+        Runs in the background; the record is written only after it (the claim is at the old record's revision)."""
+        snapshot = known_session.get("session_snapshot")
+        if plan.decision == scheduler_pb2.DECISION_PULL or snapshot is None or not self.release_unused_handles:
+            return None
+        record = snapshot.session
+        bs = record.block_size
+        if (not record.kv_transfer_params_json or record.claimed or not plan.figures.source_worker_alive
+                or bs <= 0 or len(prompt_ids) <= bs or record.covered_tokens < bs
+                or session_rules.expires_in(record, time.time()) < RELEASE_MIN_LEFT_S):
+            return None
+        try:
+            if matched_prefix_tokens(list(record.block_hashes), record.covered_tokens, bs, prompt_ids[:bs]) < bs:
+                return None  # the prompt's first block differs: P must not take D's KV for it
+        except ValueError:
+            return None
+        return asyncio.create_task(self._free_handle(f"{turn_id}-release", record, plan.prefill, prompt_ids[:bs + 1],
+                                                     req.tenant, req.session_id))
+
+    async def _free_handle(self, request_id: str, record: common_pb2.Session, prefill: common_pb2.Worker,
+                           first_block: list[int], tenant: str, session_id: str) -> bool:
+        """Claim ``record``'s handle, then have ``prefill`` read its first block (``first_block``: that block's
+        tokens, plus one); D then frees all of the handle's blocks. Best effort: False when not freed."""
+        bs = record.block_size
+        try:
+            params = kv_params.pull_params(kv_params.parse_handle(record.kv_transfer_params_json), bs, bs)
+            claim = await self.registry.ClaimSession(registry_pb2.ClaimSessionRequest(
+                session_id=session_id, tenant=tenant, revision=record.revision), timeout=self.control_timeout_s)
+            if not claim.claimed:
+                return False  # a concurrent turn took it (and reads it), or the record changed
+            final = await self.engine(prefill).prefill(request_id, first_block, kv_transfer_params=params,
+                                                       timeout_s=self.prefill_timeout_s)
+        except (grpc.aio.AioRpcError, EngineError, kv_params.HandleError) as exc:
+            log.debug("%s: could not free a KV handle: %s", request_id, exc)
+            return False
+        if final.finish_reason == "error":
+            log.debug("%s: freeing a KV handle failed at the prefill worker", request_id)
+            return False
+        self.released_handles += 1
+        return True
+
+    async def end_session(self, tenant: str, session_id: str) -> tuple[bool, bool]:
+        """Free the session's KV on its decode worker (when it has a usable handle), then delete its record.
+        Returns (record deleted, KV freed)."""
+        try:
+            session_rules.validate_id("session_id", session_id)
+        except session_rules.InvalidArgument as exc:
+            raise TurnError(400, grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        self._sessions.discard((tenant, session_id))
+        released = False
+        try:
+            record = (await self.registry.GetSession(registry_pb2.GetSessionRequest(
+                session_id=session_id, tenant=tenant), timeout=self.control_timeout_s)).session
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                return False, False
+            raise TurnError(503, grpc.StatusCode.UNAVAILABLE, f"session registry unavailable: {exc.details()}",
+                            retry_after_s=1) from None
+        bs = record.block_size
+        if (record.kv_transfer_params_json and not record.claimed and bs > 0 and len(record.token_ids) > bs
+                and record.covered_tokens >= bs
+                and session_rules.expires_in(record, time.time()) >= RELEASE_MIN_LEFT_S):
+            first_block = list(record.token_ids[:bs + 1])
+            try:  # any live prefill worker will do: ask the scheduler for one
+                plan = await self.scheduler.PlanTurn(scheduler_pb2.PlanTurnRequest(
+                    tenant=tenant, prompt_token_ids=first_block, disable_pull=True), timeout=self.control_timeout_s)
+                released = await self._free_handle(f"end-{uuid.uuid4().hex[:16]}", record, plan.prefill,
+                                                   first_block, tenant, session_id)
+            except grpc.aio.AioRpcError as exc:
+                log.debug("ending a session: no prefill worker to free its KV (%s)", exc.code().name)
+        try:
+            deleted = await self.registry.DeleteSession(registry_pb2.DeleteSessionRequest(
+                session_id=session_id, tenant=tenant), timeout=self.control_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise TurnError(503, grpc.StatusCode.UNAVAILABLE, f"session registry unavailable: {exc.details()}",
+                            retry_after_s=1) from None
+        return deleted.deleted, released
 
     def _report(self, plan: scheduler_pb2.PlanTurnResponse, kv: KvOutcome, prompt_tokens: int,
                 prefill_ms: float) -> None:
@@ -321,31 +446,73 @@ class TurnRunner:
     def _check_length(self, req: TurnRequest, prompt_ids: list[int]) -> None:
         if not prompt_ids:
             raise TurnError(400, grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
+        if self.max_prompt_tokens and len(prompt_ids) > self.max_prompt_tokens:
+            raise TurnError(400, grpc.StatusCode.INVALID_ARGUMENT,
+                            f"the prompt has {len(prompt_ids)} tokens; this gateway accepts at most "
+                            f"{self.max_prompt_tokens} (max prompt tokens)")
         if len(prompt_ids) + req.max_tokens > self.max_model_len:
             raise TurnError(400, grpc.StatusCode.INVALID_ARGUMENT,
                             f"prompt ({len(prompt_ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the "
                             f"model's context of {self.max_model_len} tokens")
 
-    async def _plan(self, req: TurnRequest, prompt_ids: list[int], known_session: dict[str, Any],
-                    ) -> scheduler_pb2.PlanTurnResponse:
+    async def _plan(self, req: TurnRequest, prompt_ids: list[int], known_session: dict[str, Any], *,
+                    exclude: Sequence[str] = ()) -> scheduler_pb2.PlanTurnResponse:
+        """The scheduler's plan. With ``exclude`` (workers that failed in this turn) it is a re-plan: the session's
+        handle is not used (the failed attempt claimed it) and those workers are not chosen."""
         with tracer.start_as_current_span("plan"):
             try:
                 return await self.scheduler.PlanTurn(scheduler_pb2.PlanTurnRequest(
                     session_id=req.session_id, tenant=req.tenant, prompt_token_ids=prompt_ids,
-                    disable_pull=req.disable_pull, policy=req.policy, **known_session),
+                    disable_pull=req.disable_pull or bool(exclude), policy=req.policy,
+                    exclude_worker_ids=list(exclude), **known_session),
                     timeout=self.control_timeout_s)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise TurnError(400, exc.code(), exc.details() or "invalid request") from None
+                what = "scheduler" if exc.code() != grpc.StatusCode.UNAVAILABLE or not exclude else "no worker left"
                 raise TurnError(503, grpc.StatusCode.UNAVAILABLE,
-                                f"scheduler unavailable: {exc.details() or exc.code().name}", retry_after_s=1) from None
+                                f"{what}: {exc.details() or exc.code().name}", retry_after_s=1) from None
+
+    async def _prefill_on_live_worker(self, turn_id: str, plan: scheduler_pb2.PlanTurnResponse,
+                                      prompt_ids: list[int], kv: KvOutcome, req: TurnRequest, excluded: list[str],
+                                      ) -> tuple[scheduler_pb2.PlanTurnResponse, Final]:
+        """Prefill on the planned P; when P fails, plan again without it (and without the workers in ``excluded``,
+        which grows) and recompute there, up to ``worker_retries`` times. Returns the plan that worked."""
+        attempt = 0
+        while True:
+            try:
+                return plan, await self._prefill(f"{turn_id}-{attempt}" if attempt else turn_id, plan, prompt_ids,
+                                                 kv, req)
+            except WorkerDown as down:
+                attempt += 1
+                excluded.append(down.worker_id)
+                failure = f"prefill worker {down.worker_id} failed ({down.error})"
+                log.warning("turn %s: %s", turn_id, failure)
+                trace.get_current_span().add_event("worker_failed", {"kvshuttle.worker": down.worker_id,
+                                                                     "error": str(down.error)})
+                if attempt > self.worker_retries:
+                    kv.worker_failures.append(failure)
+                    raise TurnError(503, grpc.StatusCode.UNAVAILABLE, f"{failure}; no retries left",
+                                    retry_after_s=1) from None
+                try:
+                    plan = await self._plan(req, prompt_ids, {}, exclude=excluded)
+                except TurnError as exc:
+                    kv.worker_failures.append(failure)
+                    raise TurnError(exc.http_status, exc.code, f"{failure}; {exc.message}",
+                                    exc.retry_after_s) from None
+                kv.worker_failures.append(f"{failure}; recomputed on {plan.prefill.worker_id}")
+                kv.decision, kv.reason = "recompute", f"{failure}: recomputed on another worker"
+                kv.prefill_worker_id, kv.decode_worker_id = plan.prefill.worker_id, plan.decode.worker_id
 
     async def _prefill(self, turn_id: str, plan, prompt_ids: list[int], kv: KvOutcome, req: TurnRequest) -> Final:
+        """P's prefill (a failed pull is run once more as a recompute on the same P). WorkerDown when P failed."""
         engine = self.engine(plan.prefill)
-        sampling = {"temperature": req.temperature, "top_p": req.top_p, "seed": req.seed, "ignore_eos": req.ignore_eos}
+        worker = plan.prefill.worker_id
+        sampling = {"temperature": req.temperature, "top_p": req.top_p, "seed": req.seed, "ignore_eos": req.ignore_eos,
+                    "timeout_s": self.prefill_timeout_s}
         params = json.loads(plan.prefill_kv_transfer_params_json)
         with tracer.start_as_current_span("prefill") as span:
-            span.set_attributes({"kvshuttle.worker": plan.prefill.worker_id, "kvshuttle.decision": kv.decision})
+            span.set_attributes({"kvshuttle.worker": worker, "kvshuttle.decision": kv.decision})
             try:
                 final = await engine.prefill(f"{turn_id}-p", prompt_ids, kv_transfer_params=params, **sampling)
                 if final.finish_reason != "error":
@@ -355,9 +522,10 @@ class TurnRunner:
                 failure = f"prefill failed: {exc}"
                 if exc.code == grpc.StatusCode.INVALID_ARGUMENT and kv.decision != "pull":
                     raise _refused(exc) from None
-            if kv.decision != "pull":
-                raise TurnError(503, grpc.StatusCode.UNAVAILABLE, f"{failure} on {plan.prefill.worker_id}",
-                                retry_after_s=1)
+                if kv.decision != "pull":
+                    raise WorkerDown(worker, exc) from None
+            if kv.decision != "pull":  # a recompute that finished with error: P's engine is not well
+                raise WorkerDown(worker, EngineError(None, failure))
             # A failed pull (stale handle, decode worker gone): the same turn once more, computing everything.
             log.warning("pull failed for turn %s (%s); retrying as recompute", turn_id, failure)
             span.add_event("pull_failed", {"error": failure})
@@ -369,9 +537,9 @@ class TurnRunner:
             except EngineError as exc:
                 if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
                     raise _refused(exc) from None
-                raise TurnError(503, grpc.StatusCode.UNAVAILABLE, f"prefill failed: {exc}", retry_after_s=1) from None
+                raise WorkerDown(worker, exc) from None
             if final.finish_reason == "error":
-                raise TurnError(503, grpc.StatusCode.UNAVAILABLE, "prefill finished with error", retry_after_s=1)
+                raise WorkerDown(worker, EngineError(None, "prefill finished with error"))
             return final
 
     async def decode(self, turn: PreparedTurn) -> AsyncIterator[Delta | Finished]:
@@ -415,16 +583,19 @@ class TurnRunner:
                 sent.append(piece)
             else:
                 pending.append(first)
-        span = tracer.start_span("decode", context=trace.set_span_in_context(turn.span),
-                                 attributes={"kvshuttle.worker": turn.plan.decode.worker_id})
-        try:
+        attempt, before = 0, len(output)
+        while True:
+            engine = self.engine(turn.plan.decode)
+            before = len(output)
+            span = tracer.start_span("decode", context=trace.set_span_in_context(turn.span),
+                                     attributes={"kvshuttle.worker": turn.plan.decode.worker_id})
             try:
                 # When the answer already ended at P's token, D still runs one step: it reads the prompt's KV
                 # (releasing P's blocks) and keeps prompt + first token for the next turn; its token is dropped.
-                async for item in engine.generate(
-                        f"{turn.id}-d", d_prompt, max_tokens=d_max_tokens, temperature=req.temperature,
-                        top_p=req.top_p, seed=req.seed, ignore_eos=req.ignore_eos, stop=req.stop,
-                        kv_transfer_params=turn.decode_params, stream=True):
+                async for item in self._stream_tokens(
+                        engine, f"{turn.id}-d{attempt or ''}", d_prompt, max_tokens=d_max_tokens,
+                        temperature=req.temperature, top_p=req.top_p, seed=req.seed, ignore_eos=req.ignore_eos,
+                        stop=req.stop, kv_transfer_params=turn.decode_params):
                     if isinstance(item, Final):
                         final = item
                         break
@@ -440,21 +611,33 @@ class TurnRunner:
                     yield Delta(piece, pending)
                     sent.append(piece)
                     pending = []
+                break
             except EngineError as exc:
-                raise TurnError(503, grpc.StatusCode.UNAVAILABLE,
-                                f"decode failed on {turn.plan.decode.worker_id}: {exc}", retry_after_s=1) from None
-        finally:
-            span.set_attribute("kvshuttle.generated_tokens", len(output))
-            span.end()
+                span.record_exception(exc)
+                span.set_status(trace.StatusCode.ERROR, str(exc))
+                if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise TurnError(400, exc.code, f"the decode worker refused the request: {exc.message}") from None
+                attempt += 1
+                if not done_at_first and len(output) >= req.max_tokens:  # only D's final message was lost
+                    log.warning("turn %s: decode worker %s failed after the last token (%s); the answer is complete "
+                                "but the session keeps no KV for its next turn", turn.id, turn.plan.decode.worker_id,
+                                exc)
+                    turn.kv.worker_failures.append(f"decode worker {turn.plan.decode.worker_id} failed after the "
+                                                   f"last token ({exc})")
+                    final = Final([], "length", len(d_prompt), 0, 0, None)
+                    break
+                d_prompt = await self._resume(turn, output, exc, attempt)
+                d_max_tokens = 1 if done_at_first else req.max_tokens - len(output)
+            finally:
+                span.set_attribute("kvshuttle.generated_tokens", len(output) - before)
+                span.end()
         timings["decode_ms"] = _ms(t)
         if final is None:
             raise TurnError(503, grpc.StatusCode.UNAVAILABLE, "decode stream ended without a final message")
         if done_at_first:
             final = dataclasses.replace(final, finish_reason=done_at_first)
-        else:
-            mine = output[:1] if turn.first_token is not None else []
-            if final.output_ids and len(final.output_ids) > len(output) - len(mine):
-                output = [*mine, *final.output_ids]  # non-streaming engines report everything at the end
+        elif final.output_ids and len(final.output_ids) > len(output) - before:
+            output = [*output[:before], *final.output_ids]  # non-streaming engines report everything at the end
         text = self.tokenizer.decode(output, True)
         streamed = "".join(sent)
         if pending or len(text) > len(streamed):  # a held-back tail (e.g. an unfinished character)
@@ -467,6 +650,53 @@ class TurnRunner:
         timings["total_ms"] = _ms(turn.started)
         yield Finished(final.finish_reason, text, output, len(turn.prompt_ids), turn.kv, timings)
 
+    async def _stream_tokens(self, engine: EngineClient, request_id: str, prompt: list[int], **kwargs: Any,
+                             ) -> AsyncIterator[Any]:
+        """D's stream, each item awaited at most ``decode_stall_timeout_s`` (a hung worker fails like a dead one)."""
+        stream = engine.generate(request_id, prompt, stream=True, **kwargs).__aiter__()
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(anext(stream), self.decode_stall_timeout_s)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    raise EngineError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                      f"no token for {self.decode_stall_timeout_s:g} s") from None
+                yield item
+        finally:
+            await stream.aclose()
+
+    async def _resume(self, turn: PreparedTurn, output: list[int], error: EngineError, attempt: int) -> list[int]:
+        """D failed mid-answer: prefill the prompt plus the tokens already generated on a live P (a recompute), point
+        the turn at a new D, and return D's new prompt. The client's stream goes on where it stopped (with greedy
+        sampling, exactly as if nothing happened). TurnError (503) when no retry or no worker is left."""
+        failed = turn.plan.decode.worker_id
+        turn.excluded.append(failed)
+        failure = f"decode worker {failed} failed after {len(output)} tokens ({error})"
+        log.warning("turn %s: %s", turn.id, failure)
+        turn.span.add_event("worker_failed", {"kvshuttle.worker": failed, "error": str(error),
+                                              "kvshuttle.generated_tokens": len(output)})
+        if attempt > self.worker_retries:
+            turn.kv.worker_failures.append(failure)
+            raise TurnError(503, grpc.StatusCode.UNAVAILABLE, f"{failure}; no retries left", retry_after_s=1)
+        resume_ids = [*turn.prompt_ids, *output]
+        scratch = KvOutcome("recompute", "resume after a decode worker failed")
+        with trace.use_span(turn.span, end_on_exit=False):
+            try:
+                plan = await self._plan(turn.request, resume_ids, {}, exclude=turn.excluded)
+                plan, p_final = await self._prefill_on_live_worker(f"{turn.id}-resume{attempt}", plan, resume_ids,
+                                                                   scratch, turn.request, turn.excluded)
+            except TurnError as exc:
+                turn.kv.worker_failures.extend([*scratch.worker_failures, failure])
+                raise TurnError(exc.http_status, exc.code, f"{failure}; {exc.message}", exc.retry_after_s) from None
+        turn.kv.worker_failures.extend(scratch.worker_failures)
+        turn.kv.worker_failures.append(f"{failure}; resumed on {plan.decode.worker_id} (prefilled "
+                                       f"{len(resume_ids)} tokens on {plan.prefill.worker_id})")
+        turn.kv.decode_worker_id = plan.decode.worker_id
+        turn.plan, turn.decode_params = plan, p_final.kv_transfer_params
+        return resume_ids
+
     async def _record(self, turn: PreparedTurn, output: list[int], final: Final) -> None:
         req = turn.request
         if not req.session_id:
@@ -474,6 +704,9 @@ class TurnRunner:
         if not final.kv_transfer_params:
             log.warning("decode worker returned no KV handle for turn %s: nothing to record", turn.id)
             return
+        if turn.release is not None:  # it claims the old record: before this turn replaces it
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(turn.release), self.control_timeout_s)
         with trace.use_span(turn.span, end_on_exit=False), tracer.start_as_current_span("record"):
             raw_answer = await asyncio.to_thread(self.tokenizer.decode, output, False) if turn.prompt_text else ""
             key = (req.tenant, req.session_id)
@@ -487,7 +720,9 @@ class TurnRunner:
                 self._sessions.put(key, resp.session, resp.session.ByteSize())
             except grpc.aio.AioRpcError as exc:
                 # The answer is fine; only the next turn loses its pull.
-                log.warning("could not record turn %s (%s: %s)", turn.id, exc.code().name, exc.details())
+                self.degraded["record_failed"] += 1
+                log.warning("could not record turn %s (%s: %s): the next turn cannot pull it (%d unrecorded turns)",
+                            turn.id, exc.code().name, exc.details(), self.degraded["record_failed"])
 
     async def run(self, req: TurnRequest) -> tuple[PreparedTurn, Finished]:
         turn = await self.prepare(req)

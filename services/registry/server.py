@@ -10,15 +10,17 @@ from kvshuttle.v1 import registry_pb2_grpc
 
 from services.config import TelemetryConfig, require, setting
 from services.grpc_server import Server, service_main
+from services.registry.janitor import SessionJanitor
 from services.registry.servicer import SessionRegistryServicer
 from services.registry.store import RegistryStore, parse_endpoints
+from services.tls import EtcdSecurityConfig, TlsConfig
 
 SERVICE_NAME = "kvshuttle.v1.SessionRegistry"
 log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
-class RegistryConfig(TelemetryConfig):
+class RegistryConfig(TelemetryConfig, TlsConfig, EtcdSecurityConfig):
     """Session registry: workers under leases and where each session's KV lives, stored in etcd."""
 
     ENV_PREFIX = "KVSHUTTLE_REGISTRY_"
@@ -30,6 +32,11 @@ class RegistryConfig(TelemetryConfig):
     expiry_margin_s: float = setting(30.0, "Seconds subtracted from a decode worker's KV TTL for a handle's expiry")
     etcd_timeout_s: float = setting(5.0, "Deadline for each etcd operation, retries included")
     etcd_attempt_timeout_s: float = setting(2.0, "Deadline for one try of an etcd operation (then it is retried)")
+    drop_departed_sessions: bool = setting(True, "Delete the session records of decode workers whose lease ended "
+                                                 "(their KV is gone)")
+    departed_grace_s: float = setting(10.0, "A departed worker's sessions stay this long; if it registers again "
+                                            "with the same engine meanwhile (its lease was lost, not its KV), "
+                                            "they are kept")
     log_level: str = setting("INFO", "Log level", env="KVSHUTTLE_LOG_LEVEL")
 
     def validate(self) -> None:
@@ -42,8 +49,11 @@ class RegistryConfig(TelemetryConfig):
             self.key_prefix += "/"
         require(self.worker_lease_ttl_s >= 1, "--worker-lease-ttl-s must be >= 1")
         require(self.expiry_margin_s >= 0, "--expiry-margin-s must be >= 0")
+        require(self.departed_grace_s >= 0, "--departed-grace-s must be >= 0")
         require(self.etcd_timeout_s > 0, "--etcd-timeout-s must be > 0")
         require(self.etcd_attempt_timeout_s > 0, "--etcd-attempt-timeout-s must be > 0")
+        self.validate_tls()
+        self.validate_etcd_security()
 
 
 class RegistryService:
@@ -52,19 +62,25 @@ class RegistryService:
     def __init__(self, cfg: RegistryConfig):
         self.cfg = cfg
         self.store = RegistryStore(cfg.etcd_endpoints, cfg.key_prefix, timeout_s=cfg.etcd_timeout_s,
-                                   attempt_timeout_s=cfg.etcd_attempt_timeout_s)
+                                   attempt_timeout_s=cfg.etcd_attempt_timeout_s, security=cfg.etcd_security())
         self.servicer = SessionRegistryServicer(self.store, default_lease_ttl_s=cfg.worker_lease_ttl_s,
                                                 expiry_margin_s=cfg.expiry_margin_s)
         self.server = Server(cfg.listen, [SERVICE_NAME],
-                             [lambda s: registry_pb2_grpc.add_SessionRegistryServicer_to_server(self.servicer, s)])
+                             [lambda s: registry_pb2_grpc.add_SessionRegistryServicer_to_server(self.servicer, s)],
+                             tls=cfg.server_tls(), max_message_bytes=cfg.max_message_bytes)
         self.address = self.server.address
+        self.janitor = SessionJanitor(self.store, cfg.departed_grace_s) if cfg.drop_departed_sessions else None
 
     async def start(self) -> None:
         await self.store.connect()
         await self.server.start()
+        if self.janitor is not None:
+            self.janitor.start()
         log.info("registry on %s, etcd %s, prefix %s", self.address, self.cfg.etcd_endpoints, self.cfg.key_prefix)
 
     async def stop(self, grace: float = 2.0) -> None:
+        if self.janitor is not None:
+            await self.janitor.stop()
         await self.server.stop(grace)
         await self.store.close()
 

@@ -157,8 +157,8 @@ class SessionRegistryServicer(registry_pb2_grpc.SessionRegistryServicer):
         self._validate_session_ref(request)
         found = await self.store.get_session(request.tenant, request.session_id)
         if found is None:
-            raise RpcFailure(grpc.StatusCode.NOT_FOUND,
-                             f"no session {request.session_id!r} for tenant {request.tenant!r}")
+            raise RpcFailure(grpc.StatusCode.NOT_FOUND,  # no id in messages: they end up in traces
+                             f"no session with this id for tenant {request.tenant!r}")
         return registry_pb2.GetSessionResponse(session=found, expires_in_s=rules.expires_in(found, self.clock()))
 
     @_unary
@@ -186,7 +186,7 @@ class SessionRegistryServicer(registry_pb2_grpc.SessionRegistryServicer):
                 with contextlib.suppress(StoreError):  # lost a race with another RecordTurn: read again
                     await self.store.revoke_lease(lease_id)
             raise RpcFailure(grpc.StatusCode.ABORTED,
-                             f"session {request.session_id!r} kept changing while recording the turn; retry")
+                             "the session kept changing while recording the turn; retry")
 
     @_unary
     async def ClaimSession(self, request, context):

@@ -5,6 +5,8 @@ Key layout under ``prefix`` (default ``/kvshuttle/``)::
     workers/{worker_id}                   Worker proto, attached to the worker's lease (Worker.lease_id)
     sessions/{tenant}/{session_id}        Session proto, attached to its own lease (TTL = seconds until expiry + grace)
     sessions/{tenant}/{session_id}!claim  the record's claim (the claimed revision, as text), on the record's lease
+    worker-sessions/{worker_id}/{tenant}/{session_id}
+                                          empty: the record's decode worker (an index), on the record's lease
 
 Session.revision and Session.lease_id in returned records are the key's mod_revision and lease. ``claim_session``
 creates the claim key in one transaction comparing them; ``put_session`` deletes it with the record it replaces.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
@@ -34,6 +37,8 @@ from kvshuttle.v1 import common_pb2
 
 from control_plane.lru import BoundedLru
 from control_plane.session import CHANGED, claim_refusal
+from services.registry.etcd_channel import EtcdAuthError, etcd_channel
+from services.tls import EtcdSecurity
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +92,11 @@ class RegistryStore:
     """Workers, sessions and leases in etcd. ``connect()`` first (no I/O: channels connect lazily)."""
 
     def __init__(self, endpoints: str | Sequence[str], prefix: str = "/kvshuttle/", *, timeout_s: float = 5.0,
-                 attempt_timeout_s: float = 2.0, recent_sessions_bytes: int = 64 << 20):
+                 attempt_timeout_s: float = 2.0, recent_sessions_bytes: int = 64 << 20,
+                 security: EtcdSecurity | None = None):
+        """``security``: TLS towards etcd and/or its user/password auth (None: plaintext, no auth)."""
         self.endpoints = parse_endpoints(endpoints)
+        self.security = security
         self.prefix = prefix if prefix.endswith("/") else prefix + "/"
         self.timeout_s = timeout_s
         self.attempt_timeout_s = min(attempt_timeout_s, timeout_s)
@@ -97,13 +105,25 @@ class RegistryStore:
         self._lease: LeaseService | None = None
         self._watch: WatchStub | None = None
         self._recent = _RecentSessions(recent_sessions_bytes)
+        # Set when an operation failed for its whole timeout; cleared by any answer from etcd (see _call).
+        self.unreachable_since: float | None = None
 
     # -- connection ------------------------------------------------------------------------------------------
 
     async def connect(self) -> None:
+        """Open the channel; with etcd auth, authenticate now so wrong credentials fail here (StoreError)."""
         manager = ConnectionManager(self.endpoints)
         manager.grpc_options.extend(_CHANNEL_OPTIONS)
-        self._channel = manager.get_channel()
+        self._channel, auth = etcd_channel(manager.target, manager.grpc_options, self.security,
+                                           self.endpoints[0].rsplit(":", 1)[0])
+        if auth is not None:
+            try:
+                await auth.authenticate()
+            except EtcdAuthError as exc:
+                await self.close()
+                raise StoreError(str(exc)) from None
+            except grpc.aio.AioRpcError as exc:  # etcd not up yet: the first call authenticates
+                log.warning("etcd authentication deferred: %s (%s)", exc.code().name, exc.details())
         self._kv = KVService(self._channel, max_attempts=1)
         self._lease = LeaseService(self._channel, max_attempts=1)
         self._watch = WatchStub(self._channel)
@@ -125,27 +145,50 @@ class RegistryStore:
         failures until ``timeout_s``; map failures to StoreUnavailable / StoreError.
 
         Short attempts matter when the leader dies: a member holds a proposal until etcd's own request timeout
-        (~6 s) while the survivors elect a new leader in ~1 s, and a fresh attempt then succeeds at once.
+        (~6 s) while the survivors elect a new leader in ~1 s, and a fresh attempt then succeeds at once. The channel
+        balances over every endpoint and skips members it cannot reach, so a retry lands on a live member.
+        Once an operation has failed for its whole ``timeout_s`` (etcd down), later ones make a single attempt
+        (at most ``attempt_timeout_s``) until etcd answers again: callers learn of the outage at once instead of
+        each waiting ``timeout_s``.
         """
         delay = 0.05
         last = "timed out"
+        since = self.unreachable_since
+        probing = since is not None
         try:
-            async with asyncio.timeout(self.timeout_s):
+            async with asyncio.timeout(self.attempt_timeout_s if probing else self.timeout_s):
                 while True:
                     try:
-                        return await fn(*args, timeout=self.attempt_timeout_s, max_attempts=1, **kwargs)
+                        result = await fn(*args, timeout=self.attempt_timeout_s, max_attempts=1, **kwargs)
+                        self._answered()
+                        return result
                     except (EtcdConnectionError, EtcdTransientError, TimeoutError) as exc:
                         last = str(exc) or "attempt timed out"
                     except grpc.aio.AioRpcError as exc:
                         if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                            self._answered()
                             raise StoreError(f"etcd {op}: {exc.code().name} ({exc.details()})") from None
                         last = f"{exc.code().name} ({exc.details()})"
                     except EtcdError as exc:
+                        self._answered()
                         raise StoreError(f"etcd {op}: {exc}") from None
+                    if probing:
+                        break
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 0.5)
         except TimeoutError:
-            raise StoreUnavailable(f"etcd {op} failed for {self.timeout_s:g}s: {last}") from None
+            pass
+        if not probing and self.unreachable_since is None:
+            self.unreachable_since = time.monotonic()
+            log.warning("etcd unreachable (%s: %s); failing fast until it answers again", op, last)
+        if probing:
+            raise StoreUnavailable(f"etcd {op} failed: etcd unreachable for {time.monotonic() - since:.0f}s ({last})")
+        raise StoreUnavailable(f"etcd {op} failed for {self.timeout_s:g}s: {last}")
+
+    def _answered(self) -> None:
+        if self.unreachable_since is not None:
+            log.warning("etcd answers again after %.1fs", time.monotonic() - self.unreachable_since)
+            self.unreachable_since = None
 
     @property
     def kv(self) -> KVService:
@@ -328,10 +371,13 @@ class RegistryStore:
         record.CopyFrom(session)
         record.revision, record.lease_id, record.claimed = 0, 0, False
         value = record.SerializeToString()
+        index = ([KVService.txn_op_put(self.worker_session_key(record.decode_worker_id, session.tenant,
+                                                               session.session_id), b"", lease=lease_id)]
+                 if record.decode_worker_id else [])
         resp = await self._call("put session", self.kv.txn,
                                 [_mod_revision_is(key, expect_revision)],
                                 [KVService.txn_op_put(key, value, lease=lease_id, prev_kv=True),
-                                 KVService.txn_op_delete(key + _CLAIM_SUFFIX)],
+                                 KVService.txn_op_delete(key + _CLAIM_SUFFIX), *index],
                                 [KVService.txn_op_get(key)])
         record.lease_id = lease_id
         if not resp.succeeded:
@@ -346,6 +392,42 @@ class RegistryStore:
         record.revision = resp.header.revision
         self._recent.put(key, record)
         return record
+
+    def worker_session_key(self, worker_id: str, tenant: str, session_id: str) -> str:
+        """The index entry saying that a session's KV lives on ``worker_id`` (it ends with the record's lease)."""
+        return f"{self.prefix}worker-sessions/{worker_id}/{tenant}/{session_id}"
+
+    async def sessions_on_worker(self, worker_id: str) -> list[tuple[str, str]]:
+        """(tenant, session id) of the records whose KV lives on ``worker_id`` (keys only: no record is read)."""
+        prefix = f"{self.prefix}worker-sessions/{worker_id}/"
+        resp = await self._call("list worker sessions", self.kv.get, prefix, prefix_range_end(prefix),
+                                keys_only=True)
+        found = []
+        for kv in resp.kvs:
+            tenant, _, session_id = kv.key.decode()[len(prefix):].partition("/")
+            if session_id:
+                found.append((tenant, session_id))
+        return found
+
+    async def indexed_workers(self) -> set[str]:
+        """Worker ids that the worker-sessions index names (keys only)."""
+        prefix = f"{self.prefix}worker-sessions/"
+        resp = await self._call("list indexed workers", self.kv.get, prefix, prefix_range_end(prefix),
+                                keys_only=True)
+        return {kv.key.decode()[len(prefix):].partition("/")[0] for kv in resp.kvs}
+
+    async def drop_sessions_on_worker(self, worker_id: str) -> int:
+        """Delete every record whose KV lives on ``worker_id`` (it is gone: the worker's lease ended), by revoking
+        the records' leases. A record written meanwhile for another worker is kept. Returns how many were dropped."""
+        dropped = 0
+        for tenant, session_id in await self.sessions_on_worker(worker_id):
+            record = await self.get_session(tenant, session_id)
+            if record is None or record.decode_worker_id != worker_id or not record.lease_id:
+                continue
+            self._recent.discard(self.session_key(tenant, session_id))
+            if await self.revoke_lease(record.lease_id):
+                dropped += 1
+        return dropped
 
     async def delete_session(self, tenant: str, session_id: str) -> bool:
         """Delete the record (and its claim) and revoke its lease; False when there was none."""

@@ -19,13 +19,14 @@ from services.scheduler.claims import EtcdClaims, RegistryClaims, SessionClaims
 from services.scheduler.load_monitor import LoadMonitor
 from services.scheduler.servicer import TransferSchedulerServicer
 from services.scheduler.worker_view import WorkerView
+from services.tls import EtcdSecurityConfig, TlsConfig
 
 SERVICE_NAME = "kvshuttle.v1.TransferScheduler"
 log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
-class SchedulerConfig(TelemetryConfig):
+class SchedulerConfig(TelemetryConfig, TlsConfig, EtcdSecurityConfig):
     """Transfer scheduler: plans each turn's prefill/decode workers and pull-vs-recompute."""
 
     ENV_PREFIX = "KVSHUTTLE_SCHEDULER_"
@@ -72,6 +73,8 @@ class SchedulerConfig(TelemetryConfig):
             self.key_prefix += "/"
         require(self.load_poll_interval_s >= 0 and self.load_timeout_s > 0,
                 "--load-poll-interval-s must be >= 0 and --load-timeout-s > 0")
+        self.validate_tls()
+        self.validate_etcd_security()
         try:
             self.make_planner()
         except PolicyError as exc:
@@ -96,7 +99,7 @@ class SchedulerService:
 
     def __init__(self, cfg: SchedulerConfig):
         self.cfg = cfg
-        self.channel = client_channel(cfg.registry)
+        self.channel = client_channel(cfg.registry, cfg.client_tls(), max_message_bytes=cfg.max_message_bytes)
         registry = registry_pb2_grpc.SessionRegistryStub(self.channel)
         self.workers = WorkerView(registry)
         self.planner = cfg.make_planner()
@@ -106,7 +109,8 @@ class SchedulerService:
         servicer = TransferSchedulerServicer(registry, self.workers, self.planner, cfg.registry_timeout_s,
                                              self.claims, self.loads)
         self.server = Server(cfg.listen, [SERVICE_NAME],
-                             [lambda s: scheduler_pb2_grpc.add_TransferSchedulerServicer_to_server(servicer, s)])
+                             [lambda s: scheduler_pb2_grpc.add_TransferSchedulerServicer_to_server(servicer, s)],
+                             tls=cfg.server_tls(), max_message_bytes=cfg.max_message_bytes)
         self.address = self.server.address
 
     @staticmethod
@@ -114,7 +118,7 @@ class SchedulerService:
         if not cfg.etcd_endpoints:
             return RegistryClaims(registry, cfg.registry_timeout_s)
         store = RegistryStore(cfg.etcd_endpoints, cfg.key_prefix, timeout_s=cfg.registry_timeout_s,
-                              attempt_timeout_s=cfg.registry_timeout_s / 2)
+                              attempt_timeout_s=cfg.registry_timeout_s / 2, security=cfg.etcd_security())
         return EtcdClaims(store)
 
     async def start(self) -> None:

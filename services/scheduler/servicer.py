@@ -204,7 +204,7 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
             if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
                 raise
             log.warning("session read via %s failed (%s); recomputing", self._claims.via, exc.code.name)
-            return None, 0.0, f"session registry unavailable ({exc.code.name}): recompute"
+            return None, 0.0, _store_failure(exc, f"could not read the session via {self._claims.via}")
         return (None, 0.0, None) if found is None else (*found, None)
 
     @staticmethod
@@ -234,7 +234,8 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
         try:
             resp = await self._claims.claim(request.tenant, request.session_id, session.revision, known=session)
         except ClaimsError as exc:
-            return _demote(plan, f"could not claim the KV handle ({exc.code.name}): recompute"), ""
+            log.warning("claim via %s failed (%s); recomputing", self._claims.via, exc.code.name)
+            return _demote(plan, _store_failure(exc, "could not claim the KV handle")), ""
         if not resp.claimed:
             return _demote(plan, f"KV handle claimed by a concurrent turn ({resp.reason}): recompute"), resp.reason
         if not _same_kv(resp.session, session):  # never the case unless the snapshot was wrong
@@ -258,6 +259,14 @@ def _same_kv(a: common_pb2.Session, b: common_pb2.Session) -> bool:
     return (a.kv_transfer_params_json == b.kv_transfer_params_json and a.decode_worker_id == b.decode_worker_id
             and a.covered_tokens == b.covered_tokens and a.block_size == b.block_size
             and a.prefix_digest == b.prefix_digest and a.block_hashes == b.block_hashes)
+
+
+def _store_failure(exc: ClaimsError, what: str) -> str:
+    """The reason of a turn that recomputes because a session read or claim failed (prefixed STORE_UNAVAILABLE when
+    the registry or etcd could not be reached, which the gateway counts)."""
+    if exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return f"{session_rules.STORE_UNAVAILABLE} ({exc.code.name}): {what}: recompute"
+    return f"{what} ({exc.code.name}): recompute"
 
 
 def _demote(plan: Plan, reason: str) -> Plan:

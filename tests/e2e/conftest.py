@@ -34,6 +34,8 @@ async def stack(model_dir, otlp, tmp_path_factory):
         "KVSHUTTLE_STACK_HTTP_PORT": "0", "KVSHUTTLE_STACK_GRPC_PORT": "0",
         "KVSHUTTLE_TRACES_EXPORTER": "otlp", "KVSHUTTLE_OTLP_ENDPOINT": otlp.endpoint,
         "KVSHUTTLE_STACK_MAX_MODEL_LEN": "4096", "KVSHUTTLE_STACK_TURNS": "3", "KVSHUTTLE_STACK_MAX_TOKENS": "16",
+        # A production-like etcd: three members, every service given all endpoints (test_etcd_faults kills them).
+        "KVSHUTTLE_STACK_ETCD_MEMBERS": "3",
     })
     # The e2e tests check the pull mechanics, so the default policy is the deterministic threshold one; the cost
     # policy runs by name in the policy sweep test (its lanes' policies are hosted here too).

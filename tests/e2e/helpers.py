@@ -48,3 +48,30 @@ def user_turn(n: int) -> dict:
 
     source = inspect.getsource(textwrap)
     return {"role": "user", "content": f"Turn {n}. Tool output:\n{source[n * 1500:(n + 1) * 1500]}\nExplain."}
+
+
+async def spawn_gateway(stack, name: str, *args: str):
+    """One more gateway process on the stack's registry and scheduler (``args``: more gateway flags); returns the
+    child and its base URL once it answers /health. The caller stops it (``child.stop()``)."""
+    import asyncio
+    import time
+
+    from services.etcd_process import free_port
+
+    http, grpc_port = free_port(), free_port()
+    child = await stack._spawn(name, "gateway", "--grpc-listen", f"127.0.0.1:{grpc_port}",
+                               "--http-listen", f"127.0.0.1:{http}", "--max-model-len",
+                               str(stack.cfg.max_model_len), *args)
+    stack.children.remove(child)  # the caller stops it
+    base_url = f"http://127.0.0.1:{http}"
+    deadline = time.monotonic() + 120
+    async with httpx.AsyncClient(base_url=base_url, timeout=5) as client:
+        while True:
+            assert child.returncode is None, f"{name} exited:\n{child.log_tail(30)}"
+            try:
+                if (await client.get("/health")).status_code == 200:
+                    return child, base_url
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, f"{name} did not answer /health:\n{child.log_tail(30)}"
+            await asyncio.sleep(0.3)

@@ -8,6 +8,14 @@ import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 
+def _attributes(items) -> dict:
+    out = {}
+    for a in items:
+        v = a.value
+        out[a.key] = getattr(v, v.WhichOneof("value")) if v.WhichOneof("value") else None
+    return out
+
+
 class _Receiver(trace_service_pb2_grpc.TraceServiceServicer):
     def __init__(self) -> None:
         self.spans: list[dict] = []
@@ -17,13 +25,12 @@ class _Receiver(trace_service_pb2_grpc.TraceServiceServicer):
             service = next((a.value.string_value for a in rs.resource.attributes if a.key == "service.name"), "")
             for ss in rs.scope_spans:
                 for span in ss.spans:
-                    attrs = {}
-                    for a in span.attributes:
-                        v = a.value
-                        attrs[a.key] = getattr(v, v.WhichOneof("value")) if v.WhichOneof("value") else None
                     self.spans.append({"service": service, "name": span.name, "trace_id": span.trace_id.hex(),
                                        "span_id": span.span_id.hex(), "parent_id": span.parent_span_id.hex(),
-                                       "attributes": attrs})
+                                       "attributes": _attributes(span.attributes),
+                                       "status": span.status.message,
+                                       "events": [{"name": e.name, "attributes": _attributes(e.attributes)}
+                                                  for e in span.events]})
         return trace_service_pb2.ExportTraceServiceResponse()
 
 

@@ -61,3 +61,12 @@ def test_scheduler_policy_parameters_are_checked_at_start():
             SchedulerConfig(**bad).validate()
     with pytest.raises(ConfigError, match="pull-threshold-tokens must be >= 1"):
         SchedulerConfig(pull_threshold_tokens=0).validate()
+
+
+def test_stack_etcd_members_is_one_or_three():
+    from services.stack import StackConfig
+
+    assert from_namespace(StackConfig, environ={"KVSHUTTLE_STACK_ETCD_MEMBERS": "3"}).etcd_members == 3
+    assert load(StackConfig, []).etcd_members == 1
+    with pytest.raises(ConfigError, match="etcd-members must be 1 or 3"):
+        from_namespace(StackConfig, environ={"KVSHUTTLE_STACK_ETCD_MEMBERS": "2"})

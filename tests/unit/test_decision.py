@@ -54,6 +54,9 @@ def test_divergence_in_first_block_recomputes():
     ({"expires_in_s": -1.0}, "expire"), ({"expires_in_s": 1.0}, "expire"), ({"claimed": True}, "already"),
     ({"kv_transfer_params_json": ""}, "already"), ({"source_alive": False}, "not alive"),
     ({"kv_transfer_params_json": "{}"}, "unusable"),
+    # a forged or corrupt record: no arithmetic on it (block size 0 used to raise ZeroDivisionError)
+    ({"block_size": 0}, "inconsistent"), ({"block_size": -4}, "inconsistent"), ({"covered_tokens": -1}, "inconsistent"),
+    ({"block_hashes": []}, "inconsistent"), ({"covered_tokens": COVERED + BS}, "inconsistent"),
 ])
 def test_never_pulls_unusable_handles(over, word):
     plan = decide(HISTORY + [1], handle_view(**over), POLICY)

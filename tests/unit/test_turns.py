@@ -41,11 +41,14 @@ BLOCK = 4  # the fake decode worker's KV block size
 
 class Engine:
     def __init__(self, fail_prefills: int = 0, answer: str = "ok", tight_blocks: bool = False,
-                 fail_code: grpc.StatusCode = grpc.StatusCode.INTERNAL):
+                 fail_code: grpc.StatusCode = grpc.StatusCode.INTERNAL, die_after: int | None = None,
+                 hang_after: int | None = None):
         """``tight_blocks``: the handle P returns lists only the prompt's blocks (vLLM with prefix caching), not one
-        for the token P generated."""
+        for the token P generated. ``die_after`` / ``hang_after``: a decode stream that fails (UNAVAILABLE) or stops
+        answering after that many tokens."""
         self.fail_prefills, self.answer, self.prefills, self.calls = fail_prefills, answer, [], []
         self.tight_blocks, self.fail_code = tight_blocks, fail_code
+        self.die_after, self.hang_after = die_after, hang_after
 
     async def prefill(self, request_id, prompt_ids, *, kv_transfer_params, **sampling):
         self.prefills.append(kv_transfer_params)
@@ -60,8 +63,12 @@ class Engine:
 
     async def generate(self, request_id, prompt_ids, **kw):
         self.calls.append((list(prompt_ids), kw))
-        ids = [ord(c) for c in self.answer]
-        for i in ids:
+        ids = [ord(c) for c in self.answer][:kw.get("max_tokens", len(self.answer))]
+        for n, i in enumerate(ids):
+            if n == self.die_after:
+                raise EngineError(grpc.StatusCode.UNAVAILABLE, "Socket closed")
+            if n == self.hang_after:
+                await asyncio.sleep(3600)
             yield Chunk([i], len(prompt_ids), 0)
         yield Final(ids, "length", len(prompt_ids), len(ids), 0, {"do_remote_decode": True, "handle": 1})
 
@@ -89,8 +96,11 @@ class Registry:
 
 
 class Scheduler:
-    def __init__(self, decision):
+    def __init__(self, decision, prefills=("p",), decodes=("d",)):
+        """Plans on the first of ``prefills`` / ``decodes`` (worker ids; their engines listen at '<id>:1') that the
+        request does not exclude; UNAVAILABLE when none is left, as the real scheduler answers."""
         self.decision, self.prompts, self.requests, self.stale, self.outcomes = decision, [], [], 0, []
+        self.prefills, self.decodes = prefills, decodes
 
     async def ReportOutcome(self, request, timeout=None):
         self.outcomes.append(request)
@@ -103,12 +113,17 @@ class Scheduler:
             self.stale -= 1
             return scheduler_pb2.PlanTurnResponse(decision=scheduler_pb2.DECISION_RECOMPUTE, reason="stale",
                                                   figures=scheduler_pb2.PlanFigures(snapshot_stale=True))
-        pull = self.decision == scheduler_pb2.DECISION_PULL
+        live_p = [w for w in self.prefills if w not in request.exclude_worker_ids]
+        live_d = [w for w in self.decodes if w not in request.exclude_worker_ids]
+        if not live_p or not live_d:
+            raise _rpc_error(grpc.StatusCode.UNAVAILABLE)
+        pull = self.decision == scheduler_pb2.DECISION_PULL and not request.disable_pull
         params = PULL_PARAMS if pull else kv_params.prefill_request_params()
         return scheduler_pb2.PlanTurnResponse(
-            decision=self.decision, reason="test", prefill_kv_transfer_params_json=json.dumps(params),
-            prefill=common_pb2.Worker(worker_id="p", grpc_address="p:1"),
-            decode=common_pb2.Worker(worker_id="d", grpc_address="d:1", block_size=BLOCK),
+            decision=scheduler_pb2.DECISION_PULL if pull else scheduler_pb2.DECISION_RECOMPUTE, reason="test",
+            prefill_kv_transfer_params_json=json.dumps(params),
+            prefill=common_pb2.Worker(worker_id=live_p[0], grpc_address=f"{live_p[0]}:1"),
+            decode=common_pb2.Worker(worker_id=live_d[0], grpc_address=f"{live_d[0]}:1", block_size=BLOCK),
             figures=scheduler_pb2.PlanFigures(reusable_tokens=3 if pull else 0))
 
 
@@ -144,12 +159,77 @@ async def test_failed_pull_is_retried_once_as_a_recompute():
     assert isinstance(events[-1], Finished) and "".join(e.text for e in events if isinstance(e, Delta)) == "ok"
 
 
-async def test_a_failed_recompute_is_a_503_not_a_retry():
+async def test_a_failed_prefill_worker_with_none_left_is_a_503_with_retry_after():
     p = Engine(fail_prefills=1)
-    r, _, _ = runner(scheduler_pb2.DECISION_RECOMPUTE, p)
+    r, scheduler, _ = runner(scheduler_pb2.DECISION_RECOMPUTE, p)
     with pytest.raises(TurnError) as err:
         await r.prepare(TurnRequest(session_id="s", prompt_text="hello", max_tokens=2))
-    assert err.value.http_status == 503 and len(p.prefills) == 1
+    assert err.value.http_status == 503 and err.value.retry_after_s and len(p.prefills) == 1
+    assert "prefill worker p failed" in err.value.message and "no worker left" in err.value.message
+    assert list(scheduler.requests[-1].exclude_worker_ids) == ["p"]
+
+
+async def test_a_failed_prefill_worker_is_replaced_and_the_turn_recomputes_there():
+    p1, p2 = Engine(fail_prefills=1, fail_code=grpc.StatusCode.UNAVAILABLE), Engine()
+    scheduler, registry = Scheduler(scheduler_pb2.DECISION_RECOMPUTE, prefills=("p", "p2")), Registry()
+    r = TurnRunner(Tokenizer(), registry, scheduler, max_model_len=1000, first_token_from_prefill=False)
+    r._engines = {"p:1": p1, "p2:1": p2, "d:1": Engine()}
+    turn, events = await run(r, TurnRequest(session_id="s", prompt_text="hello", max_tokens=2))
+    assert len(p1.prefills) == 1 and len(p2.prefills) == 1
+    assert turn.kv.prefill_worker_id == "p2" and turn.kv.decision == "recompute"
+    assert turn.kv.worker_failures == ["prefill worker p failed (UNAVAILABLE: engine said no); recomputed on p2"]
+    retry = scheduler.requests[-1]
+    assert list(retry.exclude_worker_ids) == ["p"] and retry.disable_pull
+    assert "".join(e.text for e in events if isinstance(e, Delta)) == "ok"
+
+
+def resume_runner(first: Engine, second: Engine | None, *, stall_s: float = 120.0, first_token: bool = False):
+    decodes = ("d", "d2") if second is not None else ("d",)
+    scheduler, registry = Scheduler(scheduler_pb2.DECISION_RECOMPUTE, decodes=decodes), Registry()
+    r = TurnRunner(Tokenizer(), registry, scheduler, max_model_len=1000, first_token_from_prefill=first_token,
+                   decode_stall_timeout_s=stall_s)
+    r._engines = {"p:1": Engine(answer="a"), "d:1": first, **({"d2:1": second} if second else {})}
+    return r, scheduler, registry
+
+
+@pytest.mark.parametrize("how", ["dies", "hangs"])
+async def test_a_decode_worker_that_fails_mid_answer_is_resumed_on_another(how):
+    # d streams "ab" and then dies (or stops answering); d2 is given the prompt plus "ab" and writes the rest.
+    first = Engine(answer="abcdef", **({"die_after": 2} if how == "dies" else {"hang_after": 2}))
+    second = Engine(answer="cdef")
+    r, scheduler, registry = resume_runner(first, second, stall_s=0.2)
+    prompt = [ord(c) for c in "hello"]
+    turn, events = await run(r, TurnRequest(session_id="s", prompt_text="hello", max_tokens=6))
+    assert "".join(e.text for e in events if isinstance(e, Delta)) == "abcdef"
+    resumed_prompt, kw = second.calls[0]
+    assert resumed_prompt == [*prompt, ord("a"), ord("b")] and kw["max_tokens"] == 4
+    assert list(scheduler.requests[-1].exclude_worker_ids) == ["d"] and scheduler.requests[-1].disable_pull
+    assert scheduler.prompts[-1] == resumed_prompt  # P prefilled the prompt plus what was already answered
+    assert turn.kv.decode_worker_id == "d2" and len(turn.kv.worker_failures) == 1
+    assert turn.kv.worker_failures[0].startswith("decode worker d failed after 2 tokens")
+    record = registry.recorded[-1]
+    assert record.decode_worker_id == "d2" and list(record.token_ids) == [*prompt, *map(ord, "abcdef")]
+    assert isinstance(events[-1], Finished) and events[-1].output_ids == list(map(ord, "abcdef"))
+
+
+async def test_a_decode_worker_failure_with_none_left_ends_the_stream_with_a_503():
+    r, _, registry = resume_runner(Engine(answer="abcdef", die_after=2), None)
+    turn = await r.prepare(TurnRequest(session_id="s", prompt_text="hello", max_tokens=6))
+    got = []
+    with pytest.raises(TurnError) as err:
+        async for event in r.decode(turn):
+            got.append(event)
+    assert "".join(e.text for e in got if isinstance(e, Delta)) == "ab"
+    assert err.value.http_status == 503 and err.value.retry_after_s
+    assert "decode worker d failed after 2 tokens" in err.value.message and not registry.recorded
+
+
+async def test_after_a_resume_p_s_first_token_is_kept_once():
+    # P gives "a" (the first token), d dies before its first token, d2 continues after "a".
+    r, _, _ = resume_runner(Engine(answer="bcd", die_after=0), Engine(answer="bcd"), first_token=True)
+    turn, events = await run(r, TurnRequest(session_id="s", prompt_text="hello", max_tokens=4))
+    assert events[-1].output_ids == list(map(ord, "abcd"))
+    assert "".join(e.text for e in events if isinstance(e, Delta)) == "abcd"
 
 
 async def test_next_prompt_continues_the_recorded_ids_and_the_exact_ids_are_recorded():
@@ -251,7 +331,7 @@ async def test_the_first_token_comes_from_p_and_d_continues_after_it():
     p, d = Engine(answer="abc"), Engine(answer="bc")
     r, scheduler, registry = runner(scheduler_pb2.DECISION_RECOMPUTE, p, decode=d, first_token_from_prefill=True)
     turn, events = await run(r, TurnRequest(session_id="s", prompt_text="hi", max_tokens=3, temperature=0.5, seed=7))
-    assert p.sampling == {"temperature": 0.5, "top_p": 1.0, "seed": 7, "ignore_eos": False}
+    assert p.sampling == {"temperature": 0.5, "top_p": 1.0, "seed": 7, "ignore_eos": False, "timeout_s": 120.0}
     (d_prompt, d_kw), = d.calls
     assert d_prompt == [*[ord(c) for c in "hi"], ord("a")] and d_kw["max_tokens"] == 2
     assert d_kw["kv_transfer_params"]["for"] == "decode"
@@ -320,3 +400,136 @@ async def test_a_request_the_engine_finds_invalid_is_a_400_not_a_503():
     with pytest.raises(TurnError) as err:
         await r.prepare(TurnRequest(session_id="s", prompt_text="hi", max_tokens=2))
     assert err.value.http_status == 503
+
+
+class DownRegistry(Registry):
+    """The registry with etcd down: every call is UNAVAILABLE."""
+
+    async def GetSession(self, request, timeout=None):
+        raise _rpc_error(grpc.StatusCode.UNAVAILABLE)
+
+    async def RecordTurn(self, request, timeout=None):
+        raise _rpc_error(grpc.StatusCode.UNAVAILABLE)
+
+
+async def test_turns_without_the_session_store_succeed_and_are_counted():
+    from control_plane.session import STORE_UNAVAILABLE
+
+    r, scheduler, _ = runner(scheduler_pb2.DECISION_RECOMPUTE, Engine(), registry=DownRegistry())
+    reason = f"{STORE_UNAVAILABLE} (UNAVAILABLE): could not read the session via etcd: recompute"
+    plain = scheduler.PlanTurn
+
+    async def plan(request, timeout=None):
+        resp = await plain(request, timeout)
+        resp.reason = reason if request.session_id != "other" else "no recorded KV for this session"
+        return resp
+    scheduler.PlanTurn = plan
+    assert r.degraded == {"session_read_failed": 0, "recomputed_store_unavailable": 0, "record_failed": 0}
+    for _ in range(2):
+        turn, events = await run(r, TurnRequest(session_id="s", prompt_text="hello", max_tokens=2))
+        assert isinstance(events[-1], Finished) and turn.kv.decision == "recompute" and turn.kv.reason == reason
+    await run(r, TurnRequest(session_id="other", prompt_text="hello", max_tokens=2))
+    assert r.degraded == {"session_read_failed": 3, "recomputed_store_unavailable": 2, "record_failed": 3}
+
+
+class ClaimingRegistry(Registry):
+    def __init__(self, session=None, claimable: bool = True):
+        super().__init__(session)
+        self.claims, self.claimable, self.order = [], claimable, []
+
+    async def ClaimSession(self, request, timeout=None):
+        self.claims.append(request)
+        self.order.append("claim")
+        return registry_pb2.ClaimSessionResponse(claimed=self.claimable, reason="" if self.claimable else "changed")
+
+    async def RecordTurn(self, request, timeout=None):
+        self.order.append("record")
+        return await super().RecordTurn(request, timeout)
+
+
+class AliveSourceScheduler(Scheduler):
+    async def PlanTurn(self, request, timeout=None):
+        plan = await super().PlanTurn(request, timeout)
+        plan.figures.source_worker_alive = True
+        return plan
+
+
+def recorded_session(tokens: list[int], covered: int) -> common_pb2.Session:
+    from control_plane.prefix import block_hash_chain
+    from control_plane.session import set_seconds
+
+    handle = {"do_remote_decode": True, "remote_engine_id": "d", "remote_host": "h", "remote_port": 1,
+              "remote_num_tokens": covered, "remote_block_ids": [list(range(-(-covered // BLOCK)))]}
+    session = common_pb2.Session(session_id="s", token_ids=tokens, text="", kv_transfer_params_json=json.dumps(handle),
+                                 covered_tokens=covered, block_size=BLOCK, revision=7, decode_worker_id="d",
+                                 block_hashes=block_hash_chain(tokens, covered, BLOCK))
+    import time as _time
+
+    set_seconds(session.expires_at, _time.time() + 300)
+    return session
+
+
+@pytest.mark.parametrize("case", ["released", "first block differs", "claim lost", "pulled"])
+async def test_a_recompute_frees_the_previous_unused_handle_on_its_decode_worker(case):
+    """D would hold an unread handle's blocks until its TTL: after a recompute the gateway claims the old handle and
+    has P read its first block (D frees all of a handle's blocks after any read)."""
+    history = [ord(c) for c in "<user>hello there<assistant>ok"]
+    prompt_ids = history + [ord(c) for c in "<user>more"]
+    if case == "first block differs":
+        prompt_ids = [ord("X"), *prompt_ids[1:]]
+    registry = ClaimingRegistry(recorded_session(history, len(history) - 1), claimable=case != "claim lost")
+    scheduler = AliveSourceScheduler(scheduler_pb2.DECISION_PULL if case == "pulled"
+                                     else scheduler_pb2.DECISION_RECOMPUTE)
+    p = Engine()
+    r = TurnRunner(Tokenizer(), registry, scheduler, max_model_len=1000, first_token_from_prefill=False)
+    r._engines = {"p:1": p, "d:1": Engine()}
+    known = {"session_snapshot": registry_pb2.GetSessionResponse(session=registry.session, expires_in_s=300)}
+    plan = await scheduler.PlanTurn(scheduler_pb2.PlanTurnRequest(session_id="s", prompt_token_ids=prompt_ids))
+    task = r._release_unused_handle("t1", plan, known, prompt_ids, TurnRequest(session_id="s"))
+    if case in ("first block differs", "pulled"):
+        assert task is None and not registry.claims
+        return
+    await task
+    assert registry.claims[-1].revision == 7
+    if case == "claim lost":
+        assert p.prefills == [] and r.released_handles == 0
+        return
+    assert p.prefills[-1]["remote_block_ids"] == [[0]] and p.prefills[-1]["remote_num_tokens"] == BLOCK
+    assert r.released_handles == 1
+
+
+async def test_the_release_claims_the_old_record_before_the_turn_records_the_new_one():
+    history = [ord(c) for c in "<user>hi<assistant>ok"]
+    registry = ClaimingRegistry(recorded_session(history, len(history) - 1))
+    r = TurnRunner(Tokenizer(), registry, AliveSourceScheduler(scheduler_pb2.DECISION_RECOMPUTE), max_model_len=1000,
+                   first_token_from_prefill=False)
+    p = Engine()
+    r._engines = {"p:1": p, "d:1": Engine()}
+    registry.session.text = "<user>hi<assistant>ok"
+    await run(r, TurnRequest(session_id="s", messages=[{"role": "user", "content": "hi"},
+                                                       {"role": "assistant", "content": "ok"},
+                                                       {"role": "user", "content": "more"}], max_tokens=2))
+    assert registry.order == ["claim", "record"] and r.released_handles == 1
+    assert p.prefills[-1]["remote_num_tokens"] == BLOCK
+
+
+async def test_ending_a_session_frees_its_handle_then_deletes_the_record():
+    history = [ord(c) for c in "<user>hello there<assistant>ok"]
+
+    class EndRegistry(ClaimingRegistry):
+        async def DeleteSession(self, request, timeout=None):
+            self.order.append("delete")
+            return registry_pb2.DeleteSessionResponse(deleted=True)
+
+    registry = EndRegistry(recorded_session(history, len(history) - 1))
+    scheduler = AliveSourceScheduler(scheduler_pb2.DECISION_RECOMPUTE)
+    p = Engine()
+    r = TurnRunner(Tokenizer(), registry, scheduler, max_model_len=1000)
+    r._engines = {"p:1": p, "d:1": Engine()}
+    assert await r.end_session("default", "s") == (True, True)
+    assert registry.order == ["claim", "delete"]
+    assert scheduler.prompts[-1] == history[:BLOCK + 1]  # a prefill worker is asked for with the record's own ids
+    assert p.prefills[-1]["remote_num_tokens"] == BLOCK
+    with pytest.raises(TurnError) as err:
+        await r.end_session("default", "bad id with spaces")
+    assert err.value.http_status == 400

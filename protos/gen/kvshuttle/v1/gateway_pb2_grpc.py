@@ -55,6 +55,11 @@ class GatewayStub:
                 request_serializer=kvshuttle_dot_v1_dot_gateway__pb2.ChatCompleteRequest.SerializeToString,
                 response_deserializer=kvshuttle_dot_v1_dot_gateway__pb2.TurnEvent.FromString,
                 _registered_method=True)
+        self.EndSession = channel.unary_unary(
+                '/kvshuttle.v1.Gateway/EndSession',
+                request_serializer=kvshuttle_dot_v1_dot_gateway__pb2.EndSessionRequest.SerializeToString,
+                response_deserializer=kvshuttle_dot_v1_dot_gateway__pb2.EndSessionResponse.FromString,
+                _registered_method=True)
 
 
 class GatewayServicer:
@@ -87,6 +92,14 @@ class GatewayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EndSession(self, request, context):
+        """Ends a conversation: frees its KV on the decode worker that holds it (which would otherwise keep it until its
+        TTL, decoder_kv_blocks_ttl), then deletes the session's record. Ending an unknown session is not an error.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +122,11 @@ def add_GatewayServicer_to_server(servicer, server):
                     servicer.ChatCompleteStream,
                     request_deserializer=kvshuttle_dot_v1_dot_gateway__pb2.ChatCompleteRequest.FromString,
                     response_serializer=kvshuttle_dot_v1_dot_gateway__pb2.TurnEvent.SerializeToString,
+            ),
+            'EndSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndSession,
+                    request_deserializer=kvshuttle_dot_v1_dot_gateway__pb2.EndSessionRequest.FromString,
+                    response_serializer=kvshuttle_dot_v1_dot_gateway__pb2.EndSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,6 +238,33 @@ class Gateway:
             '/kvshuttle.v1.Gateway/ChatCompleteStream',
             kvshuttle_dot_v1_dot_gateway__pb2.ChatCompleteRequest.SerializeToString,
             kvshuttle_dot_v1_dot_gateway__pb2.TurnEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvshuttle.v1.Gateway/EndSession',
+            kvshuttle_dot_v1_dot_gateway__pb2.EndSessionRequest.SerializeToString,
+            kvshuttle_dot_v1_dot_gateway__pb2.EndSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,160 @@
+"""Security on the real stack (real etcd, services and vLLM P/D): API keys and tenants, client-supplied
+kv_transfer_params, and no keys or session ids in logs or traces.
+
+A second gateway with an API keys file joins the shared stack (same registry and scheduler, its own ports and log in
+``stack.logs``). Keys and session ids are distinctive strings, so a leak anywhere is found by a plain search.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+from kvshuttle.v1 import gateway_pb2, gateway_pb2_grpc, scheduler_pb2
+
+from services import auth
+from services.etcd_process import free_port
+from services.telemetry import hashed
+from tests.e2e.helpers import flush_prefill, user_turn
+
+pytestmark = pytest.mark.e2e
+KEY_A = f"kvs-e2e-acme-{secrets.token_hex(12)}"
+KEY_B = f"kvs-e2e-globex-{secrets.token_hex(12)}"
+WRONG_KEY = f"kvs-e2e-wrong-{secrets.token_hex(12)}"
+SESSIONS = {name: f"e2e-secret-{name}-{uuid.uuid4().hex[:12]}" for name in ("http", "grpc", "logs")}
+SYSTEM = {"role": "system", "content": "You are terse."}
+BOGUS_PARAMS = {"do_remote_prefill": True, "remote_host": "10.9.9.9", "remote_port": 1, "remote_engine_id": "evil",
+                "remote_block_ids": [[0, 1, 2]], "remote_num_tokens": 300}
+
+
+@pytest.fixture(scope="module")
+async def keyed(stack, tmp_path_factory):
+    """A gateway that requires API keys (acme: KEY_A, globex: KEY_B), on the stack's registry and scheduler."""
+    path = tmp_path_factory.mktemp("keys") / "keys.json"
+    path.write_text(json.dumps({"keys": [auth.entry(KEY_A, "acme"), auth.entry(KEY_B, "globex")]}))
+    http, grpc_address = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    child = await stack._spawn("gateway-keys", "gateway", "--grpc-listen", grpc_address, "--http-listen", http,
+                               "--max-model-len", str(stack.cfg.max_model_len), "--api-keys-file", str(path))
+    try:
+        await stack._wait_grpc(child, grpc_address, time.monotonic() + 120)
+        yield f"http://{http}", grpc_address
+    finally:
+        await child.stop()
+        stack.children.remove(child)
+
+
+def key(k: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {k}"}
+
+
+async def chat(client: httpx.AsyncClient, k: str, session: str, messages: list[dict], **extra) -> dict:
+    resp = await client.post("/v1/chat/completions", headers={**key(k), "X-Session-ID": session},
+                             json={"messages": messages, "max_tokens": 8, "temperature": 0, **extra})
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def follow_up(messages: list[dict], answer: dict, text: str) -> list[dict]:
+    return [*messages, {"role": "assistant", "content": answer["choices"][0]["message"]["content"]},
+            {"role": "user", "content": text}]
+
+
+async def test_tenants_only_reach_their_own_sessions_and_client_params_are_dropped(stack, keyed):
+    base, _ = keyed
+    session = SESSIONS["http"]
+    await flush_prefill(stack)
+    async with httpx.AsyncClient(base_url=base, timeout=300) as client:
+        assert (await client.get("/v1/models")).status_code == 401
+        assert (await client.get("/v1/models", headers=key(WRONG_KEY))).status_code == 401
+        first = await chat(client, KEY_A, session, [SYSTEM, user_turn(4)])
+        assert first["kvshuttle"]["decision"] == "recompute"
+        messages = follow_up([SYSTEM, user_turn(4)], first, "And then?")
+
+        # Tenant B knows A's session id and history: to B the id is simply unknown. Nothing is pulled, nothing read.
+        other = await chat(client, KEY_B, session, messages)
+        kv = other["kvshuttle"]
+        assert kv["decision"] == "recompute" and "no recorded KV" in kv["reason"], kv
+        assert kv["covered_tokens"] == 0 and kv["matched_tokens"] == 0 and kv["pulled_tokens"] == 0
+
+        # A's own next turn still pulls A's history (B neither consumed nor replaced it). The client's bogus
+        # kv_transfer_params are dropped: P pulls from the decode worker the scheduler chose, and succeeds.
+        second = await chat(client, KEY_A, session, messages, kv_transfer_params=BOGUS_PARAMS)
+        kv = second["kvshuttle"]
+        assert kv["decision"] == "pull" and not kv["retried_as_recompute"], kv
+        assert kv["pulled_tokens"] >= 128 and kv["decode_worker"] != "evil"
+
+        # The REST bridge: B reads and deletes only its own record, whatever tenant it names.
+        theirs = await client.get(f"/v1/sessions/{session}", params={"tenant": "acme"}, headers=key(KEY_B))
+        assert theirs.status_code == 200 and theirs.json()["session"]["tenant"] == "globex", theirs.text
+        assert int(theirs.json()["session"]["turn"]) == 1  # B's one turn, not A's two
+        deleted = await client.delete(f"/v1/sessions/{session}", params={"tenant": "acme"}, headers=key(KEY_B))
+        assert deleted.json()["deleted"] is True
+        assert (await client.get(f"/v1/sessions/{session}", headers=key(KEY_B))).status_code == 404
+        mine = await client.get(f"/v1/sessions/{session}", headers=key(KEY_A))
+        assert mine.status_code == 200 and int(mine.json()["session"]["turn"]) == 2, mine.text
+        assert (await client.get("/v1/workers", headers=key(KEY_A))).status_code == 403
+
+        third = await chat(client, KEY_A, session, follow_up(messages, second, "Go on."))
+        assert third["kvshuttle"]["decision"] == "pull", third["kvshuttle"]
+
+
+async def test_grpc_gateway_keys_decide_the_tenant(keyed):
+    _, address = keyed
+    session = SESSIONS["grpc"]
+    request = gateway_pb2.ChatCompleteRequest(
+        session_id=session, messages=[gateway_pb2.ChatMessage(**SYSTEM), gateway_pb2.ChatMessage(**user_turn(5))],
+        sampling=gateway_pb2.SamplingOptions(max_tokens=8))
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.ChatComplete(request, timeout=60)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        first = await stub.ChatComplete(request, metadata=(("authorization", f"Bearer {KEY_A}"),), timeout=300)
+        assert first.kv.decision == scheduler_pb2.DECISION_RECOMPUTE
+        request.messages.add(role="assistant", content=first.message.content)
+        request.messages.add(role="user", content="Go on.")
+        other = await stub.ChatComplete(request, metadata=(("authorization", f"Bearer {KEY_B}"),), timeout=300)
+        assert other.kv.decision == scheduler_pb2.DECISION_RECOMPUTE and "no recorded KV" in other.kv.reason
+        call = stub.ChatCompleteStream(request, metadata=(("authorization", f"Bearer {KEY_A}"),), timeout=300)
+        events = [e async for e in call]
+    assert events[0].started.kv.decision == scheduler_pb2.DECISION_PULL, events[0]
+    assert events[-1].finished.kv.pulled_tokens > 0
+
+
+async def test_keys_and_session_ids_stay_out_of_logs_and_traces(stack, keyed, otlp):
+    base, _ = keyed
+    session = SESSIONS["logs"]
+    async with httpx.AsyncClient(base_url=base, timeout=300) as client:
+        first = await chat(client, KEY_A, session, [SYSTEM, user_turn(6)])
+        messages = follow_up([SYSTEM, user_turn(6)], first, "Why?")
+        await chat(client, KEY_B, session, messages)
+        assert (await chat(client, KEY_A, session, messages))["kvshuttle"]["decision"] == "pull"
+        assert (await client.get(f"/v1/sessions/{session}", headers=key(WRONG_KEY))).status_code == 401
+        assert (await client.get(f"/v1/sessions/{session}", headers=key(KEY_B))).status_code == 200
+        bad = await client.post("/v1/chat/completions", headers={**key(KEY_A), "X-Session-ID": session},
+                                json={"messages": messages, "max_tokens": 0})
+        assert bad.status_code == 400
+
+    digest = hashed(session)
+    turns = await otlp.wait_for(lambda spans: sum(
+        s["name"] == "kvshuttle.turn" and s["attributes"].get("kvshuttle.session") == digest for s in spans) >= 3)
+    await asyncio.sleep(1.0)  # the registry's and scheduler's spans of the same turns
+    spans = otlp.spans
+    assert any(s["service"] == "kvshuttle-registry" for s in spans)
+    secrets_ = [KEY_A, KEY_B, WRONG_KEY, *SESSIONS.values(), auth.hash_key(KEY_A), auth.hash_key(KEY_B)]
+    leaks = [(s["service"], s["name"], secret) for s in spans for secret in secrets_ if secret in json.dumps(s)]
+    assert not leaks, leaks
+    assert any(digest in json.dumps(s) for s in turns)  # the spans carry the session hashed
+
+    logs = sorted(Path(stack.logs).rglob("*.log")) + sorted(Path(stack.work, "workers").rglob("*.log"))
+    texts = {str(p): p.read_text(errors="replace") for p in logs}
+    assert any("gateway-keys" in p for p in texts) and any("API keys required" in t for t in texts.values())
+    leaks = [(p, secret) for p, text in texts.items() for secret in secrets_ if secret in text]
+    assert not leaks, leaks
