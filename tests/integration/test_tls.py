@@ -7,7 +7,6 @@ Certificates come from a throwaway CA made in the test; a second CA stands for a
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 
@@ -26,6 +25,7 @@ from services.registry.server import RegistryConfig, serve
 from services.registry.store import RegistryStore, StoreError, StoreUnavailable
 from services.scheduler.server import SchedulerConfig, SchedulerService
 from services.tls import ClientTls, EtcdSecurity, TlsClientConfig
+from tests.integration.test_scheduler import handle_for, worker
 from tests.support.certs import TestCA
 from workers.agent import RegistryLink
 
@@ -56,18 +56,6 @@ def tls_of(pki, name: str | None = "client") -> ClientTls:
     cfg = TlsClientConfig(tls_ca=pki["ca"].ca_file, tls_client_cert=pki[name].cert if name else "",
                           tls_client_key=pki[name].key if name else "")
     return cfg.client_tls()
-
-
-def worker(worker_id: str, role: int, port: int) -> common_pb2.Worker:
-    return common_pb2.Worker(worker_id=worker_id, role=role, engine_id=f"engine-{worker_id}",
-                             grpc_address=f"127.0.0.1:{port}", nixl_host="127.0.0.1", nixl_port=port + 1,
-                             block_size=BS, kv_blocks_ttl_s=60, model="tiny")
-
-
-def handle_for(w: common_pb2.Worker, covered: int) -> str:
-    return json.dumps({"do_remote_decode": True, "remote_engine_id": w.engine_id, "remote_host": w.nixl_host,
-                       "remote_port": w.nixl_port, "remote_num_tokens": covered,
-                       "remote_block_ids": [list(range(100, 100 + -(-covered // BS)))]})
 
 
 async def refused(call, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> str:
