@@ -210,7 +210,7 @@ class Stack:
                                          json={"messages": messages, "max_tokens": 2, "temperature": 0})
                 resp.raise_for_status()
                 messages += [resp.json()["choices"][0]["message"], {"role": "user", "content": "again " * 50}]
-            await client.post(f"/v1/sessions/{session}:end")
+            await client.post(f"/v1/sessions/{session}/end")
         log.info("warm-up pull cycle done in %.1f s (last turn: %s)", time.perf_counter() - t,
                  resp.headers.get("x-kv-decision"))
 

@@ -119,7 +119,7 @@ class Soak:
                     break  # the conversation cannot go on without its answer: start another
                 messages.append({"role": "assistant", "content": answer})
             try:  # the conversation is over: free its KV on the decode worker now, not at the end of its TTL
-                await client.post(f"/v1/sessions/{session}:end")
+                await client.post(f"/v1/sessions/{session}/end")
             except httpx.HTTPError:
                 pass
 

@@ -347,7 +347,8 @@ class TurnRunner:
 
         Runs in the background; the record is written only after it (the claim is at the old record's revision)."""
         snapshot = known_session.get("session_snapshot")
-        if plan.decision == scheduler_pb2.DECISION_PULL or snapshot is None or not self.release_unused_handles:
+        if (plan.decision == scheduler_pb2.DECISION_PULL or snapshot is None or not self.release_unused_handles
+                or req.disable_pull):  # a forced recompute (benchmarks, comparisons) leaves the session's KV alone
             return None
         record = snapshot.session
         bs = record.block_size
@@ -366,7 +367,11 @@ class TurnRunner:
     async def _free_handle(self, request_id: str, record: common_pb2.Session, prefill: common_pb2.Worker,
                            first_block: list[int], tenant: str, session_id: str) -> bool:
         """Claim ``record``'s handle, then have ``prefill`` read its first block (``first_block``: that block's
-        tokens, plus one); D then frees all of the handle's blocks. Best effort: False when not freed."""
+        tokens, plus one); D then frees all of the handle's blocks. Best effort: False when not freed.
+
+        The read is a streamed request that is cancelled at its first token: by then the read is done (and D told),
+        and a cancelled request's blocks are freed at once on P (one that finished would keep them for its KV
+        lease, waiting for a decode worker that never comes)."""
         bs = record.block_size
         try:
             params = kv_params.pull_params(kv_params.parse_handle(record.kv_transfer_params_json), bs, bs)
@@ -374,13 +379,17 @@ class TurnRunner:
                 session_id=session_id, tenant=tenant, revision=record.revision), timeout=self.control_timeout_s)
             if not claim.claimed:
                 return False  # a concurrent turn took it (and reads it), or the record changed
-            final = await self.engine(prefill).prefill(request_id, first_block, kv_transfer_params=params,
-                                                       timeout_s=self.prefill_timeout_s)
+            stream = self.engine(prefill).generate(request_id, first_block, max_tokens=16, ignore_eos=True,
+                                                   kv_transfer_params=params, stream=True,
+                                                   timeout_s=self.prefill_timeout_s)
+            async with contextlib.aclosing(stream):
+                async for item in stream:
+                    if isinstance(item, Final) and item.finish_reason == "error":
+                        log.debug("%s: freeing a KV handle failed at the prefill worker", request_id)
+                        return False
+                    break  # the first token (or the end): the read is done
         except (grpc.aio.AioRpcError, EngineError, kv_params.HandleError) as exc:
             log.debug("%s: could not free a KV handle: %s", request_id, exc)
-            return False
-        if final.finish_reason == "error":
-            log.debug("%s: freeing a KV handle failed at the prefill worker", request_id)
             return False
         self.released_handles += 1
         return True

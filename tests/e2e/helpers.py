@@ -18,12 +18,21 @@ def prefill_workers(stack) -> list[common_pb2.Worker]:
     return [w for w in stack.workers if w.role == common_pb2.WORKER_ROLE_PREFILL]
 
 
-async def flush_prefill(stack) -> None:
-    """Empty P's own prefix cache, so that any history P does not compute must have come over NIXL."""
+async def flush_prefill(stack, wait_s: float = 40.0) -> None:
+    """Empty P's own prefix cache, so that any history P does not compute must have come over NIXL.
+
+    vLLM refuses while P holds blocks, e.g. a prefill whose decode worker never read it (an earlier test's failure
+    case) until its KV lease ends (30 s): retry until then."""
+    import asyncio
+    import time
+
     for w in prefill_workers(stack):
         client = EngineClient(w.grpc_address, timeout_s=30)
+        deadline = time.monotonic() + wait_s
         try:
-            assert await client.flush_cache(), f"FlushCache refused on {w.worker_id}"
+            while not await client.flush_cache():
+                assert time.monotonic() < deadline, f"FlushCache refused on {w.worker_id} for {wait_s:g} s"
+                await asyncio.sleep(0.5)
         finally:
             await client.close()
 

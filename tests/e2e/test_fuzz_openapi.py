@@ -51,7 +51,7 @@ CHECKS = [
 # * use_after_free, ensure_resource_availability: stateful checks; the document has no links between operations.
 EXPECTED_OPERATIONS = {
     "GET /health", "GET /v1/models", "POST /v1/chat/completions", "POST /v1/completions", "GET /v1/workers",
-    "GET /v1/sessions/{session_id}", "DELETE /v1/sessions/{session_id}", "POST /v1/sessions/{session_id}:end",
+    "GET /v1/sessions/{session_id}", "DELETE /v1/sessions/{session_id}", "POST /v1/sessions/{session_id}/end",
     "POST /v1/gateway/completions",
     "POST /v1/gateway/chat/completions",
 }

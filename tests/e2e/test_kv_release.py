@@ -1,7 +1,7 @@
 """KV that no turn will read is freed on the decode worker at once, not at the end of its TTL (real stack).
 
 A decode worker keeps each finished turn's KV for the next turn's pull, for ``decoder_kv_blocks_ttl`` (minutes).
-Ending a conversation (``POST /v1/sessions/{id}:end``) frees it now: the gateway claims the handle and a prefill
+Ending a conversation (``POST /v1/sessions/{id}/end``) frees it now: the gateway claims the handle and a prefill
 worker reads its first block, after which vLLM frees all of the handle's blocks. Measured on the decode worker's own
 count of used KV tokens (vLLM ``GetLoads``).
 """
@@ -41,7 +41,7 @@ async def test_ending_a_session_frees_its_kv_on_the_decode_worker(stack):
             assert resp.status_code == 200, resp.text
             prompt_tokens = resp.json()["usage"]["prompt_tokens"]
             held = await used_tokens(engine)
-            ended = await client.post(f"/v1/sessions/{session}:end")
+            ended = await client.post(f"/v1/sessions/{session}/end")
             assert ended.status_code == 200, ended.text
             assert ended.json() == {"deleted": True, "kvReleased": True}
             deadline, after = time.monotonic() + 10, held
@@ -52,7 +52,7 @@ async def test_ending_a_session_frees_its_kv_on_the_decode_worker(stack):
                   f"{after} after ending the session")
             assert held - after >= prompt_tokens // 2, "the ended session's KV is still held on the decode worker"
             # Ending it again: nothing left to delete or free; the session is simply unknown now.
-            again = await client.post(f"/v1/sessions/{session}:end")
+            again = await client.post(f"/v1/sessions/{session}/end")
             assert again.status_code == 200, again.text
             assert not again.json().get("deleted") and not again.json().get("kvReleased"), again.text
             gone = await client.get(f"/v1/sessions/{session}")

@@ -397,7 +397,7 @@ def test_every_annotated_method_is_bridged(backend):
     assert sorted((sorted(r.methods - {"HEAD"})[0], r.path) for r in routes) == [
         ("DELETE", "/v1/sessions/{session_id}"), ("GET", "/v1/sessions/{session_id}"), ("GET", "/v1/workers"),
         ("POST", "/v1/gateway/chat/completions"), ("POST", "/v1/gateway/completions"),
-        ("POST", "/v1/sessions/{session_id}:end")]
+        ("POST", "/v1/sessions/{session_id}/end")]
 
 
 async def test_openapi_document(client):

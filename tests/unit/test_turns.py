@@ -492,9 +492,11 @@ async def test_a_recompute_frees_the_previous_unused_handle_on_its_decode_worker
     await task
     assert registry.claims[-1].revision == 7
     if case == "claim lost":
-        assert p.prefills == [] and r.released_handles == 0
+        assert p.calls == [] and r.released_handles == 0
         return
-    assert p.prefills[-1]["remote_block_ids"] == [[0]] and p.prefills[-1]["remote_num_tokens"] == BLOCK
+    prompt, kw = p.calls[-1]  # a streamed read, cancelled at its first token
+    assert kw["kv_transfer_params"]["remote_block_ids"] == [[0]] and kw["stream"]
+    assert kw["kv_transfer_params"]["remote_num_tokens"] == BLOCK and prompt == prompt_ids[:BLOCK + 1]
     assert r.released_handles == 1
 
 
@@ -510,7 +512,7 @@ async def test_the_release_claims_the_old_record_before_the_turn_records_the_new
                                                        {"role": "assistant", "content": "ok"},
                                                        {"role": "user", "content": "more"}], max_tokens=2))
     assert registry.order == ["claim", "record"] and r.released_handles == 1
-    assert p.prefills[-1]["remote_num_tokens"] == BLOCK
+    assert p.calls[-1][1]["kv_transfer_params"]["remote_num_tokens"] == BLOCK
 
 
 async def test_ending_a_session_frees_its_handle_then_deletes_the_record():
@@ -529,7 +531,7 @@ async def test_ending_a_session_frees_its_handle_then_deletes_the_record():
     assert await r.end_session("default", "s") == (True, True)
     assert registry.order == ["claim", "delete"]
     assert scheduler.prompts[-1] == history[:BLOCK + 1]  # a prefill worker is asked for with the record's own ids
-    assert p.prefills[-1]["remote_num_tokens"] == BLOCK
+    assert p.calls[-1][0] == history[:BLOCK + 1] and p.calls[-1][1]["kv_transfer_params"]["remote_num_tokens"] == BLOCK
     with pytest.raises(TurnError) as err:
         await r.end_session("default", "bad id with spaces")
     assert err.value.http_status == 400
