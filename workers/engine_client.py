@@ -29,9 +29,12 @@ from services.tls import ClientTls
 SERVICE_NAME = "vllm.grpc.engine.VllmEngine"
 # gRPC's reconnect backoff grows to 120 s while a server is down: a worker that is starting (or restarting) would be
 # seen up to minutes late. Cap it at 2 s.
+# gRPC core also takes min_reconnect_backoff_ms as the deadline of each connection attempt: at 250 ms a busy
+# worker's server that answered a fresh connection a little late counted as unreachable (and the gateway moved the
+# turn away from a live worker). Attempts get 2 s; retries still start 250 ms apart.
 FAST_RECONNECT_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 250),
-    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 2000),
     ("grpc.max_reconnect_backoff_ms", 2000),
 ]
 

@@ -133,7 +133,7 @@ class Paused:
     async def __aexit__(self, *exc) -> None:
         self.resume()
         try:
-            await self.wait(True)
+            await self.wait(True)  # answering again (and registered: the load monitor polls registered workers)
         finally:
             await self.channel.close()
 
@@ -306,14 +306,23 @@ async def test_a_hung_decode_worker_with_none_left_is_a_503_with_retry_after(sta
     stall timeout gives up on it and, with no decode worker left, answers 503 with Retry-After, in bounded time."""
     from tests.e2e.helpers import spawn_gateway
 
+    # Wait for the stack to be its own again: the killed extras gone, its own two workers registered and answering
+    # in the scheduler's view (a pause in an earlier test can outlast a lease on a loaded machine).
     channel = client_channel(stack.registry_address)
     registry = registry_pb2_grpc.SessionRegistryStub(channel)
+    own = {w.worker_id for w in stack.workers}
     deadline = time.monotonic() + 60
-    while extras["decode"].name in {w.worker_id for w in (await registry.ListWorkers(
-            registry_pb2.ListWorkersRequest(), timeout=5)).workers}:
-        assert time.monotonic() < deadline, "the killed decode worker is still registered"
+    while {w.worker_id for w in (await registry.ListWorkers(registry_pb2.ListWorkersRequest(), timeout=5)).workers
+           } != own:
+        assert time.monotonic() < deadline, "the stack's workers are not back to its own two"
         await asyncio.sleep(0.5)
     await channel.close()
+    for role in (common_pb2.WORKER_ROLE_PREFILL, common_pb2.WORKER_ROLE_DECODE):
+        view = Paused(stack, role)
+        try:
+            await view.wait(True)
+        finally:
+            await view.channel.close()
     child, base_url = await spawn_gateway(stack, "gateway-stall", "--decode-stall-timeout-s", "3")
     try:
         async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
