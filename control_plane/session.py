@@ -93,6 +93,17 @@ def expires_in(session: common_pb2.Session, now: float) -> float:
     return to_seconds(session.expires_at) - now
 
 
+FREE_MIN_LEFT_S = 10.0  # a handle closer to its expiry is left to expire (P declines reads 5 s before it)
+
+
+def freeable(session: common_pb2.Session, tokens: int, now: float) -> bool:
+    """Whether the record's handle can be freed by reading its first block from a prompt of ``tokens`` tokens
+    that repeats that block: an unclaimed handle covering at least a block, far enough from its expiry."""
+    bs = session.block_size
+    return (bool(session.kv_transfer_params_json) and not session.claimed and bs > 0 and tokens > bs
+            and session.covered_tokens >= bs and expires_in(session, now) >= FREE_MIN_LEFT_S)
+
+
 def lease_ttl_for(expires_at: float, now: float) -> int:
     """etcd lease TTL (whole seconds) that keeps a record until a little after ``expires_at``."""
     return max(1, math.ceil(expires_at - now)) + LEASE_GRACE_S

@@ -36,7 +36,6 @@ tracer = trace.get_tracer("kvshuttle.gateway")
 
 
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 32, 512
-RELEASE_MIN_LEFT_S = 10.0  # a handle closer to its expiry is left to expire (P declines reads 5 s before it)
 # TurnRunner.degraded: session reads that failed, turns that recomputed because the registry/etcd was unreachable,
 # and turns whose record could not be written (their next turn cannot pull them).
 DEGRADED_KINDS = ("session_read_failed", "recomputed_store_unavailable", "record_failed")
@@ -352,9 +351,7 @@ class TurnRunner:
             return None
         record = snapshot.session
         bs = record.block_size
-        if (not record.kv_transfer_params_json or record.claimed or not plan.figures.source_worker_alive
-                or bs <= 0 or len(prompt_ids) <= bs or record.covered_tokens < bs
-                or session_rules.expires_in(record, time.time()) < RELEASE_MIN_LEFT_S):
+        if not plan.figures.source_worker_alive or not session_rules.freeable(record, len(prompt_ids), time.time()):
             return None
         try:
             if matched_prefix_tokens(list(record.block_hashes), record.covered_tokens, bs, prompt_ids[:bs]) < bs:
@@ -411,11 +408,8 @@ class TurnRunner:
                 return False, False
             raise TurnError(503, grpc.StatusCode.UNAVAILABLE, f"session registry unavailable: {exc.details()}",
                             retry_after_s=1) from None
-        bs = record.block_size
-        if (record.kv_transfer_params_json and not record.claimed and bs > 0 and len(record.token_ids) > bs
-                and record.covered_tokens >= bs
-                and session_rules.expires_in(record, time.time()) >= RELEASE_MIN_LEFT_S):
-            first_block = list(record.token_ids[:bs + 1])
+        if session_rules.freeable(record, len(record.token_ids), time.time()):
+            first_block = list(record.token_ids[:record.block_size + 1])
             try:  # any live prefill worker will do: ask the scheduler for one
                 plan = await self.scheduler.PlanTurn(scheduler_pb2.PlanTurnRequest(
                     tenant=tenant, prompt_token_ids=first_block, disable_pull=True), timeout=self.control_timeout_s)
