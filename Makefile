@@ -1,7 +1,7 @@
 # kvshuttle: `make demo` runs the whole local stack and a multi-turn conversation; `make test` runs every test.
 PY := .venv/bin/python
 
-.PHONY: install demo up bench test test-fast protos lint clean
+.PHONY: install demo up bench test test-fast protos lint chart chart-schema clean
 
 install:
 	@bash scripts/bootstrap.sh
@@ -26,6 +26,14 @@ protos:
 
 lint:
 	@cd protos && ../.venv/bin/buf lint
+
+# The Helm chart's checks (lint, render 3 profiles, offline schema validation, command-line parity): tests/deploy.
+chart: install
+	@$(PY) -m pytest tests/deploy -q
+
+# Regenerate the `settings` schemas in deploy/helm/kvshuttle/values.schema.json from the commands' configs.
+chart-schema:
+	@$(PY) deploy/helm/schema.py
 
 clean:
 	rm -rf var/stack var/workers .pytest_cache

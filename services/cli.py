@@ -23,6 +23,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                                     "be 0), turns/s and the services' memory over time (starts the local stack)"),
     "bench-policies": ("services.bench.policy_sweep", "Pull-vs-recompute policies compared: the cost model vs fixed "
                                                       "thresholds, TTFT by history length"),
+    "health-check": ("services.health_check", "One grpc.health Check of a kvshuttle server, TLS included (exit 0 "
+                                              "only when SERVING): for Kubernetes exec probes"),
 }
 
 
@@ -33,21 +35,21 @@ def usage() -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run a subcommand; returns its exit status (the commands that return one: worker, health-check, ...)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help", "help"):
         print(usage())
-        return
+        return 0
     name, rest = args[0], args[1:]
     if name not in COMMANDS:
         print(f"kvshuttle: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         raise SystemExit(2)
     module = importlib.import_module(COMMANDS[name][0])
     if module.__name__ == "services.stack":
-        module.main(rest, command=name)
-    else:
-        module.main(rest)
+        return module.main(rest, command=name) or 0
+    return module.main(rest) or 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -43,6 +43,13 @@ class EtcdError(RuntimeError):
     """etcd did not start or did not become healthy; the message carries the tail of its log."""
 
 
+# Every turn writes its session record (the history's token ids: kilobytes). etcd keeps every old version until
+# compacted, and (3.4) the last 100,000 raft entries in memory: in a 16-session soak its memory grew ~64 MiB/min
+# without these, ~48 MiB/min with compaction alone (towards its 2 GiB quota). The Helm chart's bundled etcd runs the
+# same (tests/deploy checks).
+RETENTION_ARGS = ("--auto-compaction-mode", "periodic", "--auto-compaction-retention", "1m", "--snapshot-count", "2000")
+
+
 def _sweep_stale(base: Path) -> None:
     """Remove data dirs (and logs) whose owning process is gone: SIGKILL skips atexit, and /dev/shm is RAM."""
     for path in base.glob(f"{_DIR_PREFIX}*"):
@@ -188,10 +195,7 @@ class EtcdProcess:
             "--initial-cluster-token", self.cluster_token,
             "--heartbeat-interval", str(self.heartbeat_ms), "--election-timeout", str(self.election_ms),
             "--logger", "zap", "--log-level", "warn",
-            # Every turn writes its session record (the history's token ids: kilobytes). etcd keeps every old
-            # version until compacted, and (3.4) the last 100,000 raft entries in memory: in a 16-session soak its
-            # memory grew ~64 MiB/min without these, ~48 MiB/min with compaction alone (towards its 2 GiB quota).
-            "--auto-compaction-mode", "periodic", "--auto-compaction-retention", "1m", "--snapshot-count", "2000",
+            *RETENTION_ARGS,
             *(self.tls.args() if self.tls else []),
             *self.extra_args,
         ]

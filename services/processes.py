@@ -29,13 +29,15 @@ def die_with_parent(argv: Sequence[str], sig: int = signal.SIGTERM) -> list[str]
 
 
 class ChildProcess:
-    """``argv`` as a child in its own session/process group; stdout+stderr appended to ``log_path``."""
+    """``argv`` as a child in its own session/process group; stdout+stderr appended to ``log_path``, or written to
+    this process's stderr when ``log_path`` is None (in a container: the pod's log; our stdout stays the child's
+    own protocol, e.g. the worker's ready marker)."""
 
-    def __init__(self, name: str, argv: Sequence[str], log_path: str | Path, env: dict[str, str] | None = None,
-                 stop_grace_s: float = 20.0, cwd: str | Path | None = None):
+    def __init__(self, name: str, argv: Sequence[str], log_path: str | Path | None,
+                 env: dict[str, str] | None = None, stop_grace_s: float = 20.0, cwd: str | Path | None = None):
         self.name = name
         self.argv = list(argv)
-        self.log_path = Path(log_path)
+        self.log_path = Path(log_path) if log_path is not None else None
         self.env = env
         self.stop_grace_s = stop_grace_s
         self.cwd = cwd
@@ -43,15 +45,24 @@ class ChildProcess:
 
     async def start(self, stdout_pipe: bool = False) -> None:
         """Start; with ``stdout_pipe`` stdout stays readable (``self.proc.stdout``) and only stderr is logged."""
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            log.write(f"\n=== {shlex.join(self.argv)}\n".encode())
+        header = f"\n=== {shlex.join(self.argv)}\n"
+        if self.log_path is None:
+            print(header, end="", file=sys.stderr, flush=True)
+            log = None
+        else:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            log = open(self.log_path, "ab")
+            log.write(header.encode())
             log.flush()
+        try:
             self.proc = await asyncio.create_subprocess_exec(
                 *die_with_parent(self.argv), stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE if stdout_pipe else log,
-                stderr=log if stdout_pipe else asyncio.subprocess.STDOUT,
+                stdout=asyncio.subprocess.PIPE if stdout_pipe else log or sys.stderr.fileno(),
+                stderr=log or sys.stderr.fileno() if stdout_pipe or log is None else asyncio.subprocess.STDOUT,
                 env={**os.environ, **(self.env or {})}, cwd=self.cwd, start_new_session=True)
+        finally:
+            if log is not None:
+                log.close()
 
     @property
     def pid(self) -> int | None:
@@ -85,6 +96,8 @@ class ChildProcess:
         return self.proc.returncode
 
     def log_tail(self, lines: int = 40) -> str:
+        if self.log_path is None:
+            return "(the output went to this process's stderr)"
         with contextlib.suppress(OSError), open(self.log_path, "rb") as f:
             f.seek(0, os.SEEK_END)
             f.seek(max(0, f.tell() - 64 * 1024))

@@ -27,7 +27,7 @@ from services.config import load
 from services.telemetry import setup_tracing, shutdown_tracing
 from services.tls import ClientTls
 from workers.engine_client import EngineClient, EngineError, ServerInfo, fast_reconnect_channel
-from workers.vllm_process import VllmProcess, WorkerConfig
+from workers.vllm_process import VllmProcess, WorkerConfig, vllm_command
 
 log = logging.getLogger("kvshuttle.worker")
 
@@ -302,8 +302,17 @@ class Agent:
             exited.cancel()
 
 
+def print_vllm_command(cfg: WorkerConfig, out: TextIO | None = None) -> None:
+    """``--print-vllm-command``: the vLLM argv and added environment, as JSON (what the Helm chart must match)."""
+    argv, env = vllm_command(cfg)
+    print(json.dumps({"argv": argv, "env": env}, indent=2), file=out or sys.stdout, flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = load(WorkerConfig, argv, prog="kvshuttle worker", description=WorkerConfig.__doc__)
+    if cfg.print_vllm_command:
+        print_vllm_command(cfg)
+        return 0
     logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
     setup_tracing(f"kvshuttle-worker-{cfg.role}", cfg)

@@ -41,6 +41,7 @@ class WorkerConfig(TelemetryConfig, TlsClientConfig):
     cuda_visible_devices: str = setting("", "GPU vLLM: CUDA_VISIBLE_DEVICES for this worker's vLLM; empty: inherit")
     kv_cache_gib: int = setting(1, "CPU vLLM: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE); 0: unset")
     gpu_memory_utilization: float = setting(0.0, "GPU vLLM: --gpu-memory-utilization; 0: vLLM's default")
+    tensor_parallel_size: int = setting(1, "GPU vLLM: --tensor-parallel-size (GPUs per worker)")
     kv_buffer_device: str = setting("cpu", "NixlConnector kv_buffer_device", choices=("cpu", "cuda", "xpu"))
     dtype: str = setting("float32", "Model dtype (float32 for exact-equality tests; bfloat16 for speed)")
     block_size: int = setting(0, "KV block size in tokens; 0: vLLM's default")
@@ -62,6 +63,8 @@ class WorkerConfig(TelemetryConfig, TlsClientConfig):
     max_num_seqs: int = setting(0, "Max concurrent sequences; 0: vLLM's default")
     extra_args: str = setting("", "More vLLM arguments (shell-quoted)")
     python: str = setting("", "Python interpreter that runs vLLM (default: this one)")
+    vllm_log: str = setting("", "File vLLM's output is appended to; '-': this agent's own stdout/stderr (in a "
+                                "container, the pod's log); empty: <work dir>/vllm.log")
     registry: str = setting("127.0.0.1:50051", "Session registry gRPC address", env="KVSHUTTLE_REGISTRY_ADDRESS")
     lease_ttl_s: int = setting(10, "Registry lease TTL in seconds")
     worker_id: str = setting("", "Worker id (default: <role>-<advertise host>-<grpc port>)")
@@ -74,6 +77,8 @@ class WorkerConfig(TelemetryConfig, TlsClientConfig):
     nice: int = setting(0, "Run vLLM at this nice level (idle vLLM-CPU engines busy-poll their cores; a positive "
                            "value keeps the agent and control plane responsive on small machines)")
     log_level: str = setting("INFO", "Log level", env="KVSHUTTLE_LOG_LEVEL")
+    print_vllm_command: bool = setting(False, "Print the vLLM command line and environment this worker would run, "
+                                              "as JSON, and exit")
 
     def validate(self) -> None:
         if self.cpu_affinity:
@@ -87,6 +92,7 @@ class WorkerConfig(TelemetryConfig, TlsClientConfig):
         require(bool(self.model), "--model is required")
         require(0 < self.grpc_port < 65536 and 0 < self.nixl_port < 65536, "ports must be in 1..65535")
         require(self.lease_ttl_s >= 2, "--lease-ttl-s must be >= 2")
+        require(self.tensor_parallel_size >= 1, "--tensor-parallel-size must be >= 1")
         require(self.public_host not in WILDCARD_HOSTS, "--advertise-host is required when --host is a wildcard")
         require(self.kv_recompute_threshold >= 0, "--kv-recompute-threshold must be >= 0")
         require(self.kv_lease_duration_s >= 1 and self.decoder_kv_blocks_ttl >= 1, "KV lease and TTL must be >= 1 s")
@@ -160,6 +166,8 @@ def vllm_command(cfg: WorkerConfig) -> tuple[list[str], dict[str, str]]:
         argv += ["--max-num-seqs", str(cfg.max_num_seqs)]
     if cfg.gpu_memory_utilization:
         argv += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+    if cfg.tensor_parallel_size > 1:
+        argv += ["--tensor-parallel-size", str(cfg.tensor_parallel_size)]
     argv += shlex.split(cfg.extra_args)
 
     work = cfg.work_path
@@ -187,13 +195,15 @@ def vllm_command(cfg: WorkerConfig) -> tuple[list[str], dict[str, str]]:
 
 
 class VllmProcess(ChildProcess):
-    """vLLM as a child process in its own process group, its output appended to ``<work dir>/vllm.log``."""
+    """vLLM as a child process in its own process group, its output appended to ``--vllm-log`` (default
+    ``<work dir>/vllm.log``), or shared with the agent's when that is ``-``."""
 
     def __init__(self, cfg: WorkerConfig):
         argv, extra_env = vllm_command(cfg)
         if cfg.nice:
             argv = ["nice", "-n", str(cfg.nice), *argv]
-        super().__init__(f"vllm-{cfg.role}", argv, cfg.work_path / "vllm.log", env=extra_env,
+        log = None if cfg.vllm_log == "-" else Path(cfg.vllm_log) if cfg.vllm_log else cfg.work_path / "vllm.log"
+        super().__init__(f"vllm-{cfg.role}", argv, log, env=extra_env,
                          stop_grace_s=cfg.stop_grace_s)
         self.cfg = cfg
 

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
+import subprocess
 import sys
+from pathlib import Path
 
-from services.config import from_namespace
+import pytest
+
+from services.config import ConfigError, from_namespace
 from workers import vllm_process
 from workers.vllm_process import VllmProcess, WorkerConfig, vllm_command
 
@@ -46,6 +51,68 @@ def test_config_from_env():
     assert cfg.registry == "reg:1" and "--enforce-eager" not in argv and argv[-2:] == ["--seed", "3"]
 
 
+def test_tensor_parallel_size_only_when_above_one(tmp_path):
+    argv, _ = vllm_command(WorkerConfig(role="decode", model="/m", work_dir=str(tmp_path)))
+    assert "--tensor-parallel-size" not in argv  # the CPU command line is unchanged
+    cfg = from_namespace(WorkerConfig, environ={"KVSHUTTLE_WORKER_ROLE": "decode", "KVSHUTTLE_WORKER_MODEL": "/m",
+                                                "KVSHUTTLE_WORKER_TENSOR_PARALLEL_SIZE": "4"})
+    argv, _ = vllm_command(cfg)
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "4"
+    with pytest.raises(ConfigError, match="--tensor-parallel-size"):
+        WorkerConfig(role="decode", model="/m", tensor_parallel_size=0).validate()
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _print_command(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`kvshuttle worker ... --print-vllm-command` as a real process, without the caller's KVSHUTTLE_* settings."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("KVSHUTTLE_")}
+    return subprocess.run([sys.executable, "-m", "services.cli", "worker", *args], cwd=REPO, env={**clean, **(env or {})},
+                          capture_output=True, text=True, timeout=60)
+
+
+def _flags(argv: list[str]) -> dict[str, str]:
+    return {flag: argv[i + 1] for i, flag in enumerate(argv[:-1]) if flag.startswith("--")}
+
+
+def test_print_vllm_command_from_flags(tmp_path):
+    done = _print_command("--role", "decode", "--model", "/m", "--grpc-port", "50090", "--nixl-port", "5611",
+                          "--tensor-parallel-size", "2", "--work-dir", str(tmp_path), "--python", "python3",
+                          "--registry", "127.0.0.1:1", "--print-vllm-command")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert set(out) == {"argv", "env"}
+    cfg = WorkerConfig(role="decode", model="/m", grpc_port=50090, nixl_port=5611, tensor_parallel_size=2,
+                       work_dir=str(tmp_path), python="python3")
+    assert (out["argv"], out["env"]) == tuple(vllm_command(cfg))  # exactly what the worker would run
+    args = _flags(out["argv"])
+    assert args["--model"] == "/m" and args["--port"] == "50090" and args["--tensor-parallel-size"] == "2"
+    kv = json.loads(args["--kv-transfer-config"])
+    assert kv["kv_connector_extra_config"]["bidirectional_kv_xfer"] is True
+    assert out["env"]["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5611"
+    assert not (tmp_path / "prometheus").exists()  # nothing was started or prepared
+
+
+def test_print_vllm_command_from_env_only():
+    done = _print_command(env={"KVSHUTTLE_WORKER_ROLE": "prefill", "KVSHUTTLE_WORKER_MODEL": "/models/x",
+                               "KVSHUTTLE_WORKER_NIXL_PORT": "5700", "KVSHUTTLE_WORKER_EXTRA_ARGS": "--seed 3",
+                               "KVSHUTTLE_WORKER_PRINT_VLLM_COMMAND": "1"})
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    args = _flags(out["argv"])
+    assert args["--model"] == "/models/x" and args["--served-model-name"] == "x" and args["--seed"] == "3"
+    assert "--tensor-parallel-size" not in args
+    assert json.loads(args["--kv-transfer-config"])["kv_connector_extra_config"]["bidirectional_kv_xfer"] is True
+    assert out["env"]["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5700"
+    assert out["env"]["VLLM_CACHE_ROOT"].endswith("prefill-127.0.0.1-50061/cache")
+
+
+def test_print_vllm_command_still_validates():
+    done = _print_command("--role", "decode", "--print-vllm-command")  # no --model
+    assert done.returncode == 2 and "--model is required" in done.stderr and not done.stdout
+
+
 STUBBORN = """
 import os, signal, subprocess, sys, time
 child = subprocess.Popen([sys.executable, "-c",
@@ -78,3 +145,27 @@ async def test_stop_kills_the_whole_group(tmp_path, monkeypatch):
     except ProcessLookupError:
         pass
     assert str(child) in proc.log_tail()  # the child's output went to the log
+
+
+def test_vllm_log_dash_sends_vllm_output_to_the_agents_stderr(tmp_path):
+    """`--vllm-log -` (the Helm chart's setting): vLLM's command line and output land in the pod's log, on the
+    agent's stderr, so the agent's stdout keeps only its ready marker; no vllm.log file is written."""
+    script = ("import asyncio, sys\n"
+              "from workers import vllm_process\n"
+              "from workers.vllm_process import VllmProcess, WorkerConfig\n"
+              "vllm_process.vllm_command = lambda cfg: (['sh', '-c', 'echo from-vllm; echo err-vllm >&2'], {})\n"
+              f"cfg = WorkerConfig(role='decode', model='/m', work_dir={str(tmp_path)!r}, vllm_log='-')\n"
+              "async def main():\n"
+              "    p = VllmProcess(cfg)\n"
+              "    await p.start()\n"
+              "    print('marker', await p.wait())\n"
+              "asyncio.run(main())\n")
+    out = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[2],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "marker 0\n"
+    assert "=== sh -c" in out.stderr and "from-vllm" in out.stderr and "err-vllm" in out.stderr
+    assert not (tmp_path / "vllm.log").exists()
+    cfg = WorkerConfig(role="decode", model="/m", work_dir=str(tmp_path))
+    assert VllmProcess(cfg).log_path == tmp_path / "vllm.log"
+    assert VllmProcess(dataclasses.replace(cfg, vllm_log=str(tmp_path / "x.log"))).log_path == tmp_path / "x.log"

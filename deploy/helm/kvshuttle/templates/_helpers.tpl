@@ -1,0 +1,443 @@
+{{/* Names and labels. */}}
+{{- define "kvshuttle.name" -}}
+{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "kvshuttle.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Name of one component's objects: <fullname>-<component>. Call with (list $ "registry"). */}}
+{{- define "kvshuttle.component" -}}
+{{- printf "%s-%s" (include "kvshuttle.fullname" (index . 0)) (index . 1) -}}
+{{- end -}}
+
+{{- define "kvshuttle.labels" -}}
+{{- $ := index . 0 -}}
+helm.sh/chart: {{ printf "%s-%s" $.Chart.Name $.Chart.Version }}
+app.kubernetes.io/managed-by: {{ $.Release.Service }}
+app.kubernetes.io/version: {{ $.Chart.AppVersion | quote }}
+app.kubernetes.io/part-of: kvshuttle
+{{ include "kvshuttle.selectorLabels" . }}
+{{- end -}}
+
+{{- define "kvshuttle.selectorLabels" -}}
+{{- $ := index . 0 -}}
+app.kubernetes.io/name: {{ include "kvshuttle.name" $ }}
+app.kubernetes.io/instance: {{ $.Release.Name }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end -}}
+
+{{- define "kvshuttle.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "kvshuttle.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* image: call with (list $ .Values.images.controlPlane) */}}
+{{- define "kvshuttle.image" -}}
+{{- $ := index . 0 -}}{{- $img := index . 1 -}}
+{{- printf "%s:%s" $img.repository (default $.Chart.AppVersion $img.tag) -}}
+{{- end -}}
+
+{{/*
+Command-line flags from a `settings` map: `key: value` -> `--key=value`; booleans -> `--key` / `--no-key`.
+Numbers print as written (YAML integers arrive as floats; whole ones print without an exponent).
+One YAML list item per flag. The flags are those of `kvshuttle <command> --help`.
+*/}}
+{{- define "kvshuttle.flags" -}}
+{{- range $k, $v := . }}
+{{- if kindIs "bool" $v }}
+- {{ if $v }}{{ printf "--%s" $k | quote }}{{ else }}{{ printf "--no-%s" $k | quote }}{{ end }}
+{{- else if and (kindIs "float64" $v) (eq $v (floor $v)) }}
+- {{ printf "--%s=%d" $k (int64 $v) | quote }}
+{{- else }}
+- {{ printf "--%s=%v" $k $v | quote }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* Addresses of the control-plane services, as their callers dial them. */}}
+{{- define "kvshuttle.registryAddress" -}}
+{{- printf "%s:%d" (include "kvshuttle.component" (list . "registry")) (int .Values.registry.port) -}}
+{{- end -}}
+{{- define "kvshuttle.schedulerAddress" -}}
+{{- printf "%s:%d" (include "kvshuttle.component" (list . "scheduler")) (int .Values.scheduler.port) -}}
+{{- end -}}
+
+{{- define "kvshuttle.etcdEndpoints" -}}
+{{- if eq .Values.etcd.mode "external" -}}
+{{- join "," .Values.etcd.external.endpoints -}}
+{{- else -}}
+{{- $svc := include "kvshuttle.component" (list . "etcd") -}}
+{{- printf "%s:%d" $svc (int .Values.etcd.bundled.clientPort) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Environment every kvshuttle process shares: log level, tracing, TLS towards kvshuttle's gRPC services. */}}
+{{- define "kvshuttle.commonEnv" -}}
+- name: KVSHUTTLE_LOG_LEVEL
+  value: {{ .Values.logLevel | quote }}
+- name: KVSHUTTLE_TRACES_EXPORTER
+  value: {{ ternary "otlp" "none" .Values.tracing.enabled | quote }}
+{{- if .Values.tracing.enabled }}
+- name: KVSHUTTLE_OTLP_ENDPOINT
+  value: {{ .Values.tracing.otlpEndpoint | quote }}
+{{- end }}
+{{- if .Values.tls.enabled }}
+- name: KVSHUTTLE_TLS_CA
+  value: /etc/kvshuttle/tls/ca.crt
+{{- if .Values.tls.mutual }}
+- name: KVSHUTTLE_TLS_CLIENT_CERT
+  value: /etc/kvshuttle/tls/tls.crt
+- name: KVSHUTTLE_TLS_CLIENT_KEY
+  value: /etc/kvshuttle/tls/tls.key
+{{- end }}
+{{- if .Values.tls.serverName }}
+- name: KVSHUTTLE_TLS_SERVER_NAME
+  value: {{ .Values.tls.serverName | quote }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* TLS of a kvshuttle gRPC server (registry, scheduler, gateway). */}}
+{{- define "kvshuttle.serverTlsEnv" -}}
+{{- if .Values.tls.enabled }}
+- name: KVSHUTTLE_TLS_CERT
+  value: /etc/kvshuttle/tls/tls.crt
+- name: KVSHUTTLE_TLS_KEY
+  value: /etc/kvshuttle/tls/tls.key
+{{- if .Values.tls.mutual }}
+- name: KVSHUTTLE_TLS_CLIENT_CA
+  value: /etc/kvshuttle/tls/ca.crt
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* etcd connection of the registry: endpoints, TLS files, user and password file. */}}
+{{- define "kvshuttle.etcdEnv" -}}
+- name: KVSHUTTLE_ETCD_ENDPOINTS
+  value: {{ include "kvshuttle.etcdEndpoints" . | quote }}
+{{- if eq .Values.etcd.mode "external" }}
+{{- with .Values.etcd.external }}
+{{- if .tlsSecret }}
+- name: KVSHUTTLE_ETCD_CA
+  value: /etc/kvshuttle/etcd-tls/ca.crt
+- name: KVSHUTTLE_ETCD_CERT
+  value: /etc/kvshuttle/etcd-tls/tls.crt
+- name: KVSHUTTLE_ETCD_KEY
+  value: /etc/kvshuttle/etcd-tls/tls.key
+{{- if .serverName }}
+- name: KVSHUTTLE_ETCD_SERVER_NAME
+  value: {{ .serverName | quote }}
+{{- end }}
+{{- end }}
+{{- if .username }}
+- name: KVSHUTTLE_ETCD_USERNAME
+  value: {{ .username | quote }}
+- name: KVSHUTTLE_ETCD_PASSWORD_FILE
+  value: /etc/kvshuttle/etcd-auth/password
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "kvshuttle.etcdVolumeMounts" -}}
+{{- if eq .Values.etcd.mode "external" }}
+{{- if .Values.etcd.external.tlsSecret }}
+- {name: etcd-tls, mountPath: /etc/kvshuttle/etcd-tls, readOnly: true}
+{{- end }}
+{{- if .Values.etcd.external.username }}
+- {name: etcd-auth, mountPath: /etc/kvshuttle/etcd-auth, readOnly: true}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "kvshuttle.etcdVolumes" -}}
+{{- if eq .Values.etcd.mode "external" }}
+{{- if .Values.etcd.external.tlsSecret }}
+- name: etcd-tls
+  secret: {secretName: {{ .Values.etcd.external.tlsSecret | quote }}}
+{{- end }}
+{{- with .Values.etcd.external }}
+{{- if .username }}
+- name: etcd-auth
+  secret:
+    secretName: {{ .passwordSecret.name | quote }}
+    items: [{key: {{ .passwordSecret.key | quote }}, path: password}]
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "kvshuttle.tlsVolumeMounts" -}}
+{{- if .Values.tls.enabled }}
+- {name: tls, mountPath: /etc/kvshuttle/tls, readOnly: true}
+{{- end }}
+{{- end -}}
+
+{{- define "kvshuttle.tlsVolumes" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  secret: {secretName: {{ .Values.tls.secretName | quote }}}
+{{- end }}
+{{- end -}}
+
+{{/*
+Probes of a kvshuttle gRPC server: Kubernetes' own gRPC probe when plaintext; with TLS (which the kubelet's gRPC
+probe cannot speak) `kvshuttle health-check` in the container, with the pod's certificates.
+Call with (list $ port serviceName).
+*/}}
+{{- define "kvshuttle.grpcProbe" -}}
+{{- $ := index . 0 -}}{{- $port := index . 1 -}}{{- $svc := index . 2 -}}
+{{- if $.Values.tls.enabled }}
+exec:
+  command:
+    - kvshuttle
+    - health-check
+    - {{ printf "--address=127.0.0.1:%d" (int $port) | quote }}
+    - {{ printf "--tls-server-name=%s" (default $svc $.Values.tls.serverName) | quote }}
+{{- else }}
+grpc:
+  port: {{ $port }}
+{{- end }}
+{{- end -}}
+
+{{/* Pod scheduling fields: call with a component's values. */}}
+{{- define "kvshuttle.scheduling" -}}
+{{- with .nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{- define "kvshuttle.podCommon" -}}
+serviceAccountName: {{ include "kvshuttle.serviceAccountName" . }}
+{{- with .Values.images.pullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+securityContext:
+  {{- toYaml .Values.podSecurityContext | nindent 2 }}
+{{- end -}}
+
+{{/*
+The model's files. Workers read the whole model; the gateway only its tokenizer and chat template.
+kvshuttle.modelDir: where the model directory is inside the containers.
+*/}}
+{{- define "kvshuttle.modelDir" -}}
+{{- $m := .Values.model -}}
+{{- if eq $m.source "build" -}}
+/models/tiny
+{{- else if eq $m.source "huggingface" -}}
+/models/hf
+{{- else -}}
+{{- printf "/models/%s" $m.path | trimSuffix "/" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvshuttle.modelVolume" -}}
+{{- $m := .Values.model -}}
+- name: model
+{{- if eq $m.source "pvc" }}
+  persistentVolumeClaim: {claimName: {{ $m.pvc.claimName | quote }}, readOnly: true}
+{{- else if eq $m.source "hostPath" }}
+  hostPath: {path: {{ $m.hostPath.path | quote }}, type: Directory}
+{{- else }}
+  emptyDir: {}
+{{- end }}
+{{- end -}}
+
+{{- define "kvshuttle.modelMount" -}}
+- {name: model, mountPath: /models, readOnly: {{ has .Values.model.source (list "pvc" "hostPath") }}}
+{{- end -}}
+
+{{/* Init container that fills the model volume (huggingface, build). Call with (list $ image tokenizerOnly). */}}
+{{- define "kvshuttle.modelInit" -}}
+{{- $ := index . 0 -}}{{- $image := index . 1 -}}{{- $tokenizerOnly := index . 2 -}}
+{{- $m := $.Values.model -}}
+{{- if has $m.source (list "huggingface" "build") }}
+- name: model
+  image: {{ $image }}
+  imagePullPolicy: {{ $.Values.images.pullPolicy }}
+  securityContext:
+    {{- toYaml $.Values.securityContext | nindent 4 }}
+{{- if eq $m.source "build" }}
+  command: [kvshuttle, make-model, /models/tiny]
+{{- else }}
+  command:
+    - python
+    - -c
+    - |
+      import os
+      from huggingface_hub import snapshot_download
+      patterns = os.environ.get("KVSHUTTLE_MODEL_PATTERNS")
+      snapshot_download(repo_id=os.environ["KVSHUTTLE_MODEL_REPO"], revision=os.environ["KVSHUTTLE_MODEL_REVISION"],
+                        local_dir="/models/hf", allow_patterns=patterns.split(",") if patterns else None)
+  env:
+    - {name: KVSHUTTLE_MODEL_REPO, value: {{ $m.huggingface.repo | quote }}}
+    - {name: KVSHUTTLE_MODEL_REVISION, value: {{ $m.huggingface.revision | quote }}}
+    - {name: HF_HOME, value: /tmp/hf}
+{{- if $tokenizerOnly }}
+    - {name: KVSHUTTLE_MODEL_PATTERNS, value: "*.json,*.jinja,*.model,*.txt,*.tiktoken"}
+{{- end }}
+{{- if $m.huggingface.tokenSecret.name }}
+    - name: HF_TOKEN
+      valueFrom:
+        secretKeyRef: {name: {{ $m.huggingface.tokenSecret.name | quote }}, key: {{ $m.huggingface.tokenSecret.key | quote }}}
+{{- end }}
+{{- end }}
+  volumeMounts:
+    - {name: model, mountPath: /models}
+    - {name: tmp, mountPath: /tmp}
+{{- end }}
+{{- end -}}
+
+{{/* A checksum annotation, so pods restart when the chart-made config they read changes. */}}
+{{- define "kvshuttle.apiKeysSecretName" -}}
+{{- if .Values.gateway.apiKeys.existingSecret -}}
+{{- .Values.gateway.apiKeys.existingSecret -}}
+{{- else if .Values.gateway.apiKeys.entries -}}
+{{- include "kvshuttle.component" (list . "api-keys") -}}
+{{- end -}}
+{{- end -}}
+
+{{/* PodDisruptionBudget of a component with more than one replica. Call with (list $ component values). */}}
+{{- define "kvshuttle.pdb" -}}
+{{- $ := index . 0 -}}{{- $component := index . 1 -}}{{- $c := index . 2 -}}
+{{- if and $c.podDisruptionBudget.enabled (or (gt (int $c.replicas) 1) (and $c.autoscaling $c.autoscaling.enabled)) }}
+---
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: {{ include "kvshuttle.component" (list $ $component) }}
+  labels:
+    {{- with (include "kvshuttle.labels" (list $ $component) | trim) }}{{- . | nindent 4 }}{{- end }}
+spec:
+  maxUnavailable: {{ $c.podDisruptionBudget.maxUnavailable }}
+  selector:
+    matchLabels:
+      {{- with (include "kvshuttle.selectorLabels" (list $ $component) | trim) }}{{- . | nindent 6 }}{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/*
+One control-plane Deployment + Service (+ PodDisruptionBudget). Call with a dict:
+  root, component, values (the component's values), args, env, mounts, volumes, initContainers (YAML list items
+  as strings), ports (container ports), servicePorts, probe (the probe's action).
+*/}}
+{{- define "kvshuttle.controlPlane" -}}
+{{- $ := .root -}}{{- $c := .values -}}{{- $component := .component -}}
+{{- $name := include "kvshuttle.component" (list $ $component) -}}
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: {{ $name }}
+  labels:
+    {{- with (include "kvshuttle.labels" (list $ $component) | trim) }}{{- . | nindent 4 }}{{- end }}
+spec:
+  {{- if not (and $c.autoscaling $c.autoscaling.enabled) }}
+  replicas: {{ $c.replicas }}
+  {{- end }}
+  selector:
+    matchLabels:
+      {{- with (include "kvshuttle.selectorLabels" (list $ $component) | trim) }}{{- . | nindent 6 }}{{- end }}
+  template:
+    metadata:
+      labels:
+        {{- with (include "kvshuttle.selectorLabels" (list $ $component) | trim) }}{{- . | nindent 8 }}{{- end }}
+      annotations:
+        kvshuttle.io/config-checksum: {{ .checksum | default "" | sha256sum | trunc 16 | quote }}
+        {{- with $c.podAnnotations }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+    spec:
+      {{- with (include "kvshuttle.podCommon" $ | trim) }}{{- . | nindent 6 }}{{- end }}
+      {{- with (include "kvshuttle.scheduling" $c | trim) }}{{- . | nindent 6 }}{{- end }}
+      {{- with (.initContainers | default "" | trim) }}
+      initContainers:
+        {{- . | nindent 8 }}
+      {{- end }}
+      containers:
+        - name: {{ $component }}
+          image: {{ include "kvshuttle.image" (list $ $.Values.images.controlPlane) }}
+          imagePullPolicy: {{ $.Values.images.pullPolicy }}
+          args:
+            - {{ $component }}
+            {{- .args | trim | nindent 12 }}
+            {{- with (include "kvshuttle.flags" $c.settings | trim) }}{{- . | nindent 12 }}{{- end }}
+          env:
+            {{- with (include "kvshuttle.commonEnv" $ | trim) }}{{- . | nindent 12 }}{{- end }}
+            {{- with (include "kvshuttle.serverTlsEnv" $ | trim) }}{{- . | nindent 12 }}{{- end }}
+            {{- with (.env | default "" | trim) }}
+            {{- . | nindent 12 }}
+            {{- end }}
+          ports:
+            {{- .ports | trim | nindent 12 }}
+          startupProbe:
+            {{- .probe | trim | nindent 12 }}
+            periodSeconds: 2
+            failureThreshold: 90
+          readinessProbe:
+            {{- .probe | trim | nindent 12 }}
+            periodSeconds: 5
+            timeoutSeconds: 3
+          livenessProbe:
+            {{- .probe | trim | nindent 12 }}
+            periodSeconds: 10
+            timeoutSeconds: 5
+            failureThreshold: 6
+          resources:
+            {{- toYaml $c.resources | nindent 12 }}
+          securityContext:
+            {{- toYaml $.Values.securityContext | nindent 12 }}
+          {{- $mounts := printf "%s\n%s" (include "kvshuttle.tlsVolumeMounts" $) (.mounts | default "") | trim }}
+          {{- if $mounts }}
+          volumeMounts:
+            {{- $mounts | nindent 12 }}
+          {{- end }}
+      {{- $volumes := printf "%s\n%s" (include "kvshuttle.tlsVolumes" $) (.volumes | default "") | trim }}
+      {{- if $volumes }}
+      volumes:
+        {{- $volumes | nindent 8 }}
+      {{- end }}
+---
+apiVersion: v1
+kind: Service
+metadata:
+  name: {{ $name }}
+  labels:
+    {{- with (include "kvshuttle.labels" (list $ $component) | trim) }}{{- . | nindent 4 }}{{- end }}
+  {{- with $c.service }}{{ with .annotations }}
+  annotations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}{{ end }}
+spec:
+  type: {{ if $c.service }}{{ $c.service.type | default "ClusterIP" }}{{ else }}ClusterIP{{ end }}
+  selector:
+    {{- with (include "kvshuttle.selectorLabels" (list $ $component) | trim) }}{{- . | nindent 4 }}{{- end }}
+  ports:
+    {{- .servicePorts | trim | nindent 4 }}
+{{- include "kvshuttle.pdb" (list $ $component $c) }}
+{{- end -}}
+
+{{/* A list of strings as quoted YAML list items. */}}
+{{- define "kvshuttle.quotedList" -}}
+{{- range . }}
+- {{ . | quote }}
+{{- end }}
+{{- end -}}
