@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from control_plane import kv_params
+from control_plane import reasons as why
 from control_plane.prefix import matched_prefix_tokens
 
 
@@ -56,6 +57,8 @@ class Plan:
     prefill_params: dict[str, Any] = field(default_factory=kv_params.prefill_request_params)
     # A RECOMPUTE that could have pulled safely: the tokens that pull would have loaded (the option not taken).
     pullable_tokens: int = 0
+    # ``reason`` as one code of control_plane.reasons (bounded: metrics labels use it)
+    code: str = field(kw_only=True)
 
     @property
     def compute_tokens(self) -> int:
@@ -79,41 +82,43 @@ def decide(prompt: Sequence[int], handle: HandleView | None, policy: PullPolicy,
     if n == 0:
         raise ValueError("empty prompt")
 
-    def recompute(reason: str, matched: int = 0, pullable: int = 0) -> Plan:
-        return Plan(Choice.RECOMPUTE, reason, n, matched_tokens=matched, pullable_tokens=pullable)
+    def recompute(code: str, reason: str, matched: int = 0, pullable: int = 0) -> Plan:
+        return Plan(Choice.RECOMPUTE, reason, n, matched_tokens=matched, pullable_tokens=pullable, code=code)
 
     if disable_pull:
-        return recompute("pull disabled for this turn")
+        return recompute(why.PULL_DISABLED, "pull disabled for this turn")
     if handle is None:
-        return recompute("no recorded KV for this session")
+        return recompute(why.NO_RECORD, "no recorded KV for this session")
     if handle.claimed or not handle.kv_transfer_params_json:
-        return recompute("the session's KV handle was already used by another turn")
+        return recompute(why.HANDLE_USED, "the session's KV handle was already used by another turn")
     if handle.expires_in_s <= policy.expiry_guard_s:
-        return recompute(f"KV handle expired or expires within {policy.expiry_guard_s:g}s "
-                         f"({handle.expires_in_s:.1f}s left)")
+        return recompute(why.EXPIRED, f"KV handle expired or expires within {policy.expiry_guard_s:g}s "
+                                      f"({handle.expires_in_s:.1f}s left)")
     if not handle.source_alive:
-        return recompute("the decode worker holding the KV is not alive")
+        return recompute(why.DECODE_WORKER_UNAVAILABLE, "the decode worker holding the KV is not alive")
     if (handle.block_size <= 0 or handle.covered_tokens < 0
             or len(handle.block_hashes) != -(-handle.covered_tokens // handle.block_size)):
-        return recompute("the session record is inconsistent (block size, covered tokens and hash chain disagree)")
+        return recompute(why.INCONSISTENT_RECORD,
+                         "the session record is inconsistent (block size, covered tokens and hash chain disagree)")
     matched = matched_prefix_tokens(handle.block_hashes, handle.covered_tokens, handle.block_size, prompt,
                                     handle.prefix_digest)
     reusable = reusable_tokens(matched, handle.covered_tokens, n, handle.block_size)
     if reusable < policy.pull_threshold_tokens:
         if matched < min(handle.covered_tokens, n):
-            why = f"prompt diverges from the recorded tokens at block boundary {matched}"
+            code, what = why.DIVERGED, f"prompt diverges from the recorded tokens at block boundary {matched}"
         else:
-            why = "too few reusable tokens"
-        return recompute(f"{why}: {reusable} reusable < threshold {policy.pull_threshold_tokens}", matched,
+            code, what = why.BELOW_THRESHOLD, "too few reusable tokens"
+        return recompute(code, f"{what}: {reusable} reusable < threshold {policy.pull_threshold_tokens}", matched,
                          pullable=reusable)
     try:
         params = kv_params.pull_params(kv_params.parse_handle(handle.kv_transfer_params_json), reusable,
                                        handle.block_size)
     except kv_params.HandleError as exc:
-        return recompute(f"recorded KV handle unusable: {exc}", matched)
+        return recompute(why.HANDLE_UNUSABLE, f"recorded KV handle unusable: {exc}", matched)
     if reusable == handle.covered_tokens:
-        reason = f"prompt extends the recorded {handle.covered_tokens} tokens: pull them all"
+        code, reason = why.PULL_ALL, f"prompt extends the recorded {handle.covered_tokens} tokens: pull them all"
     else:
-        reason = (f"prompt matches {matched} of {handle.covered_tokens} recorded tokens: "
-                  f"pull the first {reusable} (whole blocks)")
-    return Plan(Choice.PULL, reason, n, matched_tokens=matched, reusable_tokens=reusable, prefill_params=params)
+        code, reason = why.PULL_PREFIX, (f"prompt matches {matched} of {handle.covered_tokens} recorded tokens: "
+                                         f"pull the first {reusable} (whole blocks)")
+    return Plan(Choice.PULL, reason, n, matched_tokens=matched, reusable_tokens=reusable, prefill_params=params,
+                code=code)

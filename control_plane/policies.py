@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
+from control_plane import reasons as why
 from control_plane.cost_model import Prediction, PrefillCostModel, PrefillPrior
 from control_plane.decision import Choice, Plan, PullPolicy
 
@@ -55,9 +56,9 @@ class Outcome:
     cached_estimate: int = 0  # the prefill worker's prefix-cache hit the plan predicted
 
 
-def demote(plan: Plan, reason: str) -> Plan:
+def demote(plan: Plan, code: str, reason: str) -> Plan:
     return Plan(Choice.RECOMPUTE, reason, plan.prompt_tokens, matched_tokens=plan.matched_tokens,
-                pullable_tokens=plan.reusable_tokens)
+                pullable_tokens=plan.reusable_tokens, code=code)
 
 
 class ThresholdPolicy:
@@ -106,8 +107,9 @@ class CostPolicy:
             return plan
         if self._explore(ctx.prefill_worker, ctx.source_worker, predicted):
             plan.reason = f"{plan.reason}; {figures}; pulling anyway to keep measuring this link"
+            plan.code = why.PULL_EXPLORE
             return plan
-        return demote(plan, f"cost model: recompute is faster ({figures})")  # by more than the margin
+        return demote(plan, why.COST_MODEL, f"cost model: recompute is faster ({figures})")  # by more than the margin
 
     def _explore(self, worker: str, source: str, predicted: Prediction) -> bool:
         if predicted.pull_ms is None or predicted.pull_ms > self.explore_ratio * predicted.recompute_ms:
@@ -128,9 +130,9 @@ def plan_turn(policy: Policy, plan: Plan, ctx: TurnContext) -> Plan:
     if plan.choice is Choice.PULL and ctx.prediction is not None and ctx.prediction.pull_ms is not None:
         ends_in_s = (ctx.wait_ms + ctx.prediction.pull_ms) / 1000
         if ctx.expires_in_s - ends_in_s <= policy.safety.expiry_guard_s:
-            return demote(plan, f"the pull would end {ends_in_s:.1f}s from now, within "
-                                f"{policy.safety.expiry_guard_s:g}s of the handle's expiry "
-                                f"({ctx.expires_in_s:.1f}s left): recompute")
+            return demote(plan, why.WOULD_EXPIRE, f"the pull would end {ends_in_s:.1f}s from now, within "
+                                                  f"{policy.safety.expiry_guard_s:g}s of the handle's expiry "
+                                                  f"({ctx.expires_in_s:.1f}s left): recompute")
     return plan
 
 

@@ -25,6 +25,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                                                       "thresholds, TTFT by history length"),
     "health-check": ("services.health_check", "One grpc.health Check of a kvshuttle server, TLS included (exit 0 "
                                               "only when SERVING): for Kubernetes exec probes"),
+    "traces": ("services.trace_view", "Receive OTLP/gRPC traces and print each turn's trace as a tree with timings "
+                                      "(no tracing backend needed)"),
 }
 
 

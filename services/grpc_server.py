@@ -1,4 +1,4 @@
-"""One way to run a kvshuttle gRPC server: grpc.aio with health, reflection and trace propagation.
+"""One way to run a kvshuttle gRPC server: grpc.aio with health, reflection, metrics and trace propagation.
 
 Trace context travels only in a process that traces (``services.telemetry.tracing_enabled()`` when the server or
 channel is built, i.e. after ``setup_tracing``): otherwise the OpenTelemetry interceptors are left out.
@@ -14,12 +14,10 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from opentelemetry.instrumentation.grpc import (
-    aio_client_interceptors,
-    aio_server_interceptor,
-)
+from opentelemetry.instrumentation.grpc import aio_server_interceptor
 
-from services.telemetry import tracing_enabled
+from services.metrics import GrpcMetricsInterceptor
+from services.telemetry import client_interceptors, tracing_enabled
 from services.tls import ClientTls, ServerTls
 
 log = logging.getLogger(__name__)
@@ -39,8 +37,9 @@ class Server:
                  max_message_bytes: int | None = None):
         self.service_names = list(service_names)
         options = _message_options(max_message_bytes)
-        self.server = grpc.aio.server(interceptors=[aio_server_interceptor()] if tracing_enabled() else None,
-                                      options=options)
+        # Metrics last (innermost): they get the registered handler itself, instrumented once per method.
+        interceptors = [*([aio_server_interceptor()] if tracing_enabled() else []), GrpcMetricsInterceptor()]
+        self.server = grpc.aio.server(interceptors=interceptors, options=options)
         for add in register:
             add(self.server)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
@@ -88,7 +87,7 @@ def client_channel(address: str, tls: ClientTls | None = None, *, max_message_by
                    options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
     """A grpc.aio channel (TLS when ``tls`` is given, else plaintext) that propagates the current trace context
     (when this process traces)."""
-    interceptors = aio_client_interceptors() if tracing_enabled() else None
+    interceptors = client_interceptors(address)
     opts = [*options, *_message_options(max_message_bytes)]
     if tls is None:
         return grpc.aio.insecure_channel(address, options=opts, interceptors=interceptors)

@@ -102,6 +102,10 @@ def _port(preferred: int) -> int:
     return preferred or free_port()
 
 
+def _host_port(url: str) -> str:
+    return url.removeprefix("http://").removesuffix("/metrics")
+
+
 class Stack:
     def __init__(self, cfg: StackConfig, *, scheduler_env: dict[str, str] | None = None):
         """``scheduler_env``: extra KVSHUTTLE_SCHEDULER_* settings for the scheduler (e.g. named policies)."""
@@ -117,6 +121,10 @@ class Stack:
         self.gateway_grpc = f"127.0.0.1:{_port(cfg.grpc_port)}"
         self.gateway_http = f"127.0.0.1:{_port(cfg.http_port)}"
         self.workers: list[common_pb2.Worker] = []
+        # Prometheus endpoints (GET /metrics): the gateway's on its HTTP port, the others on their own ports.
+        self.metrics: dict[str, str] = {"gateway": f"{self.base_url}/metrics",
+                                        "registry": f"http://127.0.0.1:{free_port()}/metrics",
+                                        "scheduler": f"http://127.0.0.1:{free_port()}/metrics"}
 
     @property
     def base_url(self) -> str:
@@ -145,14 +153,18 @@ class Stack:
                            decoder_kv_blocks_ttl: int | None = None) -> ChildProcess:
         """Start one ``kvshuttle worker`` (it registers itself) with the stack's settings: own ports and work dir,
         CPU binding ``bind`` (or GPU ``gpu``), and the stack's decode KV TTL unless ``decoder_kv_blocks_ttl``."""
-        device = ["--cuda-visible-devices", gpu, "--kv-buffer-device", "cuda"] if gpu else []
+        extra = ["--cuda-visible-devices", gpu, "--kv-buffer-device", "cuda"] if gpu else []
+        if self.cfg.traces_exporter == "otlp":  # vLLM's own spans join the turns' traces
+            extra += ["--vllm-otlp-traces-endpoint", self.cfg.otlp_endpoint]
+        self.metrics[name] = f"http://127.0.0.1:{free_port()}/metrics"
         return await self._spawn(name, "worker", "--role", role, "--model", str(self.model_dir),
+                                 "--metrics-listen", _host_port(self.metrics[name]),
                                  "--grpc-port", str(free_port()), "--nixl-port", str(free_port()),
                                  "--cpu-bind", bind, "--dtype", self.cfg.dtype, "--worker-id", name,
                                  "--decoder-kv-blocks-ttl", str(decoder_kv_blocks_ttl or self.cfg.decoder_kv_blocks_ttl),
                                  "--max-model-len", str(self.cfg.max_model_len),
                                  "--work-dir", str(self.work / "workers" / name), "--nice", str(self.cfg.worker_nice),
-                                 "--cpu-affinity", bind if self.cfg.cpu_bind == "split" else "", *device,
+                                 "--cpu-affinity", bind if self.cfg.cpu_bind == "split" else "", *extra,
                                  "--nixl-progress-delay-us", str(self.cfg.nixl_progress_delay_us),
                                  "--vllm-idle-spin-ms", str(self.cfg.vllm_idle_spin_ms),
                                  "--extra-args=" + (self.cfg.prefill_extra_args if role == "prefill"
@@ -168,11 +180,13 @@ class Stack:
                  self.etcd.endpoints)
 
         registry = await self._spawn("registry", "registry", "--listen", self.registry_address,
-                                     "--expiry-margin-s", str(self.cfg.expiry_margin_s))
+                                     "--expiry-margin-s", str(self.cfg.expiry_margin_s),
+                                     "--metrics-listen", _host_port(self.metrics["registry"]))
         await self._wait_grpc(registry, self.registry_address, deadline)
         # The scheduler claims KV handles in etcd itself (the registry's store code), one hop less per plan.
         scheduler = await self._spawn("scheduler", "scheduler", "--listen", self.scheduler_address,
-                                      "--etcd-endpoints", self.etcd.endpoints, env=self.scheduler_env)
+                                      "--etcd-endpoints", self.etcd.endpoints,
+                                      "--metrics-listen", _host_port(self.metrics["scheduler"]), env=self.scheduler_env)
         gateway = await self._spawn("gateway", "gateway", "--grpc-listen", self.gateway_grpc,
                                     "--http-listen", self.gateway_http, "--max-model-len",
                                     str(self.cfg.max_model_len))
@@ -288,8 +302,9 @@ async def _up(cfg: StackConfig) -> None:
         await stack.start()
         print(f"kvshuttle is up.\n  OpenAI API:  {stack.base_url}/v1  (model {stack.model_dir.name})\n"
               f"  gateway gRPC: {stack.gateway_grpc}\n  registry:     {stack.registry_address}\n"
-              f"  scheduler:    {stack.scheduler_address}\n  logs:         {stack.logs}\nCtrl-C stops everything.",
-              flush=True)
+              f"  scheduler:    {stack.scheduler_address}\n  logs:         {stack.logs}\n  metrics:      "
+              + "\n                ".join(f"{name:<10} {url}" for name, url in stack.metrics.items())
+              + "\nCtrl-C stops everything.", flush=True)
 
     try:
         await run_until_signal(start, stack.stop)

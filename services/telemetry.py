@@ -46,6 +46,28 @@ def tracing_enabled() -> bool:
     return not isinstance(trace.get_tracer_provider(), (trace.ProxyTracerProvider, trace.NoOpTracerProvider))
 
 
+def server_attributes(address: str) -> dict[str, str | int]:
+    """OpenTelemetry's ``server.address`` and ``server.port`` of a gRPC target such as ``host:port`` or ``[::1]:port``
+    (empty for targets without a port, e.g. ``unix:`` sockets)."""
+    target = address.split("///", 1)[-1]
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit() or target.startswith("unix:"):
+        return {}
+    return {"server.address": host.strip("[]"), "server.port": int(port)}
+
+
+def client_interceptors(address: str) -> list | None:
+    """OpenTelemetry's grpc.aio client interceptors for a channel to ``address``, or None when this process does not
+    trace: each call is a CLIENT span (rpc.system, rpc.service, rpc.method, rpc.grpc.status_code, plus
+    server.address / server.port) whose context travels in the call's metadata (W3C ``traceparent``)."""
+    if not tracing_enabled():
+        return None
+    from opentelemetry.instrumentation.grpc import aio_client_interceptors
+
+    server = server_attributes(address)
+    return aio_client_interceptors(request_hook=lambda span, _request: span.set_attributes(server))
+
+
 def hashed(value: str) -> str:
     """A stable, non-reversible id for span attributes and logs (session ids are conversation keys)."""
     return hashlib.sha256(value.encode()).hexdigest()[:16]

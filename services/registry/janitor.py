@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 
+from services import metrics
 from services.registry.store import RegistryStore, StoreError
 
 log = logging.getLogger(__name__)
@@ -76,4 +77,5 @@ class SessionJanitor:
         n = await self.store.drop_sessions_on_worker(worker_id)
         if n:
             self.dropped += n
+            metrics.SESSIONS_DROPPED.inc(n)
             log.info("worker %s is gone: dropped %d session record(s) whose KV it held", worker_id, n)

@@ -8,8 +8,11 @@ from collections.abc import Sequence
 
 from kvshuttle.v1 import registry_pb2_grpc
 
+from services import metrics
 from services.config import TelemetryConfig, require, setting
 from services.grpc_server import Server, service_main
+from services.metrics_http import MetricsServer, check_listen
+from services.registry.census import Census
 from services.registry.janitor import SessionJanitor
 from services.registry.servicer import SessionRegistryServicer
 from services.registry.store import RegistryStore, parse_endpoints
@@ -37,9 +40,15 @@ class RegistryConfig(TelemetryConfig, TlsConfig, EtcdSecurityConfig):
     departed_grace_s: float = setting(10.0, "A departed worker's sessions stay this long; if it registers again "
                                             "with the same engine meanwhile (its lease was lost, not its KV), "
                                             "they are kept")
+    metrics_listen: str = setting("", "Serve Prometheus metrics at http://HOST:PORT/metrics (port 0: a free one, "
+                                      "logged at start-up); empty: no metrics endpoint")
+    census_interval_s: float = setting(10.0, "With --metrics-listen: count the live workers and session records in "
+                                             "etcd this often (kvshuttle_live_* gauges)")
     log_level: str = setting("INFO", "Log level", env="KVSHUTTLE_LOG_LEVEL")
 
     def validate(self) -> None:
+        check_listen(self.metrics_listen)
+        require(self.census_interval_s > 0, "--census-interval-s must be > 0")
         try:
             parse_endpoints(self.etcd_endpoints)
         except ValueError:
@@ -70,15 +79,24 @@ class RegistryService:
                              tls=cfg.server_tls(), max_message_bytes=cfg.max_message_bytes)
         self.address = self.server.address
         self.janitor = SessionJanitor(self.store, cfg.departed_grace_s) if cfg.drop_departed_sessions else None
+        self.metrics = (MetricsServer(cfg.metrics_listen, metrics.registry_for("registry"), name="registry")
+                        if cfg.metrics_listen else None)
+        self.census = Census(self.store, cfg.census_interval_s) if self.metrics is not None else None
 
     async def start(self) -> None:
         await self.store.connect()
         await self.server.start()
         if self.janitor is not None:
             self.janitor.start()
+        if self.metrics is not None:
+            await self.metrics.start()
+            self.census.start()
         log.info("registry on %s, etcd %s, prefix %s", self.address, self.cfg.etcd_endpoints, self.cfg.key_prefix)
 
     async def stop(self, grace: float = 2.0) -> None:
+        if self.metrics is not None:
+            await self.census.stop()
+            await self.metrics.stop()
         if self.janitor is not None:
             await self.janitor.stop()
         await self.server.stop(grace)

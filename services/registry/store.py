@@ -37,6 +37,7 @@ from kvshuttle.v1 import common_pb2
 
 from control_plane.lru import BoundedLru
 from control_plane.session import CHANGED, claim_refusal
+from services import metrics
 from services.registry.etcd_channel import EtcdAuthError, etcd_channel
 from services.tls import EtcdSecurity
 
@@ -141,6 +142,17 @@ class RegistryStore:
         await self.close()
 
     async def _call(self, op: str, fn, *args, **kwargs):
+        """:meth:`_attempts`, timed and counted for the metrics (kvshuttle_etcd_*, by ``op``)."""
+        started, error = time.perf_counter(), ""
+        try:
+            return await self._attempts(op, fn, *args, **kwargs)
+        except StoreError as exc:
+            error = "unavailable" if isinstance(exc, StoreUnavailable) else "error"
+            raise
+        finally:
+            metrics.etcd_op(op, time.perf_counter() - started, error)
+
+    async def _attempts(self, op: str, fn, *args, **kwargs):
         """Run ``fn(*args, **kwargs)`` (an etcd3aio call) with a short per-attempt deadline, retrying transient
         failures until ``timeout_s``; map failures to StoreUnavailable / StoreError.
 
@@ -408,6 +420,14 @@ class RegistryStore:
             if session_id:
                 found.append((tenant, session_id))
         return found
+
+    async def count_sessions(self) -> int:
+        """How many session records there are, from the worker-sessions index (a serializable count: no keys are
+        returned; an index entry outlives its record only when revoking a replaced record's lease failed)."""
+        prefix = f"{self.prefix}worker-sessions/"
+        resp = await self._call("count sessions", self.kv.get, prefix, prefix_range_end(prefix), serializable=True,
+                                count_only=True)
+        return resp.count
 
     async def indexed_workers(self) -> set[str]:
         """Worker ids that the worker-sessions index names (keys only)."""

@@ -12,8 +12,10 @@ from control_plane.cost_model import PrefillCostModel
 from control_plane.planner import Planner
 from control_plane.policies import KINDS, PolicyError, make_policy, make_prior, parse_params, parse_policy_specs
 from control_plane.selection import SELECTORS, make_selector
+from services import metrics
 from services.config import TelemetryConfig, require, setting
 from services.grpc_server import Server, client_channel, service_main
+from services.metrics_http import MetricsServer, check_listen
 from services.registry.store import RegistryStore, parse_endpoints
 from services.scheduler.claims import EtcdClaims, RegistryClaims, SessionClaims
 from services.scheduler.load_monitor import LoadMonitor
@@ -57,9 +59,12 @@ class SchedulerConfig(TelemetryConfig, TlsConfig, EtcdSecurityConfig):
     pull_threshold_tokens: int = setting(16, "threshold policy: fewest reusable tokens worth a pull")
     expiry_guard_s: float = setting(2.0, "Refuse a pull when the handle expires within this many seconds")
     registry_timeout_s: float = setting(2.0, "Deadline for each registry (or etcd) call on the planning path")
+    metrics_listen: str = setting("", "Serve Prometheus metrics at http://HOST:PORT/metrics (port 0: a free one, "
+                                      "logged at start-up); empty: no metrics endpoint")
     log_level: str = setting("INFO", "Log level", env="KVSHUTTLE_LOG_LEVEL")
 
     def validate(self) -> None:
+        check_listen(self.metrics_listen)
         require(self.pull_threshold_tokens >= 1, "--pull-threshold-tokens must be >= 1")
         require(self.expiry_guard_s >= 0, "--expiry-guard-s must be >= 0")
         require(self.registry_timeout_s > 0, "--registry-timeout-s must be > 0")
@@ -112,6 +117,9 @@ class SchedulerService:
                              [lambda s: scheduler_pb2_grpc.add_TransferSchedulerServicer_to_server(servicer, s)],
                              tls=cfg.server_tls(), max_message_bytes=cfg.max_message_bytes)
         self.address = self.server.address
+        metrics.track_scheduler(self)
+        self.metrics = (MetricsServer(cfg.metrics_listen, metrics.registry_for("scheduler"), name="scheduler")
+                        if cfg.metrics_listen else None)
 
     @staticmethod
     def make_claims(cfg: SchedulerConfig, registry: registry_pb2_grpc.SessionRegistryStub) -> SessionClaims:
@@ -127,10 +135,14 @@ class SchedulerService:
         if self.loads is not None:
             self.loads.start()
         await self.server.start()
+        if self.metrics is not None:
+            await self.metrics.start()
         log.info("sessions are read and claimed via %s%s", self.claims.via,
                  f" ({self.cfg.etcd_endpoints}, prefix {self.cfg.key_prefix})" if self.cfg.etcd_endpoints else "")
 
     async def stop(self) -> None:
+        if self.metrics is not None:
+            await self.metrics.stop()
         await self.server.stop()
         if self.loads is not None:
             await self.loads.stop()

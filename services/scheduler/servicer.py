@@ -12,12 +12,14 @@ from kvshuttle.v1 import common_pb2, registry_pb2_grpc, scheduler_pb2, scheduler
 from opentelemetry import trace
 
 from control_plane import kv_params
+from control_plane import reasons as why
 from control_plane import session as session_rules
 from control_plane.decision import Choice, HandleView, Plan, decide
 from control_plane.load import WorkerLoad
 from control_plane.planner import Planner, TurnPlan
 from control_plane.policies import Outcome, Policy, PolicyError
 from control_plane.selection import UNKNOWN
+from services import metrics
 from services.scheduler.claims import ClaimsError, RegistryClaims, SessionClaims
 from services.scheduler.load_monitor import LoadMonitor
 from services.scheduler.worker_view import WorkerView
@@ -52,6 +54,7 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
         self._assigned: dict[str, int] = {}  # turns assigned per worker (stats)
 
     async def PlanTurn(self, request: scheduler_pb2.PlanTurnRequest, context: grpc.aio.ServicerContext):
+        started = time.perf_counter()
         prompt = request.prompt_token_ids[:]  # a list (slicing converts faster than list())
         if not prompt:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids must not be empty")
@@ -102,7 +105,7 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"no live {missing} worker")
             plan, policy, prefill, decode, predicted = turn.plan, turn.policy, turn.prefill, turn.decode, turn.prediction
             if reason_override and plan.choice is Choice.RECOMPUTE and handle is None:
-                plan.reason = reason_override
+                plan.code, plan.reason = reason_override
             stale = False
             if plan.choice is Choice.PULL:
                 plan, refusal = await self._claim(request, session, plan, prompt, expires_in, source, exclude,
@@ -128,6 +131,7 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
             if span.is_recording():
                 span.set_attributes({
                     "kvshuttle.decision": plan.choice.value, "kvshuttle.reason": plan.reason,
+                    "kvshuttle.reason_code": plan.code, "kvshuttle.tenant": request.tenant,
                     "kvshuttle.session": hashed(request.session_id) if request.session_id else "",
                     "kvshuttle.prompt_tokens": len(prompt), "kvshuttle.reusable_tokens": plan.reusable_tokens,
                     "kvshuttle.prefill_worker": prefill.worker_id, "kvshuttle.decode_worker": decode.worker_id,
@@ -136,8 +140,10 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
                     "kvshuttle.predicted_recompute_ms": figures.predicted_recompute_ms,
                     "kvshuttle.predicted_wait_ms": turn.wait_ms, "kvshuttle.worker_choice": turn.worker_choice,
                 })
+            metrics.plan_made(policy=policy.name, decision=plan.choice.value, reason_code=plan.code,
+                              seconds=time.perf_counter() - started)
             return scheduler_pb2.PlanTurnResponse(
-                decision=decision, reason=plan.reason, prefill=prefill, decode=decode,
+                decision=decision, reason=plan.reason, reason_code=plan.code, prefill=prefill, decode=decode,
                 prefill_kv_transfer_params_json=json.dumps(plan.prefill_params),
                 source=source if plan.choice is Choice.PULL or plan.pullable_tokens else None, figures=figures,
             )
@@ -197,7 +203,7 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
         if self._loads is not None:
             self._loads.note_assigned(worker_id, tokens)
 
-    async def _get_session(self, request) -> tuple[common_pb2.Session | None, float, str | None]:
+    async def _get_session(self, request) -> tuple[common_pb2.Session | None, float, tuple[str, str] | None]:
         try:
             found = await self._claims.get_session(request.tenant, request.session_id)
         except ClaimsError as exc:
@@ -235,9 +241,10 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
             resp = await self._claims.claim(request.tenant, request.session_id, session.revision, known=session)
         except ClaimsError as exc:
             log.warning("claim via %s failed (%s); recomputing", self._claims.via, exc.code.name)
-            return _demote(plan, _store_failure(exc, "could not claim the KV handle")), ""
+            return _demote(plan, *_store_failure(exc, "could not claim the KV handle")), ""
         if not resp.claimed:
-            return _demote(plan, f"KV handle claimed by a concurrent turn ({resp.reason}): recompute"), resp.reason
+            return _demote(plan, why.CLAIM_REFUSED, f"KV handle claimed by a concurrent turn ({resp.reason}): "
+                                                    "recompute"), resp.reason
         if not _same_kv(resp.session, session):  # never the case unless the snapshot was wrong
             claimed = common_pb2.Session()
             claimed.CopyFrom(resp.session)
@@ -249,7 +256,8 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
                 plan.choice, plan.reusable_tokens, plan.prefill_params):
             log.warning("session %s: the claimed record disagrees with the planned one; recomputing",
                         hashed(request.session_id))
-            return _demote(plan, "the claimed record differs from the one planned with: recompute"), ""
+            return _demote(plan, why.CLAIM_MISMATCH,
+                           "the claimed record differs from the one planned with: recompute"), ""
         log.debug("claimed session in %.2f ms", (time.perf_counter() - started) * 1000)
         return plan, ""
 
@@ -261,13 +269,13 @@ def _same_kv(a: common_pb2.Session, b: common_pb2.Session) -> bool:
             and a.prefix_digest == b.prefix_digest and a.block_hashes == b.block_hashes)
 
 
-def _store_failure(exc: ClaimsError, what: str) -> str:
-    """The reason of a turn that recomputes because a session read or claim failed (prefixed STORE_UNAVAILABLE when
-    the registry or etcd could not be reached, which the gateway counts)."""
+def _store_failure(exc: ClaimsError, what: str) -> tuple[str, str]:
+    """The reason (code, text) of a turn that recomputes because a session read or claim failed (the text prefixed
+    STORE_UNAVAILABLE when the registry or etcd could not be reached, which the gateway counts)."""
     if exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return f"{session_rules.STORE_UNAVAILABLE} ({exc.code.name}): {what}: recompute"
-    return f"{what} ({exc.code.name}): recompute"
+        return why.STORE_UNAVAILABLE, f"{session_rules.STORE_UNAVAILABLE} ({exc.code.name}): {what}: recompute"
+    return why.STORE_ERROR, f"{what} ({exc.code.name}): recompute"
 
 
-def _demote(plan: Plan, reason: str) -> Plan:
-    return Plan(Choice.RECOMPUTE, reason, plan.prompt_tokens, matched_tokens=plan.matched_tokens)
+def _demote(plan: Plan, code: str, reason: str) -> Plan:
+    return Plan(Choice.RECOMPUTE, reason, plan.prompt_tokens, matched_tokens=plan.matched_tokens, code=code)

@@ -253,6 +253,8 @@ def test_every_kvshuttle_container_parses_with_its_commands_config(profile, pod_
     containers = kvshuttle_containers(rendered(profile))
     assert sorted({c for c, _ in containers}) == ["gateway", "registry", "scheduler", "worker"]
     for command, c in containers:
+        names = [e["name"] for e in c.get("env", [])]
+        assert len(names) == len(set(names)), f"{profile} {command}: an env var set twice"
         env = container_env(c)
         known = {env_name(CONFIGS[command], f) for f in CONFIGS[command].__dataclass_fields__.values()}
         unknown = {k for k in env if k.startswith("KVSHUTTLE_")} - known
@@ -319,6 +321,10 @@ def expected_worker_flags(values: dict, role: str) -> list[str]:
              "--registry", f"{RELEASE}-kvshuttle-registry:{values['registry']['port']}"]
     if model.get("maxModelLen"):
         flags += ["--max-model-len", str(model["maxModelLen"])]
+    if values["metrics"]["enabled"]:
+        flags += ["--metrics-listen", f"0.0.0.0:{values['metrics']['port']}"]
+    if values["tracing"]["enabled"] and values["tracing"]["vllm"]:
+        flags += ["--vllm-otlp-traces-endpoint", values["tracing"]["otlpEndpoint"]]
     settings = {**values["workers"]["settings"], **values[role].get("settings", {})}
     for key, value in settings.items():
         if isinstance(value, bool):
@@ -426,3 +432,42 @@ def test_notes_render_for_every_profile():
                    "-f", str(ROOT / f"deploy/helm/profiles/{profile}.yaml"))
         assert out.returncode == 0, out.stderr
         assert "X-Session-Id" in out.stdout and f"{RELEASE}-kvshuttle-gateway" in out.stdout
+
+
+def test_metrics_are_scraped_where_they_are_served():
+    """Each ServiceMonitor selects a Service of the release and names one of its ports; the PodMonitor selects the
+    worker pods by labels they carry, on a port they declare; each process serving metrics listens on the port its
+    annotations and monitors name; the dashboard ConfigMap holds the dashboard file."""
+    docs = rendered("gpu-4p4d-external-etcd-tls")
+    services, monitors = objects(docs, "Service"), objects(docs, "ServiceMonitor")
+    assert sorted(monitors) == [f"{RELEASE}-kvshuttle-{c}" for c in ("gateway", "registry", "scheduler")]
+    for name, sm in monitors.items():
+        svc = next(s for s in services.values() if s["spec"]["selector"] == sm["spec"]["selector"]["matchLabels"])
+        assert sm["spec"]["endpoints"][0]["port"] in {p["name"] for p in svc["spec"]["ports"]}, name
+        assert sm["metadata"]["labels"]["release"] == "prometheus"
+    pod_monitor = objects(docs, "PodMonitor")[f"{RELEASE}-kvshuttle-workers"]
+    for role in ("prefill", "decode"):
+        template = objects(docs, "Deployment")[f"{RELEASE}-kvshuttle-{role}"]["spec"]["template"]
+        labels = template["metadata"]["labels"]
+        for expr in pod_monitor["spec"]["selector"]["matchExpressions"]:
+            assert labels[expr["key"]] in expr["values"], (role, expr)
+        ports = {p["name"]: p["containerPort"] for p in template["spec"]["containers"][0]["ports"]}
+        assert pod_monitor["spec"]["podMetricsEndpoints"][0]["port"] in ports
+    for command, c in kvshuttle_containers(docs):
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        listen = parse_flags(c["args"]).get("--metrics-listen")
+        if command == "gateway":
+            assert listen is None  # on its HTTP port, next to /health
+        else:
+            assert listen == f"0.0.0.0:{ports['metrics']}", command
+    for d in objects(docs, "Deployment").values():
+        annotations = d["spec"]["template"]["metadata"].get("annotations", {})
+        ports = {p["containerPort"] for c in d["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
+        assert annotations["prometheus.io/scrape"] == "true" and int(annotations["prometheus.io/port"]) in ports
+    dashboard = objects(docs, "ConfigMap")[f"{RELEASE}-kvshuttle-dashboard"]
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(dashboard["data"]["kvshuttle.json"]) == json.loads(
+        (CHART / "dashboards/kvshuttle.json").read_text())
+    off = rendered("gpu-1p1d", "--set", "metrics.enabled=false")
+    assert not objects(off, "ServiceMonitor") and all(
+        "--metrics-listen" not in " ".join(c["args"]) for _, c in kvshuttle_containers(off))

@@ -16,16 +16,21 @@ SERVICE = "vllm.grpc.engine.VllmEngine"
 class FakeEngine(vllm_engine_pb2_grpc.VllmEngineServicer):
     """Answers token i of a request with ``prompt[-1] + i + 1``; mimics the streamed-complete quirk (its
     output_ids and completion_tokens cover only the last chunk, as vLLM 0.32's servicer does). Request ids starting with ``fail`` are refused, ``slow`` ones stream
-    one token per 50 ms."""
+    one token per 50 ms. ``handle``: fields (remote_engine_id, remote_host, remote_port) that make the final message's
+    kv_transfer_params a decode worker's handle (with block ids for ``block_size``-token blocks) that the registry
+    records."""
 
-    def __init__(self):
+    def __init__(self, handle: dict | None = None, block_size: int = 16):
         self.requests: list[vllm_engine_pb2.GenerateRequest] = []
         self.cancelled: list[str] = []
         self.flushes = 0
+        self.metadata: dict[str, dict[str, str]] = {}  # each request's gRPC metadata (trace context), by request id
+        self.handle, self.block_size = handle, block_size
 
     async def Generate(self, request, context):
         self.requests.append(request)
         rid = request.request_id
+        self.metadata[rid] = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
         if rid.startswith("fail"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "refused by fake")
         prompt = list(request.tokenized.input_ids)
@@ -33,6 +38,8 @@ class FakeEngine(vllm_engine_pb2_grpc.VllmEngineServicer):
         out = [prompt[-1] + i + 1 for i in range(n)]
         params = json.loads(request.kv_transfer_params_json) if request.HasField("kv_transfer_params_json") else None
         reply = {"do_remote_decode": True, "remote_num_tokens": len(prompt) + n - 1, "got": params}
+        if self.handle is not None:
+            reply.update(self.handle, remote_block_ids=[list(range(-(-reply["remote_num_tokens"] // self.block_size)))])
         try:
             if request.stream:
                 for i, tok in enumerate(out):
@@ -65,8 +72,8 @@ class FakeEngine(vllm_engine_pb2_grpc.VllmEngineServicer):
 
 
 class FakeEngineServer:
-    def __init__(self):
-        self.engine = FakeEngine()
+    def __init__(self, handle: dict | None = None):
+        self.engine = FakeEngine(handle)
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server()
         vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(self.engine, self.server)

@@ -51,6 +51,16 @@ def test_config_from_env():
     assert cfg.registry == "reg:1" and "--enforce-eager" not in argv and argv[-2:] == ["--seed", "3"]
 
 
+def test_vllm_traces_only_with_an_endpoint(tmp_path):
+    argv, env = vllm_command(WorkerConfig(role="decode", model="/m", work_dir=str(tmp_path)))
+    assert "--otlp-traces-endpoint" not in argv and "OTEL_SERVICE_NAME" not in env
+    cfg = from_namespace(WorkerConfig, environ={"KVSHUTTLE_WORKER_ROLE": "prefill", "KVSHUTTLE_WORKER_MODEL": "/m",
+                                                "KVSHUTTLE_WORKER_VLLM_OTLP_TRACES_ENDPOINT": "http://otel:4317"})
+    argv, env = vllm_command(cfg)
+    assert argv[argv.index("--otlp-traces-endpoint") + 1] == "http://otel:4317"
+    assert env["OTEL_SERVICE_NAME"] == "vllm-prefill"
+
+
 def test_tensor_parallel_size_only_when_above_one(tmp_path):
     argv, _ = vllm_command(WorkerConfig(role="decode", model="/m", work_dir=str(tmp_path)))
     assert "--tensor-parallel-size" not in argv  # the CPU command line is unchanged

@@ -82,6 +82,10 @@ One YAML list item per flag. The flags are those of `kvshuttle <command> --help`
 
 {{/* Environment every kvshuttle process shares: log level, tracing, TLS towards kvshuttle's gRPC services. */}}
 {{- define "kvshuttle.commonEnv" -}}
+- name: POD_NAME
+  valueFrom: {fieldRef: {fieldPath: metadata.name}}
+- name: POD_IP
+  valueFrom: {fieldRef: {fieldPath: status.podIP}}
 - name: KVSHUTTLE_LOG_LEVEL
   value: {{ .Values.logLevel | quote }}
 - name: KVSHUTTLE_TRACES_EXPORTER
@@ -89,6 +93,14 @@ One YAML list item per flag. The flags are those of `kvshuttle <command> --help`
 {{- if .Values.tracing.enabled }}
 - name: KVSHUTTLE_OTLP_ENDPOINT
   value: {{ .Values.tracing.otlpEndpoint | quote }}
+- name: OTEL_TRACES_SAMPLER
+  value: {{ .Values.tracing.sampler | quote }}
+{{- with .Values.tracing.samplerArg }}
+- name: OTEL_TRACES_SAMPLER_ARG
+  value: {{ . | quote }}
+{{- end }}
+- name: OTEL_RESOURCE_ATTRIBUTES
+  value: {{ printf "k8s.namespace.name=%s,k8s.pod.name=$(POD_NAME),service.namespace=%s" .Release.Namespace .Release.Name | quote }}
 {{- end }}
 {{- if .Values.tls.enabled }}
 - name: KVSHUTTLE_TLS_CA
@@ -362,6 +374,9 @@ spec:
         {{- with (include "kvshuttle.selectorLabels" (list $ $component) | trim) }}{{- . | nindent 8 }}{{- end }}
       annotations:
         kvshuttle.io/config-checksum: {{ .checksum | default "" | sha256sum | trunc 16 | quote }}
+        {{- with (include "kvshuttle.metricsAnnotations" (list $ (.metricsPort | default $.Values.metrics.port) .metricsScheme) | trim) }}
+        {{- . | nindent 8 }}
+        {{- end }}
         {{- with $c.podAnnotations }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -439,5 +454,33 @@ spec:
 {{- define "kvshuttle.quotedList" -}}
 {{- range . }}
 - {{ . | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* prometheus.io/* pod annotations. Call with (list $ port scheme). */}}
+{{- define "kvshuttle.metricsAnnotations" -}}
+{{- $ := index . 0 -}}
+{{- if and $.Values.metrics.enabled $.Values.metrics.podAnnotations }}
+prometheus.io/scrape: "true"
+prometheus.io/port: {{ index . 1 | quote }}
+prometheus.io/path: /metrics
+prometheus.io/scheme: {{ index . 2 | default "http" | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* --metrics-listen of a process that serves metrics on the metrics port. */}}
+{{- define "kvshuttle.metricsArgs" -}}
+{{- if .Values.metrics.enabled }}
+- {{ printf "--metrics-listen=0.0.0.0:%d" (int .Values.metrics.port) | quote }}
+{{- end }}
+{{- end -}}
+{{- define "kvshuttle.metricsPort" -}}
+{{- if .Values.metrics.enabled }}
+- {name: metrics, containerPort: {{ .Values.metrics.port }}, protocol: TCP}
+{{- end }}
+{{- end -}}
+{{- define "kvshuttle.metricsServicePort" -}}
+{{- if .Values.metrics.enabled }}
+- {name: metrics, port: {{ .Values.metrics.port }}, targetPort: metrics, protocol: TCP}
 {{- end }}
 {{- end -}}

@@ -81,7 +81,7 @@ class ChatCompleteRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., disable_pull: _Optional[bool] = ..., policy: _Optional[str] = ...) -> None: ...
 
 class KvReport(_message.Message):
-    __slots__ = ("decision", "reason", "pulled_tokens", "computed_tokens", "retried_as_recompute", "prefill_worker_id", "decode_worker_id", "figures", "worker_failures")
+    __slots__ = ("decision", "reason", "pulled_tokens", "computed_tokens", "retried_as_recompute", "prefill_worker_id", "decode_worker_id", "figures", "worker_failures", "reason_code")
     DECISION_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     PULLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,7 @@ class KvReport(_message.Message):
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     FIGURES_FIELD_NUMBER: _ClassVar[int]
     WORKER_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    REASON_CODE_FIELD_NUMBER: _ClassVar[int]
     decision: _scheduler_pb2.Decision
     reason: str
     pulled_tokens: int
@@ -100,7 +101,8 @@ class KvReport(_message.Message):
     decode_worker_id: str
     figures: _scheduler_pb2.PlanFigures
     worker_failures: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, decision: _Optional[_Union[_scheduler_pb2.Decision, str]] = ..., reason: _Optional[str] = ..., pulled_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., retried_as_recompute: _Optional[bool] = ..., prefill_worker_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., figures: _Optional[_Union[_scheduler_pb2.PlanFigures, _Mapping]] = ..., worker_failures: _Optional[_Iterable[str]] = ...) -> None: ...
+    reason_code: str
+    def __init__(self, decision: _Optional[_Union[_scheduler_pb2.Decision, str]] = ..., reason: _Optional[str] = ..., pulled_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., retried_as_recompute: _Optional[bool] = ..., prefill_worker_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., figures: _Optional[_Union[_scheduler_pb2.PlanFigures, _Mapping]] = ..., worker_failures: _Optional[_Iterable[str]] = ..., reason_code: _Optional[str] = ...) -> None: ...
 
 class TurnTimings(_message.Message):
     __slots__ = ("plan_ms", "prefill_ms", "ttft_ms", "decode_ms", "record_ms", "total_ms", "prompt_ms", "session_ms")

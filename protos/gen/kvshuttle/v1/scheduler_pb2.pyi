@@ -109,7 +109,7 @@ class ReportOutcomeResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class PlanTurnResponse(_message.Message):
-    __slots__ = ("decision", "reason", "prefill", "decode", "prefill_kv_transfer_params_json", "source", "figures")
+    __slots__ = ("decision", "reason", "prefill", "decode", "prefill_kv_transfer_params_json", "source", "figures", "reason_code")
     DECISION_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +117,7 @@ class PlanTurnResponse(_message.Message):
     PREFILL_KV_TRANSFER_PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     FIGURES_FIELD_NUMBER: _ClassVar[int]
+    REASON_CODE_FIELD_NUMBER: _ClassVar[int]
     decision: Decision
     reason: str
     prefill: _common_pb2.Worker
@@ -124,7 +125,8 @@ class PlanTurnResponse(_message.Message):
     prefill_kv_transfer_params_json: str
     source: _common_pb2.Worker
     figures: PlanFigures
-    def __init__(self, decision: _Optional[_Union[Decision, str]] = ..., reason: _Optional[str] = ..., prefill: _Optional[_Union[_common_pb2.Worker, _Mapping]] = ..., decode: _Optional[_Union[_common_pb2.Worker, _Mapping]] = ..., prefill_kv_transfer_params_json: _Optional[str] = ..., source: _Optional[_Union[_common_pb2.Worker, _Mapping]] = ..., figures: _Optional[_Union[PlanFigures, _Mapping]] = ...) -> None: ...
+    reason_code: str
+    def __init__(self, decision: _Optional[_Union[Decision, str]] = ..., reason: _Optional[str] = ..., prefill: _Optional[_Union[_common_pb2.Worker, _Mapping]] = ..., decode: _Optional[_Union[_common_pb2.Worker, _Mapping]] = ..., prefill_kv_transfer_params_json: _Optional[str] = ..., source: _Optional[_Union[_common_pb2.Worker, _Mapping]] = ..., figures: _Optional[_Union[PlanFigures, _Mapping]] = ..., reason_code: _Optional[str] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

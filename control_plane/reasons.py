@@ -1,0 +1,51 @@
+"""Why a turn pulls or recomputes, as a small fixed vocabulary of codes (pure).
+
+Every plan carries a human-readable ``reason`` (free text with figures) and one of these codes: the codes are what
+metrics label turns with (``kvshuttle_plans_total{reason=...}``, ``kvshuttle_turns_total{reason=...}``), so the set
+must stay small and fixed. Add a code here, with its description, before any code path produces it.
+"""
+
+from __future__ import annotations
+
+# PULL: the prompt provably extends the recorded tokens; P pulls all of them.
+PULL_ALL = "pull_all"
+# PULL: the prompt shares whole blocks with the recorded tokens; P pulls those blocks.
+PULL_PREFIX = "pull_prefix"
+# PULL: the cost model predicts recomputing faster, but the pull is kept to keep measuring the P-D link.
+PULL_EXPLORE = "pull_explore"
+
+# RECOMPUTE, decided by the safety rules (control_plane.decision):
+PULL_DISABLED = "pull_disabled"  # the request disabled pulls (or a re-plan after a failed worker)
+NO_RECORD = "no_record"  # no recorded KV for the session (first turn, another tenant's id, dropped record)
+HANDLE_USED = "handle_used"  # the record's KV handle was already claimed by another turn
+EXPIRED = "expired"  # the handle has expired or expires within the expiry guard
+DECODE_WORKER_UNAVAILABLE = "decode_worker_unavailable"  # the KV's decode worker is gone, elsewhere or not answering
+INCONSISTENT_RECORD = "inconsistent_record"  # block size, covered tokens and hash chain disagree
+DIVERGED = "diverged"  # the prompt diverges from the recorded tokens before enough whole blocks
+BELOW_THRESHOLD = "below_threshold"  # the prompt extends the record, but too few tokens are reusable
+HANDLE_UNUSABLE = "handle_unusable"  # the recorded kv_transfer_params cannot be turned into a pull
+# RECOMPUTE, decided by a policy (control_plane.policies):
+COST_MODEL = "cost_model"  # the cost model predicts recomputing faster by more than the margin
+WOULD_EXPIRE = "would_expire"  # the pull would end (waiting included) within the expiry guard of the handle's expiry
+# RECOMPUTE, decided by the scheduler while reading or claiming the record:
+STORE_UNAVAILABLE = "store_unavailable"  # the registry or etcd could not be reached (UNAVAILABLE, DEADLINE_EXCEEDED)
+STORE_ERROR = "store_error"  # the registry or etcd answered the read or claim with another error
+CLAIM_REFUSED = "claim_refused"  # a concurrent turn claimed the handle first, or the record changed
+CLAIM_MISMATCH = "claim_mismatch"  # the claimed record gives another plan than the one planned with
+# RECOMPUTE, decided by the gateway during the turn:
+PULL_FAILED = "pull_failed"  # the planned pull failed at the prefill worker; the turn was run again as a recompute
+WORKER_FAILED = "worker_failed"  # the prefill worker failed; the turn was planned again and recomputed elsewhere
+
+# A code that is not in this vocabulary (e.g. from a newer or older scheduler) is counted as this.
+UNKNOWN = "unknown"
+
+PULL_CODES = (PULL_ALL, PULL_PREFIX, PULL_EXPLORE)
+RECOMPUTE_CODES = (PULL_DISABLED, NO_RECORD, HANDLE_USED, EXPIRED, DECODE_WORKER_UNAVAILABLE, INCONSISTENT_RECORD,
+                   DIVERGED, BELOW_THRESHOLD, HANDLE_UNUSABLE, COST_MODEL, WOULD_EXPIRE, STORE_UNAVAILABLE,
+                   STORE_ERROR, CLAIM_REFUSED, CLAIM_MISMATCH, PULL_FAILED, WORKER_FAILED)
+VOCABULARY = frozenset((*PULL_CODES, *RECOMPUTE_CODES, UNKNOWN))
+
+
+def known(code: str) -> str:
+    """``code`` when it is in the vocabulary, else ``unknown`` (metrics labels must stay bounded)."""
+    return code if code in VOCABULARY else UNKNOWN
