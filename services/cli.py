@@ -23,6 +23,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                                     "be 0), turns/s and the services' memory over time (starts the local stack)"),
     "bench-policies": ("services.bench.policy_sweep", "Pull-vs-recompute policies compared: the cost model vs fixed "
                                                       "thresholds, TTFT by history length"),
+    "smoke-test": ("services.smoke_test", "A short conversation through a running gateway (the Helm chart's `helm "
+                                          "test`): every turn answers, the later ones report their KV decision"),
     "health-check": ("services.health_check", "One grpc.health Check of a kvshuttle server, TLS included (exit 0 "
                                               "only when SERVING): for Kubernetes exec probes"),
     "traces": ("services.trace_view", "Receive OTLP/gRPC traces and print each turn's trace as a tree with timings "

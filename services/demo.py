@@ -84,7 +84,7 @@ async def run_demo(stack, cfg) -> int:
     print()
     print(f"kvshuttle demo: {cfg.turns}-turn conversation {session!r} through the gateway at {stack.base_url}")
     print(f"model {stack.model_dir.name} ({cfg.dtype}), P's prefix cache flushed before each turn: "
-          f"{cfg.flush_prefill_cache}")
+          f"{cfg.flush_prefill_cache}, scheduler policy: {cfg.policy}")
     header = f"{'turn':>4}  {'prompt':>6}  {'decision':<9}  {'pulled':>6}  {'computed':>8}  {'TTFT ms':>8}"
     if cfg.compare_recompute:
         header += f"  {'recompute TTFT ms':>17}  {'speed-up':>8}  {'same answer':>11}"
@@ -102,7 +102,36 @@ async def run_demo(stack, cfg) -> int:
     ok = all(pull.decision == "pull" for _, pull, _ in rows[1:])
     same = all(base is None or base.text == pull.text for _, pull, base in rows)
     print()
+    await print_metrics(stack)
+    print()
     print("every turn after the first pulled its history: " + ("yes" if ok else "NO"))
     if cfg.compare_recompute:
         print("answers identical with and without pulls: " + ("yes" if same else "NO"))
     return 0 if ok and same else 1
+
+
+async def print_metrics(stack) -> None:
+    """What the gateway's Prometheus endpoint says about the run (the warm-up and the recompute twin included)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url = stack.metrics["gateway"]
+    try:
+        async with httpx.AsyncClient(timeout=10) as client:
+            text = (await client.get(url)).text
+    except httpx.HTTPError as exc:
+        print(f"metrics: {url} did not answer ({exc!r})")
+        return
+    turns: dict[str, float] = {}
+    tokens: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "kvshuttle_turns_total":
+                turns[sample.labels["decision"]] = turns.get(sample.labels["decision"], 0) + sample.value
+            elif sample.name == "kvshuttle_turn_tokens_total":
+                tokens[sample.labels["kind"]] = sample.value
+    prompt = tokens.get("prompt", 0) or 1
+    print(f"metrics ({url}): turns {', '.join(f'{k} {v:.0f}' for k, v in sorted(turns.items()))}; prompt tokens "
+          f"{tokens.get('prompt', 0):.0f} = pulled {tokens.get('pulled', 0):.0f} "
+          f"({tokens.get('pulled', 0) / prompt:.0%}) + cached {tokens.get('cached', 0):.0f} + computed "
+          f"{tokens.get('computed', 0):.0f}")
+    print("other endpoints: " + ", ".join(f"{name} {u}" for name, u in stack.metrics.items() if name != "gateway"))

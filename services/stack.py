@@ -85,6 +85,11 @@ class DemoConfig(StackConfig):
     compare_recompute: bool = setting(True, "Run each turn again with pulls disabled, side by side")
     flush_prefill_cache: bool = setting(True, "Flush P's prefix cache before each turn (a busy P has no history "
                                               "cached)")
+    policy: str = setting("threshold", "The scheduler's policy in the demo: threshold (pull whenever enough of the "
+                                       "history is reusable) or cost. The demo empties P's prefix cache behind the "
+                                       "scheduler's back; the cost model cannot see that and expects P to still hold "
+                                       "the previous turn's prompt, so it may rightly-but-wrongly choose recompute",
+                          choices=("threshold", "cost"))
 
     def validate(self) -> None:
         super().validate()
@@ -317,7 +322,7 @@ async def _demo(cfg: DemoConfig) -> int:
 
     task = asyncio.current_task()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)  # stop the stack, then exit
-    stack = Stack(cfg)
+    stack = Stack(cfg, scheduler_env={"KVSHUTTLE_SCHEDULER_POLICY": cfg.policy})
     try:
         await stack.start()
         return await run_demo(stack, cfg)

@@ -471,3 +471,28 @@ def test_metrics_are_scraped_where_they_are_served():
     off = rendered("gpu-1p1d", "--set", "metrics.enabled=false")
     assert not objects(off, "ServiceMonitor") and all(
         "--metrics-listen" not in " ".join(c["args"]) for _, c in kvshuttle_containers(off))
+
+
+def test_helm_test_pod_runs_the_smoke_test_against_the_gateway_service():
+    """`helm test` runs `kvshuttle smoke-test` at the gateway Service's HTTP port, with the test key when the gateway
+    needs one; with keys but no test key there is no test pod (it could only fail)."""
+    from services.smoke_test import SmokeTestConfig
+
+    for profile, scheme in (("cpu-dev", "http"), ("gpu-4p4d-external-etcd-tls", "https")):
+        docs = rendered(profile)
+        pod = objects(docs, "Pod")[f"{RELEASE}-kvshuttle-smoke-test"]
+        assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+        assert pod["spec"]["restartPolicy"] == "Never"
+        container = pod["spec"]["containers"][0]
+        assert container["args"][0] == "smoke-test"
+        parser = argparse.ArgumentParser(exit_on_error=False)
+        add_arguments(SmokeTestConfig, parser)
+        cfg = from_namespace(SmokeTestConfig, parser.parse_args(container["args"][1:]), environ={})
+        gateway = objects(docs, "Service")[f"{RELEASE}-kvshuttle-gateway"]
+        http_port = next(p["port"] for p in gateway["spec"]["ports"] if p["name"] == "http")
+        assert cfg.url == f"{scheme}://{RELEASE}-kvshuttle-gateway:{http_port}"
+        assert cfg.model == merged_values(profile)["model"]["name"]
+        assert cfg.insecure == (scheme == "https")
+        env = {e["name"]: e for e in container.get("env", [])}
+        assert ("KVSHUTTLE_SMOKE_TEST_API_KEY" in env) == (profile != "cpu-dev")
+    assert "Pod" not in {d["kind"] for d in rendered("gpu-1p1d")}  # keys from a Secret, no test key given

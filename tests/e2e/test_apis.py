@@ -4,6 +4,7 @@ health on the real services, bad input, traces, and the demo itself."""
 from __future__ import annotations
 
 import json
+import re
 
 import grpc
 import httpx
@@ -184,3 +185,5 @@ async def test_the_demo_conversation_runs_on_the_stack(stack, capsys):
     out = capsys.readouterr().out
     assert "every turn after the first pulled its history: yes" in out
     assert "answers identical with and without pulls: yes" in out
+    assert re.search(r"^metrics \(http://\S+/metrics\): turns pull \d+, recompute \d+; prompt tokens \d+ = pulled "
+                     r"\d+ \(\d+%\) \+ cached \d+ \+ computed \d+$", out, re.M), out
