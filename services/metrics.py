@@ -67,6 +67,9 @@ KV_PULLED_BYTES = Counter("kvshuttle_kv_pulled_bytes", "KV pulled from decode wo
                           "the model's KV bytes per token (config.json: 2 x layers x KV heads x head dim x dtype "
                           "size); not counted when the config does not say. Exact bytes: vLLM's "
                           "vllm:nixl_bytes_transferred on the prefill workers", registry=None)
+HTTP_REQUESTS = Counter("kvshuttle_http_requests", "HTTP requests answered by the gateway, by method, route "
+                        "template (`unmatched`: no route) and status code; refusals before the turn logic included "
+                        "(401, 413, malformed bodies)", ["method", "route", "code"], registry=None)
 WORKER_FAILURES = Counter("kvshuttle_worker_failures", "Workers that failed during a turn (the turn moved away from "
                           "them, or failed when none was left)", ["role"], registry=None)
 
@@ -278,8 +281,8 @@ def track_worker(link: Any) -> None:
 # -- groups and endpoints ------------------------------------------------------------------------------------------
 
 GROUPS: dict[str, tuple[Collector, ...]] = {
-    "gateway": (TURNS, TURN_TOKENS, KV_PULLED_BYTES, TTFT, TURN_DURATION, TURN_FAILURES, WORKER_FAILURES,
-                GATEWAY_STATE),
+    "gateway": (TURNS, TURN_TOKENS, KV_PULLED_BYTES, TTFT, TURN_DURATION, TURN_FAILURES, HTTP_REQUESTS,
+                WORKER_FAILURES, GATEWAY_STATE),
     "scheduler": (PLANS, PLAN_SECONDS, SCHEDULER_STATE),
     "registry": (LIVE_WORKERS, LIVE_SESSIONS, SESSIONS_DROPPED),
     "etcd": (ETCD_SECONDS, ETCD_ERRORS),

@@ -18,6 +18,7 @@ from services.auth import OPEN, KeyRing
 from services.config import TelemetryConfig, require, setting
 from services.gateway.grpc_api import GatewayServicer
 from services.gateway.http_guard import HttpGuard, principal
+from services.gateway.http_metrics import HttpMetrics
 from services.gateway.http_tracing import HttpTracing
 from services.gateway.openai_api import SESSION_ID_PATTERN, create_app
 from services.gateway.rest_bridge import (
@@ -207,6 +208,7 @@ class GatewayService:
         install_openapi(self.app, [REGISTRY_SERVICE, SERVICE_NAME], constraints=OPENAPI_CONSTRAINTS)
         front: object = HttpGuard(self.app, self.keys, cfg.max_body_bytes,
                                   open_paths=("/health",) if self.metrics else ("/health", METRICS_PATH))
+        front = HttpMetrics(front, self.app.routes)  # outside the guard: refusals are counted too
         if tracing_enabled():  # one SERVER span per HTTP request, continuing the caller's traceparent
             front = HttpTracing(front)
         self.http = HttpServer(front, cfg.http_listen,

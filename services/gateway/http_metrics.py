@@ -1,0 +1,53 @@
+"""Every HTTP request the gateway answers, counted by method, route template and status code (ASGI middleware,
+outermost: API-key refusals, oversized bodies and malformed requests count too, which the turn metrics cannot see).
+
+Labels stay bounded: the route is the matched route's template (``/v1/sessions/{session_id}``, never the path), or
+``unmatched``; methods outside HTTP's own set are ``_OTHER``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from starlette.routing import Match
+
+from services import metrics
+from services.gateway.http_tracing import KNOWN_METHODS
+
+UNMATCHED = "unmatched"
+
+
+def route_template(scope: dict, routes: Sequence[Any]) -> str:
+    """The template of the route that served (or would have served) the request."""
+    route = scope.get("route")
+    if route is None:  # refused before routing (a missing key, a body over the limit): find the route it was for
+        route = next((r for r in routes if r.matches(scope)[0] == Match.FULL), None)
+    return getattr(route, "path_format", None) or getattr(route, "path", None) or UNMATCHED
+
+
+class HttpMetrics:
+    """Wraps the gateway's ASGI front; ``routes`` are the app's (to name requests refused before routing)."""
+
+    def __init__(self, app: Any, routes: Sequence[Any]):
+        self.app = app
+        self.routes = routes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status: list[int] = []
+
+        async def send_and_note(message) -> None:
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            method = scope["method"] if scope["method"] in KNOWN_METHODS else "_OTHER"
+            # No status sent: the app failed before answering (the server answers 500) or the client went away.
+            code = str(status[0]) if status else "500"
+            metrics.HTTP_REQUESTS.labels(method, route_template(scope, self.routes), code).inc()
