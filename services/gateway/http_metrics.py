@@ -13,7 +13,7 @@ from typing import Any
 from starlette.routing import Match
 
 from services import metrics
-from services.gateway.http_tracing import KNOWN_METHODS
+from services.gateway.http_tracing import KNOWN_METHODS, noting_status
 
 UNMATCHED = "unmatched"
 
@@ -37,13 +37,7 @@ class HttpMetrics:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        status: list[int] = []
-
-        async def send_and_note(message) -> None:
-            if message["type"] == "http.response.start":
-                status.append(message["status"])
-            await send(message)
-
+        send_and_note, status = noting_status(send)
         try:
             await self.app(scope, receive, send_and_note)
         finally:

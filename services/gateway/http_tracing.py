@@ -35,13 +35,7 @@ class HttpTracing:
         method = scope["method"] if scope["method"] in KNOWN_METHODS else "_OTHER"
         span = self.tracer.start_span(method, context=propagate.extract(headers), kind=trace.SpanKind.SERVER,
                                       attributes=request_attributes(scope, headers, method))
-        status: list[int] = []
-
-        async def send_and_note(message) -> None:
-            if message["type"] == "http.response.start":
-                status.append(message["status"])
-            await send(message)
-
+        send_and_note, status = noting_status(send)
         try:
             with trace.use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False):
                 await self.app(scope, receive, send_and_note)
@@ -53,6 +47,18 @@ class HttpTracing:
         finally:
             _finish(span, scope, method, status[0] if status else None)
             span.end()
+
+
+def noting_status(send):
+    """``send`` wrapped to note the response's status code: (the wrapped send, a list that receives the status)."""
+    status: list[int] = []
+
+    async def send_and_note(message) -> None:
+        if message["type"] == "http.response.start":
+            status.append(message["status"])
+        await send(message)
+
+    return send_and_note, status
 
 
 def request_attributes(scope, headers: Headers, method: str) -> dict[str, Any]:
