@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.gateway.server import kv_bytes_per_token
+from control_plane.kv_size import kv_bytes_per_token
 from services.telemetry import server_attributes
 
 
