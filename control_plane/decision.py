@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from control_plane import kv_params
+from control_plane import kv_eviction, kv_params
 from control_plane import reasons as why
 from control_plane.prefix import matched_prefix_tokens
 
@@ -45,6 +45,8 @@ class HandleView:
     source_alive: bool
     # One hash of the covered tokens (Session.prefix_digest; empty: walk the chain)
     prefix_digest: bytes = b""
+    # Why the scheduler freed the handle's KV before this turn (Session.kv_freed: "idle", "pressure", "room")
+    kv_freed: str = ""
 
 
 @dataclass
@@ -89,6 +91,11 @@ def decide(prompt: Sequence[int], handle: HandleView | None, policy: PullPolicy,
         return recompute(why.PULL_DISABLED, "pull disabled for this turn")
     if handle is None:
         return recompute(why.NO_RECORD, "no recorded KV for this session")
+    if handle.kv_freed:
+        idle = handle.kv_freed == kv_eviction.IDLE
+        return recompute(why.KV_FREED_IDLE if idle else why.KV_FREED_PRESSURE,
+                         "KV freed: idle" if idle else f"KV freed under pressure ({handle.kv_freed}): the decode "
+                         "worker's KV cache needed the room")
     if handle.claimed or not handle.kv_transfer_params_json:
         return recompute(why.HANDLE_USED, "the session's KV handle was already used by another turn")
     if handle.expires_in_s <= policy.expiry_guard_s:

@@ -24,6 +24,8 @@ INCONSISTENT_RECORD = "inconsistent_record"  # block size, covered tokens and ha
 DIVERGED = "diverged"  # the prompt diverges from the recorded tokens before enough whole blocks
 BELOW_THRESHOLD = "below_threshold"  # the prompt extends the record, but too few tokens are reusable
 HANDLE_UNUSABLE = "handle_unusable"  # the recorded kv_transfer_params cannot be turned into a pull
+KV_FREED_IDLE = "kv_freed_idle"  # the scheduler freed the session's KV on its decode worker: idle past the limit
+KV_FREED_PRESSURE = "kv_freed_pressure"  # ... to make room on a decode worker whose KV cache was filling
 # RECOMPUTE, decided by a policy (control_plane.policies):
 COST_MODEL = "cost_model"  # the cost model predicts recomputing faster by more than the margin
 WOULD_EXPIRE = "would_expire"  # the pull would end (waiting included) within the expiry guard of the handle's expiry
@@ -40,7 +42,7 @@ WORKER_FAILED = "worker_failed"  # the prefill worker failed; the turn was plann
 UNKNOWN = "unknown"
 
 PULL_CODES = (PULL_ALL, PULL_PREFIX, PULL_EXPLORE)
-RECOMPUTE_CODES = (PULL_DISABLED, NO_RECORD, HANDLE_USED, EXPIRED, DECODE_WORKER_UNAVAILABLE, INCONSISTENT_RECORD,
+RECOMPUTE_CODES = (PULL_DISABLED, NO_RECORD, HANDLE_USED, KV_FREED_IDLE, KV_FREED_PRESSURE, EXPIRED, DECODE_WORKER_UNAVAILABLE, INCONSISTENT_RECORD,
                    DIVERGED, BELOW_THRESHOLD, HANDLE_UNUSABLE, COST_MODEL, WOULD_EXPIRE, STORE_UNAVAILABLE,
                    STORE_ERROR, CLAIM_REFUSED, CLAIM_MISMATCH, PULL_FAILED, WORKER_FAILED)
 VOCABULARY = frozenset((*PULL_CODES, *RECOMPUTE_CODES, UNKNOWN))

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from kvshuttle.v1 import common_pb2, registry_pb2
 
+from control_plane.kv_eviction import REASONS as FREE_REASONS
 from control_plane.kv_params import HandleError, blocks_for, parse_handle
 from control_plane.prefix import block_hash_chain, prefix_digest
 
@@ -71,6 +72,12 @@ def validate_worker(worker: common_pb2.Worker) -> None:
         raise InvalidArgument(f"a decode worker needs kv_blocks_ttl_s > 0, got {worker.kv_blocks_ttl_s}")
     if worker.kv_blocks_ttl_s < 0 or not 0 <= worker.nixl_port <= 65535:
         raise InvalidArgument("worker.kv_blocks_ttl_s must be >= 0 and nixl_port within 0..65535")
+
+
+def validate_free_reason(reason: str) -> None:
+    """A claim that frees the KV names why: one of control_plane.kv_eviction.REASONS (or "" for a pull's claim)."""
+    if reason and reason not in FREE_REASONS:
+        raise InvalidArgument(f"free_reason must be empty or one of {', '.join(FREE_REASONS)}, got {reason[:64]!r}")
 
 
 def worker_lease_ttl(requested: int, default: int) -> int:
@@ -176,6 +183,10 @@ def build_session(req: registry_pb2.RecordTurnRequest, worker: common_pb2.Worker
     )
     set_seconds(session.expires_at, expires_at)
     set_seconds(session.updated_at, now)
+    if previous is not None and (previous.HasField("created_at") or previous.HasField("updated_at")):
+        session.created_at.CopyFrom(previous.created_at if previous.HasField("created_at") else previous.updated_at)
+    else:
+        set_seconds(session.created_at, now)
     size = session.ByteSize()
     if size > MAX_RECORD_BYTES:
         raise InvalidArgument(f"the session record would be {size} bytes; the store takes at most "

@@ -21,6 +21,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-services": ("services.bench.services_bench", "Microbenchmarks of the registry and scheduler (no vLLM)"),
     "soak": ("services.bench.soak", "Many concurrent sessions through the gateway for minutes: failed turns (must "
                                     "be 0), turns/s and the services' memory over time (starts the local stack)"),
+    "bench-eviction": ("services.bench.eviction_sim", "Decode-KV eviction policies compared in a simulation (the real "
+                                                      "choice code, no vLLM): value vs LRU"),
     "bench-policies": ("services.bench.policy_sweep", "Pull-vs-recompute policies compared: the cost model vs fixed "
                                                       "thresholds, TTFT by history length"),
     "smoke-test": ("services.smoke_test", "A short conversation through a running gateway (the Helm chart's `helm "

@@ -6,7 +6,8 @@ metric (name, type, labels, help, component) for the README table and dashboard 
 
 Labels are bounded: decisions (pull, recompute), reason codes (:mod:`control_plane.reasons`), token kinds, failure
 kinds, worker roles and states, gRPC methods that are registered on the server, etcd operation names, and the
-scheduler's configured policy names. Never a tenant, session, worker id or free text.
+scheduler's configured policy names. Never a tenant, session or free text; a worker id only on the decode-KV
+gauges (one series per decode worker: bounded by the cluster's size).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from control_plane import reasons
+from control_plane import kv_eviction, reasons
 
 # No *_created series: they double the series count and no dashboard needs them.
 disable_created_metrics()
@@ -76,6 +77,10 @@ WORKER_FAILURES = Counter("kvshuttle_worker_failures", "Workers that failed duri
 # -- scheduler -------------------------------------------------------------------------------------------------
 PLANS = Counter("kvshuttle_plans", "PlanTurn answers, by policy, decision and reason code",
                 ["policy", "decision", "reason"], registry=None)
+KV_PULLS_LOST = Counter("kvshuttle_kv_pulls_lost", "Turns that found their session's KV freed by the scheduler's KV "
+                        "manager (they recompute), by why it was freed: idle, or pressure (room for a turn "
+                        "included)", ["reason"],
+                        registry=None)
 PLAN_SECONDS = Histogram("kvshuttle_plan_seconds", "PlanTurn's work in the scheduler (session read, prefix check, "
                          "policy, workers, claim)", ["decision"], buckets=FAST_BUCKETS, registry=None)
 
@@ -106,6 +111,8 @@ for _kind in TOKEN_KINDS:
     TURN_TOKENS.labels(_kind)
 for _kind in FAILURE_KINDS:
     TURN_FAILURES.labels(_kind)
+for _reason in (kv_eviction.IDLE, kv_eviction.PRESSURE):
+    KV_PULLS_LOST.labels(_reason)
 for _role in ROLES:
     WORKER_FAILURES.labels(_role)
     LIVE_WORKERS.labels(_role)
@@ -164,6 +171,11 @@ def plan_made(*, policy: str, decision: str, reason_code: str, seconds: float) -
     PLAN_SECONDS.labels(decision).observe(seconds)
 
 
+def pull_lost(reason: str) -> None:
+    if reason in kv_eviction.REASONS:
+        KV_PULLS_LOST.labels(reason).inc()
+
+
 def etcd_op(op: str, seconds: float, error: str = "") -> None:
     """One etcd operation (``op`` is one of the store's fixed operation names); ``error``: unavailable or error."""
     op = op.replace(" ", "_").replace("-", "_")
@@ -220,11 +232,31 @@ def _scheduler_families() -> list:
             CounterMetricFamily("kvshuttle_policy_judged_turns", "Reported turns that had an alternative, by policy",
                                 labels=["policy"]),
             CounterMetricFamily("kvshuttle_policy_regret_turns", "Judged turns the alternative would have served "
-                                "faster (by the cost model), by policy", labels=["policy"])]
+                                "faster (by the cost model), by policy", labels=["policy"]),
+            GaugeMetricFamily("kvshuttle_decode_kv_held_sessions", "Sessions whose unspent KV handle a decode worker "
+                              "holds between turns (the scheduler's KV manager, read every round), by decode worker",
+                              labels=["decode_worker"]),
+            GaugeMetricFamily("kvshuttle_decode_kv_held_tokens", "KV cache tokens (whole blocks) those handles take, "
+                              "by decode worker", labels=["decode_worker"]),
+            GaugeMetricFamily("kvshuttle_decode_kv_held_bytes", "KV bytes those handles take (tokens x the worker's "
+                              "KV bytes per token), by decode worker", labels=["decode_worker"]),
+            GaugeMetricFamily("kvshuttle_decode_kv_used_tokens", "KV cache tokens in use on a decode worker as its "
+                              "engine reports them (vLLM GetLoads; held handles, running and waiting requests)",
+                              labels=["decode_worker"]),
+            GaugeMetricFamily("kvshuttle_decode_kv_capacity_tokens", "KV cache capacity of a decode worker in tokens",
+                              labels=["decode_worker"]),
+            CounterMetricFamily("kvshuttle_kv_evictions", "Held KV handles the scheduler freed on decode workers, by "
+                                "reason: idle (past the idle limit), pressure (KV usage over the high-water mark or "
+                                "held KV over its budget), room (a turn needed the space)", labels=["reason"]),
+            CounterMetricFamily("kvshuttle_kv_evicted_tokens", "KV cache tokens freed by those evictions, by reason",
+                                labels=["reason"]),
+            CounterMetricFamily("kvshuttle_kv_eviction_failures", "Freeing reads that failed (the handle then ends "
+                                "with its decode worker's TTL)")]
 
 
 def _read_scheduler(families: list, services: Iterable[Any]) -> None:
-    workers, judged, regrets = families
+    workers, judged, regrets, *kv = families
+    _read_decode_kv(kv, services)
     counts = {(role, state): 0 for role in ROLES for state in WORKER_STATES}
     turns: dict[str, int] = {}
     regretted: dict[str, int] = {}
@@ -243,6 +275,35 @@ def _read_scheduler(families: list, services: Iterable[Any]) -> None:
     for name in sorted(turns):
         judged.add_metric([name], turns[name])
         regrets.add_metric([name], regretted[name])
+
+
+def _read_decode_kv(families: list, services: Iterable[Any]) -> None:
+    """The decode-KV families from each service's KV manager (``.kv``, None when it manages none)."""
+    sessions, tokens, nbytes, used, capacity, evictions, evicted, failures = families
+    by_reason = dict.fromkeys(kv_eviction.REASONS, 0)
+    tokens_by_reason = dict.fromkeys(kv_eviction.REASONS, 0)
+    failed = 0
+    for service in services:
+        manager = getattr(service, "kv", None)
+        if manager is None:
+            continue
+        for worker_id, state in sorted(manager.decode.items()):
+            sessions.add_metric([worker_id], len(state.held))
+            tokens.add_metric([worker_id], state.held_tokens)
+            nbytes.add_metric([worker_id], sum(h.bytes for h in state.held))
+            usage = manager.usage(worker_id)
+            if usage is not None:
+                used.add_metric([worker_id], usage[0])
+                capacity.add_metric([worker_id], usage[1])
+            for reason, n in state.evictions.items():
+                by_reason[reason] = by_reason.get(reason, 0) + n
+            for reason, n in state.evicted_by_reason.items():
+                tokens_by_reason[reason] = tokens_by_reason.get(reason, 0) + n
+            failed += state.failures
+    for reason in sorted(by_reason):
+        evictions.add_metric([reason], by_reason[reason])
+        evicted.add_metric([reason], tokens_by_reason.get(reason, 0))
+    failures.add_metric([], failed)
 
 
 def _worker_families() -> list:
@@ -283,7 +344,7 @@ def track_worker(link: Any) -> None:
 GROUPS: dict[str, tuple[Collector, ...]] = {
     "gateway": (TURNS, TURN_TOKENS, KV_PULLED_BYTES, TTFT, TURN_DURATION, TURN_FAILURES, HTTP_REQUESTS,
                 WORKER_FAILURES, GATEWAY_STATE),
-    "scheduler": (PLANS, PLAN_SECONDS, SCHEDULER_STATE),
+    "scheduler": (PLANS, PLAN_SECONDS, KV_PULLS_LOST, SCHEDULER_STATE),
     "registry": (LIVE_WORKERS, LIVE_SESSIONS, SESSIONS_DROPPED),
     "etcd": (ETCD_SECONDS, ETCD_ERRORS),
     "grpc": (GRPC_HANDLED, GRPC_SECONDS),

@@ -155,9 +155,10 @@ class Stack:
         return child
 
     async def spawn_worker(self, role: str, name: str, bind: str, gpu: str = "",
-                           decoder_kv_blocks_ttl: int | None = None) -> ChildProcess:
+                           decoder_kv_blocks_ttl: int | None = None, extra_args: str | None = None) -> ChildProcess:
         """Start one ``kvshuttle worker`` (it registers itself) with the stack's settings: own ports and work dir,
-        CPU binding ``bind`` (or GPU ``gpu``), and the stack's decode KV TTL unless ``decoder_kv_blocks_ttl``."""
+        CPU binding ``bind`` (or GPU ``gpu``), the stack's decode KV TTL unless ``decoder_kv_blocks_ttl``, and the
+        role's extra vLLM arguments unless ``extra_args``."""
         extra = ["--cuda-visible-devices", gpu, "--kv-buffer-device", "cuda"] if gpu else []
         if self.cfg.traces_exporter == "otlp":  # vLLM's own spans join the turns' traces
             extra += ["--vllm-otlp-traces-endpoint", self.cfg.otlp_endpoint]
@@ -172,7 +173,8 @@ class Stack:
                                  "--cpu-affinity", bind if self.cfg.cpu_bind == "split" else "", *extra,
                                  "--nixl-progress-delay-us", str(self.cfg.nixl_progress_delay_us),
                                  "--vllm-idle-spin-ms", str(self.cfg.vllm_idle_spin_ms),
-                                 "--extra-args=" + (self.cfg.prefill_extra_args if role == "prefill"
+                                 "--extra-args=" + (extra_args if extra_args is not None
+                                                    else self.cfg.prefill_extra_args if role == "prefill"
                                                     else self.cfg.decode_extra_args))
 
     async def start(self) -> None:

@@ -23,6 +23,7 @@ from typing import Any, Protocol, TextIO
 import grpc
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
+from control_plane.kv_size import kv_bytes_per_token
 from services import metrics
 from services.config import load
 from services.telemetry import setup_tracing, shutdown_tracing
@@ -274,7 +275,8 @@ class Agent:
         return common_pb2.Worker(
             worker_id=cfg.id, role=ROLE_ENUM[cfg.role], engine_id=info.engine_id, grpc_address=cfg.grpc_address,
             nixl_host=cfg.nixl_host, nixl_port=cfg.nixl_port, block_size=info.block_size,
-            kv_blocks_ttl_s=cfg.decoder_kv_blocks_ttl, model=cfg.model_name)
+            kv_blocks_ttl_s=cfg.decoder_kv_blocks_ttl, model=cfg.model_name,
+            kv_bytes_per_token=_kv_bytes_per_token(cfg.model, info.model_dtype))
 
     def _announce(self, resp: registry_pb2.RegisterWorkerResponse) -> None:
         if self.link.registrations != 1:
@@ -347,3 +349,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _kv_bytes_per_token(model_dir: str, dtype: str) -> int:
+    """One token's KV in bytes at the served dtype, from the model directory's config.json (0: unknown)."""
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            return kv_bytes_per_token(json.load(f), dtype)
+    except (OSError, ValueError):
+        return 0

@@ -11,6 +11,7 @@ on a prefill worker) arrives as a normal Final, not as an exception: the caller 
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -171,6 +172,22 @@ class EngineClient:
             if not call.done():
                 call.cancel()
         yield final
+
+    async def read_to_free(self, request_id: str, first_block: Sequence[int], kv_transfer_params: dict, *,
+                           timeout_s: float | None = None) -> bool:
+        """Free a decode worker's held KV handle: this (prefill) worker reads the handle's first block, whose tokens
+        ``first_block`` repeats (plus one token to compute), and the decode worker frees all of the handle's blocks
+        after any read. ``kv_transfer_params``: the handle cut to that block (control_plane.kv_params.pull_params).
+
+        A streamed request cancelled at its first token: by then the read is done (and D told), and a cancelled
+        request's blocks are freed at once here (one that finished would keep them for its KV lease, waiting for a
+        decode worker that never comes). False when the read failed. Raises EngineError like ``generate``."""
+        stream = self.generate(request_id, first_block, max_tokens=16, ignore_eos=True,
+                               kv_transfer_params=kv_transfer_params, stream=True, timeout_s=timeout_s)
+        async with contextlib.aclosing(stream):
+            async for item in stream:
+                return not (isinstance(item, Final) and item.finish_reason == "error")
+        return False
 
     async def prefill(self, request_id: str, prompt_ids: Sequence[int], *,
                       kv_transfer_params: dict | None, timeout_s: float | None = None, temperature: float = 0.0,

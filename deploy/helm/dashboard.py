@@ -89,6 +89,29 @@ PANELS = [
     panel("gRPC handling p99 by method",
           [(quantile(0.99, "kvshuttle_grpc_server_handling_seconds", "service, method"), "{{method}}")], unit="s",
           width=16),
+    row("Decode KV between turns"),
+    panel("Decode KV usage (engine) and held by sessions",
+          [("max by (decode_worker) (" + sel("kvshuttle_decode_kv_used_tokens") + ") / max by (decode_worker) ("
+            + sel("kvshuttle_decode_kv_capacity_tokens") + ")", "{{decode_worker}} used"),
+           ("max by (decode_worker) (" + sel("kvshuttle_decode_kv_held_tokens") + ") / max by (decode_worker) ("
+            + sel("kvshuttle_decode_kv_capacity_tokens") + ")", "{{decode_worker}} held")], unit="percentunit",
+          description="used: the engine's KV cache in use (vLLM GetLoads); held: the share of it sessions hold "
+                      "between turns (the scheduler's KV manager frees it past --kv-high-water / --kv-held-budget); "
+                      "every scheduler replica reports the same view (max)"),
+    panel("Held KV by decode worker",
+          [("max by (decode_worker) (" + sel("kvshuttle_decode_kv_held_bytes") + ")", "{{decode_worker}}")],
+          unit="bytes"),
+    panel("Sessions holding decode KV",
+          [("max by (decode_worker) (" + sel("kvshuttle_decode_kv_held_sessions") + ")", "{{decode_worker}}")]),
+    panel("Held KV freed by reason",
+          [(f"sum by (reason) ({rate('kvshuttle_kv_evictions_total')})", "{{reason}}")], unit="ops", stack=True,
+          description="idle: past --kv-idle-limit-s; pressure: KV usage over the high-water mark or held KV over "
+                      "its budget; room: a turn needed the space"),
+    panel("Pulls lost to evictions",
+          [(f"sum by (reason) ({rate('kvshuttle_kv_pulls_lost_total')})", "{{reason}}")], unit="reqps",
+          description="Turns that found their session's KV freed (they recompute, with reason kv_freed_*)"),
+    panel("Freeing reads that failed", [(f"sum({rate('kvshuttle_kv_eviction_failures_total')})", "failed/s")],
+          unit="ops"),
     row("Fleet and failures"),
     panel("Registered workers by role", [("max by (role) (" + sel("kvshuttle_live_workers") + ")", "{{role}}")],
           description="From etcd (the registry's census); every registry replica reports the same count"),

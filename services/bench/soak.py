@@ -47,7 +47,11 @@ class SoakConfig(StackConfig):
     turn_tokens_max: int = setting(400, "Largest user turn (tokens, estimated)")
     answer_tokens: int = setting(16, "Tokens generated per turn")
     request_timeout_s: float = setting(120.0, "A turn taking longer than this counts as failed (timeout)")
-    sample_interval_s: float = setting(5.0, "Memory sampling period")
+    sample_interval_s: float = setting(5.0, "Memory and decode-KV sampling period")
+    end_sessions: bool = setting(False, "End each conversation (POST /v1/sessions/{id}/end) when it is over; by "
+                                        "default conversations are simply abandoned, as real clients do")
+    api_key: str = setting("", "API key for a gateway that requires one (the decode-KV samples need an admin key)",
+                           env="KVSHUTTLE_API_KEY")
     seed: int = setting(0, "Workload seed")
     out_dir: str = setting("var/soak", "Where soak.json and turns.jsonl go")
 
@@ -83,6 +87,7 @@ class Soak:
         self.processes = processes or {}
         self.results: list[TurnResult] = []
         self.memory: list[dict] = []  # {"t": s, "<service>": MiB, ...}
+        self.kv: list[dict] = []  # {"t": s, "<decode worker>": {"usage": fraction, "held_sessions": n, ...}}
         self.started = 0.0
         self.conversations = agentic_conversations(
             count=max(64, cfg.sessions * 4), seed=cfg.seed, max_history_tokens=cfg.max_history_tokens,
@@ -93,14 +98,19 @@ class Soak:
         self.started = time.monotonic()
         stop_at = self.started + self.cfg.duration_s
         sampler = asyncio.create_task(self._sample_memory(stop_at))
-        limits = httpx.Limits(max_connections=self.cfg.sessions * 2, max_keepalive_connections=self.cfg.sessions)
+        limits = httpx.Limits(max_connections=self.cfg.sessions * 2 + 2, max_keepalive_connections=self.cfg.sessions)
+        headers = {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
         async with httpx.AsyncClient(base_url=self.base_url, timeout=self.cfg.request_timeout_s,
-                                     limits=limits) as client:
+                                     limits=limits, headers=headers) as client:
+            kv_sampler = asyncio.create_task(self._sample_kv(client, stop_at))
             await asyncio.gather(*(self._session_loop(client, i, stop_at) for i in range(self.cfg.sessions)))
+            kv_sampler.cancel()
+            await asyncio.gather(kv_sampler, return_exceptions=True)
+            await self._sample_kv_once(client)
         sampler.cancel()
         await asyncio.gather(sampler, return_exceptions=True)
         self._sample_once()
-        return report(self.results, self.memory, self.cfg, time.monotonic() - self.started)
+        return report(self.results, self.memory, self.cfg, time.monotonic() - self.started, self.kv)
 
     async def _session_loop(self, client: httpx.AsyncClient, index: int, stop_at: float) -> None:
         n = index
@@ -118,10 +128,11 @@ class Soak:
                 if not result.ok:
                     break  # the conversation cannot go on without its answer: start another
                 messages.append({"role": "assistant", "content": answer})
-            try:  # the conversation is over: free its KV on the decode worker now, not at the end of its TTL
-                await client.post(f"/v1/sessions/{session}/end")
-            except httpx.HTTPError:
-                pass
+            if self.cfg.end_sessions:  # free its KV on the decode worker now, not at the end of its TTL
+                try:
+                    await client.post(f"/v1/sessions/{session}/end")
+                except httpx.HTTPError:
+                    pass
 
     async def _turn(self, client: httpx.AsyncClient, session: str, turn: int, messages: list[dict], *,
                     stream: bool) -> tuple[TurnResult, str]:
@@ -176,6 +187,26 @@ class Soak:
                 kv = chunk.get("kvshuttle", kv)
         return "".join(pieces), kv
 
+    async def _sample_kv(self, client: httpx.AsyncClient, stop_at: float) -> None:
+        while time.monotonic() < stop_at:
+            await self._sample_kv_once(client)
+            await asyncio.sleep(self.cfg.sample_interval_s)
+
+    async def _sample_kv_once(self, client: httpx.AsyncClient) -> None:
+        """Each decode worker's KV usage (its engine's, via the scheduler's GetStats on the REST bridge) and what it
+        holds for sessions between turns (when the scheduler manages decode KV)."""
+        try:
+            resp = await client.get("/v1/scheduler/stats", timeout=10)
+        except httpx.HTTPError as exc:
+            log.warning("decode KV sample failed: %s", exc)
+            return
+        if resp.status_code != 200:
+            log.warning("decode KV sample failed: HTTP %d %s", resp.status_code, resp.text[:200])
+            return
+        sample = kv_sample(resp.json())
+        if sample:
+            self.kv.append({"t": round(time.monotonic() - self.started, 2), **sample})
+
     async def _sample_memory(self, stop_at: float) -> None:
         while time.monotonic() < stop_at:
             self._sample_once()
@@ -188,6 +219,27 @@ class Soak:
         for name, pid in self.processes.items():
             sample[name] = tree_rss_mib(pid)
         self.memory.append(sample)
+
+
+def kv_sample(stats: dict) -> dict[str, dict]:
+    """GetStats (REST JSON) -> per decode worker: KV usage (engine's used/capacity tokens), waiting requests, and
+    the held sessions/tokens and evictions when the scheduler manages decode KV. Workers without a capacity (prefill
+    workers never hold KV between turns in this view) are left out unless the KV manager lists them."""
+    out: dict[str, dict] = {}
+    for row in stats.get("loads", []):
+        capacity = int(row.get("capacityTokens") or 0)
+        if capacity:
+            out[row["workerId"]] = {"usage": round(int(row.get("usedTokens") or 0) / capacity, 4),
+                                    "waiting": int(row.get("waiting") or 0), "running": int(row.get("running") or 0)}
+    managed = stats.get("decodeKv", [])
+    for row in managed:
+        entry = out.setdefault(row["workerId"], {})
+        entry.update(held_sessions=int(row.get("heldSessions") or 0), held_tokens=int(row.get("heldTokens") or 0),
+                     evictions={k: int(v) for k, v in (row.get("evictions") or {}).items()})
+    if managed:  # prefill workers have no decodeKv row: keep only the decode workers
+        decode = {row["workerId"] for row in managed}
+        out = {k: v for k, v in out.items() if k in decode}
+    return out
 
 
 def tree_rss_mib(pid: int) -> float | None:
@@ -225,7 +277,27 @@ def _slope_per_min(points: list[tuple[float, float]]) -> float | None:
     return round(60 * sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var, 3) if var else None
 
 
-def report(results: list[TurnResult], memory: list[dict], cfg: SoakConfig, elapsed_s: float) -> dict:
+def _kv_report(kv: list[dict], elapsed_s: float) -> dict:
+    """Per worker in the KV samples: usage per minute (mean and max), the max overall, and the evictions at the end."""
+    out = {}
+    for worker in sorted({k for s in kv for k in s if k != "t"}):
+        points = [(s["t"], s[worker]) for s in kv if worker in s and "usage" in s[worker]]
+        if not points:
+            continue
+        minutes = []
+        for start in range(0, int(elapsed_s) + 1, 60):
+            window = [p[1]["usage"] for p in points if start <= p[0] < start + 60]
+            if window:
+                minutes.append({"from_s": start, "mean": round(statistics.fmean(window), 3), "max": max(window)})
+        last = points[-1][1]
+        out[worker] = {"max_usage": max(p[1]["usage"] for p in points), "per_minute": minutes,
+                       "max_waiting": max(p[1].get("waiting", 0) for p in points),
+                       "evictions": last.get("evictions", {}), "held_sessions_end": last.get("held_sessions")}
+    return out
+
+
+def report(results: list[TurnResult], memory: list[dict], cfg: SoakConfig, elapsed_s: float,
+           kv: list[dict] | None = None) -> dict:
     ok = [r for r in results if r.ok]
     failures: dict[str, int] = {}
     for r in results:
@@ -262,7 +334,8 @@ def report(results: list[TurnResult], memory: list[dict], cfg: SoakConfig, elaps
         "sessions": cfg.sessions, "duration_s": round(elapsed_s, 1), "turns": len(results), "succeeded": len(ok),
         "failed": len(results) - len(ok), "failures": failures, "decisions": decisions,
         "turns_per_s": round(len(ok) / elapsed_s, 2) if elapsed_s else 0.0, "per_minute": per_window,
-        "by_decision": by_decision, "memory": mem,
+        "by_decision": by_decision, "memory": mem, "decode_kv": _kv_report(kv or [], elapsed_s),
+        "sessions_ended": cfg.end_sessions,
         "failed_examples": [dataclasses.asdict(r) for r in results if not r.ok][:10],
     }
 
@@ -276,6 +349,11 @@ def format_report(rep: dict) -> str:
     for decision, s in rep["by_decision"].items():
         lines.append(f"  {decision:<9} TTFT p50 {s['ttft_p50_ms']} ms, p95 {s['ttft_p95_ms']} ms; turn p50 "
                      f"{s['latency_p50_ms']} ms, p99 {s['latency_p99_ms']} ms ({s['turns']} turns)")
+    for worker, k in rep.get("decode_kv", {}).items():
+        lines.append(f"  {worker} KV usage per minute (mean/max): "
+                     + ", ".join(f"{m['mean']:.0%}/{m['max']:.0%}" for m in k["per_minute"])
+                     + f"; max {k['max_usage']:.0%}, most waiting {k['max_waiting']}"
+                     + (f"; evictions {k['evictions']}" if k["evictions"] else ""))
     if rep["memory"]:
         lines.append("  memory (RSS of each service's process tree, after the warm-up):")
         for name, m in rep["memory"].items():
@@ -284,9 +362,10 @@ def format_report(rep: dict) -> str:
     return "\n".join(lines)
 
 
-def write(rep: dict, results: list[TurnResult], memory: list[dict], out_dir: Path) -> None:
+def write(rep: dict, results: list[TurnResult], memory: list[dict], out_dir: Path, kv: list[dict] | None = None,
+          ) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "soak.json").write_text(json.dumps({**rep, "memory_samples": memory}, indent=2))
+    (out_dir / "soak.json").write_text(json.dumps({**rep, "memory_samples": memory, "kv_samples": kv}, indent=2))
     with open(out_dir / "turns.jsonl", "w") as f:
         for r in results:
             f.write(json.dumps(dataclasses.asdict(r)) + "\n")
@@ -311,7 +390,7 @@ async def _main(cfg: SoakConfig) -> int:
                     processes[f"etcd-{i}"] = member.proc.pid
         soak = Soak(cfg, base_url, processes)
         rep = await soak.run()
-        write(rep, soak.results, soak.memory, Path(cfg.out_dir))
+        write(rep, soak.results, soak.memory, Path(cfg.out_dir), soak.kv)
         print(format_report(rep), flush=True)
         print(f"wrote {Path(cfg.out_dir) / 'soak.json'}", flush=True)
         return 0 if rep["failed"] == 0 else 1

@@ -42,6 +42,7 @@ from services.tls import TlsConfig, read_pem
 SERVICE_NAME = "kvshuttle.v1.Gateway"
 log = logging.getLogger(__name__)
 REGISTRY_SERVICE = "kvshuttle.v1.SessionRegistry"
+SCHEDULER_SERVICE = "kvshuttle.v1.TransferScheduler"  # its GetStats is bridged: GET /v1/scheduler/stats (admin)
 
 _SESSION_ID = {"maxLength": 256, "pattern": SESSION_ID_PATTERN}
 _TEXT, _IDS = {"type": "string", "minLength": 1}, {"type": "array", "minItems": 1}
@@ -181,7 +182,8 @@ class GatewayService:
             h for h in DEFAULT_FORWARD_HEADERS if h != "authorization"))
         to_gateway = BridgeOptions(**common, method_timeouts={
             f"/{SERVICE_NAME}/{m}": turn_deadline for m in ("Complete", "ChatComplete")})
-        routes = [*bridge_routes({REGISTRY_SERVICE: self.registry_channel}, to_registry),
+        routes = [*bridge_routes({REGISTRY_SERVICE: self.registry_channel,
+                                  SCHEDULER_SERVICE: self.scheduler_channel}, to_registry),
                   *bridge_routes({SERVICE_NAME: self.self_channel}, to_gateway)]
         metrics.track_gateway(self.runner)
         registry = metrics.registry_for("gateway")
@@ -189,7 +191,7 @@ class GatewayService:
         if self.metrics is None:  # on the HTTP port, open like /health (no tenant, session or key in any label)
             routes.insert(0, metrics_route(registry))
         self.app = create_app(self.runner, cfg.model_name(), cfg.default_max_tokens, extra_routes=routes)
-        install_openapi(self.app, [REGISTRY_SERVICE, SERVICE_NAME], constraints=OPENAPI_CONSTRAINTS)
+        install_openapi(self.app, [REGISTRY_SERVICE, SCHEDULER_SERVICE, SERVICE_NAME], constraints=OPENAPI_CONSTRAINTS)
         front: object = HttpGuard(self.app, self.keys, cfg.max_body_bytes,
                                   open_paths=("/health",) if self.metrics else ("/health", METRICS_PATH))
         front = HttpMetrics(front, self.app.routes)  # outside the guard: refusals are counted too

@@ -381,11 +381,8 @@ class TurnRunner:
     async def _free_handle(self, request_id: str, record: common_pb2.Session, prefill: common_pb2.Worker,
                            first_block: list[int], tenant: str, session_id: str) -> bool:
         """Claim ``record``'s handle, then have ``prefill`` read its first block (``first_block``: that block's
-        tokens, plus one); D then frees all of the handle's blocks. Best effort: False when not freed.
-
-        The read is a streamed request that is cancelled at its first token: by then the read is done (and D told),
-        and a cancelled request's blocks are freed at once on P (one that finished would keep them for its KV
-        lease, waiting for a decode worker that never comes)."""
+        tokens, plus one; EngineClient.read_to_free); D then frees all of the handle's blocks. Best effort: False
+        when not freed."""
         bs = record.block_size
         try:
             params = kv_params.pull_params(kv_params.parse_handle(record.kv_transfer_params_json), bs, bs)
@@ -393,15 +390,10 @@ class TurnRunner:
                 session_id=session_id, tenant=tenant, revision=record.revision), timeout=self.control_timeout_s)
             if not claim.claimed:
                 return False  # a concurrent turn took it (and reads it), or the record changed
-            stream = self.engine(prefill).generate(request_id, first_block, max_tokens=16, ignore_eos=True,
-                                                   kv_transfer_params=params, stream=True,
-                                                   timeout_s=self.prefill_timeout_s)
-            async with contextlib.aclosing(stream):
-                async for item in stream:
-                    if isinstance(item, Final) and item.finish_reason == "error":
-                        log.debug("%s: freeing a KV handle failed at the prefill worker", request_id)
-                        return False
-                    break  # the first token (or the end): the read is done
+            if not await self.engine(prefill).read_to_free(request_id, first_block, params,
+                                                           timeout_s=self.prefill_timeout_s):
+                log.debug("%s: freeing a KV handle failed at the prefill worker", request_id)
+                return False
         except (grpc.aio.AioRpcError, EngineError, kv_params.HandleError) as exc:
             log.debug("%s: could not free a KV handle: %s", request_id, exc)
             return False
@@ -484,7 +476,7 @@ class TurnRunner:
                 return await self.scheduler.PlanTurn(scheduler_pb2.PlanTurnRequest(
                     session_id=req.session_id, tenant=req.tenant, prompt_token_ids=prompt_ids,
                     disable_pull=req.disable_pull or bool(exclude), policy=req.policy,
-                    exclude_worker_ids=list(exclude), **known_session),
+                    exclude_worker_ids=list(exclude), max_tokens=req.max_tokens, **known_session),
                     timeout=self.control_timeout_s)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:

@@ -193,8 +193,9 @@ class SessionRegistryServicer(registry_pb2_grpc.SessionRegistryServicer):
         self._validate_session_ref(request)
         if request.revision <= 0:
             raise rules.InvalidArgument("revision is required: the record revision the caller planned with")
+        rules.validate_free_reason(request.free_reason)
         result = await self.store.claim_session(request.tenant, request.session_id, request.revision,
-                                                now=self.clock())
+                                                now=self.clock(), free_reason=request.free_reason)
         session = result.session
         if session is not None:  # the claimer needs the handle and the hash chain, not the history itself
             session = common_pb2.Session()

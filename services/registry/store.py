@@ -6,7 +6,13 @@ Key layout under ``prefix`` (default ``/kvshuttle/``)::
     sessions/{tenant}/{session_id}        Session proto, attached to its own lease (TTL = seconds until expiry + grace)
     sessions/{tenant}/{session_id}!claim  the record's claim (the claimed revision, as text), on the record's lease
     worker-sessions/{worker_id}/{tenant}/{session_id}
-                                          empty: the record's decode worker (an index), on the record's lease
+                                          the record's decode worker (an index), on the record's lease; its value is
+                                          a small summary of the record (a Session without ids, text or handle)
+    worker-claims/{worker_id}/{tenant}/{session_id}
+                                          the claimed revision (text), put by a claim next to the record's claim key,
+                                          on the record's lease: with the index, what each decode worker still holds
+    leaders/{name}                        the id of the replica that leads ``name`` (e.g. the scheduler replica that
+                                          frees decode KV), on that replica's lease
 
 Session.revision and Session.lease_id in returned records are the key's mod_revision and lease. ``claim_session``
 creates the claim key in one transaction comparing them; ``put_session`` deletes it with the record it replaces.
@@ -106,6 +112,7 @@ class RegistryStore:
         self._lease: LeaseService | None = None
         self._watch: WatchStub | None = None
         self._recent = _RecentSessions(recent_sessions_bytes)
+        self._leases: dict[str, int] = {}  # campaign name -> this process's lease for it
         # Set when an operation failed for its whole timeout; cleared by any answer from etcd (see _call).
         self.unreachable_since: float | None = None
 
@@ -384,7 +391,7 @@ class RegistryStore:
         record.revision, record.lease_id, record.claimed = 0, 0, False
         value = record.SerializeToString()
         index = ([KVService.txn_op_put(self.worker_session_key(record.decode_worker_id, session.tenant,
-                                                               session.session_id), b"", lease=lease_id)]
+                                                               session.session_id), _summary(record), lease=lease_id)]
                  if record.decode_worker_id else [])
         resp = await self._call("put session", self.kv.txn,
                                 [_mod_revision_is(key, expect_revision)],
@@ -408,6 +415,51 @@ class RegistryStore:
     def worker_session_key(self, worker_id: str, tenant: str, session_id: str) -> str:
         """The index entry saying that a session's KV lives on ``worker_id`` (it ends with the record's lease)."""
         return f"{self.prefix}worker-sessions/{worker_id}/{tenant}/{session_id}"
+
+    def worker_claim_key(self, worker_id: str, tenant: str, session_id: str) -> str:
+        return f"{self.prefix}worker-claims/{worker_id}/{tenant}/{session_id}"
+
+    async def held_on_worker(self, worker_id: str) -> list[common_pb2.Session]:
+        """Summaries (no ids, text or handle; ``revision`` set) of the records whose unspent handle's KV lives on
+        ``worker_id``: the worker-sessions index less the claimed revisions, read in one transaction."""
+        index, claims = (f"{self.prefix}{kind}/{worker_id}/" for kind in ("worker-sessions", "worker-claims"))
+        resp = await self._call("list held kv", self.kv.txn, [], [
+            KVService.txn_op_get(index, range_end=prefix_range_end(index)),
+            KVService.txn_op_get(claims, range_end=prefix_range_end(claims))], [])
+        claimed = {kv.key.decode()[len(claims):]: kv.value for kv in resp.responses[1].response_range.kvs}
+        held = []
+        for kv in resp.responses[0].response_range.kvs:
+            name = kv.key.decode()[len(index):]
+            tenant, _, session_id = name.partition("/")
+            if not session_id or claimed.get(name) == str(kv.mod_revision).encode():
+                continue
+            summary = _parse_session(kv.value, kv.mod_revision)
+            if summary is None or summary.covered_tokens <= 0:  # an older, empty index entry: no summary to go by
+                continue
+            summary.tenant, summary.session_id, summary.decode_worker_id = tenant, session_id, worker_id
+            summary.lease_id = kv.lease
+            held.append(summary)
+        return held
+
+    async def campaign(self, name: str, holder: str, ttl_s: int) -> bool:
+        """Whether ``holder`` leads ``name`` (key ``leaders/{name}``, on a lease of ``ttl_s`` that each call keeps
+        alive): it takes the key when nobody holds it, and loses it when its lease ends (a call missed for ``ttl_s``,
+        or etcd away). One leader at a time among the replicas that campaign for the same name."""
+        key = f"{self.prefix}leaders/{name}"
+        lease = self._leases.get(name)
+        if lease is not None and await self.keep_alive_once(lease) is None:
+            self._leases.pop(name, None)
+            lease = None
+        if lease is None:
+            lease, _ = await self.grant_lease(ttl_s)
+            self._leases[name] = lease
+        resp = await self._call("campaign", self.kv.txn, [_absent(key)],
+                                [KVService.txn_op_put(key, holder.encode(), lease=lease)],
+                                [KVService.txn_op_get(key)])
+        if resp.succeeded:
+            return True
+        kvs = resp.responses[0].response_range.kvs
+        return bool(kvs) and kvs[0].value == holder.encode() and kvs[0].lease == lease
 
     async def sessions_on_worker(self, worker_id: str) -> list[tuple[str, str]]:
         """(tenant, session id) of the records whose KV lives on ``worker_id`` (keys only: no record is read)."""
@@ -459,7 +511,7 @@ class RegistryStore:
         return any(kv.key == key.encode() for kv in resp.prev_kvs)
 
     async def claim_session(self, tenant: str, session_id: str, revision: int, *, now: float,
-                            known: common_pb2.Session | None = None) -> ClaimResult:
+                            known: common_pb2.Session | None = None, free_reason: str = "") -> ClaimResult:
         """Take the handle of the record at ``revision``: one transaction that creates the record's claim key.
 
         The transaction compares the record's mod_revision (and lease) and that no claim exists, puts a small claim
@@ -468,6 +520,9 @@ class RegistryStore:
         not rewritten. ``known`` is the caller's copy of the record at ``revision`` (a snapshot, possibly stale or
         wrong): its lease and expiry save a read; the transaction checks the lease. Refusals (missing, already
         claimed, changed, no handle, expired) carry a reason and the current record without its handle.
+        ``free_reason`` claims the handle to free its KV (the scheduler's KV manager): later reads of the record
+        show it as ``kv_freed``. The claim is also noted under the decode worker (``worker-claims/``), so what a
+        worker still holds reads without the records.
         """
         key = self.session_key(tenant, session_id)
         # The record at ``revision`` is immutable: its lease and expiry, from the caller or from this process's own
@@ -485,8 +540,12 @@ class RegistryStore:
                 resp = await self._call(
                     "claim session", self.kv.txn,
                     [_mod_revision_is(key, revision), _lease_is(key, hint.lease_id), _absent(key + _CLAIM_SUFFIX)],
-                    [KVService.txn_op_put(key + _CLAIM_SUFFIX, str(revision).encode(), lease=hint.lease_id),
-                     KVService.txn_op_get(key)],
+                    [KVService.txn_op_put(key + _CLAIM_SUFFIX, _claim_value(revision, free_reason),
+                                          lease=hint.lease_id),
+                     KVService.txn_op_get(key),
+                     *([KVService.txn_op_put(self.worker_claim_key(hint.decode_worker_id, tenant, session_id),
+                                             str(revision).encode(), lease=hint.lease_id)]
+                       if hint.decode_worker_id else [])],
                     [KVService.txn_op_get(key, range_end=_session_range_end(key))])
             except StoreUnavailable:
                 raise
@@ -502,7 +561,7 @@ class RegistryStore:
                 reason = claim_refusal(won, revision, now)
                 if reason is not None:
                     return ClaimResult(False, reason, _handle_cleared(won))
-                won.claimed = True
+                won.claimed, won.kv_freed = True, free_reason
                 return ClaimResult(True, "", won)
             # Also when an earlier attempt of ours committed but its answer was lost (etcd failover): then the
             # handle goes unused and the next turn recomputes, which is safe; two pulls of one handle are not.
@@ -531,7 +590,8 @@ class _RecentSessions:
 
     def put(self, key: str, session: common_pb2.Session) -> None:
         hint = common_pb2.Session(revision=session.revision, lease_id=session.lease_id,
-                                  kv_transfer_params_json=session.kv_transfer_params_json)
+                                  kv_transfer_params_json=session.kv_transfer_params_json,
+                                  decode_worker_id=session.decode_worker_id)
         hint.expires_at.CopyFrom(session.expires_at)
         self._lru.put(key, hint, len(key) + len(hint.kv_transfer_params_json) + 64)
 
@@ -580,7 +640,22 @@ def _session_from(kvs, key: str) -> common_pb2.Session | None:
     if claim is not None:
         session.claimed = True
         session.kv_transfer_params_json = ""
+        _, _, session.kv_freed = claim.value.decode(errors="replace").partition(" ")
     return session
+
+
+def _claim_value(revision: int, free_reason: str) -> bytes:
+    """A claim key's value: the claimed revision, then the free reason when the claim freed the KV."""
+    return f"{revision} {free_reason}".encode() if free_reason else str(revision).encode()
+
+
+def _summary(record: common_pb2.Session) -> bytes:
+    """The index entry's value: what the KV manager weighs a held handle by (tens of bytes, whatever the history)."""
+    summary = common_pb2.Session(covered_tokens=record.covered_tokens, block_size=record.block_size, turn=record.turn)
+    for name in ("expires_at", "updated_at", "created_at"):
+        if record.HasField(name):
+            getattr(summary, name).CopyFrom(getattr(record, name))
+    return summary.SerializeToString()
 
 
 def _parse_worker(value: bytes) -> common_pb2.Worker | None:

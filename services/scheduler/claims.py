@@ -52,7 +52,7 @@ class SessionClaims(Protocol):
     async def get_session(self, tenant: str, session_id: str) -> tuple[common_pb2.Session, float] | None: ...
 
     async def claim(self, tenant: str, session_id: str, revision: int,
-                    known: common_pb2.Session | None = None) -> Claim: ...
+                    known: common_pb2.Session | None = None, free_reason: str = "") -> Claim: ...
 
     async def start(self) -> None: ...
 
@@ -85,10 +85,11 @@ class RegistryClaims:
         return resp.session, resp.expires_in_s
 
     async def claim(self, tenant: str, session_id: str, revision: int,
-                    known: common_pb2.Session | None = None) -> Claim:
+                    known: common_pb2.Session | None = None, free_reason: str = "") -> Claim:
         try:
             resp = await self._registry.ClaimSession(
-                registry_pb2.ClaimSessionRequest(session_id=session_id, tenant=tenant, revision=revision),
+                registry_pb2.ClaimSessionRequest(session_id=session_id, tenant=tenant, revision=revision,
+                                                 free_reason=free_reason),
                 timeout=self._timeout)
         except grpc.aio.AioRpcError as exc:
             raise ClaimsError(exc.code(), exc.details() or "") from None
@@ -119,16 +120,35 @@ class EtcdClaims:
         return None if found is None else (found, session_rules.expires_in(found, self._clock()))
 
     async def claim(self, tenant: str, session_id: str, revision: int,
-                    known: common_pb2.Session | None = None) -> Claim:
+                    known: common_pb2.Session | None = None, free_reason: str = "") -> Claim:
         tenant = _checked(tenant, session_id)
         if revision <= 0:
             raise ClaimsError(grpc.StatusCode.INVALID_ARGUMENT,
                               "revision is required: the record revision the caller planned with")
         try:
-            result = await self._store.claim_session(tenant, session_id, revision, now=self._clock(), known=known)
+            session_rules.validate_free_reason(free_reason)
+        except session_rules.InvalidArgument as exc:
+            raise ClaimsError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        try:
+            result = await self._store.claim_session(tenant, session_id, revision, now=self._clock(), known=known,
+                                                     free_reason=free_reason)
         except StoreError as exc:
             raise _status(exc) from None
         return Claim(result.claimed, result.reason, result.session)
+
+    async def campaign(self, name: str, holder: str, ttl_s: int) -> bool:
+        """Whether ``holder`` leads ``name`` among the replicas (RegistryStore.campaign)."""
+        try:
+            return await self._store.campaign(name, holder, ttl_s)
+        except StoreError as exc:
+            raise _status(exc) from None
+
+    async def held_on(self, worker_id: str) -> list[common_pb2.Session]:
+        """Summaries of the records whose unspent handle's KV lives on ``worker_id`` (RegistryStore.held_on_worker)."""
+        try:
+            return await self._store.held_on_worker(worker_id)
+        except StoreError as exc:
+            raise _status(exc) from None
 
 
 def _checked(tenant: str, session_id: str) -> str:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from kvshuttle.v1 import registry_pb2_grpc, scheduler_pb2_grpc
 
 from control_plane.cost_model import PrefillCostModel
+from control_plane.kv_eviction import KvLimits
 from control_plane.planner import Planner
 from control_plane.policies import KINDS, PolicyError, make_policy, make_prior, parse_params, parse_policy_specs
 from control_plane.selection import SELECTORS, make_selector
@@ -18,6 +19,7 @@ from services.grpc_server import Server, client_channel, service_main
 from services.metrics_http import MetricsServer, check_listen
 from services.registry.store import RegistryStore, parse_endpoints
 from services.scheduler.claims import EtcdClaims, RegistryClaims, SessionClaims
+from services.scheduler.kv_manager import KvManager
 from services.scheduler.load_monitor import LoadMonitor
 from services.scheduler.servicer import TransferSchedulerServicer
 from services.scheduler.worker_view import WorkerView
@@ -61,10 +63,35 @@ class SchedulerConfig(TelemetryConfig, TlsConfig, EtcdSecurityConfig):
     registry_timeout_s: float = setting(2.0, "Deadline for each registry (or etcd) call on the planning path")
     metrics_listen: str = setting("", "Serve Prometheus metrics at http://HOST:PORT/metrics (port 0: a free one, "
                                       "logged at start-up); empty: no metrics endpoint")
+    kv_manage: bool = setting(True, "Manage the decode workers' held KV: free sessions idle past --kv-idle-limit-s, "
+                                    "free the least valuable held handles when a decode worker's KV passes "
+                                    "--kv-high-water (or held KV --kv-held-budget), and make room before a turn "
+                                    "lands on a full one. Needs --etcd-endpoints (without them the scheduler says "
+                                    "so at start and in GetStats; held KV then ends with the workers' TTL)")
+    kv_high_water: float = setting(0.8, "Free held KV on a decode worker once its KV cache usage passes this fraction")
+    kv_low_water: float = setting(0.6, "... until its usage is back under this fraction")
+    kv_held_budget: float = setting(0.7, "Held KV (sessions between turns) may take at most this fraction of a "
+                                         "decode worker's KV cache; past it, free down to it less the "
+                                         "high/low-water gap (0: no budget)")
+    kv_idle_limit_s: float = setting(240.0, "Free a session's KV after this many seconds without a turn; keep it "
+                                            "below the decode workers' decoder_kv_blocks_ttl (0: never)")
+    kv_eviction_ranking: str = setting("value", "What to free first under pressure: value (lowest expected "
+                                                "prefill time saved per byte: the chance the session comes back "
+                                                "before expiry x what a pull saves / KV held) or lru (least recently "
+                                                "used)", choices=("value", "lru"))
+    kv_interval_s: float = setting(1.0, "Seconds between two rounds of the decode-KV manager")
+    kv_room_timeout_s: float = setting(3.0, "Longest a turn waits for room to be made on a full decode worker "
+                                            "(then it goes ahead)")
     log_level: str = setting("INFO", "Log level", env="KVSHUTTLE_LOG_LEVEL")
 
     def validate(self) -> None:
         check_listen(self.metrics_listen)
+        try:
+            self.kv_limits()
+        except ValueError as exc:
+            require(False, f"--kv-high-water/--kv-low-water/--kv-held-budget/--kv-idle-limit-s: {exc}")
+        require(self.kv_interval_s > 0 and self.kv_room_timeout_s > 0,
+                "--kv-interval-s and --kv-room-timeout-s must be > 0")
         require(self.pull_threshold_tokens >= 1, "--pull-threshold-tokens must be >= 1")
         require(self.expiry_guard_s >= 0, "--expiry-guard-s must be >= 0")
         require(self.registry_timeout_s > 0, "--registry-timeout-s must be > 0")
@@ -84,6 +111,10 @@ class SchedulerConfig(TelemetryConfig, TlsConfig, EtcdSecurityConfig):
             self.make_planner()
         except PolicyError as exc:
             require(False, f"--policy/--policy-params/--policies/--cost-model-params: {exc}")
+
+    def kv_limits(self) -> KvLimits:
+        return KvLimits(high_water=self.kv_high_water, low_water=self.kv_low_water, held_budget=self.kv_held_budget,
+                        idle_limit_s=self.kv_idle_limit_s)
 
     def make_planner(self) -> Planner:
         """The default policy (named after its kind), the named extra policies, one cost model shared by them."""
@@ -111,8 +142,12 @@ class SchedulerService:
         self.claims = self.make_claims(cfg, registry)
         self.loads = (LoadMonitor(self.workers, cfg.load_poll_interval_s, cfg.load_timeout_s)
                       if cfg.load_poll_interval_s > 0 else None)
+        self.kv = (KvManager(self.claims, self.workers, self.loads, self.planner.model, cfg.kv_limits(),
+                             cfg.kv_eviction_ranking, interval_s=cfg.kv_interval_s,
+                             room_timeout_s=cfg.kv_room_timeout_s)
+                   if cfg.kv_manage and isinstance(self.claims, EtcdClaims) else None)
         servicer = TransferSchedulerServicer(registry, self.workers, self.planner, cfg.registry_timeout_s,
-                                             self.claims, self.loads)
+                                             self.claims, self.loads, self.kv)
         self.server = Server(cfg.listen, [SERVICE_NAME],
                              [lambda s: scheduler_pb2_grpc.add_TransferSchedulerServicer_to_server(servicer, s)],
                              tls=cfg.server_tls(), max_message_bytes=cfg.max_message_bytes)
@@ -134,6 +169,12 @@ class SchedulerService:
         self.workers.start()
         if self.loads is not None:
             self.loads.start()
+        if self.kv is not None:
+            self.kv.start()
+            log.info("managing decode KV: %s", self.kv.describe())
+        elif self.cfg.kv_manage:
+            log.warning("decode KV is NOT managed: it needs --etcd-endpoints (KVSHUTTLE_ETCD_ENDPOINTS); held KV "
+                        "ends with the decode workers' TTL")
         await self.server.start()
         if self.metrics is not None:
             await self.metrics.start()
@@ -144,6 +185,8 @@ class SchedulerService:
         if self.metrics is not None:
             await self.metrics.stop()
         await self.server.stop()
+        if self.kv is not None:
+            await self.kv.stop()
         if self.loads is not None:
             await self.loads.stop()
         await self.workers.stop()

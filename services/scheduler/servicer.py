@@ -21,6 +21,7 @@ from control_plane.policies import Outcome, Policy, PolicyError
 from control_plane.selection import UNKNOWN
 from services import metrics
 from services.scheduler.claims import ClaimsError, RegistryClaims, SessionClaims
+from services.scheduler.kv_manager import KvManager
 from services.scheduler.load_monitor import LoadMonitor
 from services.scheduler.worker_view import WorkerView
 from services.telemetry import hashed
@@ -43,9 +44,11 @@ def source_matches(worker: common_pb2.Worker | None, handle_json: str) -> bool:
 class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
     def __init__(self, registry: registry_pb2_grpc.SessionRegistryStub, workers: WorkerView, planner: Planner,
                  registry_timeout_s: float = 2.0, claims: SessionClaims | None = None,
-                 loads: LoadMonitor | None = None):
+                 loads: LoadMonitor | None = None, kv: KvManager | None = None):
         """``claims`` reads records and claims handles (default: through ``registry``; see claims.py); ``loads``
-        gives the workers' live load (None: every worker counts as idle)."""
+        gives the workers' live load (None: every worker counts as idle); ``kv`` manages the decode workers' held KV
+        (None: it is left to their TTL)."""
+        self._kv = kv
         self._claims = claims or RegistryClaims(registry, registry_timeout_s)
         self._workers = workers
         self._planner = planner
@@ -112,6 +115,18 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
                                                   policy)
                 stale = known == "session_snapshot" and refusal.startswith(
                     (session_rules.CHANGED, session_rules.MISSING))
+            if plan.code in (why.KV_FREED_IDLE, why.KV_FREED_PRESSURE):
+                freed_for = "idle" if plan.code == why.KV_FREED_IDLE else "pressure"  # room counts as pressure
+                metrics.pull_lost(freed_for)
+                if self._kv is not None:
+                    self._kv.note_pull_lost(session.decode_worker_id, freed_for)
+            if self._kv is not None:  # never a turn waiting for blocks that only held KV takes: room first
+                freed = await self._kv.make_room(
+                    decode, len(prompt) + max(0, request.max_tokens),
+                    keep=(request.tenant or session_rules.DEFAULT_TENANT, request.session_id)
+                    if plan.choice is Choice.PULL else None)
+                if freed and span.is_recording():
+                    span.set_attribute("kvshuttle.kv_room_freed", freed)
 
             figures = scheduler_pb2.PlanFigures(
                 prompt_tokens=len(prompt), session_found=session is not None,
@@ -187,6 +202,9 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
                 row.running, row.waiting, row.pending = load.running, load.waiting, load.pending
                 row.used_tokens, row.capacity_tokens = load.used_tokens, load.capacity_tokens
                 row.age_s, row.reachable = load.age_s, load.reachable
+        if self._kv is not None:
+            out.kv_managed, out.kv_eviction_policy, out.kv_leading = True, self._kv.ranking.name, self._kv.leading
+            self._kv.fill_stats(out)
         return out
 
     def _plan(self, prompt: list[int], handle: HandleView | None, session: common_pb2.Session | None, loads,
@@ -221,7 +239,8 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
         if session is None:
             return None
         if not session.kv_transfer_params_json:
-            return HandleView("", session.covered_tokens, session.block_size, [], expires_in, True, False)
+            return HandleView("", session.covered_tokens, session.block_size, [], expires_in, True, False,
+                              kv_freed=session.kv_freed)
         return HandleView(
             kv_transfer_params_json=session.kv_transfer_params_json,
             covered_tokens=session.covered_tokens, block_size=session.block_size,
@@ -229,7 +248,7 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
             source_alive=source_matches(source, session.kv_transfer_params_json)
             and session.decode_worker_id not in exclude
             and (loads or {}).get(session.decode_worker_id, UNKNOWN).reachable,
-            prefix_digest=session.prefix_digest,
+            prefix_digest=session.prefix_digest, kv_freed=session.kv_freed,
         )
 
     async def _claim(self, request, session: common_pb2.Session, plan: Plan, prompt: list[int], expires_in: float,
@@ -243,6 +262,9 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
             log.warning("claim via %s failed (%s); recomputing", self._claims.via, exc.code.name)
             return _demote(plan, *_store_failure(exc, "could not claim the KV handle")), ""
         if not resp.claimed:
+            if resp.session is not None and resp.session.kv_freed:  # the caller's snapshot predates the free
+                freed = decide(prompt, self._handle_view(resp.session, expires_in, source, exclude), policy.safety)
+                return _demote(plan, freed.code, freed.reason), resp.reason
             return _demote(plan, why.CLAIM_REFUSED, f"KV handle claimed by a concurrent turn ({resp.reason}): "
                                                     "recompute"), resp.reason
         if not _same_kv(resp.session, session):  # never the case unless the snapshot was wrong

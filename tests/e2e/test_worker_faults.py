@@ -19,7 +19,6 @@ the worker's own TTL) recomputes and is never sent the expired handle.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import signal
 import time
@@ -27,37 +26,18 @@ import time
 import grpc
 import httpx
 import pytest
-from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 from services.grpc_server import client_channel
 from services.processes import ChildProcess
 from services.stack import cpu_binds
-from tests.e2e.helpers import new_session, user_turn
+from tests.e2e.helpers import Paused, new_session, signal_tree, user_turn
 from tests.e2e.test_load_aware import EXTRA_STARTUP_TIMEOUT_S, wait_registered
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 ANSWER_TOKENS = 96
 LONG_ANSWER_TOKENS = 512  # long enough that the decode worker is still generating when it is killed
 HANDLE_LIFE_S = 10  # a handle of the extra decode worker expires this long after its turn
-
-
-def signal_tree(child: ChildProcess, sig: int) -> int:
-    """Send ``sig`` to the child and all its descendants (vLLM runs in a process group of its own), descendants
-    first (a SIGKILLed agent would otherwise have its vLLM sent SIGTERM, and shut down cleanly, before the kill);
-    returns how many processes got it."""
-    import psutil
-
-    try:
-        root = psutil.Process(child.pid)
-        procs = [*reversed(root.children(recursive=True)), root]
-    except psutil.Error:
-        return 0
-    sent = 0
-    for proc in procs:
-        with contextlib.suppress(psutil.Error):
-            proc.send_signal(sig)
-            sent += 1
-    return sent
 
 
 class Extra:
@@ -90,52 +70,6 @@ async def extras(stack):
             await child.stop()
             stack.children.remove(child)
         await channel.close()
-
-
-class Paused:
-    """The shared stack's worker of ``role`` stopped (SIGSTOP) until the scheduler polls it as unreachable: new
-    turns then go to the other worker of that role. ``resume()`` (also on exit) sends SIGCONT; the exit waits until
-    the scheduler sees it answer again."""
-
-    def __init__(self, stack, role: int):
-        worker = next(w for w in stack.workers if w.role == role)
-        self.worker_id = worker.worker_id
-        self.child = next(c for c in stack.children if c.name == worker.worker_id)
-        self.channel = client_channel(stack.scheduler_address)
-        self.scheduler = scheduler_pb2_grpc.TransferSchedulerStub(self.channel)
-        self.stopped = False
-
-    async def reachable(self) -> bool:
-        stats = await self.scheduler.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5)
-        return any(row.reachable for row in stats.loads if row.worker_id == self.worker_id)
-
-    async def wait(self, reachable: bool, timeout_s: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while await self.reachable() != reachable:
-            assert time.monotonic() < deadline, f"scheduler never saw {self.worker_id} reachable={reachable}"
-            await asyncio.sleep(0.1)
-
-    def resume(self) -> None:
-        if self.stopped:
-            signal_tree(self.child, signal.SIGCONT)
-            self.stopped = False
-
-    async def __aenter__(self) -> Paused:
-        assert signal_tree(self.child, signal.SIGSTOP) >= 2
-        self.stopped = True
-        try:
-            await self.wait(False)
-        except BaseException:
-            self.resume()
-            raise
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        self.resume()
-        try:
-            await self.wait(True)  # answering again (and registered: the load monitor polls registered workers)
-        finally:
-            await self.channel.close()
 
 
 def body(messages: list[dict], **kw) -> dict:

@@ -179,6 +179,10 @@ async def test_rest_bridge_keeps_tenants_apart_and_admin_routes_for_admins(http,
     assert refused.json()["error"]["status"] == "PERMISSION_DENIED" and "admin" in refused.json()["error"]["message"]
     listed = await http.get("/v1/workers", headers=bearer("ops"))
     assert listed.status_code == 200 and "d-auth" in {w["workerId"] for w in listed.json()["workers"]}
+    # The scheduler's stats (workers' loads, what each decode worker holds): admins only, like the worker list.
+    assert (await http.get("/v1/scheduler/stats", headers=bearer("acme"))).status_code == 403
+    stats = await http.get("/v1/scheduler/stats", headers=bearer("ops"))
+    assert stats.status_code == 200 and "policies" in stats.json(), stats.text
 
     # The bridged gateway API authenticates the forwarded key again, and runs as its tenant.
     body = {"messages": [{"role": "user", "content": "hi"}], "sampling": {"maxTokens": 2}}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import grpc
 import pytest
 from kvshuttle.v1 import common_pb2, registry_pb2
 
@@ -216,3 +217,69 @@ def test_no_other_session_key_falls_in_a_sessions_range():
                                                                          store.session_key("t.x", "s")]
     assert all(key.encode() <= k.encode() < end for k in inside)
     assert not any(key.encode() <= k.encode() < end for k in outside)
+
+
+async def test_what_a_decode_worker_holds_reads_from_the_index_without_the_records(stub, store, decode):
+    a, b, c = uid("held"), uid("held"), uid("held")
+    history = list(range(41))
+    recs = {}
+    for sid in (a, b, c):
+        recs[sid] = (await stub.RecordTurn(turn(decode, sid, history))).session
+    second = (await stub.RecordTurn(turn(decode, a, [*history, 7, 8, 9, 10]))).session  # a's second turn
+    held = {h.session_id: h for h in await store.held_on_worker(decode.worker_id)}
+    assert set(held) == {a, b, c}
+    # A summary: sizes, times, turn count and the record's revision; never the ids, text or handle.
+    assert held[a].revision == second.revision and held[a].turn == 2 and held[a].covered_tokens == 44
+    assert held[a].created_at == recs[a].created_at and held[a].updated_at == second.updated_at
+    assert held[b].revision == recs[b].revision and held[b].block_size == decode.block_size
+    assert not held[b].token_ids and not held[b].text and not held[b].kv_transfer_params_json
+    raw = (await store.kv.get(store.worker_session_key(decode.worker_id, TENANT, b))).kvs[0]
+    assert len(raw.value) < 64 and raw.mod_revision == recs[b].revision
+    # A claimed handle (a pull under way) is no longer held; the next turn's record is.
+    assert (await store.claim_session(TENANT, b, recs[b].revision, now=time.time())).claimed
+    assert {h.session_id for h in await store.held_on_worker(decode.worker_id)} == {a, c}
+    await stub.RecordTurn(turn(decode, b, [*history, 1, 2, 3, 4]))
+    assert {h.session_id for h in await store.held_on_worker(decode.worker_id)} == {a, b, c}
+
+
+async def test_a_claim_that_frees_the_kv_says_why_on_the_record(stub, store, decode):
+    sid = uid("freed")
+    rec = (await stub.RecordTurn(turn(decode, sid, list(range(50))))).session
+    won = await stub.ClaimSession(registry_pb2.ClaimSessionRequest(session_id=sid, tenant=TENANT,
+                                                                   revision=rec.revision, free_reason="idle"))
+    assert won.claimed and won.session.kv_freed == "idle" and won.session.kv_transfer_params_json
+    got = (await get(stub, sid)).session  # the record stays (its ids let the next turn continue them exactly)
+    assert got.claimed and got.kv_freed == "idle" and not got.kv_transfer_params_json and got.token_ids
+    again = await store.claim_session(TENANT, sid, rec.revision, now=time.time(), known=snapshot(rec))
+    assert not again.claimed and again.session.kv_freed == "idle"  # a stale snapshot learns why
+    assert sid not in {h.session_id for h in await store.held_on_worker(decode.worker_id)}
+    # The next turn's record is a fresh, unfreed one.
+    nxt = (await stub.RecordTurn(turn(decode, sid, list(range(60))))).session
+    assert not nxt.claimed and not nxt.kv_freed
+
+
+async def test_a_free_reason_outside_the_vocabulary_is_refused(stub, decode):
+    sid = uid("freed")
+    rec = (await stub.RecordTurn(turn(decode, sid, list(range(50))))).session
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.ClaimSession(registry_pb2.ClaimSessionRequest(session_id=sid, tenant=TENANT,
+                                                                 revision=rec.revision, free_reason="bored"))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "free_reason" in err.value.details()
+    assert not (await get(stub, sid)).session.claimed
+
+
+async def test_one_replica_leads_and_another_takes_over_when_its_lease_ends(etcd):
+    name = uid("lead")
+    first, second = RegistryStore(etcd), RegistryStore(etcd)
+    for s in (first, second):
+        await s.connect()
+    try:
+        assert await first.campaign(name, "one", ttl_s=2)
+        assert not await second.campaign(name, "two", ttl_s=2)
+        assert await first.campaign(name, "one", ttl_s=2)  # it keeps leading while it campaigns
+        # "one" stops campaigning (its process went away): its lease ends, "two" takes over.
+        assert await eventually(lambda: second.campaign(name, "two", ttl_s=2), timeout=10, interval=0.5)
+        assert not await first.campaign(name, "one", ttl_s=2)
+    finally:
+        for s in (first, second):
+            await s.close()

@@ -395,8 +395,8 @@ def test_every_annotated_method_is_bridged(backend):
     routes = bridge_routes({REGISTRY: channel, GATEWAY: channel,
                             "kvshuttle.v1.TransferScheduler": channel})
     assert sorted((sorted(r.methods - {"HEAD"})[0], r.path) for r in routes) == [
-        ("DELETE", "/v1/sessions/{session_id}"), ("GET", "/v1/sessions/{session_id}"), ("GET", "/v1/workers"),
-        ("POST", "/v1/gateway/chat/completions"), ("POST", "/v1/gateway/completions"),
+        ("DELETE", "/v1/sessions/{session_id}"), ("GET", "/v1/scheduler/stats"), ("GET", "/v1/sessions/{session_id}"),
+        ("GET", "/v1/workers"), ("POST", "/v1/gateway/chat/completions"), ("POST", "/v1/gateway/completions"),
         ("POST", "/v1/sessions/{session_id}/end")]
 
 

@@ -26,6 +26,7 @@ class FakeEngine(vllm_engine_pb2_grpc.VllmEngineServicer):
         self.flushes = 0
         self.metadata: dict[str, dict[str, str]] = {}  # each request's gRPC metadata (trace context), by request id
         self.handle, self.block_size = handle, block_size
+        self.used_tokens = self.capacity_tokens = 0  # the KV cache GetLoads reports (0: unknown)
 
     async def Generate(self, request, context):
         self.requests.append(request)
@@ -68,7 +69,9 @@ class FakeEngine(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def GetLoads(self, request, context):
         return vllm_engine_pb2.GetLoadsResponse(version="fake", dp_rank_count=1,
-                                                loads=[vllm_engine_pb2.SchedulerLoad(num_running_reqs=2)])
+                                                loads=[vllm_engine_pb2.SchedulerLoad(
+                                                    num_running_reqs=2, num_used_tokens=self.used_tokens,
+                                                    max_total_num_tokens=self.capacity_tokens)])
 
 
 class FakeEngineServer:

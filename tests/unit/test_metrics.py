@@ -46,6 +46,8 @@ def test_names_types_and_labels_follow_prometheus_conventions():
         if m.type == "histogram":
             assert m.name.endswith(("_seconds", "_bytes")), m.name
         assert not set(m.labels) & UNBOUNDED, m
+        # One series per decode worker, only where the point is per-worker capacity (bounded by the cluster's size).
+        assert "decode_worker" not in m.labels or m.name.startswith("kvshuttle_decode_kv_"), m
         assert m.help
 
 

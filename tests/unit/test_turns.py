@@ -12,7 +12,7 @@ from kvshuttle.v1 import common_pb2, registry_pb2, scheduler_pb2
 
 from control_plane import kv_params
 from services.gateway.turns import Delta, Finished, TurnError, TurnRequest, TurnRunner
-from workers.engine_client import Chunk, EngineError, Final
+from workers.engine_client import Chunk, EngineClient, EngineError, Final
 
 PULL_PARAMS = {"do_remote_decode": True, "remote_block_ids": [[1]], "remote_num_tokens": 3}
 
@@ -60,6 +60,8 @@ class Engine:
         tokens = len(prompt_ids) + (0 if self.tight_blocks else 1)
         handle = {"for": "decode", "remote_block_ids": [list(range(-(-tokens // BLOCK)))]}
         return Final([ord(first)], "stop" if first == "$" else "length", len(prompt_ids), 1, 0, handle)
+
+    read_to_free = EngineClient.read_to_free  # the real freeing read, over this fake's generate
 
     async def generate(self, request_id, prompt_ids, **kw):
         self.calls.append((list(prompt_ids), kw))

@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvshuttle/v1/common.proto\x12\x0ckvshuttle.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x93\x02\n\x06Worker\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12&\n\x04role\x18\x02 \x01(\x0e\x32\x18.kvshuttle.v1.WorkerRole\x12\x11\n\tengine_id\x18\x03 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x04 \x01(\t\x12\x11\n\tnixl_host\x18\x05 \x01(\t\x12\x11\n\tnixl_port\x18\x06 \x01(\x05\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12\x17\n\x0fkv_blocks_ttl_s\x18\x08 \x01(\x05\x12\r\n\x05model\x18\t \x01(\t\x12\x31\n\rregistered_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08lease_id\x18\x0b \x01(\x03\"\x85\x03\n\x07Session\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x03 \x01(\t\x12\x1f\n\x17kv_transfer_params_json\x18\x04 \x01(\t\x12\x16\n\x0e\x63overed_tokens\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x14\n\x0c\x62lock_hashes\x18\x07 \x03(\x0c\x12\x11\n\ttoken_ids\x18\x08 \x03(\x05\x12\x0c\n\x04text\x18\t \x01(\t\x12.\n\nexpires_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0c\n\x04turn\x18\x0c \x01(\x03\x12\x0f\n\x07\x63laimed\x18\r \x01(\x08\x12\x10\n\x08revision\x18\x0e \x01(\x03\x12\x15\n\rprefix_digest\x18\x0f \x01(\x0c\x12\x10\n\x08lease_id\x18\x10 \x01(\x03*Z\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvshuttle/v1/common.proto\x12\x0ckvshuttle.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xaf\x02\n\x06Worker\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12&\n\x04role\x18\x02 \x01(\x0e\x32\x18.kvshuttle.v1.WorkerRole\x12\x11\n\tengine_id\x18\x03 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x04 \x01(\t\x12\x11\n\tnixl_host\x18\x05 \x01(\t\x12\x11\n\tnixl_port\x18\x06 \x01(\x05\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12\x17\n\x0fkv_blocks_ttl_s\x18\x08 \x01(\x05\x12\r\n\x05model\x18\t \x01(\t\x12\x31\n\rregistered_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08lease_id\x18\x0b \x01(\x03\x12\x1a\n\x12kv_bytes_per_token\x18\x0c \x01(\x03\"\xc7\x03\n\x07Session\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x03 \x01(\t\x12\x1f\n\x17kv_transfer_params_json\x18\x04 \x01(\t\x12\x16\n\x0e\x63overed_tokens\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x14\n\x0c\x62lock_hashes\x18\x07 \x03(\x0c\x12\x11\n\ttoken_ids\x18\x08 \x03(\x05\x12\x0c\n\x04text\x18\t \x01(\t\x12.\n\nexpires_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0c\n\x04turn\x18\x0c \x01(\x03\x12\x0f\n\x07\x63laimed\x18\r \x01(\x08\x12\x10\n\x08revision\x18\x0e \x01(\x03\x12\x15\n\rprefix_digest\x18\x0f \x01(\x0c\x12\x10\n\x08lease_id\x18\x10 \x01(\x03\x12.\n\ncreated_at\x18\x11 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08kv_freed\x18\x12 \x01(\t*Z\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvshuttle.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERROLE']._serialized_start=746
-  _globals['_WORKERROLE']._serialized_end=836
+  _globals['_WORKERROLE']._serialized_start=840
+  _globals['_WORKERROLE']._serialized_end=930
   _globals['_WORKER']._serialized_start=77
-  _globals['_WORKER']._serialized_end=352
-  _globals['_SESSION']._serialized_start=355
-  _globals['_SESSION']._serialized_end=744
+  _globals['_WORKER']._serialized_end=380
+  _globals['_SESSION']._serialized_start=383
+  _globals['_SESSION']._serialized_end=838
 # @@protoc_insertion_point(module_scope)

@@ -20,7 +20,7 @@ WORKER_ROLE_PREFILL: WorkerRole
 WORKER_ROLE_DECODE: WorkerRole
 
 class Worker(_message.Message):
-    __slots__ = ("worker_id", "role", "engine_id", "grpc_address", "nixl_host", "nixl_port", "block_size", "kv_blocks_ttl_s", "model", "registered_at", "lease_id")
+    __slots__ = ("worker_id", "role", "engine_id", "grpc_address", "nixl_host", "nixl_port", "block_size", "kv_blocks_ttl_s", "model", "registered_at", "lease_id", "kv_bytes_per_token")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class Worker(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_AT_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     engine_id: str
@@ -43,10 +44,11 @@ class Worker(_message.Message):
     model: str
     registered_at: _timestamp_pb2.Timestamp
     lease_id: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., engine_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., nixl_host: _Optional[str] = ..., nixl_port: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_blocks_ttl_s: _Optional[int] = ..., model: _Optional[str] = ..., registered_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., lease_id: _Optional[int] = ...) -> None: ...
+    kv_bytes_per_token: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., engine_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., nixl_host: _Optional[str] = ..., nixl_port: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_blocks_ttl_s: _Optional[int] = ..., model: _Optional[str] = ..., registered_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., lease_id: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("session_id", "tenant", "decode_worker_id", "kv_transfer_params_json", "covered_tokens", "block_size", "block_hashes", "token_ids", "text", "expires_at", "updated_at", "turn", "claimed", "revision", "prefix_digest", "lease_id")
+    __slots__ = ("session_id", "tenant", "decode_worker_id", "kv_transfer_params_json", "covered_tokens", "block_size", "block_hashes", "token_ids", "text", "expires_at", "updated_at", "turn", "claimed", "revision", "prefix_digest", "lease_id", "created_at", "kv_freed")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +65,8 @@ class Session(_message.Message):
     REVISION_FIELD_NUMBER: _ClassVar[int]
     PREFIX_DIGEST_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    KV_FREED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tenant: str
     decode_worker_id: str
@@ -79,4 +83,6 @@ class Session(_message.Message):
     revision: int
     prefix_digest: bytes
     lease_id: int
-    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., kv_transfer_params_json: _Optional[str] = ..., covered_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., turn: _Optional[int] = ..., claimed: _Optional[bool] = ..., revision: _Optional[int] = ..., prefix_digest: _Optional[bytes] = ..., lease_id: _Optional[int] = ...) -> None: ...
+    created_at: _timestamp_pb2.Timestamp
+    kv_freed: str
+    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., kv_transfer_params_json: _Optional[str] = ..., covered_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., turn: _Optional[int] = ..., claimed: _Optional[bool] = ..., revision: _Optional[int] = ..., prefix_digest: _Optional[bytes] = ..., lease_id: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., kv_freed: _Optional[str] = ...) -> None: ...

@@ -131,14 +131,16 @@ class RecordTurnResponse(_message.Message):
     def __init__(self, session: _Optional[_Union[_common_pb2.Session, _Mapping]] = ...) -> None: ...
 
 class ClaimSessionRequest(_message.Message):
-    __slots__ = ("session_id", "tenant", "revision")
+    __slots__ = ("session_id", "tenant", "revision", "free_reason")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
+    FREE_REASON_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tenant: str
     revision: int
-    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., revision: _Optional[int] = ...) -> None: ...
+    free_reason: str
+    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., revision: _Optional[int] = ..., free_reason: _Optional[str] = ...) -> None: ...
 
 class ClaimSessionResponse(_message.Message):
     __slots__ = ("claimed", "reason", "session")

@@ -22,41 +22,54 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.api import annotations_pb2 as google_dot_api_dot_annotations__pb2
 from kvshuttle.v1 import common_pb2 as kvshuttle_dot_v1_dot_common__pb2
 from kvshuttle.v1 import registry_pb2 as kvshuttle_dot_v1_dot_registry__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckvshuttle/v1/scheduler.proto\x12\x0ckvshuttle.v1\x1a\x19kvshuttle/v1/common.proto\x1a\x1bkvshuttle/v1/registry.proto\"\xfd\x01\n\x0fPlanTurnRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0c\x64isable_pull\x18\x04 \x01(\x08\x12\x1a\n\x12\x65xclude_worker_ids\x18\x05 \x03(\t\x12<\n\x10session_snapshot\x18\x06 \x01(\x0b\x32 .kvshuttle.v1.GetSessionResponseH\x00\x12\x1b\n\x11session_not_found\x18\x07 \x01(\x08H\x00\x12\x0e\n\x06policy\x18\x08 \x01(\tB\x0f\n\rknown_session\"\xd0\x03\n\x0bPlanFigures\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rsession_found\x18\x02 \x01(\x08\x12\x16\n\x0e\x63overed_tokens\x18\x03 \x01(\x05\x12\x16\n\x0ematched_tokens\x18\x04 \x01(\x05\x12\x17\n\x0freusable_tokens\x18\x05 \x01(\x05\x12\x16\n\x0e\x63ompute_tokens\x18\x06 \x01(\x05\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12\x14\n\x0c\x65xpires_in_s\x18\x08 \x01(\x01\x12\x1d\n\x15pull_threshold_tokens\x18\t \x01(\x05\x12\x1b\n\x13source_worker_alive\x18\n \x01(\x08\x12\x16\n\x0esnapshot_stale\x18\x0b \x01(\x08\x12\x0e\n\x06policy\x18\x0c \x01(\t\x12\x19\n\x11predicted_pull_ms\x18\r \x01(\x01\x12\x1e\n\x16predicted_recompute_ms\x18\x0e \x01(\x01\x12\x17\n\x0fpullable_tokens\x18\x0f \x01(\x05\x12\x19\n\x11predicted_wait_ms\x18\x10 \x01(\x01\x12\x15\n\rworker_choice\x18\x11 \x01(\t\x12\x1e\n\x16\x63\x61\x63hed_tokens_estimate\x18\x12 \x01(\x05\"\xb3\x02\n\x14ReportOutcomeRequest\x12\x19\n\x11prefill_worker_id\x18\x01 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x05\x12\x15\n\rpulled_tokens\x18\x04 \x01(\x05\x12\x17\n\x0f\x63omputed_tokens\x18\x05 \x01(\x05\x12\x12\n\nprefill_ms\x18\x06 \x01(\x01\x12(\n\x08\x64\x65\x63ision\x18\x07 \x01(\x0e\x32\x16.kvshuttle.v1.Decision\x12\x18\n\x10source_worker_id\x18\x08 \x01(\t\x12\x17\n\x0fpullable_tokens\x18\t \x01(\x05\x12\x0e\n\x06policy\x18\n \x01(\t\x12\x1e\n\x16\x63\x61\x63hed_tokens_estimate\x18\x0b \x01(\x05\"\x17\n\x15ReportOutcomeResponse\"\xa9\x02\n\x10PlanTurnResponse\x12(\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0e\x32\x16.kvshuttle.v1.Decision\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12%\n\x07prefill\x18\x03 \x01(\x0b\x32\x14.kvshuttle.v1.Worker\x12$\n\x06\x64\x65\x63ode\x18\x04 \x01(\x0b\x32\x14.kvshuttle.v1.Worker\x12\'\n\x1fprefill_kv_transfer_params_json\x18\x05 \x01(\t\x12$\n\x06source\x18\x06 \x01(\x0b\x32\x14.kvshuttle.v1.Worker\x12*\n\x07\x66igures\x18\x07 \x01(\x0b\x32\x19.kvshuttle.v1.PlanFigures\x12\x13\n\x0breason_code\x18\x08 \x01(\t\"\x11\n\x0fGetStatsRequest\"y\n\x0bPolicyStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x12\n\nis_default\x18\x03 \x01(\x08\x12\x14\n\x0cjudged_turns\x18\x04 \x01(\x03\x12\x14\n\x0cregret_turns\x18\x05 \x01(\x03\x12\x0e\n\x06regret\x18\x06 \x01(\x01\"\x8f\x01\n\x0f\x43omputeEstimate\x12\x19\n\x11prefill_worker_id\x18\x01 \x01(\t\x12\x10\n\x08\x66ixed_ms\x18\x02 \x01(\x01\x12\x15\n\rms_per_ktoken\x18\x03 \x01(\x01\x12\"\n\x1ams_per_ktoken_per_kcontext\x18\x04 \x01(\x01\x12\x14\n\x0cobservations\x18\x05 \x01(\x03\"\x8e\x01\n\x10TransferEstimate\x12\x19\n\x11prefill_worker_id\x18\x01 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x02 \x01(\t\x12\x17\n\x0fms_per_transfer\x18\x03 \x01(\x01\x12\x16\n\x0ems_per_kpulled\x18\x04 \x01(\x01\x12\x14\n\x0cobservations\x18\x05 \x01(\x03\"\xbf\x01\n\x0fWorkerLoadStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07running\x18\x02 \x01(\x05\x12\x0f\n\x07waiting\x18\x03 \x01(\x05\x12\x0f\n\x07pending\x18\x04 \x01(\x05\x12\x13\n\x0bused_tokens\x18\x05 \x01(\x03\x12\x17\n\x0f\x63\x61pacity_tokens\x18\x06 \x01(\x03\x12\r\n\x05\x61ge_s\x18\x07 \x01(\x01\x12\x11\n\treachable\x18\x08 \x01(\x08\x12\x16\n\x0e\x61ssigned_turns\x18\t \x01(\x03\"\xe8\x01\n\x10GetStatsResponse\x12+\n\x08policies\x18\x01 \x03(\x0b\x32\x19.kvshuttle.v1.PolicyStats\x12.\n\x07\x63ompute\x18\x02 \x03(\x0b\x32\x1d.kvshuttle.v1.ComputeEstimate\x12\x31\n\ttransfers\x18\x03 \x03(\x0b\x32\x1e.kvshuttle.v1.TransferEstimate\x12,\n\x05loads\x18\x04 \x03(\x0b\x32\x1d.kvshuttle.v1.WorkerLoadStats\x12\x16\n\x0ereported_turns\x18\x05 \x01(\x03*O\n\x08\x44\x65\x63ision\x12\x18\n\x14\x44\x45\x43ISION_UNSPECIFIED\x10\x00\x12\x11\n\rDECISION_PULL\x10\x01\x12\x16\n\x12\x44\x45\x43ISION_RECOMPUTE\x10\x02\x32\x83\x02\n\x11TransferScheduler\x12I\n\x08PlanTurn\x12\x1d.kvshuttle.v1.PlanTurnRequest\x1a\x1e.kvshuttle.v1.PlanTurnResponse\x12X\n\rReportOutcome\x12\".kvshuttle.v1.ReportOutcomeRequest\x1a#.kvshuttle.v1.ReportOutcomeResponse\x12I\n\x08GetStats\x12\x1d.kvshuttle.v1.GetStatsRequest\x1a\x1e.kvshuttle.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckvshuttle/v1/scheduler.proto\x12\x0ckvshuttle.v1\x1a\x1cgoogle/api/annotations.proto\x1a\x19kvshuttle/v1/common.proto\x1a\x1bkvshuttle/v1/registry.proto\"\x91\x02\n\x0fPlanTurnRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0c\x64isable_pull\x18\x04 \x01(\x08\x12\x1a\n\x12\x65xclude_worker_ids\x18\x05 \x03(\t\x12<\n\x10session_snapshot\x18\x06 \x01(\x0b\x32 .kvshuttle.v1.GetSessionResponseH\x00\x12\x1b\n\x11session_not_found\x18\x07 \x01(\x08H\x00\x12\x0e\n\x06policy\x18\x08 \x01(\t\x12\x12\n\nmax_tokens\x18\t \x01(\x05\x42\x0f\n\rknown_session\"\xd0\x03\n\x0bPlanFigures\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rsession_found\x18\x02 \x01(\x08\x12\x16\n\x0e\x63overed_tokens\x18\x03 \x01(\x05\x12\x16\n\x0ematched_tokens\x18\x04 \x01(\x05\x12\x17\n\x0freusable_tokens\x18\x05 \x01(\x05\x12\x16\n\x0e\x63ompute_tokens\x18\x06 \x01(\x05\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12\x14\n\x0c\x65xpires_in_s\x18\x08 \x01(\x01\x12\x1d\n\x15pull_threshold_tokens\x18\t \x01(\x05\x12\x1b\n\x13source_worker_alive\x18\n \x01(\x08\x12\x16\n\x0esnapshot_stale\x18\x0b \x01(\x08\x12\x0e\n\x06policy\x18\x0c \x01(\t\x12\x19\n\x11predicted_pull_ms\x18\r \x01(\x01\x12\x1e\n\x16predicted_recompute_ms\x18\x0e \x01(\x01\x12\x17\n\x0fpullable_tokens\x18\x0f \x01(\x05\x12\x19\n\x11predicted_wait_ms\x18\x10 \x01(\x01\x12\x15\n\rworker_choice\x18\x11 \x01(\t\x12\x1e\n\x16\x63\x61\x63hed_tokens_estimate\x18\x12 \x01(\x05\"\xb3\x02\n\x14ReportOutcomeRequest\x12\x19\n\x11prefill_worker_id\x18\x01 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x05\x12\x15\n\rpulled_tokens\x18\x04 \x01(\x05\x12\x17\n\x0f\x63omputed_tokens\x18\x05 \x01(\x05\x12\x12\n\nprefill_ms\x18\x06 \x01(\x01\x12(\n\x08\x64\x65\x63ision\x18\x07 \x01(\x0e\x32\x16.kvshuttle.v1.Decision\x12\x18\n\x10source_worker_id\x18\x08 \x01(\t\x12\x17\n\x0fpullable_tokens\x18\t \x01(\x05\x12\x0e\n\x06policy\x18\n \x01(\t\x12\x1e\n\x16\x63\x61\x63hed_tokens_estimate\x18\x0b \x01(\x05\"\x17\n\x15ReportOutcomeResponse\"\xa9\x02\n\x10PlanTurnResponse\x12(\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0e\x32\x16.kvshuttle.v1.Decision\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12%\n\x07prefill\x18\x03 \x01(\x0b\x32\x14.kvshuttle.v1.Worker\x12$\n\x06\x64\x65\x63ode\x18\x04 \x01(\x0b\x32\x14.kvshuttle.v1.Worker\x12\'\n\x1fprefill_kv_transfer_params_json\x18\x05 \x01(\t\x12$\n\x06source\x18\x06 \x01(\x0b\x32\x14.kvshuttle.v1.Worker\x12*\n\x07\x66igures\x18\x07 \x01(\x0b\x32\x19.kvshuttle.v1.PlanFigures\x12\x13\n\x0breason_code\x18\x08 \x01(\t\"\x11\n\x0fGetStatsRequest\"y\n\x0bPolicyStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x12\n\nis_default\x18\x03 \x01(\x08\x12\x14\n\x0cjudged_turns\x18\x04 \x01(\x03\x12\x14\n\x0cregret_turns\x18\x05 \x01(\x03\x12\x0e\n\x06regret\x18\x06 \x01(\x01\"\x8f\x01\n\x0f\x43omputeEstimate\x12\x19\n\x11prefill_worker_id\x18\x01 \x01(\t\x12\x10\n\x08\x66ixed_ms\x18\x02 \x01(\x01\x12\x15\n\rms_per_ktoken\x18\x03 \x01(\x01\x12\"\n\x1ams_per_ktoken_per_kcontext\x18\x04 \x01(\x01\x12\x14\n\x0cobservations\x18\x05 \x01(\x03\"\x8e\x01\n\x10TransferEstimate\x12\x19\n\x11prefill_worker_id\x18\x01 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x02 \x01(\t\x12\x17\n\x0fms_per_transfer\x18\x03 \x01(\x01\x12\x16\n\x0ems_per_kpulled\x18\x04 \x01(\x01\x12\x14\n\x0cobservations\x18\x05 \x01(\x03\"\xbf\x01\n\x0fWorkerLoadStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07running\x18\x02 \x01(\x05\x12\x0f\n\x07waiting\x18\x03 \x01(\x05\x12\x0f\n\x07pending\x18\x04 \x01(\x05\x12\x13\n\x0bused_tokens\x18\x05 \x01(\x03\x12\x17\n\x0f\x63\x61pacity_tokens\x18\x06 \x01(\x03\x12\r\n\x05\x61ge_s\x18\x07 \x01(\x01\x12\x11\n\treachable\x18\x08 \x01(\x08\x12\x16\n\x0e\x61ssigned_turns\x18\t \x01(\x03\"\xdc\x02\n\x10GetStatsResponse\x12+\n\x08policies\x18\x01 \x03(\x0b\x32\x19.kvshuttle.v1.PolicyStats\x12.\n\x07\x63ompute\x18\x02 \x03(\x0b\x32\x1d.kvshuttle.v1.ComputeEstimate\x12\x31\n\ttransfers\x18\x03 \x03(\x0b\x32\x1e.kvshuttle.v1.TransferEstimate\x12,\n\x05loads\x18\x04 \x03(\x0b\x32\x1d.kvshuttle.v1.WorkerLoadStats\x12\x16\n\x0ereported_turns\x18\x05 \x01(\x03\x12.\n\tdecode_kv\x18\x06 \x03(\x0b\x32\x1b.kvshuttle.v1.DecodeKvStats\x12\x12\n\nkv_managed\x18\x07 \x01(\x08\x12\x1a\n\x12kv_eviction_policy\x18\x08 \x01(\t\x12\x12\n\nkv_leading\x18\t \x01(\x08\"\xd2\x03\n\rDecodeKvStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rheld_sessions\x18\x02 \x01(\x03\x12\x13\n\x0bheld_tokens\x18\x03 \x01(\x03\x12\x13\n\x0bheld_blocks\x18\x04 \x01(\x03\x12\x12\n\nheld_bytes\x18\x05 \x01(\x03\x12\x15\n\roldest_idle_s\x18\x06 \x01(\x01\x12\x13\n\x0bused_tokens\x18\x07 \x01(\x03\x12\x17\n\x0f\x63\x61pacity_tokens\x18\x08 \x01(\x03\x12=\n\tevictions\x18\t \x03(\x0b\x32*.kvshuttle.v1.DecodeKvStats.EvictionsEntry\x12\x16\n\x0e\x65victed_tokens\x18\n \x01(\x03\x12>\n\npulls_lost\x18\x0b \x03(\x0b\x32*.kvshuttle.v1.DecodeKvStats.PullsLostEntry\x12\x19\n\x11\x65viction_failures\x18\x0c \x01(\x03\x1a\x30\n\x0e\x45victionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x30\n\x0ePullsLostEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01*O\n\x08\x44\x65\x63ision\x12\x18\n\x14\x44\x45\x43ISION_UNSPECIFIED\x10\x00\x12\x11\n\rDECISION_PULL\x10\x01\x12\x16\n\x12\x44\x45\x43ISION_RECOMPUTE\x10\x02\x32\xa0\x02\n\x11TransferScheduler\x12I\n\x08PlanTurn\x12\x1d.kvshuttle.v1.PlanTurnRequest\x1a\x1e.kvshuttle.v1.PlanTurnResponse\x12X\n\rReportOutcome\x12\".kvshuttle.v1.ReportOutcomeRequest\x1a#.kvshuttle.v1.ReportOutcomeResponse\x12\x66\n\x08GetStats\x12\x1d.kvshuttle.v1.GetStatsRequest\x1a\x1e.kvshuttle.v1.GetStatsResponse\"\x1b\x82\xd3\xe4\x93\x02\x15\x12\x13/v1/scheduler/statsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvshuttle.v1.scheduler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DECISION']._serialized_start=2322
-  _globals['_DECISION']._serialized_end=2401
-  _globals['_PLANTURNREQUEST']._serialized_start=103
-  _globals['_PLANTURNREQUEST']._serialized_end=356
-  _globals['_PLANFIGURES']._serialized_start=359
-  _globals['_PLANFIGURES']._serialized_end=823
-  _globals['_REPORTOUTCOMEREQUEST']._serialized_start=826
-  _globals['_REPORTOUTCOMEREQUEST']._serialized_end=1133
-  _globals['_REPORTOUTCOMERESPONSE']._serialized_start=1135
-  _globals['_REPORTOUTCOMERESPONSE']._serialized_end=1158
-  _globals['_PLANTURNRESPONSE']._serialized_start=1161
-  _globals['_PLANTURNRESPONSE']._serialized_end=1458
-  _globals['_GETSTATSREQUEST']._serialized_start=1460
-  _globals['_GETSTATSREQUEST']._serialized_end=1477
-  _globals['_POLICYSTATS']._serialized_start=1479
-  _globals['_POLICYSTATS']._serialized_end=1600
-  _globals['_COMPUTEESTIMATE']._serialized_start=1603
-  _globals['_COMPUTEESTIMATE']._serialized_end=1746
-  _globals['_TRANSFERESTIMATE']._serialized_start=1749
-  _globals['_TRANSFERESTIMATE']._serialized_end=1891
-  _globals['_WORKERLOADSTATS']._serialized_start=1894
-  _globals['_WORKERLOADSTATS']._serialized_end=2085
-  _globals['_GETSTATSRESPONSE']._serialized_start=2088
-  _globals['_GETSTATSRESPONSE']._serialized_end=2320
-  _globals['_TRANSFERSCHEDULER']._serialized_start=2404
-  _globals['_TRANSFERSCHEDULER']._serialized_end=2663
+  _globals['_DECODEKVSTATS_EVICTIONSENTRY']._loaded_options = None
+  _globals['_DECODEKVSTATS_EVICTIONSENTRY']._serialized_options = b'8\001'
+  _globals['_DECODEKVSTATS_PULLSLOSTENTRY']._loaded_options = None
+  _globals['_DECODEKVSTATS_PULLSLOSTENTRY']._serialized_options = b'8\001'
+  _globals['_TRANSFERSCHEDULER'].methods_by_name['GetStats']._loaded_options = None
+  _globals['_TRANSFERSCHEDULER'].methods_by_name['GetStats']._serialized_options = b'\202\323\344\223\002\025\022\023/v1/scheduler/stats'
+  _globals['_DECISION']._serialized_start=2957
+  _globals['_DECISION']._serialized_end=3036
+  _globals['_PLANTURNREQUEST']._serialized_start=133
+  _globals['_PLANTURNREQUEST']._serialized_end=406
+  _globals['_PLANFIGURES']._serialized_start=409
+  _globals['_PLANFIGURES']._serialized_end=873
+  _globals['_REPORTOUTCOMEREQUEST']._serialized_start=876
+  _globals['_REPORTOUTCOMEREQUEST']._serialized_end=1183
+  _globals['_REPORTOUTCOMERESPONSE']._serialized_start=1185
+  _globals['_REPORTOUTCOMERESPONSE']._serialized_end=1208
+  _globals['_PLANTURNRESPONSE']._serialized_start=1211
+  _globals['_PLANTURNRESPONSE']._serialized_end=1508
+  _globals['_GETSTATSREQUEST']._serialized_start=1510
+  _globals['_GETSTATSREQUEST']._serialized_end=1527
+  _globals['_POLICYSTATS']._serialized_start=1529
+  _globals['_POLICYSTATS']._serialized_end=1650
+  _globals['_COMPUTEESTIMATE']._serialized_start=1653
+  _globals['_COMPUTEESTIMATE']._serialized_end=1796
+  _globals['_TRANSFERESTIMATE']._serialized_start=1799
+  _globals['_TRANSFERESTIMATE']._serialized_end=1941
+  _globals['_WORKERLOADSTATS']._serialized_start=1944
+  _globals['_WORKERLOADSTATS']._serialized_end=2135
+  _globals['_GETSTATSRESPONSE']._serialized_start=2138
+  _globals['_GETSTATSRESPONSE']._serialized_end=2486
+  _globals['_DECODEKVSTATS']._serialized_start=2489
+  _globals['_DECODEKVSTATS']._serialized_end=2955
+  _globals['_DECODEKVSTATS_EVICTIONSENTRY']._serialized_start=2857
+  _globals['_DECODEKVSTATS_EVICTIONSENTRY']._serialized_end=2905
+  _globals['_DECODEKVSTATS_PULLSLOSTENTRY']._serialized_start=2907
+  _globals['_DECODEKVSTATS_PULLSLOSTENTRY']._serialized_end=2955
+  _globals['_TRANSFERSCHEDULER']._serialized_start=3039
+  _globals['_TRANSFERSCHEDULER']._serialized_end=3327
 # @@protoc_insertion_point(module_scope)

@@ -1,3 +1,4 @@
+from google.api import annotations_pb2 as _annotations_pb2
 from kvshuttle.v1 import common_pb2 as _common_pb2
 from kvshuttle.v1 import registry_pb2 as _registry_pb2
 from google.protobuf.internal import containers as _containers
@@ -19,7 +20,7 @@ DECISION_PULL: Decision
 DECISION_RECOMPUTE: Decision
 
 class PlanTurnRequest(_message.Message):
-    __slots__ = ("session_id", "tenant", "prompt_token_ids", "disable_pull", "exclude_worker_ids", "session_snapshot", "session_not_found", "policy")
+    __slots__ = ("session_id", "tenant", "prompt_token_ids", "disable_pull", "exclude_worker_ids", "session_snapshot", "session_not_found", "policy", "max_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +29,7 @@ class PlanTurnRequest(_message.Message):
     SESSION_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     SESSION_NOT_FOUND_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tenant: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -36,7 +38,8 @@ class PlanTurnRequest(_message.Message):
     session_snapshot: _registry_pb2.GetSessionResponse
     session_not_found: bool
     policy: str
-    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., disable_pull: _Optional[bool] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ..., session_snapshot: _Optional[_Union[_registry_pb2.GetSessionResponse, _Mapping]] = ..., session_not_found: _Optional[bool] = ..., policy: _Optional[str] = ...) -> None: ...
+    max_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., disable_pull: _Optional[bool] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ..., session_snapshot: _Optional[_Union[_registry_pb2.GetSessionResponse, _Mapping]] = ..., session_not_found: _Optional[bool] = ..., policy: _Optional[str] = ..., max_tokens: _Optional[int] = ...) -> None: ...
 
 class PlanFigures(_message.Message):
     __slots__ = ("prompt_tokens", "session_found", "covered_tokens", "matched_tokens", "reusable_tokens", "compute_tokens", "block_size", "expires_in_s", "pull_threshold_tokens", "source_worker_alive", "snapshot_stale", "policy", "predicted_pull_ms", "predicted_recompute_ms", "pullable_tokens", "predicted_wait_ms", "worker_choice", "cached_tokens_estimate")
@@ -199,15 +202,65 @@ class WorkerLoadStats(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., pending: _Optional[int] = ..., used_tokens: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., age_s: _Optional[float] = ..., reachable: _Optional[bool] = ..., assigned_turns: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("policies", "compute", "transfers", "loads", "reported_turns")
+    __slots__ = ("policies", "compute", "transfers", "loads", "reported_turns", "decode_kv", "kv_managed", "kv_eviction_policy", "kv_leading")
     POLICIES_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     LOADS_FIELD_NUMBER: _ClassVar[int]
     REPORTED_TURNS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_KV_FIELD_NUMBER: _ClassVar[int]
+    KV_MANAGED_FIELD_NUMBER: _ClassVar[int]
+    KV_EVICTION_POLICY_FIELD_NUMBER: _ClassVar[int]
+    KV_LEADING_FIELD_NUMBER: _ClassVar[int]
     policies: _containers.RepeatedCompositeFieldContainer[PolicyStats]
     compute: _containers.RepeatedCompositeFieldContainer[ComputeEstimate]
     transfers: _containers.RepeatedCompositeFieldContainer[TransferEstimate]
     loads: _containers.RepeatedCompositeFieldContainer[WorkerLoadStats]
     reported_turns: int
-    def __init__(self, policies: _Optional[_Iterable[_Union[PolicyStats, _Mapping]]] = ..., compute: _Optional[_Iterable[_Union[ComputeEstimate, _Mapping]]] = ..., transfers: _Optional[_Iterable[_Union[TransferEstimate, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[WorkerLoadStats, _Mapping]]] = ..., reported_turns: _Optional[int] = ...) -> None: ...
+    decode_kv: _containers.RepeatedCompositeFieldContainer[DecodeKvStats]
+    kv_managed: bool
+    kv_eviction_policy: str
+    kv_leading: bool
+    def __init__(self, policies: _Optional[_Iterable[_Union[PolicyStats, _Mapping]]] = ..., compute: _Optional[_Iterable[_Union[ComputeEstimate, _Mapping]]] = ..., transfers: _Optional[_Iterable[_Union[TransferEstimate, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[WorkerLoadStats, _Mapping]]] = ..., reported_turns: _Optional[int] = ..., decode_kv: _Optional[_Iterable[_Union[DecodeKvStats, _Mapping]]] = ..., kv_managed: _Optional[bool] = ..., kv_eviction_policy: _Optional[str] = ..., kv_leading: _Optional[bool] = ...) -> None: ...
+
+class DecodeKvStats(_message.Message):
+    __slots__ = ("worker_id", "held_sessions", "held_tokens", "held_blocks", "held_bytes", "oldest_idle_s", "used_tokens", "capacity_tokens", "evictions", "evicted_tokens", "pulls_lost", "eviction_failures")
+    class EvictionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class PullsLostEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    HELD_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    HELD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HELD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_IDLE_S_FIELD_NUMBER: _ClassVar[int]
+    USED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PULLS_LOST_FIELD_NUMBER: _ClassVar[int]
+    EVICTION_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    held_sessions: int
+    held_tokens: int
+    held_blocks: int
+    held_bytes: int
+    oldest_idle_s: float
+    used_tokens: int
+    capacity_tokens: int
+    evictions: _containers.ScalarMap[str, int]
+    evicted_tokens: int
+    pulls_lost: _containers.ScalarMap[str, int]
+    eviction_failures: int
+    def __init__(self, worker_id: _Optional[str] = ..., held_sessions: _Optional[int] = ..., held_tokens: _Optional[int] = ..., held_blocks: _Optional[int] = ..., held_bytes: _Optional[int] = ..., oldest_idle_s: _Optional[float] = ..., used_tokens: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., evictions: _Optional[_Mapping[str, int]] = ..., evicted_tokens: _Optional[int] = ..., pulls_lost: _Optional[_Mapping[str, int]] = ..., eviction_failures: _Optional[int] = ...) -> None: ...

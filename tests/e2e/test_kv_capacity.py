@@ -1,0 +1,106 @@
+"""A decode worker with a small KV cache, filled by sessions that are never ended, on the real stack.
+
+One more decode worker is started with 20 MiB of KV cache (40 blocks of 128 tokens of the tiny fp32 model; its TTL
+is the stack's 480 s, far longer than the test), and the shared decode worker is paused (SIGSTOP) so that every
+turn lands on the small one. Sessions that are abandoned after one turn fill it: without the scheduler's KV manager
+the next turns would wait for blocks that only the TTL frees (minutes). With it:
+
+- every turn, the abandoned ones and a new session after them, is served in normal time;
+- the scheduler frees held handles (by pressure, or to make room for a turn) and shows it in GetStats;
+- an evicted session's next turn recomputes, says why (``kv_freed_pressure``, "KV freed ..."), and answers exactly
+  like the same conversation recomputed on a twin session.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+
+from services.grpc_server import client_channel
+from services.stack import cpu_binds
+from tests.e2e.helpers import Paused, chat, new_session, user_turn
+from tests.e2e.test_load_aware import EXTRA_STARTUP_TIMEOUT_S, wait_registered
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+SMALL = "small-kv-decode"
+BLOCKS = 40  # 20 MiB of the tiny fp32 model's KV (4 KiB a token); the e2e stack's 4,096-token context needs 32
+ABANDONED = 14  # one-turn sessions of ~4 blocks each: 56 blocks wanted of 40
+NORMAL_TURN_S = 20.0  # a turn takes well under a second here; a stall waits for the 480 s TTL
+
+
+@pytest.fixture(scope="module")
+async def small_decode(stack):
+    channel = client_channel(stack.registry_address)
+    registry = registry_pb2_grpc.SessionRegistryStub(channel)
+    bind = cpu_binds(len(stack.workers) + 1)[-1] if stack.cfg.cpu_bind == "split" else stack.cfg.cpu_bind
+    child = await stack.spawn_worker("decode", SMALL, bind, extra_args=f"--num-gpu-blocks-override {BLOCKS}")
+    try:
+        yield await wait_registered(registry, child, SMALL, EXTRA_STARTUP_TIMEOUT_S)
+    finally:
+        await child.stop()
+        stack.children.remove(child)
+        await channel.close()
+
+
+async def decode_kv(stack, worker_id: str) -> scheduler_pb2.DecodeKvStats:
+    async with client_channel(stack.scheduler_address) as channel:
+        stats = await scheduler_pb2_grpc.TransferSchedulerStub(channel).GetStats(scheduler_pb2.GetStatsRequest(),
+                                                                                 timeout=5)
+    assert stats.kv_managed and stats.kv_eviction_policy == "value", stats
+    return next(row for row in stats.decode_kv if row.worker_id == worker_id)
+
+
+async def test_sessions_nobody_ends_never_stall_a_small_decode_worker(stack, small_decode):
+    histories: dict[str, list[dict]] = {}
+    took: list[float] = []
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=300) as client:
+        async with Paused(stack, common_pb2.WORKER_ROLE_DECODE):
+            for i in range(ABANDONED):  # each session sends one turn and is never heard of again
+                sid, messages = new_session(f"abandoned{i}"), [user_turn(i)]
+                started = time.monotonic()
+                resp = await chat(client, sid, messages, max_tokens=8)
+                took.append(time.monotonic() - started)
+                assert resp.headers["x-kv-decode-worker"] == SMALL, resp.headers["x-kv-decode-worker"]
+                histories[sid] = [*messages, resp.json()["choices"][0]["message"]]
+            started = time.monotonic()  # a new conversation after them all: served in normal time
+            fresh = await chat(client, new_session("after-abandoned"), [user_turn(30)], max_tokens=8)
+            fresh_s = time.monotonic() - started
+            assert fresh.headers["x-kv-decode-worker"] == SMALL
+            print(f"\nturn times (s): {[round(t, 2) for t in took]}; the new session after them: {fresh_s:.2f}")
+            assert max(took) < NORMAL_TURN_S and fresh_s < NORMAL_TURN_S, (took, fresh_s)
+
+            kv = await decode_kv(stack, SMALL)
+            freed = kv.evictions["pressure"] + kv.evictions["room"]
+            print(f"{SMALL}: {kv.held_sessions} sessions held, {kv.held_tokens} of {kv.capacity_tokens} tokens; "
+                  f"used {kv.used_tokens}; evictions {dict(kv.evictions)}")
+            assert freed >= 1 and kv.eviction_failures == 0, kv
+            assert kv.capacity_tokens == BLOCKS * 128 and kv.held_tokens <= kv.capacity_tokens, kv
+
+            # An evicted session: its record is kept, marked freed, and its next turn recomputes and says why.
+            async with client_channel(stack.registry_address) as channel:
+                registry = registry_pb2_grpc.SessionRegistryStub(channel)
+                records = {sid: (await registry.GetSession(registry_pb2.GetSessionRequest(session_id=sid),
+                                                           timeout=5)).session for sid in histories}
+            evicted = [sid for sid, r in records.items() if r.kv_freed]
+            assert len(evicted) >= freed - 1, {sid: (r.kv_freed, r.claimed) for sid, r in records.items()}
+            sid = evicted[0]
+            assert records[sid].claimed and records[sid].kv_freed in ("pressure", "room")
+            prompt = [*histories[sid], user_turn(40)]
+            resp = await chat(client, sid, prompt, max_tokens=8)
+            assert resp.headers["x-kv-decision"] == "recompute"
+            assert resp.headers["x-kv-reason-code"] == "kv_freed_pressure", resp.headers["x-kv-reason"]
+            assert resp.headers["x-kv-reason"].startswith("KV freed"), resp.headers["x-kv-reason"]
+
+            # The same conversation on a twin session, recomputed: the same exact ids, so the same answer.
+            twin = new_session("abandoned-twin")
+            first = await chat(client, twin, prompt[:1], max_tokens=8)
+            assert [*prompt[:1], first.json()["choices"][0]["message"]] == histories[sid]
+            reference = (await chat(client, twin, prompt, max_tokens=8, disable_pull=True)).json()
+            assert resp.json()["choices"][0]["message"] == reference["choices"][0]["message"]
+            assert resp.json()["usage"] == reference["usage"]
+
+            kv = await decode_kv(stack, SMALL)
+            assert sum(kv.pulls_lost.values()) >= 1, kv
