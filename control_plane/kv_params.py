@@ -8,6 +8,7 @@ kvshuttle carries them as opaque JSON on the wire; only these functions look ins
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,6 +94,16 @@ def pull_params(handle: Handle, tokens: int, block_size: int) -> dict[str, Any]:
     params["remote_block_ids"] = groups
     params["remote_num_tokens"] = tokens
     return params
+
+
+def free_read(handle: Handle, ids: Sequence[int], block_size: int) -> tuple[dict[str, Any], list[int]]:
+    """The smallest read that frees a decode worker's handle (D frees all of a handle's blocks after any read): P
+    pulls its first ``min(covered, block_size)`` tokens and computes one more. ``ids``: the tokens the handle covers,
+    and at least one after them. Returns (P's kv_transfer_params, P's prompt)."""
+    n = min(handle.num_tokens, block_size)
+    if n <= 0 or len(ids) <= n:
+        raise HandleError(f"a freeing read needs {n + 1} token ids of the handle, got {len(ids)}")
+    return pull_params(handle, n, block_size), list(ids[:n + 1])
 
 
 def covers_extra_token(params: dict[str, Any] | None, prompt_tokens: int, block_size: int) -> bool:

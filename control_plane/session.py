@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from kvshuttle.v1 import common_pb2, registry_pb2
 
+from control_plane.kv_eviction import MIN_LEFT_S
 from control_plane.kv_eviction import REASONS as FREE_REASONS
 from control_plane.kv_params import HandleError, blocks_for, parse_handle
 from control_plane.prefix import block_hash_chain, prefix_digest
@@ -100,15 +101,16 @@ def expires_in(session: common_pb2.Session, now: float) -> float:
     return to_seconds(session.expires_at) - now
 
 
-FREE_MIN_LEFT_S = 10.0  # a handle closer to its expiry is left to expire (P declines reads 5 s before it)
+FREE_MIN_LEFT_S = MIN_LEFT_S  # a handle closer to its expiry is left to expire (P declines reads 5 s before it)
 
 
 def freeable(session: common_pb2.Session, tokens: int, now: float) -> bool:
-    """Whether the record's handle can be freed by reading its first block from a prompt of ``tokens`` tokens
-    that repeats that block: an unclaimed handle covering at least a block, far enough from its expiry."""
+    """Whether the record's handle can be freed by reading its first block (or all of it, when it covers less)
+    from a prompt of ``tokens`` tokens that repeats them (control_plane.kv_params.free_read): an unclaimed handle,
+    far enough from its expiry."""
     bs = session.block_size
-    return (bool(session.kv_transfer_params_json) and not session.claimed and bs > 0 and tokens > bs
-            and session.covered_tokens >= bs and expires_in(session, now) >= FREE_MIN_LEFT_S)
+    return (bool(session.kv_transfer_params_json) and not session.claimed and bs > 0 and session.covered_tokens > 0
+            and tokens > min(session.covered_tokens, bs) and expires_in(session, now) >= FREE_MIN_LEFT_S)
 
 
 def lease_ttl_for(expires_at: float, now: float) -> int:

@@ -208,8 +208,9 @@ class _Tracked(Collector):
 def _gateway_families() -> list:
     return [CounterMetricFamily("kvshuttle_degraded_turns", "Turns served without the session store, by kind "
                                 "(as GET /health's degraded counts)", labels=["kind"]),
-            CounterMetricFamily("kvshuttle_kv_handles_released", "Unused KV handles freed on their decode worker "
-                                "after a turn recomputed (or a session ended)")]
+            CounterMetricFamily("kvshuttle_kv_handles_released", "KV handles the gateway freed on their decode "
+                                "worker: a recomputed turn's unused one, a turn's that nothing records (no session "
+                                "id), an ended session's")]
 
 
 def _read_gateway(families: list, runners: Iterable[Any]) -> None:

@@ -96,6 +96,10 @@ class GatewayConfig(TelemetryConfig, TlsConfig):
     first_token_from_prefill: bool = setting(True, "Stream the prefill worker's sampled token as the answer's first "
                                                    "token; the decode worker continues after it (requests with stop "
                                                    "strings always let the decode worker sample it)")
+    free_unrecorded_kv: bool = setting(True, "Free a turn's KV on its decode worker right after the answer when "
+                                             "nothing records it (no session id, or the registry refused the record):"
+                                             " the decode worker would otherwise keep it until its TTL, where no "
+                                             "turn can pull it and the scheduler cannot see it")
     session_cache_mb: int = setting(64, "Keep the session records this gateway wrote (up to this many MiB) so the "
                                         "next turn needs no registry read; 0: always read")
     api_keys_file: str = setting("", "API keys file (JSON: SHA-256 of each key -> tenant, admin; `kvshuttle "
@@ -169,6 +173,7 @@ class GatewayService:
             prefill_timeout_s=cfg.prefill_timeout_s, decode_stall_timeout_s=cfg.decode_stall_timeout_s,
             worker_retries=cfg.worker_retries)
         self.runner.max_prompt_tokens = cfg.max_prompt_tokens
+        self.runner.free_unrecorded_kv = cfg.free_unrecorded_kv
         self.runner.served_model, self.runner.kv_bytes_per_token = cfg.model_name(), cfg.kv_bytes_per_token()
         servicer = GatewayServicer(self.runner, cfg.model_name(), cfg.default_max_tokens, self.keys)
         self.grpc = Server(cfg.grpc_listen, [SERVICE_NAME],

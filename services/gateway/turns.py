@@ -181,7 +181,8 @@ class TurnRunner:
         # (Issue #7 turns these into Prometheus metrics.)
         self.degraded: dict[str, int] = dict.fromkeys(DEGRADED_KINDS, 0)
         self.release_unused_handles = True
-        self.released_handles = 0  # previous KV handles freed on their decode worker after a recompute
+        self.free_unrecorded_kv = True  # free the KV of turns nothing records (no session id, record refused)
+        self.released_handles = 0  # KV handles freed on their decode worker: unused, unrecorded, or ended sessions
 
     def engine(self, worker: common_pb2.Worker) -> EngineClient:
         client = self._engines.get(worker.grpc_address)
@@ -367,30 +368,31 @@ class TurnRunner:
                 or req.disable_pull):  # a forced recompute (benchmarks, comparisons) leaves the session's KV alone
             return None
         record = snapshot.session
-        bs = record.block_size
+        n = min(record.covered_tokens, record.block_size)
         if not plan.figures.source_worker_alive or not session_rules.freeable(record, len(prompt_ids), time.time()):
             return None
         try:
-            if matched_prefix_tokens(list(record.block_hashes), record.covered_tokens, bs, prompt_ids[:bs]) < bs:
+            if matched_prefix_tokens(list(record.block_hashes), record.covered_tokens, record.block_size,
+                                     prompt_ids[:n]) < n:
                 return None  # the prompt's first block differs: P must not take D's KV for it
         except ValueError:
             return None
         return asyncio.create_task(_release_span(self._free_handle(
-            f"{turn_id}-release", record, plan.prefill, prompt_ids[:bs + 1], req.tenant, req.session_id)))
+            f"{turn_id}-release", record, plan.prefill, prompt_ids, req.tenant, req.session_id)))
 
     async def _free_handle(self, request_id: str, record: common_pb2.Session, prefill: common_pb2.Worker,
-                           first_block: list[int], tenant: str, session_id: str) -> bool:
-        """Claim ``record``'s handle, then have ``prefill`` read its first block (``first_block``: that block's
-        tokens, plus one; EngineClient.read_to_free); D then frees all of the handle's blocks. Best effort: False
-        when not freed."""
-        bs = record.block_size
+                           ids: Sequence[int], tenant: str, session_id: str) -> bool:
+        """Claim ``record``'s handle, then have ``prefill`` read its first block (from ``ids``, tokens that repeat
+        the handle's: kv_params.free_read, EngineClient.read_to_free); D then frees all of the handle's blocks. Best
+        effort: False when not freed."""
         try:
-            params = kv_params.pull_params(kv_params.parse_handle(record.kv_transfer_params_json), bs, bs)
+            params, prompt = kv_params.free_read(kv_params.parse_handle(record.kv_transfer_params_json), ids,
+                                                 record.block_size)
             claim = await self.registry.ClaimSession(registry_pb2.ClaimSessionRequest(
                 session_id=session_id, tenant=tenant, revision=record.revision), timeout=self.control_timeout_s)
             if not claim.claimed:
                 return False  # a concurrent turn took it (and reads it), or the record changed
-            if not await self.engine(prefill).read_to_free(request_id, first_block, params,
+            if not await self.engine(prefill).read_to_free(request_id, prompt, params,
                                                            timeout_s=self.prefill_timeout_s):
                 log.debug("%s: freeing a KV handle failed at the prefill worker", request_id)
                 return False
@@ -423,7 +425,7 @@ class TurnRunner:
                 plan = await self.scheduler.PlanTurn(scheduler_pb2.PlanTurnRequest(
                     tenant=tenant, prompt_token_ids=first_block, disable_pull=True), timeout=self.control_timeout_s)
                 released = await _release_span(self._free_handle(f"end-{uuid.uuid4().hex[:16]}", record, plan.prefill,
-                                                                 first_block, tenant, session_id))
+                                                                 record.token_ids, tenant, session_id))
             except grpc.aio.AioRpcError as exc:
                 log.debug("ending a session: no prefill worker to free its KV (%s)", exc.code().name)
         try:
@@ -726,9 +728,36 @@ class TurnRunner:
         turn.plan, turn.decode_params = plan, p_final.kv_transfer_params
         return resume_ids
 
+    def _free_unrecorded(self, turn: PreparedTurn, output: list[int], final: Final) -> None:
+        """A turn whose handle nothing records (no session id, or the registry could not take it) would leave its
+        decode worker holding the blocks until its TTL, where no turn can pull them and the scheduler cannot find
+        them (clients that send no session id would fill it): free them now, in the background (a one-block read
+        on the turn's prefill worker)."""
+        if not self.free_unrecorded_kv or not final.kv_transfer_params:
+            return
+        try:
+            params, prompt = kv_params.free_read(kv_params.parse_handle(final.kv_transfer_params),
+                                                 [*turn.prompt_ids, *output], turn.plan.decode.block_size)
+        except kv_params.HandleError as exc:
+            log.debug("turn %s: its KV handle cannot be freed (%s)", turn.id, exc)
+            return
+
+        async def free() -> None:
+            try:
+                if await self.engine(turn.plan.prefill).read_to_free(f"{turn.id}-free", prompt, params,
+                                                                     timeout_s=self.prefill_timeout_s):
+                    self.released_handles += 1
+            except EngineError as exc:
+                log.debug("turn %s: could not free its unrecorded KV handle: %s", turn.id, exc)
+
+        task = asyncio.create_task(free())
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
+
     async def _record(self, turn: PreparedTurn, output: list[int], final: Final) -> None:
         req = turn.request
         if not req.session_id:
+            self._free_unrecorded(turn, output, final)
             return
         if not final.kv_transfer_params:
             log.warning("decode worker returned no KV handle for turn %s: nothing to record", turn.id)
@@ -755,6 +784,7 @@ class TurnRunner:
                 self.degraded["record_failed"] += 1
                 log.warning("could not record turn %s (%s: %s): the next turn cannot pull it (%d unrecorded turns)",
                             turn.id, exc.code().name, exc.details(), self.degraded["record_failed"])
+                self._free_unrecorded(turn, output, final)
 
     async def run(self, req: TurnRequest) -> tuple[PreparedTurn, Finished]:
         turn = await self.prepare(req)

@@ -285,11 +285,11 @@ class KvManager:
         if found is None:
             return False
         record, _ = found
-        bs = record.block_size
         if (record.revision != held.revision or record.decode_worker_id != worker.worker_id
                 or not session_rules.freeable(record, len(record.token_ids), self.clock())):
             return False  # a new turn, a claim, a move, or too close to its expiry: leave it
-        params = kv_params.pull_params(kv_params.parse_handle(record.kv_transfer_params_json), bs, bs)
+        params, prompt = kv_params.free_read(kv_params.parse_handle(record.kv_transfer_params_json),
+                                             record.token_ids, record.block_size)
         prefill = self._prefill_worker()
         if prefill is None:
             raise EngineError(None, "no live prefill worker to read the handle")
@@ -299,8 +299,7 @@ class KvManager:
             return False
         engine = self._engine(prefill)
         request_id = f"kv-free-{eviction.reason}-{uuid.uuid4().hex[:12]}"
-        if not await engine.read_to_free(request_id, list(record.token_ids[:bs + 1]), params,
-                                         timeout_s=self.free_timeout_s):
+        if not await engine.read_to_free(request_id, prompt, params, timeout_s=self.free_timeout_s):
             return None
         return True
 

@@ -13,6 +13,7 @@ the next turns would wait for blocks that only the TTL frees (minutes). With it:
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import httpx
@@ -104,3 +105,31 @@ async def test_sessions_nobody_ends_never_stall_a_small_decode_worker(stack, sma
 
             kv = await decode_kv(stack, SMALL)
             assert sum(kv.pulls_lost.values()) >= 1, kv
+
+
+async def test_turns_without_a_session_id_leave_no_kv_behind(stack, small_decode):
+    """What SDK clients send by default: no session id. Nothing records such a turn's handle, so the decode worker
+    would keep its blocks for the TTL where no one can free them; the gateway frees them after the answer."""
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=300) as client:
+        before = await released_handles(client)
+        async with Paused(stack, common_pb2.WORKER_ROLE_DECODE):
+            took = []
+            for i in range(ABANDONED + 4):  # ~4 blocks each: far more than the worker's 40 blocks in all
+                started = time.monotonic()
+                resp = await client.post("/v1/chat/completions", json={
+                    "messages": [user_turn(i % 12)], "max_tokens": 8, "temperature": 0})
+                took.append(time.monotonic() - started)
+                assert resp.status_code == 200, resp.text
+                assert resp.headers["x-kv-decode-worker"] == SMALL
+            print(f"\nturn times without a session id (s): {[round(t, 2) for t in took]}")
+            assert max(took) < NORMAL_TURN_S, took
+        deadline = time.monotonic() + 10
+        while await released_handles(client) - before < len(took):  # freed in the background after each answer
+            assert time.monotonic() < deadline, (await released_handles(client)) - before
+            await asyncio.sleep(0.2)
+
+
+async def released_handles(client: httpx.AsyncClient) -> float:
+    text = (await client.get("/metrics")).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("kvshuttle_kv_handles_released_total"))

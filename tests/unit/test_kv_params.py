@@ -63,3 +63,15 @@ def test_d_can_continue_after_p_s_token_only_when_p_sent_a_block_for_it():
     for params in (None, {}, {"remote_block_ids": None}, {"remote_block_ids": ["x"]}):
         assert not covers_extra_token(params, 10, 128)
     assert not covers_extra_token({"remote_block_ids": [[1]]}, 10, 0)
+
+
+def test_the_freeing_read_takes_the_first_block_or_all_of_a_shorter_handle():
+    handle = kv_params.parse_handle({"do_remote_decode": True, "remote_engine_id": "d", "remote_host": "h",
+                                     "remote_port": 1, "remote_num_tokens": 300, "remote_block_ids": [[7, 8, 9]]})
+    params, prompt = kv_params.free_read(handle, list(range(301)), 128)
+    assert (params["remote_num_tokens"], params["remote_block_ids"], prompt) == (128, [[7]], list(range(129)))
+    short = kv_params.parse_handle({**handle.raw, "remote_num_tokens": 40, "remote_block_ids": [[7]]})
+    params, prompt = kv_params.free_read(short, list(range(41)), 128)
+    assert (params["remote_num_tokens"], params["remote_block_ids"], prompt) == (40, [[7]], list(range(41)))
+    with pytest.raises(kv_params.HandleError):  # the token after the pulled ones must be known
+        kv_params.free_read(short, list(range(40)), 128)

@@ -172,3 +172,30 @@ def test_claim_refusal_allows_fresh_record():
 def test_claim_refusals(session, revision, now, reason):
     assert rules.claim_refusal(session, revision, now).startswith(reason)
 
+
+
+def test_a_session_remembers_when_it_began():
+    first = rules.build_session(turn(), decode_worker(), now=NOW, margin_s=30).session
+    assert rules.to_seconds(first.created_at) == NOW
+    later = rules.build_session(turn(), decode_worker(), now=NOW + 50, margin_s=30, previous=first).session
+    assert rules.to_seconds(later.created_at) == NOW and later.turn == 2
+    assert rules.to_seconds(later.updated_at) == NOW + 50
+
+
+def test_which_handles_can_be_freed():
+    s = rules.build_session(turn(), decode_worker(), now=NOW, margin_s=30).session  # 9 tokens, blocks of 4
+    assert rules.freeable(s, 10, NOW)
+    assert not rules.freeable(s, 4, NOW)  # the read needs the block's tokens and one more
+    assert not rules.freeable(s, 10, NOW + 445)  # within 10 s of its expiry: left to expire
+    short = rules.build_session(turn(kv_transfer_params_json=handle(num_tokens=3, blocks=(1,))), decode_worker(),
+                                now=NOW, margin_s=30).session
+    assert short.covered_tokens == 3 and rules.freeable(short, 4, NOW)  # less than a block: all of it is read
+    claimed = common_pb2.Session()
+    claimed.CopyFrom(s)
+    claimed.claimed = True
+    assert not rules.freeable(claimed, 10, NOW)
+    for bad in ("bored", "IDLE"):
+        with pytest.raises(rules.InvalidArgument, match="free_reason"):
+            rules.validate_free_reason(bad)
+    rules.validate_free_reason("")
+    rules.validate_free_reason("pressure")

@@ -4,6 +4,7 @@ of a failed pull as a recompute, what gets recorded. (The real path is covered e
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import grpc
@@ -281,6 +282,40 @@ async def test_no_session_records_nothing():
     r, _, registry = runner(scheduler_pb2.DECISION_RECOMPUTE, Engine())
     await run(r, TurnRequest(prompt_text="hello", max_tokens=2))
     assert registry.recorded == []
+
+
+class HandingDecode(Engine):
+    """A decode worker whose last message carries a real handle (bi-directional KV transfer) for what it holds."""
+
+    async def generate(self, request_id, prompt_ids, **kw):
+        async for item in super().generate(request_id, prompt_ids, **kw):
+            if isinstance(item, Final):
+                covered = len(prompt_ids) + len(item.output_ids) - 1
+                item = dataclasses.replace(item, kv_transfer_params={
+                    "do_remote_decode": True, "remote_engine_id": "d", "remote_host": "h", "remote_port": 1,
+                    "remote_num_tokens": covered, "remote_block_ids": [list(range(-(-covered // BLOCK)))]})
+            yield item
+
+
+@pytest.mark.parametrize("prompt, free", [("hello world", True), ("h", True), ("hello world", False)])
+async def test_a_turn_nothing_records_has_its_kv_freed_on_the_decode_worker(prompt, free):
+    """No session id: no record will ever point at D's handle, so D would hold the blocks until its TTL, unseen."""
+    p = Engine()
+    r, _, registry = runner(scheduler_pb2.DECISION_RECOMPUTE, p, decode=HandingDecode(answer="okay"))
+    r.free_unrecorded_kv = free
+    turn, _ = await run(r, TurnRequest(prompt_text=prompt, max_tokens=3))
+    await asyncio.gather(*r._reports)
+    reads = [(ids, kw) for ids, kw in p.calls if kw.get("kv_transfer_params")]
+    assert registry.recorded == []
+    if not free:
+        assert reads == [] and r.released_handles == 0
+        return
+    [(ids, kw)] = reads  # one read of the handle's first block (all of it when it covers less), then cancelled
+    held = [*turn.prompt_ids, *(ord(c) for c in "oka")]
+    n = min(len(held) - 1, BLOCK)
+    assert n == (BLOCK if len(prompt) > 1 else 3)  # "h": the handle covers 3 tokens, less than a block
+    assert kw["kv_transfer_params"]["remote_num_tokens"] == n and kw["kv_transfer_params"]["remote_block_ids"] == [[0]]
+    assert ids == held[:n + 1] and kw["stream"] and r.released_handles == 1
 
 
 CHAT = [{"role": "user", "content": "hi"}]
