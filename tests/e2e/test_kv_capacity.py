@@ -8,7 +8,9 @@ the next turns would wait for blocks that only the TTL frees (minutes). With it:
 - every turn, the abandoned ones and a new session after them, is served in normal time;
 - the scheduler frees held handles (by pressure, or to make room for a turn) and shows it in GetStats;
 - an evicted session's next turn recomputes, says why (``kv_freed_pressure``, "KV freed ..."), and answers exactly
-  like the same conversation recomputed on a twin session.
+  like the same conversation recomputed on a twin session;
+- turns sent with no session id at all (the official ``openai`` client, as applications use it), whose handles
+  nothing records, leave no KV behind either (the gateway frees it after each answer).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import time
 import httpx
 import pytest
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from openai import AsyncOpenAI
 
 from services.grpc_server import client_channel
 from services.stack import cpu_binds
@@ -110,17 +113,19 @@ async def test_sessions_nobody_ends_never_stall_a_small_decode_worker(stack, sma
 async def test_turns_without_a_session_id_leave_no_kv_behind(stack, small_decode):
     """What SDK clients send by default: no session id. Nothing records such a turn's handle, so the decode worker
     would keep its blocks for the TTL where no one can free them; the gateway frees them after the answer."""
+    sdk = AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", timeout=300, max_retries=0)
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=300) as client:
         before = await released_handles(client)
+        model = (await sdk.models.list()).data[0].id
         async with Paused(stack, common_pb2.WORKER_ROLE_DECODE):
             took = []
             for i in range(ABANDONED + 4):  # ~4 blocks each: far more than the worker's 40 blocks in all
-                started = time.monotonic()
-                resp = await client.post("/v1/chat/completions", json={
-                    "messages": [user_turn(i % 12)], "max_tokens": 8, "temperature": 0})
+                started = time.monotonic()  # the official client, as an application uses it: no session id
+                raw = await sdk.chat.completions.with_raw_response.create(
+                    model=model, messages=[user_turn(i % 12)], max_tokens=8, temperature=0)
                 took.append(time.monotonic() - started)
-                assert resp.status_code == 200, resp.text
-                assert resp.headers["x-kv-decode-worker"] == SMALL
+                assert raw.parse().choices[0].message.content
+                assert raw.headers["x-kv-decode-worker"] == SMALL
             print(f"\nturn times without a session id (s): {[round(t, 2) for t in took]}")
             assert max(took) < NORMAL_TURN_S, took
         deadline = time.monotonic() + 10
