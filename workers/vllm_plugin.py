@@ -6,6 +6,12 @@ core spinning. On a 2-core development machine two engines then starve everythin
 from ``--nixl-progress-delay-us``), agents are created with that progress-thread delay instead. Unset, nothing is
 changed, so GPU deployments are untouched. vLLM loads this in each of its processes; it must stay cheap and safe.
 
+``KVSHUTTLE_VLLM_DIE_WITH_PARENT`` (the agent always sets it): each vLLM process that has no parent-death signal
+yet asks the kernel to SIGKILL it when its parent dies (``PR_SET_PDEATHSIG``). The server has one already (SIGTERM,
+from services.processes: it shuts down cleanly when the agent dies); the engine core and its workers, spawned by
+vLLM, had none: a server killed outright (SIGKILL, the OOM killer) left them running under PID 1, busy and holding
+the KV cache's memory (a GPU's, on a GPU).
+
 Likewise ``KVSHUTTLE_VLLM_IDLE_SPIN_MS``: after each message, vLLM's shared-memory queue readers spin (yielding the
 CPU) for one second before they sleep on a socket. On 2 cores, three engines doing that after every request keep
 the control plane waiting for a CPU; a few milliseconds of spinning keeps a busy engine's latency and frees the core
@@ -14,13 +20,17 @@ when it is idle.
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import logging
 import os
+import signal
 import types
 
 ENV = "KVSHUTTLE_NIXL_PROGRESS_DELAY_US"
 SPIN_ENV = "KVSHUTTLE_VLLM_IDLE_SPIN_MS"
+DIE_ENV = "KVSHUTTLE_VLLM_DIE_WITH_PARENT"
+PR_SET_PDEATHSIG, PR_GET_PDEATHSIG = 1, 2  # linux/prctl.h
 log = logging.getLogger(__name__)
 
 
@@ -70,7 +80,26 @@ def _shorten_idle_spin(spin_ms: int) -> None:
     cls.__init__ = init
 
 
+def tie_to_parent() -> int:
+    """Unless this process already has a parent-death signal, have the kernel SIGKILL it when its parent dies
+    (Linux). Returns the signal now in place (0: none, e.g. not Linux)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        current = ctypes.c_int(0)
+        if libc.prctl(PR_GET_PDEATHSIG, ctypes.byref(current), 0, 0, 0) == 0 and current.value:
+            return current.value
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            log.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
+            return 0
+    except (OSError, AttributeError) as exc:  # not Linux
+        log.warning("cannot tie this process's life to its parent's: %s", exc)
+        return 0
+    return int(signal.SIGKILL)
+
+
 def register() -> None:
+    if os.environ.get(DIE_ENV) == "1":
+        tie_to_parent()
     spin_ms = _int_env(SPIN_ENV)
     if spin_ms is not None and spin_ms >= 0:
         _shorten_idle_spin(spin_ms)

@@ -191,6 +191,7 @@ def vllm_command(cfg: WorkerConfig) -> tuple[list[str], dict[str, str]]:
         "SMG_VLLM_SERVICER_KV_EVENTS": "0",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
+        "KVSHUTTLE_VLLM_DIE_WITH_PARENT": "1",  # workers/vllm_plugin.py: no vLLM process outlives its parent
     }
     if cfg.cpu_bind:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_bind

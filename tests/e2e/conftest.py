@@ -39,8 +39,12 @@ async def stack(model_dir, otlp, tmp_path_factory):
     })
     # The e2e tests check the pull mechanics, so the default policy is the deterministic threshold one; the cost
     # policy runs by name in the policy sweep test (its lanes' policies are hosted here too).
+    # Idle sessions keep their KV here: freeing it reads a block on P in the background, which would show in the
+    # prefill counters that many tests compare (the idle limit is tested with stand-in engines, test_kv_manager;
+    # pressure and room, which the small decode worker of test_kv_capacity needs, stay on).
     s = Stack(cfg, scheduler_env={"KVSHUTTLE_SCHEDULER_POLICY": "threshold",
-                                  "KVSHUTTLE_SCHEDULER_POLICIES": sweep_policies()})
+                                  "KVSHUTTLE_SCHEDULER_POLICIES": sweep_policies(),
+                                  "KVSHUTTLE_SCHEDULER_KV_IDLE_LIMIT_S": "0"})
     try:
         await s.start()
         yield s

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import signal
+from pathlib import Path
+
 import pytest
 
 from workers import vllm_plugin
@@ -36,3 +39,42 @@ def test_idle_spin_of_queue_readers_is_shortened(monkeypatch):
     monkeypatch.setenv(vllm_plugin.SPIN_ENV, "5")
     vllm_plugin.register()
     assert shm.SpinCondition(is_reader=True, context=None, notify_address="x").busy_loop_s == pytest.approx(0.005)
+
+
+def test_a_vllm_process_is_tied_to_its_parent_unless_it_already_is(tmp_path):
+    """In a child: with no parent-death signal the plugin sets SIGKILL; one set before (the agent's SIGTERM for the
+    server) is kept. Then the parent dies, and the child with it."""
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "child.py"
+    script.write_text(
+        "import ctypes, signal, sys, time\n"
+        "from workers import vllm_plugin\n"
+        "if sys.argv[1] == 'preset':\n"
+        "    ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0)\n"
+        "print(vllm_plugin.tie_to_parent(), flush=True)\n"
+        "time.sleep(60)\n")
+    parent_code = ("import subprocess, sys, time\n"
+                   f"c = subprocess.Popen([sys.executable, {str(script)!r}, sys.argv[1]])\n"
+                   "print(c.pid, flush=True)\ntime.sleep(60)\n")
+    for mode, expected in (("fresh", signal.SIGKILL), ("preset", signal.SIGTERM)):
+        parent = subprocess.Popen([sys.executable, "-c", parent_code, mode], stdout=subprocess.PIPE, text=True,
+                                  cwd=Path(__file__).resolve().parents[2])
+        child = int(parent.stdout.readline())
+        assert int(parent.stdout.readline()) == int(expected)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while _running(child):
+            assert time.monotonic() < deadline, f"the child ({mode}) outlived its parent"
+            time.sleep(0.1)
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"
