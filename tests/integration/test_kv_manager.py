@@ -197,7 +197,8 @@ async def test_one_replica_frees_while_another_only_reads(cluster):
     await until(lambda: _evicted(first, "pressure", 3))
     resp = await second.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5)
     assert resp.kv_managed and not resp.kv_leading
-    assert sum((await stats(second)).evictions.values()) == 0
+    row = await until(lambda: stats(second))  # the second replica's first view may come after the first's frees
+    assert sum(row.evictions.values()) == 0
     assert len(cluster.freeing_reads()) == 3
 
 
