@@ -7,13 +7,13 @@ install:
 	@bash scripts/bootstrap.sh
 
 demo: install
-	@$(PY) -m services.cli demo
+	@$(PY) -m kvshuttle.services.commands demo
 
 up: install
-	@$(PY) -m services.cli up
+	@$(PY) -m kvshuttle.services.commands up
 
 bench: install
-	@$(PY) -m services.cli bench
+	@$(PY) -m kvshuttle.services.commands bench
 
 test: install
 	@$(PY) -m pytest

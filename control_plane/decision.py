@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from control_plane import kv_eviction, kv_params
-from control_plane import reasons as why
-from control_plane.prefix import matched_prefix_tokens
+from kvshuttle.control_plane import kv_eviction, kv_params
+from kvshuttle.control_plane import reasons as why
+from kvshuttle.control_plane.prefix import matched_prefix_tokens
 
 
 class Choice(enum.Enum):
@@ -59,7 +59,7 @@ class Plan:
     prefill_params: dict[str, Any] = field(default_factory=kv_params.prefill_request_params)
     # A RECOMPUTE that could have pulled safely: the tokens that pull would have loaded (the option not taken).
     pullable_tokens: int = 0
-    # ``reason`` as one code of control_plane.reasons (bounded: metrics labels use it)
+    # ``reason`` as one code of kvshuttle.control_plane.reasons (bounded: metrics labels use it)
     code: str = field(kw_only=True)
 
     @property

@@ -29,7 +29,7 @@ IDLE = "idle"
 PRESSURE = "pressure"
 ROOM = "room"
 REASONS = (IDLE, PRESSURE, ROOM)
-# A handle this close to its expiry is left to expire: P declines reads 5 s before it (control_plane.session).
+# A handle this close to its expiry is left to expire: P declines reads 5 s before it (kvshuttle.control_plane.session).
 MIN_LEFT_S = 10.0
 
 

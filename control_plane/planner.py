@@ -1,6 +1,6 @@
 """One turn's plan, start to finish (pure): safety rules, prefill worker, policy, expiry, decode worker.
 
-The order matters. The safety rules (:func:`control_plane.decision.decide`) do not depend on the workers, so they
+The order matters. The safety rules (:func:`.decision.decide`) do not depend on the workers, so they
 come first and say how many tokens a pull could reuse; that lets the prefill worker be chosen by its predicted time
 for *this* turn (a worker with a slow link to the session's decode worker, or a long queue, loses); then the policy
 judges pull vs recompute on that worker, and the expiry rule checks the predicted end of the pull against the
@@ -15,12 +15,20 @@ from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from control_plane.cost_model import Prediction, PrefillCostModel
-from control_plane.decision import Choice, HandleView, Plan, decide
-from control_plane.load import WorkerLoad
-from control_plane.policies import CostPolicy, Outcome, Policy, PolicyError, RegretMeter, TurnContext, plan_turn
-from control_plane.prefill_cache import PrefillCacheHints
-from control_plane.selection import UNKNOWN, HasId, Selector
+from kvshuttle.control_plane.cost_model import Prediction, PrefillCostModel
+from kvshuttle.control_plane.decision import Choice, HandleView, Plan, decide
+from kvshuttle.control_plane.load import WorkerLoad
+from kvshuttle.control_plane.policies import (
+    CostPolicy,
+    Outcome,
+    Policy,
+    PolicyError,
+    RegretMeter,
+    TurnContext,
+    plan_turn,
+)
+from kvshuttle.control_plane.prefill_cache import PrefillCacheHints
+from kvshuttle.control_plane.selection import UNKNOWN, HasId, Selector
 
 W = TypeVar("W", bound=HasId)
 

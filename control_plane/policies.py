@@ -1,13 +1,13 @@
 """Pull-vs-recompute policies, chosen by name with validated parameters (pure).
 
-Every policy starts from the plan of :func:`control_plane.decision.decide` under its own ``safety`` knobs (prefix
+Every policy starts from the plan of :func:`.decision.decide` under its own ``safety`` knobs (prefix
 check, expiry guard, live source, unclaimed handle, fewest tokens worth a pull): no policy can pull what is unsafe
 to pull. They differ in when a safe pull is worth it. After the policy, one rule holds for all
 (:func:`plan_turn`): a pull that the cost model predicts to end within ``expiry_guard_s`` of the handle's expiry
 (waiting at P included) is refused.
 
 - ``threshold``: pull when at least ``pull_threshold_tokens`` tokens are reusable (vLLM's own rule; the baseline).
-- ``cost``: pull unless the learned prefill-time model (:mod:`control_plane.cost_model`, shared by all policies and fed
+- ``cost``: pull unless the learned prefill-time model (:mod:`.cost_model`, shared by all policies and fed
   by every reported turn) predicts recomputing on the chosen prefill worker faster by more than ``recompute_margin``
   (10%): near a tie the pull wins, because it also frees D's blocks at once (an unused handle holds them until it
   expires) and a near-tie prediction is within the model's noise. While a link has
@@ -20,9 +20,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
-from control_plane import reasons as why
-from control_plane.cost_model import Prediction, PrefillCostModel, PrefillPrior
-from control_plane.decision import Choice, Plan, PullPolicy
+from kvshuttle.control_plane import reasons as why
+from kvshuttle.control_plane.cost_model import Prediction, PrefillCostModel, PrefillPrior
+from kvshuttle.control_plane.decision import Choice, Plan, PullPolicy
 
 
 class PolicyError(ValueError):

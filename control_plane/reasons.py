@@ -14,7 +14,7 @@ PULL_PREFIX = "pull_prefix"
 # PULL: the cost model predicts recomputing faster, but the pull is kept to keep measuring the P-D link.
 PULL_EXPLORE = "pull_explore"
 
-# RECOMPUTE, decided by the safety rules (control_plane.decision):
+# RECOMPUTE, decided by the safety rules (kvshuttle.control_plane.decision):
 PULL_DISABLED = "pull_disabled"  # the request disabled pulls (or a re-plan after a failed worker)
 NO_RECORD = "no_record"  # no recorded KV for the session (first turn, another tenant's id, dropped record)
 HANDLE_USED = "handle_used"  # the record's KV handle was already claimed by another turn
@@ -26,7 +26,7 @@ BELOW_THRESHOLD = "below_threshold"  # the prompt extends the record, but too fe
 HANDLE_UNUSABLE = "handle_unusable"  # the recorded kv_transfer_params cannot be turned into a pull
 KV_FREED_IDLE = "kv_freed_idle"  # the scheduler freed the session's KV on its decode worker: idle past the limit
 KV_FREED_PRESSURE = "kv_freed_pressure"  # ... to make room on a decode worker whose KV cache was filling
-# RECOMPUTE, decided by a policy (control_plane.policies):
+# RECOMPUTE, decided by a policy (kvshuttle.control_plane.policies):
 COST_MODEL = "cost_model"  # the cost model predicts recomputing faster by more than the margin
 WOULD_EXPIRE = "would_expire"  # the pull would end (waiting included) within the expiry guard of the handle's expiry
 # RECOMPUTE, decided by the scheduler while reading or claiming the record:

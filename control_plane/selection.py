@@ -16,7 +16,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-from control_plane.load import WorkerLoad
+from kvshuttle.control_plane.load import WorkerLoad
 
 
 class HasId(Protocol):

@@ -10,12 +10,11 @@ import math
 import re
 from dataclasses import dataclass
 
+from kvshuttle.control_plane.kv_eviction import MIN_LEFT_S
+from kvshuttle.control_plane.kv_eviction import REASONS as FREE_REASONS
+from kvshuttle.control_plane.kv_params import HandleError, blocks_for, parse_handle
+from kvshuttle.control_plane.prefix import block_hash_chain, prefix_digest
 from kvshuttle.v1 import common_pb2, registry_pb2
-
-from control_plane.kv_eviction import MIN_LEFT_S
-from control_plane.kv_eviction import REASONS as FREE_REASONS
-from control_plane.kv_params import HandleError, blocks_for, parse_handle
-from control_plane.prefix import block_hash_chain, prefix_digest
 
 MAX_ID_LEN = 256
 _ID_RE = re.compile(r"[A-Za-z0-9._:@=+-]+")
@@ -76,7 +75,7 @@ def validate_worker(worker: common_pb2.Worker) -> None:
 
 
 def validate_free_reason(reason: str) -> None:
-    """A claim that frees the KV names why: one of control_plane.kv_eviction.REASONS (or "" for a pull's claim)."""
+    """A claim that frees the KV names why: one of kv_eviction.REASONS (or "" for a pull's claim)."""
     if reason and reason not in FREE_REASONS:
         raise InvalidArgument(f"free_reason must be empty or one of {', '.join(FREE_REASONS)}, got {reason[:64]!r}")
 
@@ -106,7 +105,7 @@ FREE_MIN_LEFT_S = MIN_LEFT_S  # a handle closer to its expiry is left to expire 
 
 def freeable(session: common_pb2.Session, tokens: int, now: float) -> bool:
     """Whether the record's handle can be freed by reading its first block (or all of it, when it covers less)
-    from a prompt of ``tokens`` tokens that repeats them (control_plane.kv_params.free_read): an unclaimed handle,
+    from a prompt of ``tokens`` tokens that repeats them (kv_params.free_read): an unclaimed handle,
     far enough from its expiry."""
     bs = session.block_size
     return (bool(session.kv_transfer_params_json) and not session.claimed and bs > 0 and session.covered_tokens > 0

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-
-from services.etcd_process import EtcdProcess
-from services.registry.server import RegistryConfig, serve
+from kvshuttle.services.devtools.etcd_process import EtcdProcess
+from kvshuttle.services.registry.server import RegistryConfig, serve
 
 REPO = Path(__file__).resolve().parents[1]
 # What the end-to-end tests need on the machine (the worker extra and vLLM's NIXL connector).
@@ -40,7 +39,7 @@ def model_dir() -> Path:
     """
     for module in E2E_PREREQUISITES:
         require_module(module)
-    from workers.model_builder import build_model
+    from kvshuttle.workers.model_builder import build_model
 
     out = Path(os.environ.get("KVSHUTTLE_TEST_MODEL_DIR", REPO / "var" / "models" / "tiny"))
     out.parent.mkdir(parents=True, exist_ok=True)

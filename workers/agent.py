@@ -21,15 +21,14 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TextIO
 
 import grpc
+from kvshuttle.control_plane.kv_size import kv_bytes_per_token
+from kvshuttle.services.common import metrics
+from kvshuttle.services.common.config import load
+from kvshuttle.services.common.telemetry import setup_tracing, shutdown_tracing
+from kvshuttle.services.common.tls import ClientTls
+from kvshuttle.services.engine.client import EngineClient, EngineError, ServerInfo, fast_reconnect_channel
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
-
-from control_plane.kv_size import kv_bytes_per_token
-from services import metrics
-from services.config import load
-from services.telemetry import setup_tracing, shutdown_tracing
-from services.tls import ClientTls
-from workers.engine_client import EngineClient, EngineError, ServerInfo, fast_reconnect_channel
-from workers.vllm_process import VllmProcess, WorkerConfig, vllm_command
+from kvshuttle.workers.vllm_process import VllmProcess, WorkerConfig, vllm_command
 
 log = logging.getLogger("kvshuttle.worker")
 
@@ -237,7 +236,7 @@ class Agent:
                  time.monotonic() - self._started, self.info.block_size, self.info.kv_connector,
                  self.info.kv_role, self.info.model_dtype)
         if self.cfg.cpu_affinity and self.process.pid:
-            from workers.affinity import parse_cpus, pin_tree
+            from kvshuttle.workers.affinity import parse_cpus, pin_tree
 
             n = await asyncio.to_thread(pin_tree, self.process.pid, parse_cpus(self.cfg.cpu_affinity))
             log.info("pinned %d vLLM threads to CPUs %s", n, self.cfg.cpu_affinity)
@@ -316,9 +315,8 @@ def worker_metrics(cfg: WorkerConfig):
     """The worker's metrics endpoint: the agent's own metrics and vLLM's, read from the Prometheus multiprocess
     directory vLLM writes (``<work dir>/prometheus``; vLLM's gRPC server has no HTTP endpoint of its own). Built in a
     thread per scrape: reading vLLM's files is disk I/O."""
+    from kvshuttle.services.common.metrics_http import MetricsServer
     from prometheus_client.multiprocess import MultiProcessCollector
-
-    from services.metrics_http import MetricsServer
 
     directory = cfg.work_path / "prometheus"
     extra = [MultiProcessCollector(None, path=str(directory))] if directory.is_dir() else []

@@ -8,7 +8,7 @@ changed, so GPU deployments are untouched. vLLM loads this in each of its proces
 
 ``KVSHUTTLE_VLLM_DIE_WITH_PARENT`` (the agent always sets it): each vLLM process that has no parent-death signal
 yet asks the kernel to SIGKILL it when its parent dies (``PR_SET_PDEATHSIG``). The server has one already (SIGTERM,
-from services.processes: it shuts down cleanly when the agent dies); the engine core and its workers, spawned by
+from kvshuttle.services.common.processes: it shuts down cleanly when the agent dies); the engine core and its workers, spawned by
 vLLM, had none: a server killed outright (SIGKILL, the OOM killer) left them running under PID 1, busy and holding
 the KV cache's memory (a GPU's, on a GPU).
 

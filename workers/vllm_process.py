@@ -14,9 +14,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from services.config import TelemetryConfig, require, setting
-from services.processes import ChildProcess
-from services.tls import TlsClientConfig
+from kvshuttle.services.common.config import TelemetryConfig, require, setting
+from kvshuttle.services.common.processes import ChildProcess
+from kvshuttle.services.common.tls import TlsClientConfig
 
 ROLES = ("prefill", "decode")
 # A plain vLLM server that prefills and decodes itself (no KV connector): the benchmark's "ideal" baseline.
@@ -88,7 +88,7 @@ class WorkerConfig(TelemetryConfig, TlsClientConfig):
 
     def validate(self) -> None:
         if self.cpu_affinity:
-            from workers.affinity import parse_cpus
+            from kvshuttle.workers.affinity import parse_cpus
 
             try:
                 parse_cpus(self.cpu_affinity)
@@ -103,7 +103,7 @@ class WorkerConfig(TelemetryConfig, TlsClientConfig):
         require(self.kv_recompute_threshold >= 0, "--kv-recompute-threshold must be >= 0")
         require(self.kv_lease_duration_s >= 1 and self.decoder_kv_blocks_ttl >= 1, "KV lease and TTL must be >= 1 s")
         self.validate_tls_client()  # towards the registry (vLLM's own gRPC server stays plaintext)
-        from services.metrics_http import check_listen
+        from kvshuttle.services.common.metrics_http import check_listen
 
         check_listen(self.metrics_listen)
 

@@ -23,7 +23,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$VENV/bin/pip" install -q -e '.[bench,worker-cuda]'
 fi
 
-exec "$VENV/bin/python" -m services.cli bench \
+exec "$VENV/bin/python" -m kvshuttle.services.commands bench \
   --model-dir "$MODEL_DIR" --dtype bfloat16 --gpus "$GPUS" \
   --nixl-progress-delay-us 0 --worker-nice 0 --max-model-len 32768 \
   --max-history-tokens 24000 --system-tokens 2000 --turn-tokens-min 500 --turn-tokens-max 2000 \

@@ -32,8 +32,12 @@ COPY protos/gen/ protos/gen/
 COPY control_plane/ control_plane/
 COPY services/ services/
 COPY workers/ workers/
+# The development tools (local stack, embedded etcd launcher, demo, benches: kvshuttle.services.devtools) stay out of
+# this image; `kvshuttle demo` etc. then say so.
 RUN pip install --no-deps . \
- && kvshuttle --help >/dev/null
+ && rm -r "$(python -c 'import kvshuttle.services.devtools as m, os; print(os.path.dirname(m.__file__))')" \
+ && kvshuttle --help >/dev/null \
+ && python -c 'import kvshuttle.services.gateway.server, kvshuttle.services.registry.server, kvshuttle.services.scheduler.server'
 
 # ---- final: the interpreter and the virtual environment, nothing else ----------------------------------------------
 FROM ${PYTHON_IMAGE}

@@ -1,7 +1,7 @@
 """The kvshuttle Grafana dashboard, written as data: `python deploy/helm/dashboard.py` writes
 deploy/helm/kvshuttle/dashboards/kvshuttle.json (inside the chart, which ships it in a ConfigMap for Grafana's
 dashboard sidecar); `--check` exits 1 when that file is stale. tests/deploy checks every query with a PromQL parser
-against the metrics the services export (services/metrics.py CATALOGUE).
+against the metrics the services export (services/common/metrics.py CATALOGUE).
 """
 
 from __future__ import annotations

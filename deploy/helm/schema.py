@@ -1,8 +1,8 @@
 """Keep the chart's `settings` schemas in step with the commands' typed configs.
 
 The chart passes each `settings` map (registry, scheduler, gateway, workers/prefill/decode) to its command as flags,
-so the schema of those maps is derived from the same dataclasses that define the flags (services/config.py): names,
-types, choices and help text. Flags the chart sets itself (listen addresses, peers, etcd, TLS files, model paths,
+so the schema of those maps is derived from the same dataclasses that define the flags (services/common/config.py):
+names, types, choices and help text. Flags the chart sets itself (listen addresses, peers, etcd, TLS files, model paths,
 ports) are left out, so the schema rejects them with "additional properties ... not allowed".
 
     python deploy/helm/schema.py          # rewrite $defs.*Settings in values.schema.json
@@ -21,12 +21,12 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from services.config import TelemetryConfig, flag_name  # noqa: E402
-from services.gateway.server import GatewayConfig  # noqa: E402
-from services.registry.server import RegistryConfig  # noqa: E402
-from services.scheduler.server import SchedulerConfig  # noqa: E402
-from services.tls import EtcdSecurityConfig, TlsConfig  # noqa: E402
-from workers.vllm_process import WorkerConfig  # noqa: E402
+from kvshuttle.services.common.config import TelemetryConfig, flag_name  # noqa: E402
+from kvshuttle.services.common.tls import EtcdSecurityConfig, TlsConfig  # noqa: E402
+from kvshuttle.services.gateway.server import GatewayConfig  # noqa: E402
+from kvshuttle.services.registry.server import RegistryConfig  # noqa: E402
+from kvshuttle.services.scheduler.server import SchedulerConfig  # noqa: E402
+from kvshuttle.workers.vllm_process import WorkerConfig  # noqa: E402
 
 SCHEMA_PATH = ROOT / "deploy/helm/kvshuttle/values.schema.json"
 

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import grpc
+from kvshuttle.services.gateway.auth import AuthError, KeyRing, Principal
+from kvshuttle.services.gateway.turns import (
+    Delta,
+    Finished,
+    KvOutcome,
+    PreparedTurn,
+    TurnError,
+    TurnRequest,
+    TurnRunner,
+)
 from kvshuttle.v1 import gateway_pb2, gateway_pb2_grpc, scheduler_pb2
-
-from services.auth import AuthError, KeyRing, Principal
-from services.gateway.turns import Delta, Finished, KvOutcome, PreparedTurn, TurnError, TurnRequest, TurnRunner
 
 _DECISIONS = {"pull": scheduler_pb2.DECISION_PULL, "recompute": scheduler_pb2.DECISION_RECOMPUTE}
 

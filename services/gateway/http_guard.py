@@ -13,10 +13,9 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
+from kvshuttle.services.gateway.auth import OPEN, AuthError, KeyRing, Principal
 from starlette.datastructures import Headers
 from starlette.requests import Request
-
-from services.auth import OPEN, AuthError, KeyRing, Principal
 
 SCOPE_KEY = "kvshuttle.principal"
 

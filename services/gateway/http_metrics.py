@@ -10,10 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from kvshuttle.services.common import metrics
+from kvshuttle.services.gateway.http_tracing import KNOWN_METHODS, noting_status
 from starlette.routing import Match
-
-from services import metrics
-from services.gateway.http_tracing import KNOWN_METHODS, noting_status
 
 UNMATCHED = "unmatched"
 

@@ -18,12 +18,9 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
-from starlette.exceptions import HTTPException as StarletteHTTPException
-
-from services.auth import OPEN
-from services.gateway.http_guard import principal
-from services.gateway.turns import (
+from kvshuttle.services.gateway.auth import OPEN
+from kvshuttle.services.gateway.http_guard import principal
+from kvshuttle.services.gateway.turns import (
     Delta,
     Finished,
     KvOutcome,
@@ -32,6 +29,8 @@ from services.gateway.turns import (
     TurnRequest,
     TurnRunner,
 )
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +57,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-# control_plane.session.validate_id's alphabet; "" means no session.
+# kvshuttle.control_plane.session.validate_id's alphabet; "" means no session.
 SESSION_ID_PATTERN = r"^[A-Za-z0-9._:@=+-]*$"
 
 

@@ -10,19 +10,22 @@ from pathlib import Path
 
 import grpc
 from google.protobuf.message import Message
-from kvshuttle.v1 import gateway_pb2_grpc, registry_pb2_grpc, scheduler_pb2_grpc
-from starlette.requests import Request
-
-from control_plane.kv_size import kv_bytes_per_token
-from services import metrics
-from services.auth import OPEN, KeyRing
-from services.config import TelemetryConfig, require, setting
-from services.gateway.grpc_api import GatewayServicer
-from services.gateway.http_guard import HttpGuard, principal
-from services.gateway.http_metrics import HttpMetrics
-from services.gateway.http_tracing import HttpTracing
-from services.gateway.openai_api import SESSION_ID_PATTERN, create_app
-from services.gateway.rest_bridge import (
+from kvshuttle.control_plane.kv_size import kv_bytes_per_token
+from kvshuttle.services.common import metrics
+from kvshuttle.services.common.config import TelemetryConfig, require, setting
+from kvshuttle.services.common.grpc_server import Server, client_channel, service_main
+from kvshuttle.services.common.http_server import HttpServer
+from kvshuttle.services.common.metrics_http import PATH as METRICS_PATH
+from kvshuttle.services.common.metrics_http import MetricsServer, check_listen, metrics_route
+from kvshuttle.services.common.telemetry import tracing_enabled
+from kvshuttle.services.common.tls import TlsConfig, read_pem
+from kvshuttle.services.gateway.auth import OPEN, KeyRing
+from kvshuttle.services.gateway.grpc_api import GatewayServicer
+from kvshuttle.services.gateway.http_guard import HttpGuard, principal
+from kvshuttle.services.gateway.http_metrics import HttpMetrics
+from kvshuttle.services.gateway.http_tracing import HttpTracing
+from kvshuttle.services.gateway.openai_api import SESSION_ID_PATTERN, create_app
+from kvshuttle.services.gateway.rest_bridge import (
     DEFAULT_FORWARD_HEADERS,
     BridgeError,
     BridgeOptions,
@@ -30,14 +33,10 @@ from services.gateway.rest_bridge import (
     bridge_routes,
     install_openapi,
 )
-from services.gateway.tokenizer import GatewayTokenizer
-from services.gateway.turns import TurnRunner
-from services.grpc_server import Server, client_channel, service_main
-from services.http_server import HttpServer
-from services.metrics_http import PATH as METRICS_PATH
-from services.metrics_http import MetricsServer, check_listen, metrics_route
-from services.telemetry import tracing_enabled
-from services.tls import TlsConfig, read_pem
+from kvshuttle.services.gateway.tokenizer import GatewayTokenizer
+from kvshuttle.services.gateway.turns import TurnRunner
+from kvshuttle.v1 import gateway_pb2_grpc, registry_pb2_grpc, scheduler_pb2_grpc
+from starlette.requests import Request
 
 SERVICE_NAME = "kvshuttle.v1.Gateway"
 log = logging.getLogger(__name__)

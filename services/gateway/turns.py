@@ -19,19 +19,18 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import grpc
+from kvshuttle.control_plane import kv_params
+from kvshuttle.control_plane import reasons as why
+from kvshuttle.control_plane import session as session_rules
+from kvshuttle.control_plane.continuation import plan_continuation
+from kvshuttle.control_plane.lru import BoundedLru
+from kvshuttle.control_plane.prefix import matched_prefix_tokens
+from kvshuttle.control_plane.session import DEFAULT_TENANT
+from kvshuttle.services.common import metrics
+from kvshuttle.services.common.telemetry import hashed
+from kvshuttle.services.engine.client import EngineClient, EngineError, Final
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from opentelemetry import trace
-
-from control_plane import kv_params
-from control_plane import reasons as why
-from control_plane import session as session_rules
-from control_plane.continuation import plan_continuation
-from control_plane.lru import BoundedLru
-from control_plane.prefix import matched_prefix_tokens
-from control_plane.session import DEFAULT_TENANT
-from services import metrics
-from services.telemetry import hashed
-from workers.engine_client import EngineClient, EngineError, Final
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("kvshuttle.gateway")
@@ -86,7 +85,7 @@ class KvOutcome:
     decode_worker_id: str = ""
     figures: scheduler_pb2.PlanFigures | None = None
     worker_failures: list[str] = field(default_factory=list)  # workers that failed in this turn, and what followed
-    reason_code: str = ""  # ``reason`` as a code of control_plane.reasons
+    reason_code: str = ""  # ``reason`` as a code of kvshuttle.control_plane.reasons
 
 
 @dataclass

@@ -9,17 +9,16 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from kvshuttle.services.common import metrics
+from kvshuttle.services.store.etcd_store import EtcdStore, StoreError
 from kvshuttle.v1 import common_pb2
-
-from services import metrics
-from services.registry.store import RegistryStore, StoreError
 
 log = logging.getLogger(__name__)
 _ROLES = {common_pb2.WORKER_ROLE_PREFILL: "prefill", common_pb2.WORKER_ROLE_DECODE: "decode"}
 
 
 class Census:
-    def __init__(self, store: RegistryStore, interval_s: float = 10.0):
+    def __init__(self, store: EtcdStore, interval_s: float = 10.0):
         self.store = store
         self.interval_s = interval_s
         self._task: asyncio.Task | None = None

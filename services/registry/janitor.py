@@ -16,14 +16,14 @@ import asyncio
 import contextlib
 import logging
 
-from services import metrics
-from services.registry.store import RegistryStore, StoreError
+from kvshuttle.services.common import metrics
+from kvshuttle.services.store.etcd_store import EtcdStore, StoreError
 
 log = logging.getLogger(__name__)
 
 
 class SessionJanitor:
-    def __init__(self, store: RegistryStore, grace_s: float = 10.0):
+    def __init__(self, store: EtcdStore, grace_s: float = 10.0):
         self.store = store
         self.grace_s = grace_s
         self.dropped = 0  # records dropped since start (tests, logs)

@@ -6,17 +6,16 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 
+from kvshuttle.services.common import metrics
+from kvshuttle.services.common.config import TelemetryConfig, require, setting
+from kvshuttle.services.common.grpc_server import Server, service_main
+from kvshuttle.services.common.metrics_http import MetricsServer, check_listen
+from kvshuttle.services.common.tls import EtcdSecurityConfig, TlsConfig
+from kvshuttle.services.registry.census import Census
+from kvshuttle.services.registry.janitor import SessionJanitor
+from kvshuttle.services.registry.servicer import SessionRegistryServicer
+from kvshuttle.services.store.etcd_store import EtcdStore, parse_endpoints
 from kvshuttle.v1 import registry_pb2_grpc
-
-from services import metrics
-from services.config import TelemetryConfig, require, setting
-from services.grpc_server import Server, service_main
-from services.metrics_http import MetricsServer, check_listen
-from services.registry.census import Census
-from services.registry.janitor import SessionJanitor
-from services.registry.servicer import SessionRegistryServicer
-from services.registry.store import RegistryStore, parse_endpoints
-from services.tls import EtcdSecurityConfig, TlsConfig
 
 SERVICE_NAME = "kvshuttle.v1.SessionRegistry"
 log = logging.getLogger(__name__)
@@ -70,7 +69,7 @@ class RegistryService:
 
     def __init__(self, cfg: RegistryConfig):
         self.cfg = cfg
-        self.store = RegistryStore(cfg.etcd_endpoints, cfg.key_prefix, timeout_s=cfg.etcd_timeout_s,
+        self.store = EtcdStore(cfg.etcd_endpoints, cfg.key_prefix, timeout_s=cfg.etcd_timeout_s,
                                    attempt_timeout_s=cfg.etcd_attempt_timeout_s, security=cfg.etcd_security())
         self.servicer = SessionRegistryServicer(self.store, default_lease_ttl_s=cfg.worker_lease_ttl_s,
                                                 expiry_margin_s=cfg.expiry_margin_s)

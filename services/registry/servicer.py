@@ -1,4 +1,4 @@
-"""SessionRegistry gRPC servicer: a thin adapter between the protos, control_plane.session and the etcd store.
+"""SessionRegistry gRPC servicer: a thin adapter between the protos, kvshuttle.control_plane.session and the etcd store.
 
 Every RPC either answers or aborts with a status and a clear message: INVALID_ARGUMENT (bad input),
 NOT_FOUND (no such session/worker/lease), FAILED_PRECONDITION (e.g. the decode worker is not registered),
@@ -16,12 +16,11 @@ from collections.abc import Callable
 
 import grpc
 import grpc.aio
+from kvshuttle.control_plane import session as rules
+from kvshuttle.services.common.telemetry import hashed
+from kvshuttle.services.store.etcd_store import EtcdStore, StoreError, StoreUnavailable
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 from opentelemetry import trace
-
-from control_plane import session as rules
-from services.registry.store import RegistryStore, StoreError, StoreUnavailable
-from services.telemetry import hashed
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
@@ -62,7 +61,7 @@ def _unary(method):
 
 
 class SessionRegistryServicer(registry_pb2_grpc.SessionRegistryServicer):
-    def __init__(self, store: RegistryStore, *, default_lease_ttl_s: int = 10, expiry_margin_s: float = 30.0,
+    def __init__(self, store: EtcdStore, *, default_lease_ttl_s: int = 10, expiry_margin_s: float = 30.0,
                  clock: Callable[[], float] = time.time):
         self.store = store
         self.default_lease_ttl_s = default_lease_ttl_s

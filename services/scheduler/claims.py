@@ -2,7 +2,7 @@
 
 ``RegistryClaims`` calls the registry (``GetSession``, ``ClaimSession``): one more gRPC hop per call, but the
 scheduler needs no access to etcd. ``EtcdClaims`` runs the very same store code the registry runs
-(``RegistryStore.get_session`` / ``claim_session``: one etcd transaction that creates the record's claim key only
+(``EtcdStore.get_session`` / ``claim_session``: one etcd transaction that creates the record's claim key only
 while the record is at the planned revision and unclaimed, so a handle is claimed at most once whoever claims it) in
 the scheduler's own process, which saves the hop and the registry's CPU on the planning path. The scheduler picks
 ``EtcdClaims`` when it is given etcd endpoints.
@@ -21,10 +21,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
+from kvshuttle.control_plane import session as session_rules
+from kvshuttle.services.store.etcd_store import EtcdStore, StoreError, StoreUnavailable
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
-
-from control_plane import session as session_rules
-from services.registry.store import RegistryStore, StoreError, StoreUnavailable
 
 
 class ClaimsError(Exception):
@@ -39,7 +38,7 @@ class ClaimsError(Exception):
 @dataclass(frozen=True)
 class Claim:
     claimed: bool
-    reason: str  # why not (starts with one of control_plane.session's refusal reasons); "" when claimed
+    reason: str  # why not (starts with one of kvshuttle.control_plane.session's refusal reasons); "" when claimed
     # Claimed: the record with its handle. Refused: the current record without its handle, or None.
     session: common_pb2.Session | None
 
@@ -101,7 +100,7 @@ class EtcdClaims:
 
     via = "etcd"
 
-    def __init__(self, store: RegistryStore, clock: Callable[[], float] = time.time):
+    def __init__(self, store: EtcdStore, clock: Callable[[], float] = time.time):
         self._store = store
         self._clock = clock
 
@@ -137,14 +136,14 @@ class EtcdClaims:
         return Claim(result.claimed, result.reason, result.session)
 
     async def campaign(self, name: str, holder: str, ttl_s: int) -> bool:
-        """Whether ``holder`` leads ``name`` among the replicas (RegistryStore.campaign)."""
+        """Whether ``holder`` leads ``name`` among the replicas (EtcdStore.campaign)."""
         try:
             return await self._store.campaign(name, holder, ttl_s)
         except StoreError as exc:
             raise _status(exc) from None
 
     async def held_on(self, worker_id: str) -> list[common_pb2.Session]:
-        """Summaries of the records whose unspent handle's KV lives on ``worker_id`` (RegistryStore.held_on_worker)."""
+        """Summaries of the records whose unspent handle's KV lives on ``worker_id`` (EtcdStore.held_on_worker)."""
         try:
             return await self._store.held_on_worker(worker_id)
         except StoreError as exc:

@@ -1,8 +1,8 @@
 """The scheduler's decode-KV manager: what each decode worker holds between turns, and freeing it before it hurts.
 
 Every ``interval_s`` it reads, per decode worker, the summaries of the session records whose unspent handle lives
-there (one etcd read: the worker-sessions index less the claims, ``RegistryStore.held_on_worker``), sets them next to
-the engine's own KV usage (``LoadMonitor``: vLLM ``GetLoads``), and frees what ``control_plane.kv_eviction`` chooses:
+there (one etcd read: the worker-sessions index less the claims, ``EtcdStore.held_on_worker``), sets them next to
+the engine's own KV usage (``LoadMonitor``: vLLM ``GetLoads``), and frees what ``kvshuttle.control_plane.kv_eviction`` chooses:
 sessions idle past the limit, and under pressure the handles least worth keeping. ``make_room`` does the same at
 once for a turn about to land on a decode worker without room for it.
 
@@ -11,7 +11,7 @@ reason (``free_reason``: no turn can pull it any more, and the next turn of the 
 have a live prefill worker read the handle's first block (``EngineClient.read_to_free``): the decode worker frees all
 of the handle's blocks after any read. A handle that a turn has claimed is never freed (the claim is refused).
 
-With several scheduler replicas, one leads the rounds (an etcd key on its lease, ``RegistryStore.campaign``): the
+With several scheduler replicas, one leads the rounds (an etcd key on its lease, ``EtcdStore.campaign``): the
 others read the same view for their stats and make room for the turns they plan, which claims keep from freeing
 one handle twice.
 """
@@ -29,16 +29,15 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvshuttle.control_plane import kv_eviction as ev
+from kvshuttle.control_plane import kv_params
+from kvshuttle.control_plane import session as session_rules
+from kvshuttle.control_plane.cost_model import PrefillCostModel
+from kvshuttle.services.engine.client import EngineClient, EngineError
+from kvshuttle.services.scheduler.claims import ClaimsError, EtcdClaims
+from kvshuttle.services.scheduler.load_monitor import LoadMonitor
+from kvshuttle.services.scheduler.worker_view import WorkerView
 from kvshuttle.v1 import common_pb2, scheduler_pb2
-
-from control_plane import kv_eviction as ev
-from control_plane import kv_params
-from control_plane import session as session_rules
-from control_plane.cost_model import PrefillCostModel
-from services.scheduler.claims import ClaimsError, EtcdClaims
-from services.scheduler.load_monitor import LoadMonitor
-from services.scheduler.worker_view import WorkerView
-from workers.engine_client import EngineClient, EngineError
 
 log = logging.getLogger(__name__)
 # A history of this many tokens stands for "the next turn's new tokens" when the cost model prices a pull.

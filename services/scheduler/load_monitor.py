@@ -25,12 +25,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from kvshuttle.control_plane.load import WorkerLoad, parse_get_loads
+from kvshuttle.services.engine.client import EngineClient
+from kvshuttle.services.scheduler.worker_view import WorkerView
 from kvshuttle.v1 import common_pb2
 from opentelemetry.instrumentation.utils import suppress_instrumentation
-
-from control_plane.load import WorkerLoad, parse_get_loads
-from services.scheduler.worker_view import WorkerView
-from workers.engine_client import EngineClient
 
 log = logging.getLogger(__name__)
 LOG_EVERY_S = 30.0

@@ -6,24 +6,30 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 
+from kvshuttle.control_plane.cost_model import PrefillCostModel
+from kvshuttle.control_plane.kv_eviction import KvLimits
+from kvshuttle.control_plane.planner import Planner
+from kvshuttle.control_plane.policies import (
+    KINDS,
+    PolicyError,
+    make_policy,
+    make_prior,
+    parse_params,
+    parse_policy_specs,
+)
+from kvshuttle.control_plane.selection import SELECTORS, make_selector
+from kvshuttle.services.common import metrics
+from kvshuttle.services.common.config import TelemetryConfig, require, setting
+from kvshuttle.services.common.grpc_server import Server, client_channel, service_main
+from kvshuttle.services.common.metrics_http import MetricsServer, check_listen
+from kvshuttle.services.common.tls import EtcdSecurityConfig, TlsConfig
+from kvshuttle.services.scheduler.claims import EtcdClaims, RegistryClaims, SessionClaims
+from kvshuttle.services.scheduler.kv_manager import KvManager
+from kvshuttle.services.scheduler.load_monitor import LoadMonitor
+from kvshuttle.services.scheduler.servicer import TransferSchedulerServicer
+from kvshuttle.services.scheduler.worker_view import WorkerView
+from kvshuttle.services.store.etcd_store import EtcdStore, parse_endpoints
 from kvshuttle.v1 import registry_pb2_grpc, scheduler_pb2_grpc
-
-from control_plane.cost_model import PrefillCostModel
-from control_plane.kv_eviction import KvLimits
-from control_plane.planner import Planner
-from control_plane.policies import KINDS, PolicyError, make_policy, make_prior, parse_params, parse_policy_specs
-from control_plane.selection import SELECTORS, make_selector
-from services import metrics
-from services.config import TelemetryConfig, require, setting
-from services.grpc_server import Server, client_channel, service_main
-from services.metrics_http import MetricsServer, check_listen
-from services.registry.store import RegistryStore, parse_endpoints
-from services.scheduler.claims import EtcdClaims, RegistryClaims, SessionClaims
-from services.scheduler.kv_manager import KvManager
-from services.scheduler.load_monitor import LoadMonitor
-from services.scheduler.servicer import TransferSchedulerServicer
-from services.scheduler.worker_view import WorkerView
-from services.tls import EtcdSecurityConfig, TlsConfig
 
 SERVICE_NAME = "kvshuttle.v1.TransferScheduler"
 log = logging.getLogger(__name__)
@@ -160,7 +166,7 @@ class SchedulerService:
     def make_claims(cfg: SchedulerConfig, registry: registry_pb2_grpc.SessionRegistryStub) -> SessionClaims:
         if not cfg.etcd_endpoints:
             return RegistryClaims(registry, cfg.registry_timeout_s)
-        store = RegistryStore(cfg.etcd_endpoints, cfg.key_prefix, timeout_s=cfg.registry_timeout_s,
+        store = EtcdStore(cfg.etcd_endpoints, cfg.key_prefix, timeout_s=cfg.registry_timeout_s,
                               attempt_timeout_s=cfg.registry_timeout_s / 2, security=cfg.etcd_security())
         return EtcdClaims(store)
 

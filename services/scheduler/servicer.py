@@ -1,4 +1,4 @@
-"""TransferScheduler servicer: adapts PlanTurn to control_plane.planner, then claims the handle for a pull."""
+"""TransferScheduler servicer: adapts PlanTurn to kvshuttle.control_plane.planner, then claims the handle for a pull."""
 
 from __future__ import annotations
 
@@ -8,23 +8,22 @@ import time
 from collections.abc import Mapping
 
 import grpc
+from kvshuttle.control_plane import kv_params
+from kvshuttle.control_plane import reasons as why
+from kvshuttle.control_plane import session as session_rules
+from kvshuttle.control_plane.decision import Choice, HandleView, Plan, decide
+from kvshuttle.control_plane.load import WorkerLoad
+from kvshuttle.control_plane.planner import Planner, TurnPlan
+from kvshuttle.control_plane.policies import Outcome, Policy, PolicyError
+from kvshuttle.control_plane.selection import UNKNOWN
+from kvshuttle.services.common import metrics
+from kvshuttle.services.common.telemetry import hashed
+from kvshuttle.services.scheduler.claims import ClaimsError, RegistryClaims, SessionClaims
+from kvshuttle.services.scheduler.kv_manager import KvManager
+from kvshuttle.services.scheduler.load_monitor import LoadMonitor
+from kvshuttle.services.scheduler.worker_view import WorkerView
 from kvshuttle.v1 import common_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from opentelemetry import trace
-
-from control_plane import kv_params
-from control_plane import reasons as why
-from control_plane import session as session_rules
-from control_plane.decision import Choice, HandleView, Plan, decide
-from control_plane.load import WorkerLoad
-from control_plane.planner import Planner, TurnPlan
-from control_plane.policies import Outcome, Policy, PolicyError
-from control_plane.selection import UNKNOWN
-from services import metrics
-from services.scheduler.claims import ClaimsError, RegistryClaims, SessionClaims
-from services.scheduler.kv_manager import KvManager
-from services.scheduler.load_monitor import LoadMonitor
-from services.scheduler.worker_view import WorkerView
-from services.telemetry import hashed
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("kvshuttle.scheduler")

@@ -1,5 +1,5 @@
 """The Grafana dashboard: generated from deploy/helm/dashboard.py, and every query is valid PromQL over metrics and
-labels the services really export (services/metrics.py CATALOGUE)."""
+labels the services really export (services/common/metrics.py CATALOGUE)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ from pathlib import Path
 
 import promql_parser
 import pytest
-
-from services.metrics import CATALOGUE
+from kvshuttle.services.common.metrics import CATALOGUE
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy/helm/kvshuttle/dashboards/kvshuttle.json"

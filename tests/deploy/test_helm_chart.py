@@ -17,14 +17,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from services.config import add_arguments, env_name, from_namespace
-from services.etcd_process import RETENTION_ARGS
-from services.gateway.server import GatewayConfig
-from services.registry.server import RegistryConfig
-from services.scheduler.server import SchedulerConfig
-from services.stack import StackConfig
-from workers.vllm_process import WorkerConfig
+from kvshuttle.services.common.config import add_arguments, env_name, from_namespace
+from kvshuttle.services.devtools.etcd_process import RETENTION_ARGS
+from kvshuttle.services.devtools.stack import StackConfig
+from kvshuttle.services.gateway.server import GatewayConfig
+from kvshuttle.services.registry.server import RegistryConfig
+from kvshuttle.services.scheduler.server import SchedulerConfig
+from kvshuttle.workers.vllm_process import WorkerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy/helm/kvshuttle"
@@ -336,7 +335,7 @@ def expected_worker_flags(values: dict, role: str) -> list[str]:
 
 def print_vllm_command(args: list[str], env: dict[str, str]) -> dict:
     base = {k: v for k, v in os.environ.items() if not k.startswith("KVSHUTTLE_")}
-    out = subprocess.run([sys.executable, "-m", "services.cli", *args, "--print-vllm-command"], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "kvshuttle.services.commands", *args, "--print-vllm-command"], cwd=ROOT,
                          env={**base, **env}, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
@@ -396,7 +395,7 @@ def test_bundled_etcd_runs_the_local_launchers_retention_settings():
 def test_tls_probes_use_the_health_check_command(pod_root):
     """The kubelet's gRPC probe cannot speak TLS: with TLS on, probes run `kvshuttle health-check` with a server
     name the certificate carries, and that command line parses."""
-    from services.health_check import HealthCheckConfig
+    from kvshuttle.services.commands.health_check import HealthCheckConfig
 
     for command, c in kvshuttle_containers(rendered("gpu-4p4d-external-etcd-tls")):
         if command in ("registry", "scheduler"):
@@ -414,7 +413,7 @@ def test_tls_probes_use_the_health_check_command(pod_root):
 
 
 def test_api_keys_secret_holds_a_keys_file_the_gateway_loads(tmp_path):
-    from services.auth import KeyRing
+    from kvshuttle.services.gateway.auth import KeyRing
 
     docs = rendered("gpu-4p4d-external-etcd-tls")
     secret = objects(docs, "Secret")[f"{RELEASE}-kvshuttle-api-keys"]
@@ -476,7 +475,7 @@ def test_metrics_are_scraped_where_they_are_served():
 def test_helm_test_pod_runs_the_smoke_test_against_the_gateway_service():
     """`helm test` runs `kvshuttle smoke-test` at the gateway Service's HTTP port, with the test key when the gateway
     needs one; with keys but no test key there is no test pod (it could only fail)."""
-    from services.smoke_test import SmokeTestConfig
+    from kvshuttle.services.commands.smoke_test import SmokeTestConfig
 
     for profile, scheme in (("cpu-dev", "http"), ("gpu-4p4d-external-etcd-tls", "https")):
         docs = rendered(profile)

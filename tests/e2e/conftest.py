@@ -10,10 +10,10 @@ import os
 import subprocess
 
 import pytest
+from kvshuttle.services.common.config import from_namespace
+from kvshuttle.services.devtools.bench.policy_sweep import sweep_policies
+from kvshuttle.services.devtools.stack import DemoConfig, Stack
 
-from services.bench.policy_sweep import sweep_policies
-from services.config import from_namespace
-from services.stack import DemoConfig, Stack
 from tests.support.otlp import OtlpReceiver
 
 

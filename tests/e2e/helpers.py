@@ -9,11 +9,10 @@ import time
 import uuid
 
 import httpx
+from kvshuttle.services.common.grpc_server import client_channel
+from kvshuttle.services.common.processes import ChildProcess
+from kvshuttle.services.engine.client import EngineClient
 from kvshuttle.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-
-from services.grpc_server import client_channel
-from services.processes import ChildProcess
-from workers.engine_client import EngineClient
 
 
 def new_session(prefix: str) -> str:
@@ -71,7 +70,7 @@ async def spawn_gateway(stack, name: str, *args: str):
     import asyncio
     import time
 
-    from services.etcd_process import free_port
+    from kvshuttle.services.devtools.etcd_process import free_port
 
     http, grpc_port = free_port(), free_port()
     child = await stack._spawn(name, "gateway", "--grpc-listen", f"127.0.0.1:{grpc_port}",

@@ -9,10 +9,10 @@ import re
 import grpc
 import httpx
 import pytest
+from kvshuttle.services.devtools.demo import run_demo
 from kvshuttle.v1 import gateway_pb2, gateway_pb2_grpc, scheduler_pb2
 from openai import AsyncOpenAI
 
-from services.demo import run_demo
 from tests.e2e.helpers import flush_prefill, new_session, user_turn
 from tests.support.grpcurl import check_serving
 

@@ -6,11 +6,17 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from services.bench.ideal_worker import IdealWorker
-from services.bench.multiturn import BenchConfig, run_bench
-from services.bench.policy_sweep import ALWAYS_PULL, COST, LANE_POLICIES, RECOMPUTE, PolicySweepConfig, run_sweep
-from services.config import from_namespace
+from kvshuttle.services.common.config import from_namespace
+from kvshuttle.services.devtools.bench.ideal_worker import IdealWorker
+from kvshuttle.services.devtools.bench.multiturn import BenchConfig, run_bench
+from kvshuttle.services.devtools.bench.policy_sweep import (
+    ALWAYS_PULL,
+    COST,
+    LANE_POLICIES,
+    RECOMPUTE,
+    PolicySweepConfig,
+    run_sweep,
+)
 
 pytestmark = pytest.mark.e2e
 MODES = ("pull", "recompute", "ideal", "direct")

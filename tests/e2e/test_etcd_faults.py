@@ -19,12 +19,12 @@ import time
 
 import httpx
 import pytest
+from kvshuttle.control_plane.session import STORE_UNAVAILABLE
+from kvshuttle.services.common.grpc_server import client_channel
+from kvshuttle.services.devtools.etcd_process import EtcdCluster
+from kvshuttle.services.store.etcd_store import EtcdStore
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
-from control_plane.session import STORE_UNAVAILABLE
-from services.etcd_process import EtcdCluster
-from services.grpc_server import client_channel
-from services.registry.store import RegistryStore
 from tests.e2e.helpers import new_session
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -226,7 +226,7 @@ async def test_worker_registers_again_after_its_lease_is_lost(stack):
     whose registration ended), and a turn recorded after it pulls from the re-registered decode worker."""
     before = await _workers(stack)
     conv = Conversation("lease", 20)
-    store = RegistryStore(stack.etcd.endpoints)
+    store = EtcdStore(stack.etcd.endpoints)
     await store.connect()
     t0 = time.monotonic()
     try:

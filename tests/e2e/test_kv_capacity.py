@@ -20,11 +20,11 @@ import time
 
 import httpx
 import pytest
+from kvshuttle.services.common.grpc_server import client_channel
+from kvshuttle.services.devtools.stack import cpu_binds
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from openai import AsyncOpenAI
 
-from services.grpc_server import client_channel
-from services.stack import cpu_binds
 from tests.e2e.helpers import Paused, chat, new_session, user_turn
 from tests.e2e.test_load_aware import EXTRA_STARTUP_TIMEOUT_S, wait_registered
 

@@ -15,10 +15,10 @@ import time
 
 import httpx
 import pytest
+from kvshuttle.services.engine.client import EngineClient
 from kvshuttle.v1 import common_pb2
 
 from tests.e2e.helpers import new_session
-from workers.engine_client import EngineClient
 
 pytestmark = pytest.mark.e2e
 

@@ -17,12 +17,11 @@ import time
 
 import grpc
 import pytest
+from kvshuttle.control_plane.load import parse_get_loads
+from kvshuttle.services.common.processes import ChildProcess
+from kvshuttle.services.devtools.stack import cpu_binds
+from kvshuttle.services.engine.client import EngineClient
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-
-from control_plane.load import parse_get_loads
-from services.processes import ChildProcess
-from services.stack import cpu_binds
-from workers.engine_client import EngineClient
 
 pytestmark = pytest.mark.e2e
 CONCURRENCY, MAX_TOKENS = 8, 256

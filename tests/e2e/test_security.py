@@ -17,11 +17,11 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
+from kvshuttle.services.common.telemetry import hashed
+from kvshuttle.services.devtools.etcd_process import free_port
+from kvshuttle.services.gateway import auth
 from kvshuttle.v1 import gateway_pb2, gateway_pb2_grpc, scheduler_pb2
 
-from services import auth
-from services.etcd_process import free_port
-from services.telemetry import hashed
 from tests.e2e.helpers import flush_prefill, user_turn
 
 pytestmark = pytest.mark.e2e

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.e2e
 
 
 async def smoke_test(*args: str) -> tuple[int, str]:
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "services.cli", "smoke-test", *args,
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "kvshuttle.services.commands", "smoke-test", *args,
                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
     out, _ = await asyncio.wait_for(proc.communicate(), 300)
     return proc.returncode, out.decode()

@@ -7,9 +7,8 @@ the invariant it reports (zero failed turns) at a small size.
 from __future__ import annotations
 
 import pytest
-
-from services.bench.soak import Soak, SoakConfig, format_report
-from services.config import from_namespace
+from kvshuttle.services.common.config import from_namespace
+from kvshuttle.services.devtools.bench.soak import Soak, SoakConfig, format_report
 
 pytestmark = pytest.mark.e2e
 

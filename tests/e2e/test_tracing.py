@@ -7,9 +7,9 @@ from __future__ import annotations
 import grpc
 import httpx
 import pytest
+from kvshuttle.services.commands.trace_view import render_tree
 from kvshuttle.v1 import gateway_pb2, gateway_pb2_grpc
 
-from services.trace_view import render_tree
 from tests.e2e.helpers import new_session, user_turn
 from tests.support.traces import child, children, in_trace, one, rpc_hop
 

@@ -26,11 +26,11 @@ import time
 import grpc
 import httpx
 import pytest
+from kvshuttle.services.common.grpc_server import client_channel
+from kvshuttle.services.common.processes import ChildProcess
+from kvshuttle.services.devtools.stack import cpu_binds
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
-from services.grpc_server import client_channel
-from services.processes import ChildProcess
-from services.stack import cpu_binds
 from tests.e2e.helpers import Paused, new_session, signal_tree, user_turn
 from tests.e2e.test_load_aware import EXTRA_STARTUP_TIMEOUT_S, wait_registered
 

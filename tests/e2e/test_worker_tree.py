@@ -15,10 +15,10 @@ import time
 
 import psutil
 import pytest
+from kvshuttle.services.common.grpc_server import client_channel
+from kvshuttle.services.devtools.stack import cpu_binds
 from kvshuttle.v1 import registry_pb2_grpc
 
-from services.grpc_server import client_channel
-from services.stack import cpu_binds
 from tests.e2e.test_load_aware import EXTRA_STARTUP_TIMEOUT_S, wait_registered
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]

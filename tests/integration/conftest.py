@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from kvshuttle.services.common.grpc_server import client_channel
 from kvshuttle.v1 import registry_pb2, registry_pb2_grpc
 
-from services.grpc_server import client_channel
 from tests.integration.test_registry import _deregister, decode_worker, uid
 
 

@@ -11,9 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from services.bench.services_bench import LABELS, OPERATIONS, ServicesBenchConfig
-from services.config import load
+from kvshuttle.services.common.config import load
+from kvshuttle.services.devtools.bench.services_bench import LABELS, OPERATIONS, ServicesBenchConfig
 
 pytestmark = pytest.mark.timeout(120)
 REPO = Path(__file__).resolve().parents[2]
@@ -21,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 async def _bench(*args: str, stderr=asyncio.subprocess.PIPE) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.cli", "bench-services", *args, cwd=REPO,
+        sys.executable, "-m", "kvshuttle.services.commands", "bench-services", *args, cwd=REPO,
         stdout=asyncio.subprocess.PIPE, stderr=stderr)
 
 

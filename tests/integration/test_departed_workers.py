@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from kvshuttle.services.common.grpc_server import client_channel
+from kvshuttle.services.registry.server import RegistryConfig, serve
 from kvshuttle.v1 import registry_pb2, registry_pb2_grpc
 
-from services.grpc_server import client_channel
-from services.registry.server import RegistryConfig, serve
 from tests.integration.test_registry import TENANT, _deregister, decode_worker, eventually, turn, uid
 
 pytestmark = pytest.mark.timeout(120)

@@ -11,16 +11,16 @@ import uuid
 
 import grpc
 import pytest
+from kvshuttle.control_plane.session import STORE_UNAVAILABLE
+from kvshuttle.services.common.grpc_server import client_channel
+from kvshuttle.services.devtools.etcd_process import EtcdCluster
+from kvshuttle.services.registry.server import RegistryConfig, serve
+from kvshuttle.services.scheduler.server import SchedulerConfig, SchedulerService
+from kvshuttle.services.store.etcd_store import EtcdStore
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from kvshuttle.workers.agent import RegistryLink
 
-from control_plane.session import STORE_UNAVAILABLE
-from services.etcd_process import EtcdCluster
-from services.grpc_server import client_channel
-from services.registry.server import RegistryConfig, serve
-from services.registry.store import RegistryStore
-from services.scheduler.server import SchedulerConfig, SchedulerService
 from tests.integration.test_scheduler import handle_for, worker
-from workers.agent import RegistryLink
 
 pytestmark = pytest.mark.timeout(240)
 ETCD_TIMEOUT_S = 5.0  # the registry's default etcd deadline
@@ -257,7 +257,7 @@ async def test_worker_re_registers_after_its_lease_is_lost(cluster, planes):
     d = worker("d-agent-7500", common_pb2.WORKER_ROLE_DECODE, 7600)
     links = [RegistryLink(registry.address, w, ttl_s=3, retry_s=0.2, max_retry_s=1.0) for w in (p, d)]
     tasks = [asyncio.create_task(link.run()) for link in links]
-    store = RegistryStore(cluster.endpoints, prefix)
+    store = EtcdStore(cluster.endpoints, prefix)
     await store.connect()
     try:
         for link in links:

@@ -18,15 +18,15 @@ import grpc
 import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from kvshuttle.services.common.config import ConfigError
+from kvshuttle.services.common.grpc_server import client_channel
+from kvshuttle.services.common.tls import TlsClientConfig
+from kvshuttle.services.gateway import auth
+from kvshuttle.services.gateway.server import GatewayConfig, GatewayService
+from kvshuttle.services.registry.server import RegistryConfig, serve
+from kvshuttle.services.scheduler.server import SchedulerConfig, SchedulerService
 from kvshuttle.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, registry_pb2, registry_pb2_grpc
 
-from services import auth
-from services.config import ConfigError
-from services.gateway.server import GatewayConfig, GatewayService
-from services.grpc_server import client_channel
-from services.registry.server import RegistryConfig, serve
-from services.scheduler.server import SchedulerConfig, SchedulerService
-from services.tls import TlsClientConfig
 from tests.support.certs import TestCA
 
 pytestmark = pytest.mark.timeout(120)
@@ -195,7 +195,7 @@ async def test_open_gateway_is_one_tenant_and_warns_once(model_dir, plane, caplo
     _, _, reg, d = plane
     session = f"open-{uuid.uuid4().hex[:8]}"
     await record(reg, d, session, "acme")
-    with caplog.at_level(logging.WARNING, logger="services.gateway.server"):
+    with caplog.at_level(logging.WARNING, logger="kvshuttle.services.gateway.server"):
         service = await start_gateway(model_dir, plane)
     try:
         warnings = [r for r in caplog.records if "no API keys configured" in r.getMessage()]
@@ -245,7 +245,7 @@ def _written(tmp_path, data) -> str:
 
 async def test_hash_key_command_prints_an_entry_the_gateway_accepts(tmp_path):
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.cli", "hash-key", "--tenant", "acme", "--generate",
+        sys.executable, "-m", "kvshuttle.services.commands", "hash-key", "--tenant", "acme", "--generate",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await proc.communicate()
     assert proc.returncode == 0, err

@@ -11,6 +11,7 @@ import json
 import grpc
 import pytest
 import pytest_asyncio
+from kvshuttle.services.common.grpc_server import Server
 from kvshuttle.v1 import (
     common_pb2,
     gateway_pb2,
@@ -21,7 +22,6 @@ from kvshuttle.v1 import (
     scheduler_pb2_grpc,
 )
 
-from services.grpc_server import Server
 from tests.support.grpcurl import check_serving, describe, grpcurl, health_status, list_services
 
 pytestmark = pytest.mark.timeout(300)

@@ -85,7 +85,7 @@ def health_check(*args: str, env: dict[str, str] | None = None) -> tuple[int, st
     """Run the CLI without the caller's KVSHUTTLE_* settings; (exit status, its output, seconds taken)."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("KVSHUTTLE_")}
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "services.cli", "health-check", *args], cwd=REPO,
+    done = subprocess.run([sys.executable, "-m", "kvshuttle.services.commands", "health-check", *args], cwd=REPO,
                           env={**clean, **(env or {})}, capture_output=True, text=True, timeout=30)
     return done.returncode, done.stdout + done.stderr, time.monotonic() - started
 

@@ -15,11 +15,11 @@ import time
 import uuid
 
 import pytest
+from kvshuttle.services.common.grpc_server import client_channel
+from kvshuttle.services.registry.server import RegistryConfig, serve
+from kvshuttle.services.scheduler.server import SchedulerConfig, SchedulerService
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
-from services.grpc_server import client_channel
-from services.registry.server import RegistryConfig, serve
-from services.scheduler.server import SchedulerConfig, SchedulerService
 from tests.unit.fake_engine import FakeEngineServer
 
 pytestmark = pytest.mark.timeout(120)

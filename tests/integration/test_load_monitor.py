@@ -8,13 +8,12 @@ import time
 
 import grpc
 import pytest
+from kvshuttle.services.devtools.etcd_process import free_port
+from kvshuttle.services.engine.client import EngineClient
+from kvshuttle.services.scheduler.load_monitor import LoadMonitor
+from kvshuttle.services.scheduler.worker_view import WorkerView
 from kvshuttle.v1 import common_pb2, registry_pb2
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
-
-from services.etcd_process import free_port
-from services.scheduler.load_monitor import LoadMonitor
-from services.scheduler.worker_view import WorkerView
-from workers.engine_client import EngineClient
 
 Event = registry_pb2.WatchWorkersResponse
 INTERVAL, TIMEOUT = 0.05, 0.3
@@ -255,7 +254,7 @@ async def test_unreachable_after_failed_polls_then_recovery(monitor, servers, ca
     put(monitor.view, worker("p", s.address))
     await until(lambda: "p" in monitor.loads(), what="a sample")
 
-    caplog.set_level(logging.DEBUG, logger="services.scheduler.load_monitor")
+    caplog.set_level(logging.DEBUG, logger="kvshuttle.services.scheduler.load_monitor")
     await s.stop()
     load = await until(lambda: (l := monitor.loads()["p"]) and not l.reachable and l, what="unreachable")
     assert (load.running, load.used_tokens) == (4, 1234), "the last known numbers are kept"

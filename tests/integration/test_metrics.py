@@ -14,6 +14,12 @@ import uuid
 import grpc
 import httpx
 import pytest
+from kvshuttle.services.common import metrics
+from kvshuttle.services.common.grpc_server import Server, client_channel
+from kvshuttle.services.common.processes import ChildProcess
+from kvshuttle.services.devtools.stack import REPO
+from kvshuttle.services.registry.server import RegistryConfig, serve
+from kvshuttle.services.scheduler.server import SchedulerConfig, SchedulerService
 from kvshuttle.v1 import (
     common_pb2,
     gateway_pb2,
@@ -25,12 +31,6 @@ from kvshuttle.v1 import (
 )
 from prometheus_client import generate_latest
 
-from services import metrics
-from services.grpc_server import Server, client_channel
-from services.processes import ChildProcess
-from services.registry.server import RegistryConfig, serve
-from services.scheduler.server import SchedulerConfig, SchedulerService
-from services.stack import REPO
 from tests.integration.test_scheduler import handle_for, record, worker
 from tests.support.metrics import delta, names, parse, scrape, value
 
@@ -232,7 +232,7 @@ async def test_the_services_serve_their_own_metrics_as_separate_processes(etcd, 
     children = []
 
     async def start(name: str, *args: str) -> tuple[str, str]:
-        child = ChildProcess(name, [sys.executable, "-m", "services.cli", name, "--listen", "127.0.0.1:0",
+        child = ChildProcess(name, [sys.executable, "-m", "kvshuttle.services.commands", name, "--listen", "127.0.0.1:0",
                                     "--metrics-listen", "127.0.0.1:0", *args], tmp_path / f"{name}.log",
                              env=env, cwd=REPO)
         await child.start()
@@ -290,7 +290,8 @@ async def test_the_services_serve_their_own_metrics_as_separate_processes(etcd, 
 async def test_the_gateway_serves_metrics_on_its_http_port_or_its_own(etcd, model_dir, tmp_path):
     """GET /metrics on the HTTP port is open like /health, even with API keys; a refused turn is counted by kind and
     the gRPC API's calls by code. With --metrics-listen the metrics move to their own port, off the HTTP one."""
-    from services.gateway.server import GatewayConfig, GatewayService
+    from kvshuttle.services.gateway.server import GatewayConfig, GatewayService
+
     from tests.integration.test_gateway_auth import KEYS, bearer, keys_file
 
     prefix = f"/metrics-gw-{uuid.uuid4().hex[:6]}/"

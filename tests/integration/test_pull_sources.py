@@ -14,13 +14,12 @@ import uuid
 
 import grpc
 import pytest
+from kvshuttle.control_plane import session as session_rules
+from kvshuttle.services.common.grpc_server import client_channel
+from kvshuttle.services.registry.server import RegistryConfig, serve
+from kvshuttle.services.scheduler.server import SchedulerConfig, SchedulerService
+from kvshuttle.services.store.etcd_store import EtcdStore
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-
-from control_plane import session as session_rules
-from services.grpc_server import client_channel
-from services.registry.server import RegistryConfig, serve
-from services.registry.store import RegistryStore
-from services.scheduler.server import SchedulerConfig, SchedulerService
 
 pytestmark = pytest.mark.timeout(120)
 BS = 16
@@ -56,7 +55,7 @@ async def plane(etcd, request):
     p, d = worker("p-src", common_pb2.WORKER_ROLE_PREFILL, 7900), worker("d-src", common_pb2.WORKER_ROLE_DECODE, 7950)
     for w in (p, d):
         await reg.RegisterWorker(registry_pb2.RegisterWorkerRequest(worker=w, lease_ttl_s=60))
-    store = RegistryStore(etcd, prefix)
+    store = EtcdStore(etcd, prefix)
     await store.connect()
     yield reg, sched, store, d
     await store.close()

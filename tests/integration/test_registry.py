@@ -10,14 +10,13 @@ import uuid
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from kvshuttle.control_plane.prefix import block_hash_chain, matched_prefix_tokens
+from kvshuttle.control_plane.session import LEASE_GRACE_S
+from kvshuttle.services.common.grpc_server import client_channel
+from kvshuttle.services.devtools.etcd_process import EtcdCluster, EtcdProcess, free_port
+from kvshuttle.services.registry.server import RegistryConfig, serve
+from kvshuttle.services.store.etcd_store import EtcdStore
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
-
-from control_plane.prefix import block_hash_chain, matched_prefix_tokens
-from control_plane.session import LEASE_GRACE_S
-from services.etcd_process import EtcdCluster, EtcdProcess, free_port
-from services.grpc_server import client_channel
-from services.registry.server import RegistryConfig, serve
-from services.registry.store import RegistryStore
 
 pytestmark = pytest.mark.timeout(120)
 Ev = registry_pb2.WatchWorkersResponse
@@ -282,7 +281,7 @@ async def test_session_expires_then_leaves_etcd(stub, etcd):
                 return True
 
         assert await eventually(gone, timeout=LEASE_GRACE_S + 20), "session record outlived its lease"
-        async with RegistryStore(etcd) as store:  # and it is really gone from etcd
+        async with EtcdStore(etcd) as store:  # and it is really gone from etcd
             assert await store.get_session(TENANT, sid) is None
 
         # A turn that finished longer ago than the TTL is refused outright.
@@ -479,7 +478,7 @@ async def test_store_watch_resends_snapshot_after_etcd_restart():
     etcd = EtcdProcess("restart")
     endpoints = await etcd.astart()
     try:
-        async with RegistryStore(endpoints, "/watch-test/", timeout_s=2.0) as store:
+        async with EtcdStore(endpoints, "/watch-test/", timeout_s=2.0) as store:
             lease, _ = await store.grant_lease(60)
             await store.put_worker(decode_worker("w1", lease_id=lease))
             events = store.watch_workers()
@@ -507,7 +506,7 @@ async def test_store_fails_over_when_the_leader_dies():
     cluster = EtcdCluster(3)
     endpoints = await cluster.astart()
     try:
-        async with RegistryStore(endpoints, "/failover-test/", timeout_s=10.0) as store:
+        async with EtcdStore(endpoints, "/failover-test/", timeout_s=10.0) as store:
             lease, _ = await store.grant_lease(30)
             await store.put_worker(decode_worker("w1", lease_id=lease))
             leader = await asyncio.to_thread(cluster.leader)

@@ -12,11 +12,11 @@ import time
 
 import grpc
 import pytest
+from kvshuttle.control_plane import session as rules
+from kvshuttle.control_plane.session import LEASE_GRACE_S
+from kvshuttle.services.store.etcd_store import EtcdStore
 from kvshuttle.v1 import common_pb2, registry_pb2
 
-from control_plane import session as rules
-from control_plane.session import LEASE_GRACE_S
-from services.registry.store import RegistryStore
 from tests.integration.test_registry import MARGIN_S, TENANT, _deregister, decode_worker, eventually, turn, uid
 
 pytestmark = pytest.mark.timeout(120)
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture
 async def store(etcd):
-    async with RegistryStore(etcd) as s:  # the registry fixture's key prefix (the default)
+    async with EtcdStore(etcd) as s:  # the registry fixture's key prefix (the default)
         yield s
 
 
@@ -61,7 +61,7 @@ async def test_records_carry_lease_and_digest_and_the_claim_is_its_own_key(stub,
 
 
 async def test_concurrent_claims_of_one_revision_have_exactly_one_winner(etcd, stub, decode):
-    stores = [RegistryStore(etcd) for _ in range(4)]  # separate clients (channels), like scheduler replicas
+    stores = [EtcdStore(etcd) for _ in range(4)]  # separate clients (channels), like scheduler replicas
     for s in stores:
         await s.connect()
     sid = uid("s")
@@ -163,7 +163,7 @@ async def test_a_wrong_or_missing_lease_hint_still_claims_once(stub, store, deco
 
     # A store that never saw the record (another replica) and no hint: it reads the record first.
     rec2 = (await stub.RecordTurn(turn(decode, sid, list(range(31))))).session
-    async with RegistryStore(store.endpoints) as fresh:
+    async with EtcdStore(store.endpoints) as fresh:
         won2 = await fresh.claim_session(TENANT, sid, rec2.revision, now=time.time())
     assert won2.claimed and won2.session.kv_transfer_params_json == rec2.kv_transfer_params_json
     await stub.DeleteSession(registry_pb2.DeleteSessionRequest(session_id=sid, tenant=TENANT))
@@ -209,7 +209,7 @@ async def test_the_claim_key_ends_with_the_session_lease(stub, store):
 def test_no_other_session_key_falls_in_a_sessions_range():
     """get_session reads [record key, record key + '"'): its record and claim, nothing else (ids use A-Za-z0-9._:@=+-,
     all above '"')."""
-    store = RegistryStore("127.0.0.1:1")
+    store = EtcdStore("127.0.0.1:1")
     key = store.session_key("t", "s")
     end = (key + '"').encode()
     inside = [key, store.claim_key("t", "s")]
@@ -270,7 +270,7 @@ async def test_a_free_reason_outside_the_vocabulary_is_refused(stub, decode):
 
 async def test_one_replica_leads_and_another_takes_over_when_its_lease_ends(etcd):
     name = uid("lead")
-    first, second = RegistryStore(etcd), RegistryStore(etcd)
+    first, second = EtcdStore(etcd), EtcdStore(etcd)
     for s in (first, second):
         await s.connect()
     try:

@@ -14,11 +14,16 @@ import uvicorn
 from fastapi import FastAPI
 from google.api import http_pb2
 from google.protobuf import timestamp_pb2
+from kvshuttle.services.common.grpc_server import Server, client_channel
+from kvshuttle.services.gateway import rest_bridge
+from kvshuttle.services.gateway.rest_bridge import (
+    BridgeOptions,
+    PathTemplate,
+    bridge_routes,
+    build_route,
+    specs_from_rule,
+)
 from kvshuttle.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, registry_pb2, registry_pb2_grpc, scheduler_pb2
-
-from services.gateway import rest_bridge
-from services.gateway.rest_bridge import BridgeOptions, PathTemplate, bridge_routes, build_route, specs_from_rule
-from services.grpc_server import Server, client_channel
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -16,16 +16,15 @@ from pathlib import Path
 
 import grpc
 import pytest
+from kvshuttle.control_plane import session as session_rules
+from kvshuttle.control_plane.prefix import block_hash_chain, prefix_digest
+from kvshuttle.services.common.config import from_namespace
+from kvshuttle.services.common.grpc_server import client_channel
+from kvshuttle.services.registry.server import RegistryConfig, serve
+from kvshuttle.services.scheduler.claims import ClaimsError, EtcdClaims
+from kvshuttle.services.scheduler.server import SchedulerConfig, SchedulerService
+from kvshuttle.services.store.etcd_store import EtcdStore
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-
-from control_plane import session as session_rules
-from control_plane.prefix import block_hash_chain, prefix_digest
-from services.config import from_namespace
-from services.grpc_server import client_channel
-from services.registry.server import RegistryConfig, serve
-from services.registry.store import RegistryStore
-from services.scheduler.claims import ClaimsError, EtcdClaims
-from services.scheduler.server import SchedulerConfig, SchedulerService
 
 BS = 16
 
@@ -312,7 +311,7 @@ async def test_direct_claims_refuse_a_stale_revision_and_agree_with_the_registry
     assert late.decision == scheduler_pb2.DECISION_RECOMPUTE and "changed" in late.reason, late.reason
     assert late.figures.snapshot_stale
 
-    claims = EtcdClaims(RegistryStore(etcd, prefix))
+    claims = EtcdClaims(EtcdStore(etcd, prefix))
     await claims.start()
     try:
         refused = await claims.claim("", session, stale.session.revision)
@@ -345,7 +344,7 @@ async def test_direct_claims_refuse_a_stale_revision_and_agree_with_the_registry
 
 
 async def test_direct_claims_recompute_when_etcd_is_unreachable():
-    dead = EtcdClaims(RegistryStore("127.0.0.1:1", timeout_s=0.3, attempt_timeout_s=0.1))
+    dead = EtcdClaims(EtcdStore("127.0.0.1:1", timeout_s=0.3, attempt_timeout_s=0.1))
     await dead.start()
     try:
         for call in (dead.get_session("", "s"), dead.claim("", "s", 5)):
@@ -370,11 +369,11 @@ _TRACED = textwrap.dedent("""
     from opentelemetry import trace
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
     from kvshuttle.v1 import registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-    from services.config import TelemetryConfig
-    from services.grpc_server import client_channel
-    from services.registry.server import RegistryConfig, serve
-    from services.scheduler.server import SchedulerConfig, SchedulerService
-    from services.telemetry import setup_tracing, tracing_enabled
+    from kvshuttle.services.common.config import TelemetryConfig
+    from kvshuttle.services.common.grpc_server import client_channel
+    from kvshuttle.services.registry.server import RegistryConfig, serve
+    from kvshuttle.services.scheduler.server import SchedulerConfig, SchedulerService
+    from kvshuttle.services.common.telemetry import setup_tracing, tracing_enabled
     from tests.integration.test_scheduler import register_pair
 
     async def main(etcd):

@@ -10,11 +10,11 @@ import uuid
 
 import grpc
 import pytest
+from kvshuttle.services.common.grpc_server import client_channel
+from kvshuttle.services.registry.server import RegistryConfig, serve
+from kvshuttle.services.scheduler.server import SchedulerConfig, SchedulerService
 from kvshuttle.v1 import scheduler_pb2, scheduler_pb2_grpc
 
-from services.grpc_server import client_channel
-from services.registry.server import RegistryConfig, serve
-from services.scheduler.server import SchedulerConfig, SchedulerService
 from tests.integration.test_scheduler import record, register_pair
 
 

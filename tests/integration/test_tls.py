@@ -15,19 +15,19 @@ import pytest
 from etcd3aio import prefix_range_end
 from etcd3aio.auth import AuthService, PermissionType
 from etcd3aio.kv import KVService
+from kvshuttle.services.common.config import ConfigError
+from kvshuttle.services.common.grpc_server import client_channel
+from kvshuttle.services.common.tls import ClientTls, EtcdSecurity, TlsClientConfig
+from kvshuttle.services.devtools.etcd_process import EtcdProcess, EtcdTls
+from kvshuttle.services.registry.server import RegistryConfig, serve
+from kvshuttle.services.scheduler.server import SchedulerConfig, SchedulerService
+from kvshuttle.services.store.etcd_channel import etcd_channel
+from kvshuttle.services.store.etcd_store import EtcdStore, StoreError, StoreUnavailable
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from kvshuttle.workers.agent import RegistryLink
 
-from services.config import ConfigError
-from services.etcd_process import EtcdProcess, EtcdTls
-from services.grpc_server import client_channel
-from services.registry.etcd_channel import etcd_channel
-from services.registry.server import RegistryConfig, serve
-from services.registry.store import RegistryStore, StoreError, StoreUnavailable
-from services.scheduler.server import SchedulerConfig, SchedulerService
-from services.tls import ClientTls, EtcdSecurity, TlsClientConfig
 from tests.integration.test_scheduler import handle_for, worker
 from tests.support.certs import TestCA
-from workers.agent import RegistryLink
 
 pytestmark = pytest.mark.timeout(180)
 BS = 16
@@ -90,7 +90,7 @@ async def secure_etcd(pki, tmp_path_factory):
     await proc.astart()
     admin = EtcdSecurity(ca=open(ca.ca_file, "rb").read(), cert=open(health.cert, "rb").read(),
                          key=open(health.key, "rb").read())
-    store = RegistryStore(proc.endpoints, "/secure/", security=admin)
+    store = EtcdStore(proc.endpoints, "/secure/", security=admin)
     await store.connect()
     auth = AuthService(store._channel)
     await auth.role_add("root")
@@ -187,7 +187,7 @@ async def test_registry_and_scheduler_plan_and_record_over_mutual_tls_with_secur
 
 async def test_secured_etcd_refuses_wrong_credentials_clearly(pki, secure_etcd):
     good = RegistryConfig(etcd_endpoints=secure_etcd.endpoints, **etcd_settings(pki))
-    async with RegistryStore(secure_etcd.endpoints, "/secure/ok/", security=good.etcd_security()) as store:
+    async with EtcdStore(secure_etcd.endpoints, "/secure/ok/", security=good.etcd_security()) as store:
         lease, _ = await store.grant_lease(10)
         await store.put_worker(common_pb2.Worker(worker_id="w-ok", role=common_pb2.WORKER_ROLE_DECODE,
                                                  lease_id=lease))
@@ -203,24 +203,24 @@ async def test_secured_etcd_refuses_wrong_credentials_clearly(pki, secure_etcd):
             assert second.kind == "put" and second.workers[0].worker_id == "w-two"
         finally:
             await events.aclose()
-    async with RegistryStore(secure_etcd.endpoints, "/elsewhere/", security=good.etcd_security()) as store:
+    async with EtcdStore(secure_etcd.endpoints, "/elsewhere/", security=good.etcd_security()) as store:
         with pytest.raises(StoreError, match="permission denied"):  # the user may only touch /secure/
             await store.get_worker("w-ok")
 
     wrong = RegistryConfig(etcd_endpoints=secure_etcd.endpoints, **etcd_settings(pki, password="not-it"))
-    store = RegistryStore(secure_etcd.endpoints, "/secure/", security=wrong.etcd_security())
+    store = EtcdStore(secure_etcd.endpoints, "/secure/", security=wrong.etcd_security())
     with pytest.raises(StoreError, match=f"etcd refused user '{ETCD_USER}'.*authentication failed"):
         await store.connect()
 
     anonymous = EtcdSecurity(ca=open(pki["ca"].ca_file, "rb").read(), cert=open(pki["client"].cert, "rb").read(),
                              key=open(pki["client"].key, "rb").read())
-    async with RegistryStore(secure_etcd.endpoints, "/secure/", security=anonymous, timeout_s=2) as store:
+    async with EtcdStore(secure_etcd.endpoints, "/secure/", security=anonymous, timeout_s=2) as store:
         with pytest.raises(StoreError) as err:  # a certificate etcd trusts, but no etcd user behind it
             await store.list_workers()
         assert not isinstance(err.value, StoreUnavailable) and "etcd list workers" in str(err.value)
 
     no_cert = EtcdSecurity(ca=open(pki["ca"].ca_file, "rb").read(), username=ETCD_USER, password=ETCD_PASSWORD)
-    store = RegistryStore(secure_etcd.endpoints, "/secure/", security=no_cert, timeout_s=1, attempt_timeout_s=0.5)
+    store = EtcdStore(secure_etcd.endpoints, "/secure/", security=no_cert, timeout_s=1, attempt_timeout_s=0.5)
     t = time.monotonic()
     await store.connect()  # etcd refuses the handshake: authentication is deferred, calls fail as unavailable
     with pytest.raises(StoreUnavailable):
@@ -228,7 +228,7 @@ async def test_secured_etcd_refuses_wrong_credentials_clearly(pki, secure_etcd):
     assert time.monotonic() - t < 10
     await store.close()
 
-    plaintext = RegistryStore(secure_etcd.endpoints, "/secure/", timeout_s=1, attempt_timeout_s=0.5)
+    plaintext = EtcdStore(secure_etcd.endpoints, "/secure/", timeout_s=1, attempt_timeout_s=0.5)
     async with plaintext:
         with pytest.raises(StoreUnavailable):
             await plaintext.list_workers()

@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from kvshuttle.services.commands.trace_view import render_tree
 
-from services.trace_view import render_tree
 from tests.support.traces import child, children, in_trace, one, rpc_hop
 
 ROOT = Path(__file__).resolve().parents[2]

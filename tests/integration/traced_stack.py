@@ -18,15 +18,15 @@ import uuid
 
 import grpc
 import httpx
+from kvshuttle.services.common.config import TelemetryConfig
+from kvshuttle.services.common.grpc_server import client_channel
+from kvshuttle.services.common.telemetry import setup_tracing
+from kvshuttle.services.gateway.server import GatewayConfig, GatewayService
+from kvshuttle.services.registry.server import RegistryConfig, serve
+from kvshuttle.services.scheduler.server import SchedulerConfig, SchedulerService
 from kvshuttle.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, registry_pb2, registry_pb2_grpc
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from services.config import TelemetryConfig
-from services.gateway.server import GatewayConfig, GatewayService
-from services.grpc_server import client_channel
-from services.registry.server import RegistryConfig, serve
-from services.scheduler.server import SchedulerConfig, SchedulerService
-from services.telemetry import setup_tracing
 from tests.unit.fake_engine import FakeEngineServer
 
 SESSION = f"secret-conversation-{uuid.uuid4().hex[:8]}"  # must never appear in a span
@@ -40,7 +40,7 @@ def traceparent(parent: tuple[str, str]) -> str:
 
 
 def span_dict(span) -> dict:
-    """An SDK span in the shape of services.trace_view.span_dicts (the OTLP receiver's)."""
+    """An SDK span in the shape of kvshuttle.services.commands.trace_view.span_dicts (the OTLP receiver's)."""
     status = {"UNSET": "unset", "OK": "ok", "ERROR": "error"}[span.status.status_code.name]
     return {"service": span.resource.attributes.get("service.name", ""), "scope": span.instrumentation_scope.name,
             "name": span.name, "kind": span.kind.name.lower(), "trace_id": f"{span.context.trace_id:032x}",

@@ -1,6 +1,6 @@
 """A minimal OTLP/gRPC trace receiver for tests: real exporters send spans to it over loopback.
 
-Spans are dicts (``services.trace_view.span_dicts``): service, name, kind, trace_id, span_id, parent_id, start_ns,
+Spans are dicts (``kvshuttle.services.commands.trace_view.span_dicts``): service, name, kind, trace_id, span_id, parent_id, start_ns,
 end_ns, attributes, status, status_code, events.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
-from services.trace_view import TraceReceiver, receiver_server
+from kvshuttle.services.commands.trace_view import TraceReceiver, receiver_server
 
 
 class OtlpReceiver:

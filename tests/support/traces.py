@@ -1,4 +1,4 @@
-"""Finding spans in a list of span dicts (``services.trace_view.span_dicts``' shape) and checking the tree."""
+"""Finding spans in a list of span dicts (``kvshuttle.services.commands.trace_view.span_dicts``' shape) and checking the tree."""
 
 from __future__ import annotations
 

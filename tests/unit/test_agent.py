@@ -11,11 +11,11 @@ import socket
 import grpc
 import pytest
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+from kvshuttle.workers import agent as agent_mod
+from kvshuttle.workers.agent import Agent, RegistryLink
+from kvshuttle.workers.vllm_process import WorkerConfig
 
 from tests.unit.fake_engine import FakeEngineServer
-from workers import agent as agent_mod
-from workers.agent import Agent, RegistryLink
-from workers.vllm_process import WorkerConfig
 
 
 class FakeRegistry(registry_pb2_grpc.SessionRegistryServicer):

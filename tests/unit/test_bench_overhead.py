@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
-from services.bench.overhead import DIRECT, control_plane_overhead, hops
-from services.bench.samples import PULL, TurnSample
+from kvshuttle.services.devtools.bench.overhead import DIRECT, control_plane_overhead, hops
+from kvshuttle.services.devtools.bench.samples import PULL, TurnSample
 
 
 def sample(mode: str, conv: str, turn: int, ttft: float, decision: str = "pull") -> TurnSample:

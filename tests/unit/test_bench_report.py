@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from services.bench.report import build_report, format_table, write_outputs
-from services.bench.samples import IDEAL, PULL, RECOMPUTE, TurnSample
-from services.bench.stats import percentile, summary
+from kvshuttle.services.devtools.bench.report import build_report, format_table, write_outputs
+from kvshuttle.services.devtools.bench.samples import IDEAL, PULL, RECOMPUTE, TurnSample
+from kvshuttle.services.devtools.bench.stats import percentile, summary
 
 # ---------------------------------------------------------------------------------------------------------------
 # stats

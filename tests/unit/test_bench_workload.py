@@ -11,8 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from services.bench.workload import (
+from kvshuttle.services.devtools.bench.workload import (
     Conversation,
     agentic_conversations,
     estimate_tokens,
@@ -50,7 +49,7 @@ def test_same_seed_same_conversations_and_different_seed_differs():
 
 
 def test_same_output_in_another_process_with_another_hash_seed():
-    code = ("import json, dataclasses; from services.bench.workload import agentic_conversations as g; "
+    code = ("import json, dataclasses; from kvshuttle.services.devtools.bench.workload import agentic_conversations as g; "
             "print(json.dumps([dataclasses.asdict(c) for c in g(count=2, seed=7, max_history_tokens=6000, "
             "system_tokens=1000, turn_tokens=(150, 600), max_tokens=32)]))")
     root = Path(__file__).resolve().parents[2]

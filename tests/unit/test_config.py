@@ -1,8 +1,7 @@
 import dataclasses
 
 import pytest
-
-from services.config import ConfigError, TelemetryConfig, from_namespace, load, require, setting
+from kvshuttle.services.common.config import ConfigError, TelemetryConfig, from_namespace, load, require, setting
 
 
 @dataclasses.dataclass
@@ -43,8 +42,8 @@ def test_bad_flag_exits_with_usage(capsys):
 
 
 def test_scheduler_policy_parameters_are_checked_at_start():
-    from services.config import ConfigError
-    from services.scheduler.server import SchedulerConfig
+    from kvshuttle.services.common.config import ConfigError
+    from kvshuttle.services.scheduler.server import SchedulerConfig
 
     cfg = SchedulerConfig(policy="cost", policy_params="explore_every=5", cost_model_params="window=20",
                           policies="t64=threshold:pull_threshold_tokens=64; always-pull=threshold:pull_threshold_tokens=1")
@@ -64,7 +63,7 @@ def test_scheduler_policy_parameters_are_checked_at_start():
 
 
 def test_stack_etcd_members_is_one_or_three():
-    from services.stack import StackConfig
+    from kvshuttle.services.devtools.stack import StackConfig
 
     assert from_namespace(StackConfig, environ={"KVSHUTTLE_STACK_ETCD_MEMBERS": "3"}).etcd_members == 3
     assert load(StackConfig, []).etcd_members == 1

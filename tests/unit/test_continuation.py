@@ -1,7 +1,7 @@
 from dataclasses import dataclass
 
-from control_plane.continuation import plan_continuation
-from control_plane.selection import RoundRobin
+from kvshuttle.control_plane.continuation import plan_continuation
+from kvshuttle.control_plane.selection import RoundRobin
 
 
 def test_extension_splices_onto_exact_ids():

@@ -5,8 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-
-from control_plane.cost_model import PrefillCostModel, PrefillPrior, nonnegative_least_squares
+from kvshuttle.control_plane.cost_model import PrefillCostModel, PrefillPrior, nonnegative_least_squares
 
 COMPUTE = (8.0, 120.0, 15.0)  # fixed ms, per ktoken, per ktoken·kcontext
 LINK = (6.0, 3.0)  # per transfer, per kpulled

@@ -1,9 +1,8 @@
 import json
 
 import pytest
-
-from control_plane.decision import Choice, HandleView, PullPolicy, decide, reusable_tokens
-from control_plane.prefix import block_hash_chain
+from kvshuttle.control_plane.decision import Choice, HandleView, PullPolicy, decide, reusable_tokens
+from kvshuttle.control_plane.prefix import block_hash_chain
 
 BS = 16
 HISTORY = list(range(1000, 1100))  # 100 tokens: prompt + answer of the last turn

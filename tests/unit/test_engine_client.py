@@ -7,9 +7,9 @@ import contextlib
 
 import grpc
 import pytest
+from kvshuttle.services.engine.client import Chunk, EngineClient, EngineError, Final
 
 from tests.unit.fake_engine import FakeEngineServer
-from workers.engine_client import Chunk, EngineClient, EngineError, Final
 
 
 @pytest.fixture

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-
-from services.bench.eviction_sim import (
+from kvshuttle.services.common.config import ConfigError, from_namespace
+from kvshuttle.services.devtools.bench.eviction_sim import (
     UNBOUNDED,
     EvictionSimConfig,
     format_report,
@@ -14,7 +14,6 @@ from services.bench.eviction_sim import (
     simulate,
     workload,
 )
-from services.config import ConfigError, from_namespace
 
 
 def small(**kw) -> EvictionSimConfig:

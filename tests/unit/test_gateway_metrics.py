@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from kvshuttle.control_plane import reasons
+from kvshuttle.services.common import metrics
+from kvshuttle.services.gateway.turns import TurnError, TurnRequest, TurnRunner
 from kvshuttle.v1 import scheduler_pb2
 from prometheus_client import generate_latest
 
-from control_plane import reasons
-from services import metrics
-from services.gateway.turns import TurnError, TurnRequest, TurnRunner
 from tests.support.metrics import delta, parse
 from tests.unit.test_turns import DownRegistry, Engine, Registry, Scheduler, Tokenizer, resume_runner, run, runner
 

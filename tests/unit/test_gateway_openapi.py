@@ -5,10 +5,9 @@ from __future__ import annotations
 import grpc
 import httpx
 import pytest
-
-from services.gateway.openai_api import CompletionIn, create_app
-from services.gateway.rest_bridge import BridgeOptions, bridge_routes, install_openapi
-from services.gateway.server import OPENAPI_CONSTRAINTS, REGISTRY_SERVICE, SERVICE_NAME
+from kvshuttle.services.gateway.openai_api import CompletionIn, create_app
+from kvshuttle.services.gateway.rest_bridge import BridgeOptions, bridge_routes, install_openapi
+from kvshuttle.services.gateway.server import OPENAPI_CONSTRAINTS, REGISTRY_SERVICE, SERVICE_NAME
 
 
 @pytest.fixture

@@ -7,12 +7,12 @@ import hashlib
 
 import httpx
 from fastapi import FastAPI
+from kvshuttle.services.common import metrics
+from kvshuttle.services.gateway.auth import KeyRing, Principal
+from kvshuttle.services.gateway.http_guard import HttpGuard
+from kvshuttle.services.gateway.http_metrics import HttpMetrics
 from prometheus_client import generate_latest
 
-from services import metrics
-from services.auth import KeyRing, Principal
-from services.gateway.http_guard import HttpGuard
-from services.gateway.http_metrics import HttpMetrics
 from tests.support.metrics import delta, parse
 
 KEY = "kvs-test-key"

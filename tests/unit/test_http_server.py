@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from services.http_server import HttpServer
+from kvshuttle.services.common.http_server import HttpServer
 
 
 async def test_connections_are_not_delayed_by_nagle():

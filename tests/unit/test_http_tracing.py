@@ -7,12 +7,11 @@ import httpx
 import pytest
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
+from kvshuttle.services.gateway.http_tracing import HttpTracing
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-from services.gateway.http_tracing import HttpTracing
 
 SECRET_SESSION = "conversation-7f3a9c"
 

@@ -1,10 +1,9 @@
-"""What a decode worker frees, and in which order (control_plane.kv_eviction: pure)."""
+"""What a decode worker frees, and in which order (kvshuttle.control_plane.kv_eviction: pure)."""
 
 from __future__ import annotations
 
 import pytest
-
-from control_plane import kv_eviction as ev
+from kvshuttle.control_plane import kv_eviction as ev
 
 NOW = 10_000.0
 BS = 128

@@ -1,8 +1,7 @@
 import json
 
 import pytest
-
-from control_plane import kv_params
+from kvshuttle.control_plane import kv_params
 
 
 def handle(num_tokens=300, blocks=(10, 11, 12)):
@@ -54,7 +53,7 @@ def test_pull_params_refuse_impossible_pulls():
 
 
 def test_d_can_continue_after_p_s_token_only_when_p_sent_a_block_for_it():
-    from control_plane.kv_params import covers_extra_token
+    from kvshuttle.control_plane.kv_params import covers_extra_token
 
     assert covers_extra_token({"remote_block_ids": [[1, 2, 3]]}, 256, 128)  # 257 tokens fit in 3 blocks
     assert not covers_extra_token({"remote_block_ids": [[1, 2]]}, 256, 128)  # the prompt fills 2 blocks exactly

@@ -1,6 +1,6 @@
 """BoundedLru: size-bounded, least recently used out first."""
 
-from control_plane.lru import BoundedLru
+from kvshuttle.control_plane.lru import BoundedLru
 
 
 def test_evicts_least_recently_used_beyond_the_budget():

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+from kvshuttle.control_plane import reasons
+from kvshuttle.services.common import metrics
+from kvshuttle.services.common.config import ConfigError
+from kvshuttle.services.common.metrics_http import check_listen, metrics_app
+from kvshuttle.services.registry.server import RegistryConfig
 from prometheus_client import generate_latest
 
-from control_plane import reasons
-from services import metrics
-from services.config import ConfigError
-from services.metrics_http import check_listen, metrics_app
-from services.registry.server import RegistryConfig
 from tests.support.metrics import parse
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,7 +67,7 @@ def test_the_readme_lists_every_reason_code():
 
 
 def test_the_readme_lists_every_etcd_operation():
-    store = (ROOT / "services/registry/store.py").read_text()
+    store = (ROOT / "services/store/etcd_store.py").read_text()
     ops = {op.replace(" ", "_").replace("-", "_") for op in re.findall(r'_call\(\s*"([a-z -]+)"', store)}
     assert "claim_session" in ops and len(ops) > 10
     section = readme_section("Metrics")

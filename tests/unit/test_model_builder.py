@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from workers import model_builder
+from kvshuttle.workers import model_builder
 
 
 def test_rebuild_is_byte_identical(model_dir, tmp_path):

@@ -6,12 +6,11 @@ import json
 from dataclasses import dataclass
 
 import pytest
-
-from control_plane.cost_model import PrefillCostModel, PrefillPrior
-from control_plane.decision import Choice
-from control_plane.load import WorkerLoad
-from control_plane.planner import Planner
-from control_plane.policies import (
+from kvshuttle.control_plane.cost_model import PrefillCostModel, PrefillPrior
+from kvshuttle.control_plane.decision import Choice
+from kvshuttle.control_plane.load import WorkerLoad
+from kvshuttle.control_plane.planner import Planner
+from kvshuttle.control_plane.policies import (
     Outcome,
     PolicyError,
     ThresholdPolicy,
@@ -20,8 +19,9 @@ from control_plane.policies import (
     parse_params,
     parse_policy_specs,
 )
-from control_plane.prefix import block_hash_chain
-from control_plane.selection import make_selector
+from kvshuttle.control_plane.prefix import block_hash_chain
+from kvshuttle.control_plane.selection import make_selector
+
 from tests.unit.test_decision import COVERED, HISTORY, handle_view
 
 PROMPT = HISTORY + [1, 2, 3]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.bench.policy_sweep import (
+from kvshuttle.services.devtools.bench.policy_sweep import (
     ALWAYS_PULL,
     COST,
     RECOMPUTE,
@@ -10,7 +10,7 @@ from services.bench.policy_sweep import (
     price_turns,
     sweep_report,
 )
-from services.bench.samples import TurnSample
+from kvshuttle.services.devtools.bench.samples import TurnSample
 
 
 def sample(mode: str, turn: int, ttft: float, *, history=0, pulled=0, decision="recompute", conv="c") -> TurnSample:

@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+from kvshuttle.control_plane.cost_model import PrefillCostModel
+from kvshuttle.control_plane.decision import Choice
+from kvshuttle.control_plane.planner import Planner
+from kvshuttle.control_plane.policies import Outcome, make_policy
+from kvshuttle.control_plane.prefill_cache import PrefillCacheHints
+from kvshuttle.control_plane.selection import make_selector
 
-from control_plane.cost_model import PrefillCostModel
-from control_plane.decision import Choice
-from control_plane.planner import Planner
-from control_plane.policies import Outcome, make_policy
-from control_plane.prefill_cache import PrefillCacheHints
-from control_plane.selection import make_selector
 from tests.unit.test_decision import HISTORY, handle_view
 
 

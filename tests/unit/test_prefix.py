@@ -1,9 +1,8 @@
 import random
 
 import pytest
-
-from control_plane import prefix
-from control_plane.prefix import block_hash_chain, matched_prefix_tokens, prefix_digest
+from kvshuttle.control_plane import prefix
+from kvshuttle.control_plane.prefix import block_hash_chain, matched_prefix_tokens, prefix_digest
 
 BS = 4
 

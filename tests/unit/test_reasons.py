@@ -6,15 +6,15 @@ import json
 
 import grpc
 import pytest
+from kvshuttle.control_plane import reasons
+from kvshuttle.control_plane.cost_model import PrefillPrior
+from kvshuttle.control_plane.decision import Choice, PullPolicy, decide
+from kvshuttle.control_plane.load import WorkerLoad
+from kvshuttle.control_plane.policies import Outcome
+from kvshuttle.control_plane.prefix import block_hash_chain
+from kvshuttle.services.scheduler.claims import ClaimsError
+from kvshuttle.services.scheduler.servicer import _demote, _store_failure
 
-from control_plane import reasons
-from control_plane.cost_model import PrefillPrior
-from control_plane.decision import Choice, PullPolicy, decide
-from control_plane.load import WorkerLoad
-from control_plane.policies import Outcome
-from control_plane.prefix import block_hash_chain
-from services.scheduler.claims import ClaimsError
-from services.scheduler.servicer import _demote, _store_failure
 from tests.unit.test_decision import COVERED, HISTORY, handle_view
 from tests.unit.test_policies import PROMPT, plan, planner
 
@@ -108,7 +108,7 @@ def test_the_vocabulary_is_small_fixed_and_labels_stay_in_it():
 
 
 def test_the_scheduler_and_gateway_codes_are_only_those_of_the_vocabulary():
-    """Every reason code a module names (``why.X`` / ``reasons.X``) exists in control_plane.reasons."""
+    """Every reason code a module names (``why.X`` / ``reasons.X``) exists in kvshuttle.control_plane.reasons."""
     import re
     from pathlib import Path
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-
-from control_plane.load import WorkerLoad, parse_get_loads
-from control_plane.selection import LoadAwareSelector, RoundRobinSelector, make_selector
+from kvshuttle.control_plane.load import WorkerLoad, parse_get_loads
+from kvshuttle.control_plane.selection import LoadAwareSelector, RoundRobinSelector, make_selector
 
 
 @dataclass(frozen=True)

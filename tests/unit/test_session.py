@@ -1,10 +1,9 @@
 import json
 
 import pytest
+from kvshuttle.control_plane import session as rules
+from kvshuttle.control_plane.prefix import block_hash_chain, matched_prefix_tokens, prefix_digest
 from kvshuttle.v1 import common_pb2, registry_pb2
-
-from control_plane import session as rules
-from control_plane.prefix import block_hash_chain, matched_prefix_tokens, prefix_digest
 
 NOW = 1_800_000_000.0
 

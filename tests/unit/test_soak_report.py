@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from services.bench.soak import SoakConfig, TurnResult, _slope_per_min, format_report, kv_sample, report
+from kvshuttle.services.devtools.bench.soak import (
+    SoakConfig,
+    TurnResult,
+    _slope_per_min,
+    format_report,
+    kv_sample,
+    report,
+)
 
 
 def test_report_counts_failures_decisions_and_memory_growth():

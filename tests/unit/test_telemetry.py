@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from control_plane.kv_size import kv_bytes_per_token
-from services.telemetry import server_attributes
+from kvshuttle.control_plane.kv_size import kv_bytes_per_token
+from kvshuttle.services.common.telemetry import server_attributes
 
 
 def test_server_attributes_of_grpc_targets():

@@ -5,8 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
-
-from services.gateway.tokenizer import ChatTemplateError, GatewayTokenizer
+from kvshuttle.services.gateway.tokenizer import ChatTemplateError, GatewayTokenizer
 
 CHATS = [
     [{"role": "user", "content": "Hello!"}],

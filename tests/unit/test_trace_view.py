@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import asyncio
 
+from kvshuttle.services.commands.trace_view import TraceReceiver, TurnPrinter, receiver_server, render_tree
 from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-from services.trace_view import TraceReceiver, TurnPrinter, receiver_server, render_tree
 
 
 def a_turn() -> list:

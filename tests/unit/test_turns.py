@@ -9,11 +9,10 @@ import json
 
 import grpc
 import pytest
+from kvshuttle.control_plane import kv_params
+from kvshuttle.services.engine.client import Chunk, EngineClient, EngineError, Final
+from kvshuttle.services.gateway.turns import Delta, Finished, TurnError, TurnRequest, TurnRunner
 from kvshuttle.v1 import common_pb2, registry_pb2, scheduler_pb2
-
-from control_plane import kv_params
-from services.gateway.turns import Delta, Finished, TurnError, TurnRequest, TurnRunner
-from workers.engine_client import Chunk, EngineClient, EngineError, Final
 
 PULL_PARAMS = {"do_remote_decode": True, "remote_block_ids": [[1]], "remote_num_tokens": 3}
 
@@ -450,7 +449,7 @@ class DownRegistry(Registry):
 
 
 async def test_turns_without_the_session_store_succeed_and_are_counted():
-    from control_plane.session import STORE_UNAVAILABLE
+    from kvshuttle.control_plane.session import STORE_UNAVAILABLE
 
     r, scheduler, _ = runner(scheduler_pb2.DECISION_RECOMPUTE, Engine(), registry=DownRegistry())
     reason = f"{STORE_UNAVAILABLE} (UNAVAILABLE): could not read the session via etcd: recompute"
@@ -492,8 +491,8 @@ class AliveSourceScheduler(Scheduler):
 
 
 def recorded_session(tokens: list[int], covered: int) -> common_pb2.Session:
-    from control_plane.prefix import block_hash_chain
-    from control_plane.session import set_seconds
+    from kvshuttle.control_plane.prefix import block_hash_chain
+    from kvshuttle.control_plane.session import set_seconds
 
     handle = {"do_remote_decode": True, "remote_engine_id": "d", "remote_host": "h", "remote_port": 1,
               "remote_num_tokens": covered, "remote_block_ids": [list(range(-(-covered // BLOCK)))]}

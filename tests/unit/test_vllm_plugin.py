@@ -6,8 +6,7 @@ import signal
 from pathlib import Path
 
 import pytest
-
-from workers import vllm_plugin
+from kvshuttle.workers import vllm_plugin
 
 
 def test_without_variables_nothing_changes(monkeypatch):
@@ -51,7 +50,7 @@ def test_a_vllm_process_is_tied_to_its_parent_unless_it_already_is(tmp_path):
     script = tmp_path / "child.py"
     script.write_text(
         "import ctypes, signal, sys, time\n"
-        "from workers import vllm_plugin\n"
+        "from kvshuttle.workers import vllm_plugin\n"
         "if sys.argv[1] == 'preset':\n"
         "    ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0)\n"
         "print(vllm_plugin.tie_to_parent(), flush=True)\n"

@@ -11,10 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from services.config import ConfigError, from_namespace
-from workers import vllm_process
-from workers.vllm_process import VllmProcess, WorkerConfig, vllm_command
+from kvshuttle.services.common.config import ConfigError, from_namespace
+from kvshuttle.workers import vllm_process
+from kvshuttle.workers.vllm_process import VllmProcess, WorkerConfig, vllm_command
 
 
 def test_command_and_env(tmp_path):
@@ -78,7 +77,7 @@ REPO = Path(__file__).resolve().parents[2]
 def _print_command(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`kvshuttle worker ... --print-vllm-command` as a real process, without the caller's KVSHUTTLE_* settings."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("KVSHUTTLE_")}
-    return subprocess.run([sys.executable, "-m", "services.cli", "worker", *args], cwd=REPO, env={**clean, **(env or {})},
+    return subprocess.run([sys.executable, "-m", "kvshuttle.services.commands", "worker", *args], cwd=REPO, env={**clean, **(env or {})},
                           capture_output=True, text=True, timeout=60)
 
 
@@ -161,8 +160,8 @@ def test_vllm_log_dash_sends_vllm_output_to_the_agents_stderr(tmp_path):
     """`--vllm-log -` (the Helm chart's setting): vLLM's command line and output land in the pod's log, on the
     agent's stderr, so the agent's stdout keeps only its ready marker; no vllm.log file is written."""
     script = ("import asyncio, sys\n"
-              "from workers import vllm_process\n"
-              "from workers.vllm_process import VllmProcess, WorkerConfig\n"
+              "from kvshuttle.workers import vllm_process\n"
+              "from kvshuttle.workers.vllm_process import VllmProcess, WorkerConfig\n"
               "vllm_process.vllm_command = lambda cfg: (['sh', '-c', 'echo from-vllm; echo err-vllm >&2'], {})\n"
               f"cfg = WorkerConfig(role='decode', model='/m', work_dir={str(tmp_path)!r}, vllm_log='-')\n"
               "async def main():\n"

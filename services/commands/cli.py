@@ -1,0 +1,72 @@
+"""`kvshuttle` command line: one subcommand per process kind, plus the local stack and its demo."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Sequence
+
+PKG = "kvshuttle.services"
+DEV = f"{PKG}.devtools"  # the local stack, demo and benches: not in the control-plane image
+
+# subcommand -> (module with main(argv), one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": (f"{DEV}.stack", "Start the whole local stack, run a 4-turn conversation, print the table, stop"),
+    "up": (f"{DEV}.stack", "Start the whole local stack and keep it running until Ctrl-C"),
+    "bench": (f"{DEV}.bench.multiturn", "Multi-turn benchmark: TTFT with pull vs recompute vs ideal, and the control "
+              "plane's own overhead (starts the local stack)"),
+    "registry": (f"{PKG}.registry.server", "Run the session registry (gRPC, etcd-backed)"),
+    "scheduler": (f"{PKG}.scheduler.server", "Run the transfer scheduler (gRPC)"),
+    "gateway": (f"{PKG}.gateway.server", "Run the gateway (OpenAI HTTP API, REST bridge, gRPC)"),
+    "worker": ("kvshuttle.workers.agent", "Run a vLLM prefill or decode worker and register it"),
+    "hash-key": (f"{PKG}.gateway.auth", "Print the gateway's API-keys-file entry for a key (read on stdin) or a new "
+                 "one"),
+    "make-model": ("kvshuttle.workers.model_builder", "Build the small offline test model into a directory"),
+    "bench-services": (f"{DEV}.bench.services_bench", "Microbenchmarks of the registry and scheduler (no vLLM)"),
+    "soak": (f"{DEV}.bench.soak", "Many concurrent sessions through the gateway for minutes: failed turns (must be 0), "
+             "turns/s and the services' memory over time (starts the local stack)"),
+    "bench-eviction": (f"{DEV}.bench.eviction_sim", "Decode-KV eviction policies compared in a simulation (the real "
+                       "choice code, no vLLM): value vs LRU"),
+    "bench-policies": (f"{DEV}.bench.policy_sweep", "Pull-vs-recompute policies compared: the cost model vs fixed "
+                       "thresholds, TTFT by history length"),
+    "smoke-test": (f"{PKG}.commands.smoke_test", "A short conversation through a running gateway (the Helm chart's "
+                   "`helm test`): every turn answers, the later ones report their KV decision"),
+    "health-check": (f"{PKG}.commands.health_check", "One grpc.health Check of a kvshuttle server, TLS included (exit "
+                     "0 only when SERVING): for Kubernetes exec probes"),
+    "traces": (f"{PKG}.commands.trace_view", "Receive OTLP/gRPC traces and print each turn's trace as a tree with "
+               "timings (no tracing backend needed)"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: kvshuttle <command> [options]   (kvshuttle <command> --help for its options)", "", "commands:"]
+    width = max(map(len, COMMANDS))
+    lines += [f"  {name:<{width}} {text}" for name, (_, text) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run a subcommand; returns its exit status (the commands that return one: worker, health-check, ...)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    name, rest = args[0], args[1:]
+    if name not in COMMANDS:
+        print(f"kvshuttle: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        raise SystemExit(2)
+    try:
+        module = importlib.import_module(COMMANDS[name][0])
+    except ModuleNotFoundError as exc:
+        if not (exc.name or "").startswith(DEV):
+            raise
+        print(f"kvshuttle: {name!r} is a development command ({DEV}), which this installation leaves out; "
+              "run it from the project's checkout or the worker image", file=sys.stderr)
+        return 2
+    if module.__name__ == f"{DEV}.stack":
+        return module.main(rest, command=name) or 0
+    return module.main(rest) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

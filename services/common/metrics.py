@@ -1,0 +1,484 @@
+"""Prometheus metrics of the kvshuttle services: every definition, and the small functions that record them.
+
+Metrics are defined once here, unregistered, in groups (``GROUPS``): each process's ``/metrics`` endpoint registers
+the groups it serves (:func:`registry_for`), so a gateway never shows a registry's gauges. ``CATALOGUE`` lists every
+metric (name, type, labels, help, component) for the README table and dashboard checks.
+
+Labels are bounded: decisions (pull, recompute), reason codes (:mod:`kvshuttle.control_plane.reasons`), token kinds, failure
+kinds, worker roles and states, gRPC methods that are registered on the server, etcd operation names, and the
+scheduler's configured policy names. Never a tenant, session or free text; a worker id only on the decode-KV
+gauges (one series per decode worker: bounded by the cluster's size).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from kvshuttle.control_plane import kv_eviction, reasons
+from kvshuttle.v1 import common_pb2
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    gc_collector,
+    platform_collector,
+    process_collector,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+# No *_created series: they double the series count and no dashboard needs them.
+disable_created_metrics()
+
+# -- buckets (seconds) ---------------------------------------------------------------------------------------------
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TURN_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+FAST_BUCKETS = (0.00025, 0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
+GRPC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+DECISIONS = ("pull", "recompute")
+TOKEN_KINDS = ("prompt", "pulled", "cached", "computed", "generated")
+FAILURE_KINDS = ("bad_request", "unavailable", "timeout", "cancelled", "internal")
+ROLES = ("prefill", "decode")
+WORKER_STATES = ("live", "unreachable", "unknown")
+
+# -- gateway ---------------------------------------------------------------------------------------------------
+TURNS = Counter("kvshuttle_turns", "Turns answered, by the KV decision they ran with and its reason code",
+                ["decision", "reason"], registry=None)
+TURN_TOKENS = Counter("kvshuttle_turn_tokens", "Tokens of answered turns: prompt = pulled (from D over NIXL) + "
+                      "cached (P's own prefix cache) + computed (by P); generated = answer tokens", ["kind"],
+                      registry=None)
+TTFT = Histogram("kvshuttle_ttft_seconds", "Time to the first answer token, from the request reaching the turn logic",
+                 ["decision", "policy"], buckets=TTFT_BUCKETS, registry=None)
+TURN_DURATION = Histogram("kvshuttle_turn_duration_seconds", "Answered turns, start to end (recording included)",
+                          ["decision"], buckets=TURN_BUCKETS, registry=None)
+TURN_FAILURES = Counter("kvshuttle_turn_failures", "Turns that ended without a full answer, by kind", ["kind"],
+                        registry=None)
+KV_PULLED_BYTES = Counter("kvshuttle_kv_pulled_bytes", "KV pulled from decode workers, estimated: pulled tokens x "
+                          "the model's KV bytes per token (config.json: 2 x layers x KV heads x head dim x dtype "
+                          "size); not counted when the config does not say. Exact bytes: vLLM's "
+                          "vllm:nixl_bytes_transferred on the prefill workers", registry=None)
+HTTP_REQUESTS = Counter("kvshuttle_http_requests", "HTTP requests answered by the gateway, by method, route "
+                        "template (`unmatched`: no route) and status code; refusals before the turn logic included "
+                        "(401, 413, malformed bodies)", ["method", "route", "code"], registry=None)
+WORKER_FAILURES = Counter("kvshuttle_worker_failures", "Workers that failed during a turn (the turn moved away from "
+                          "them, or failed when none was left)", ["role"], registry=None)
+
+# -- scheduler -------------------------------------------------------------------------------------------------
+PLANS = Counter("kvshuttle_plans", "PlanTurn answers, by policy, decision and reason code",
+                ["policy", "decision", "reason"], registry=None)
+KV_PULLS_LOST = Counter("kvshuttle_kv_pulls_lost", "Turns that found their session's KV freed by the scheduler's KV "
+                        "manager (they recompute), by why it was freed: idle, or pressure (room for a turn "
+                        "included)", ["reason"],
+                        registry=None)
+PLAN_SECONDS = Histogram("kvshuttle_plan_seconds", "PlanTurn's work in the scheduler (session read, prefix check, "
+                         "policy, workers, claim)", ["decision"], buckets=FAST_BUCKETS, registry=None)
+
+# -- registry (and the scheduler when it claims in etcd itself) ------------------------------------------------------
+ETCD_SECONDS = Histogram("kvshuttle_etcd_request_seconds", "etcd operations, retries included, by operation",
+                         ["op"], buckets=FAST_BUCKETS, registry=None)
+ETCD_ERRORS = Counter("kvshuttle_etcd_errors", "etcd operations that failed: unavailable (unreachable, no leader, "
+                      "timeout) or error (any other refusal)", ["op", "kind"], registry=None)
+LIVE_WORKERS = Gauge("kvshuttle_live_workers", "Registered workers (etcd, counted every census interval)", ["role"],
+                     registry=None)
+LIVE_SESSIONS = Gauge("kvshuttle_live_sessions", "Session records in etcd (counted every census interval)",
+                      registry=None)
+SESSIONS_DROPPED = Counter("kvshuttle_sessions_dropped", "Session records dropped because their decode worker "
+                           "departed (the janitor)", registry=None)
+
+# -- every gRPC server ---------------------------------------------------------------------------------------------
+GRPC_HANDLED = Counter("kvshuttle_grpc_server_handled", "gRPC calls completed, by service, method and status code",
+                       ["service", "method", "code"], registry=None)
+GRPC_SECONDS = Histogram("kvshuttle_grpc_server_handling_seconds", "gRPC call handling time (streams: their whole "
+                         "life)", ["service", "method"], buckets=GRPC_BUCKETS, registry=None)
+
+# Series that exist from the start (so rate() and increase() see their first event), where the values are known.
+for _code in reasons.PULL_CODES:
+    TURNS.labels("pull", _code)
+for _code in reasons.RECOMPUTE_CODES:
+    TURNS.labels("recompute", _code)
+for _kind in TOKEN_KINDS:
+    TURN_TOKENS.labels(_kind)
+for _kind in FAILURE_KINDS:
+    TURN_FAILURES.labels(_kind)
+for _reason in (kv_eviction.IDLE, kv_eviction.PRESSURE):
+    KV_PULLS_LOST.labels(_reason)
+for _role in ROLES:
+    WORKER_FAILURES.labels(_role)
+    LIVE_WORKERS.labels(_role)
+
+
+# -- recording ------------------------------------------------------------------------------------------------------
+
+def _decision(decision: str) -> str:
+    return decision if decision in DECISIONS else "recompute"
+
+
+def turn_answered(finished: Any, kv_bytes_per_token: int = 0) -> None:
+    """One answered turn (the gateway's ``Finished``: ``kv``, ``prompt_tokens``, ``output_ids``, ``timings``)."""
+    kv, timings = finished.kv, finished.timings
+    decision = _decision(kv.decision)
+    TURNS.labels(decision, reasons.known(kv.reason_code)).inc()
+    TTFT.labels(decision, kv.figures.policy if kv.figures is not None else "").observe(
+        timings.get("ttft_ms", 0.0) / 1000)
+    TURN_DURATION.labels(decision).observe(timings.get("total_ms", 0.0) / 1000)
+    prompt, pulled, computed = finished.prompt_tokens, kv.pulled_tokens, kv.computed_tokens
+    for kind, n in (("prompt", prompt), ("pulled", pulled), ("cached", max(0, prompt - pulled - computed)),
+                    ("computed", computed), ("generated", len(finished.output_ids))):
+        if n:
+            TURN_TOKENS.labels(kind).inc(n)
+    if pulled and kv_bytes_per_token:
+        KV_PULLED_BYTES.inc(pulled * kv_bytes_per_token)
+
+
+def failure_kind(exc: BaseException) -> str:
+    """The failure kind of an exception that ended a turn (TurnError's status, else cancelled or internal)."""
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+        return "cancelled"
+    status = getattr(exc, "http_status", None)
+    code = getattr(exc, "code", None)
+    if status is None:
+        return "internal"
+    if status == 504 or code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return "timeout"
+    if 400 <= status < 500:
+        return "bad_request"
+    return "unavailable" if status == 503 else "internal"
+
+
+def turn_failed(exc: BaseException) -> None:
+    TURN_FAILURES.labels(failure_kind(exc)).inc()
+
+
+def worker_failed(role: str) -> None:
+    WORKER_FAILURES.labels(role).inc()
+
+
+def plan_made(*, policy: str, decision: str, reason_code: str, seconds: float) -> None:
+    """One PlanTurn answer (the scheduler)."""
+    decision = _decision(decision)
+    PLANS.labels(policy, decision, reasons.known(reason_code)).inc()
+    PLAN_SECONDS.labels(decision).observe(seconds)
+
+
+def pull_lost(reason: str) -> None:
+    if reason in kv_eviction.REASONS:
+        KV_PULLS_LOST.labels(reason).inc()
+
+
+def etcd_op(op: str, seconds: float, error: str = "") -> None:
+    """One etcd operation (``op`` is one of the store's fixed operation names); ``error``: unavailable or error."""
+    op = op.replace(" ", "_").replace("-", "_")
+    ETCD_SECONDS.labels(op).observe(seconds)
+    if error:
+        ETCD_ERRORS.labels(op, error).inc()
+
+
+# -- state read at scrape time (collectors over the live objects of this process) ------------------------------------
+
+class _Tracked(Collector):
+    """Reads the tracked objects of this process at scrape time (in the event loop: the endpoints serve there)."""
+
+    def __init__(self, families: Callable[[], list], read: Callable[[list, Iterable[Any]], None]):
+        self._objects: weakref.WeakSet = weakref.WeakSet()
+        self._families, self._read = families, read
+
+    def track(self, obj: Any) -> None:
+        self._objects.add(obj)
+
+    def describe(self):
+        return self._families()
+
+    def collect(self):
+        families = self._families()
+        self._read(families, list(self._objects))
+        return families
+
+
+def _gateway_families() -> list:
+    return [CounterMetricFamily("kvshuttle_degraded_turns", "Turns served without the session store, by kind "
+                                "(as GET /health's degraded counts)", labels=["kind"]),
+            CounterMetricFamily("kvshuttle_kv_handles_released", "KV handles the gateway freed on their decode "
+                                "worker: a recomputed turn's unused one, a turn's that nothing records (no session "
+                                "id), an ended session's")]
+
+
+def _read_gateway(families: list, runners: Iterable[Any]) -> None:
+    degraded, released = families
+    totals: dict[str, int] = {}
+    freed = 0
+    for runner in runners:
+        for kind, n in runner.degraded.items():
+            totals[kind] = totals.get(kind, 0) + n
+        freed += runner.released_handles
+    for kind, n in sorted(totals.items()):
+        degraded.add_metric([kind], n)
+    released.add_metric([], freed)
+
+
+def _scheduler_families() -> list:
+    return [GaugeMetricFamily("kvshuttle_workers", "Workers the scheduler plans with, by role and state (live: its "
+                              "load polls answer; unreachable: they fail; unknown: not polled yet, or polling off)",
+                              labels=["role", "state"]),
+            CounterMetricFamily("kvshuttle_policy_judged_turns", "Reported turns that had an alternative, by policy",
+                                labels=["policy"]),
+            CounterMetricFamily("kvshuttle_policy_regret_turns", "Judged turns the alternative would have served "
+                                "faster (by the cost model), by policy", labels=["policy"]),
+            GaugeMetricFamily("kvshuttle_decode_kv_held_sessions", "Sessions whose unspent KV handle a decode worker "
+                              "holds between turns (the scheduler's KV manager, read every round), by decode worker",
+                              labels=["decode_worker"]),
+            GaugeMetricFamily("kvshuttle_decode_kv_held_tokens", "KV cache tokens (whole blocks) those handles take, "
+                              "by decode worker", labels=["decode_worker"]),
+            GaugeMetricFamily("kvshuttle_decode_kv_held_bytes", "KV bytes those handles take (tokens x the worker's "
+                              "KV bytes per token), by decode worker", labels=["decode_worker"]),
+            GaugeMetricFamily("kvshuttle_decode_kv_used_tokens", "KV cache tokens in use on a decode worker as its "
+                              "engine reports them (vLLM GetLoads; held handles, running and waiting requests)",
+                              labels=["decode_worker"]),
+            GaugeMetricFamily("kvshuttle_decode_kv_capacity_tokens", "KV cache capacity of a decode worker in tokens",
+                              labels=["decode_worker"]),
+            CounterMetricFamily("kvshuttle_kv_evictions", "Held KV handles the scheduler freed on decode workers, by "
+                                "reason: idle (past the idle limit), pressure (KV usage over the high-water mark or "
+                                "held KV over its budget), room (a turn needed the space)", labels=["reason"]),
+            CounterMetricFamily("kvshuttle_kv_evicted_tokens", "KV cache tokens freed by those evictions, by reason",
+                                labels=["reason"]),
+            CounterMetricFamily("kvshuttle_kv_eviction_failures", "Freeing reads that failed (the handle then ends "
+                                "with its decode worker's TTL)")]
+
+
+def _read_scheduler(families: list, services: Iterable[Any]) -> None:
+    workers, judged, regrets, *kv = families
+    _read_decode_kv(kv, services)
+    counts = {(role, state): 0 for role in ROLES for state in WORKER_STATES}
+    turns: dict[str, int] = {}
+    regretted: dict[str, int] = {}
+    for service in services:
+        for role_name, role in (("prefill", common_pb2.WORKER_ROLE_PREFILL), ("decode", common_pb2.WORKER_ROLE_DECODE)):
+            for w in service.workers.by_role(role):
+                healthy = service.loads.healthy(w.worker_id) if service.loads is not None else None
+                state = "unknown" if healthy is None else "live" if healthy else "unreachable"
+                counts[(role_name, state)] += 1
+        meter = service.planner.regret
+        for name in service.planner.policies:
+            turns[name] = turns.get(name, 0) + meter.turns.get(name, 0)
+            regretted[name] = regretted.get(name, 0) + meter.regrets.get(name, 0)
+    for (role, state), n in counts.items():
+        workers.add_metric([role, state], n)
+    for name in sorted(turns):
+        judged.add_metric([name], turns[name])
+        regrets.add_metric([name], regretted[name])
+
+
+def _read_decode_kv(families: list, services: Iterable[Any]) -> None:
+    """The decode-KV families from each service's KV manager (``.kv``, None when it manages none)."""
+    sessions, tokens, nbytes, used, capacity, evictions, evicted, failures = families
+    by_reason = dict.fromkeys(kv_eviction.REASONS, 0)
+    tokens_by_reason = dict.fromkeys(kv_eviction.REASONS, 0)
+    failed = 0
+    for service in services:
+        manager = getattr(service, "kv", None)
+        if manager is None:
+            continue
+        for worker_id, state in sorted(manager.decode.items()):
+            sessions.add_metric([worker_id], len(state.held))
+            tokens.add_metric([worker_id], state.held_tokens)
+            nbytes.add_metric([worker_id], sum(h.bytes for h in state.held))
+            usage = manager.usage(worker_id)
+            if usage is not None:
+                used.add_metric([worker_id], usage[0])
+                capacity.add_metric([worker_id], usage[1])
+            for reason, n in state.evictions.items():
+                by_reason[reason] = by_reason.get(reason, 0) + n
+            for reason, n in state.evicted_by_reason.items():
+                tokens_by_reason[reason] = tokens_by_reason.get(reason, 0) + n
+            failed += state.failures
+    for reason in sorted(by_reason):
+        evictions.add_metric([reason], by_reason[reason])
+        evicted.add_metric([reason], tokens_by_reason.get(reason, 0))
+    failures.add_metric([], failed)
+
+
+def _worker_families() -> list:
+    return [CounterMetricFamily("kvshuttle_worker_registrations", "Registrations of this worker with the registry "
+                                "(more than one: its lease was lost and it registered again)"),
+            GaugeMetricFamily("kvshuttle_worker_registered", "1 while this worker holds a lease, else 0")]
+
+
+def _read_worker(families: list, links: Iterable[Any]) -> None:
+    registrations, registered = families
+    links = list(links)
+    registrations.add_metric([], sum(link.registrations for link in links))
+    registered.add_metric([], float(any(link.registered.is_set() for link in links)))
+
+
+GATEWAY_STATE = _Tracked(_gateway_families, _read_gateway)
+SCHEDULER_STATE = _Tracked(_scheduler_families, _read_scheduler)
+WORKER_STATE = _Tracked(_worker_families, _read_worker)
+
+
+def track_gateway(runner: Any) -> None:
+    """Export ``runner.degraded`` and ``runner.released_handles`` (a TurnRunner) at scrape time."""
+    GATEWAY_STATE.track(runner)
+
+
+def track_scheduler(service: Any) -> None:
+    """Export the workers by state and the policies' regret of ``service`` (``.workers``, ``.loads``, ``.planner``)."""
+    SCHEDULER_STATE.track(service)
+
+
+def track_worker(link: Any) -> None:
+    """Export a worker agent's registrations (``.registrations``, ``.registered``)."""
+    WORKER_STATE.track(link)
+
+
+# -- groups and endpoints ------------------------------------------------------------------------------------------
+
+GROUPS: dict[str, tuple[Collector, ...]] = {
+    "gateway": (TURNS, TURN_TOKENS, KV_PULLED_BYTES, TTFT, TURN_DURATION, TURN_FAILURES, HTTP_REQUESTS,
+                WORKER_FAILURES, GATEWAY_STATE),
+    "scheduler": (PLANS, PLAN_SECONDS, KV_PULLS_LOST, SCHEDULER_STATE),
+    "registry": (LIVE_WORKERS, LIVE_SESSIONS, SESSIONS_DROPPED),
+    "etcd": (ETCD_SECONDS, ETCD_ERRORS),
+    "grpc": (GRPC_HANDLED, GRPC_SECONDS),
+    "worker": (WORKER_STATE,),
+}
+# What each process's endpoint serves (plus the process's own CPU, memory and GC figures).
+SERVICES: dict[str, tuple[str, ...]] = {
+    "gateway": ("gateway", "grpc"),
+    "scheduler": ("scheduler", "etcd", "grpc"),  # etcd: when it reads and claims sessions in etcd itself
+    "registry": ("registry", "etcd", "grpc"),
+    "worker": ("worker",),  # plus vLLM's own metrics (see workers/agent.py)
+}
+
+
+def registry_for(service: str, extra: Iterable[Collector] = ()) -> CollectorRegistry:
+    """A registry with the groups ``service`` serves, this process's standard collectors and ``extra``."""
+    registry = CollectorRegistry(auto_describe=True)
+    for group in SERVICES[service]:
+        for collector in GROUPS[group]:
+            registry.register(collector)
+    process_collector.ProcessCollector(registry=registry)
+    platform_collector.PlatformCollector(registry=registry)
+    gc_collector.GCCollector(registry=registry)
+    for collector in extra:
+        registry.register(collector)
+    return registry
+
+
+@dataclass(frozen=True)
+class MetricInfo:
+    name: str  # as exposed (counters with their _total)
+    type: str  # counter, gauge, histogram
+    labels: tuple[str, ...]
+    help: str
+    group: str
+
+
+def _catalogue() -> tuple[MetricInfo, ...]:
+    out = []
+    for group, collectors in GROUPS.items():
+        for collector in collectors:
+            for family in collector.describe():
+                labels = getattr(collector, "_labelnames", None) or getattr(family, "_labelnames", ())
+                name = f"{family.name}_total" if family.type == "counter" else family.name
+                out.append(MetricInfo(name, family.type, tuple(labels), family.documentation, group))
+    return tuple(out)
+
+
+CATALOGUE = _catalogue()
+
+
+# -- gRPC server interceptor -----------------------------------------------------------------------------------------
+
+class GrpcMetricsInterceptor(grpc.aio.ServerInterceptor):
+    """Counts every completed call by status code and times it (kvshuttle_grpc_server_*).
+
+    Only methods registered on the server are counted (a client cannot create label values). The instrumented
+    handler is built once per method and reused (so this interceptor goes last, next to the registered handlers);
+    per call the cost is two clock reads, one histogram observation and one counter increment.
+    """
+
+    def __init__(self) -> None:
+        self._handlers: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        cached = self._handlers.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = _instrumented(handler, method)
+        self._handlers[method] = (handler, wrapped)
+        return wrapped
+
+
+def _instrumented(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    service, _, name = (method.decode() if isinstance(method, bytes) else method).lstrip("/").rpartition("/")
+    seconds = GRPC_SECONDS.labels(service, name)
+    handled: dict[Any, Any] = {}
+
+    def done(context, exc: BaseException | None, started: float) -> None:
+        seconds.observe(time.perf_counter() - started)
+        code = _status(context, exc)
+        child = handled.get(code)
+        if child is None:
+            child = handled[code] = GRPC_HANDLED.labels(service, name, code.name)
+        child.inc()
+
+    def wrap(inner):
+        if inspect.isasyncgenfunction(inner):
+            async def stream(request, context):
+                started, exc = time.perf_counter(), None
+                try:
+                    async for item in inner(request, context):
+                        yield item
+                except BaseException as e:
+                    exc = e
+                    raise
+                finally:
+                    done(context, exc, started)
+            return stream
+        if inspect.iscoroutinefunction(inner):
+            async def call(request, context):
+                started = time.perf_counter()
+                try:
+                    response = await inner(request, context)
+                except BaseException as exc:
+                    done(context, exc, started)
+                    raise
+                done(context, None, started)
+                return response
+            return call
+        return inner  # a synchronous handler: left as it is
+
+    for kind in ("unary_unary", "unary_stream", "stream_unary", "stream_stream"):
+        inner = getattr(handler, kind)
+        if inner is not None:
+            return handler._replace(**{kind: wrap(inner)})
+    return handler
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def _status(context, exc: BaseException | None) -> grpc.StatusCode:
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+        return grpc.StatusCode.CANCELLED
+    if exc is not None and not isinstance(exc, grpc.aio.AbortError):
+        return grpc.StatusCode.UNKNOWN
+    code = context.code()
+    if code is None:
+        return grpc.StatusCode.OK if exc is None else grpc.StatusCode.UNKNOWN
+    if isinstance(code, grpc.StatusCode):
+        return code
+    return _CODES.get(int(code), grpc.StatusCode.UNKNOWN)

@@ -1,0 +1,286 @@
+"""`kvshuttle bench`: multi-turn agentic conversations through the gateway, pull vs recompute vs ideal, in one run.
+
+By default it starts the local stack (etcd, registry, scheduler, gateway, one P and one D) plus one colocated vLLM
+worker for the ideal mode, replays the conversations in every mode, interleaved turn by turn (the mode order rotates
+every turn) so machine noise hits all modes alike, and stops everything. ``--gateway-url`` drives a running stack
+instead (``--ideal-address`` then names a colocated worker for the ideal mode).
+
+The modes (see ``services/devtools/bench/lanes.py``): ``pull`` and ``recompute`` go through the gateway's OpenAI API (the
+latter with pulls disabled per request); ``ideal`` runs the same conversation on one worker with prefix caching;
+``direct`` is a minimal P→D client without registry or scheduler, the baseline for the control plane's own cost.
+
+P's own prefix cache: with ``--prefill-cache cold`` (default) the prefill workers run without prefix caching, as a
+busy prefill fleet effectively does: a session's history is never in P's cache, so a turn either pulls it or
+recomputes it. ``warm`` leaves vLLM's default (P keeps what it computed; pulls then fetch only what P lacks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import shutil
+import signal
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+from kvshuttle.services.common.config import load, require, setting
+from kvshuttle.services.devtools.bench import lanes as lanes_mod
+from kvshuttle.services.devtools.bench.overhead import DIRECT, control_plane_overhead, format_overhead
+from kvshuttle.services.devtools.bench.report import build_report, format_table, write_outputs
+from kvshuttle.services.devtools.bench.samples import IDEAL, PULL, RECOMPUTE, TurnSample
+from kvshuttle.services.devtools.bench.workload import Conversation, agentic_conversations, load_conversations
+from kvshuttle.services.devtools.stack import Stack, StackConfig
+
+log = logging.getLogger("kvshuttle.bench")
+ALL_MODES = (PULL, RECOMPUTE, IDEAL, DIRECT)
+NO_PREFIX_CACHING = "--no-enable-prefix-caching"
+
+
+@dataclasses.dataclass
+class BenchConfig(StackConfig):
+    """The multi-turn benchmark; the local stack's settings apply when it starts the stack itself."""
+
+    ENV_PREFIX = "KVSHUTTLE_BENCH_"
+    gateway_url: str = setting("", "Drive this running gateway (e.g. http://10.0.0.5:8000) instead of starting the "
+                                   "local stack")
+    ideal_address: str = setting("", "With --gateway-url: gRPC address of a colocated vLLM worker (no KV connector) "
+                                     "for the ideal mode; empty: no ideal mode")
+    modes: str = setting(",".join(ALL_MODES), "Modes to measure, comma-separated: pull, recompute, ideal, direct")
+    conversations: int = setting(4, "Agentic conversations to generate")
+    concurrency: int = setting(1, "Conversations in flight at once (each runs its modes turn by turn)")
+    seed: int = setting(0, "Workload seed")
+    max_history_tokens: int = setting(6000, "Grow each conversation up to about this many tokens (GPU: 24000+)")
+    system_tokens: int = setting(1000, "System prompt size (tokens, estimated)")
+    turn_tokens_min: int = setting(150, "Smallest tool result per turn (tokens, estimated)")
+    turn_tokens_max: int = setting(600, "Largest tool result per turn (tokens, estimated)")
+    max_turns: int = setting(64, "At most this many turns per conversation")
+    max_tokens: int = setting(32, "Tokens generated per turn (conversation files: at most this)")
+    conversation_file: str = setting("", "Replay these conversations (OpenAI messages JSON, vLLM multi-turn format) "
+                                         "instead of generating them")
+    buckets: str = setting("0,1000,2000,3000,4500,6000", "History-length bucket edges in tokens")
+    headline_min_history: int = setting(3000, "The headline ratios cover turns with at least this much history")
+    prefill_cache: str = setting("cold", "P's own prefix cache: cold (P runs without one: every turn pulls or "
+                                         "recomputes the history) or warm (vLLM's default)", choices=("cold", "warm"))
+    ideal_cpus: str = setting("", "CPUs for the ideal worker (default: the first prefill worker's)")
+    out_dir: str = setting("var/bench", "Results go to <out-dir>/<timestamp>/")
+    progress: bool = setting(True, "Show a progress bar")
+    turn_timeout_s: float = setting(600.0, "Deadline of one turn")
+    # Stack settings with other defaults for a benchmark run.
+    work_dir: str = setting("var/bench/stack", "Logs and worker caches of the stack the benchmark starts")
+    http_port: int = setting(0, "Gateway HTTP port of the started stack (0: any free port)")
+    grpc_port: int = setting(0, "Gateway gRPC port of the started stack (0: any free port)")
+    decoder_kv_blocks_ttl: int = setting(120, "Seconds a decode worker keeps a finished turn's blocks (turns that "
+                                              "are never pulled, e.g. the recompute mode's, hold D's memory that long)")
+
+    @property
+    def mode_list(self) -> list[str]:
+        return [m.strip() for m in self.modes.split(",") if m.strip()]
+
+    @property
+    def bucket_edges(self) -> list[int]:
+        return [int(x) for x in self.buckets.split(",") if x.strip()]
+
+    def validate(self) -> None:
+        super().validate()
+        modes = self.mode_list
+        require(bool(modes) and all(m in ALL_MODES for m in modes) and len(set(modes)) == len(modes),
+                f"--modes must be distinct names among {', '.join(ALL_MODES)}")
+        require(self.conversations >= 1 and self.concurrency >= 1, "--conversations and --concurrency must be >= 1")
+        require(0 < self.turn_tokens_min <= self.turn_tokens_max, "need 0 < --turn-tokens-min <= --turn-tokens-max")
+        require(self.max_tokens >= 1 and self.max_turns >= 1, "--max-tokens and --max-turns must be >= 1")
+        try:
+            edges = self.bucket_edges
+        except ValueError:
+            edges = []
+        require(bool(edges) and edges == sorted(set(edges)), "--buckets must be increasing integers, e.g. 0,1000,2000")
+        require(not self.conversation_file or Path(self.conversation_file).is_file(),
+                f"--conversation-file {self.conversation_file!r} does not exist")
+
+
+def workload(cfg: BenchConfig) -> list[Conversation]:
+    if cfg.conversation_file:
+        return load_conversations(cfg.conversation_file, max_tokens=cfg.max_tokens, max_turns=cfg.max_turns,
+                                  limit=cfg.conversations)
+    return agentic_conversations(count=cfg.conversations, seed=cfg.seed, max_history_tokens=cfg.max_history_tokens,
+                                 system_tokens=cfg.system_tokens,
+                                 turn_tokens=(cfg.turn_tokens_min, cfg.turn_tokens_max), max_tokens=cfg.max_tokens,
+                                 max_turns=cfg.max_turns)
+
+
+@dataclasses.dataclass
+class Outcome:
+    samples: list[TurnSample]
+    timings: dict[tuple[str, int], dict[str, float]]  # the gateway's timers of each pull turn
+    failures: list[str]
+
+
+async def drive(conversations: list[Conversation], make_lanes, modes: list[str], *, concurrency: int,
+                progress: bool, turn_timeout_s: float) -> Outcome:
+    """Replay every conversation in every mode: turn k in all modes (order rotating), then turn k+1."""
+    from tqdm import tqdm
+
+    out = Outcome([], {}, [])
+    bar = tqdm(total=sum(len(c.user_turns) for c in conversations) * len(modes), unit="turn", disable=not progress,
+               desc="bench", dynamic_ncols=True)
+    gate = asyncio.Semaphore(concurrency)
+
+    async def replay(index: int, conv: Conversation) -> None:
+        async with gate:
+            lanes = make_lanes(conv)
+            try:
+                for t, (user, max_tokens) in enumerate(zip(conv.user_turns, conv.max_tokens, strict=True)):
+                    shift = (t + index) % len(modes)
+                    for mode in modes[shift:] + modes[:shift]:
+                        sample = await asyncio.wait_for(lanes[mode].turn(user, max_tokens), turn_timeout_s)
+                        out.samples.append(sample)
+                        if mode == PULL:
+                            out.timings[(conv.id, sample.turn)] = lanes[mode].last_timings
+                        bar.update(1)
+                        bar.set_postfix_str(f"{mode} {sample.prompt_tokens} tok {sample.ttft_ms:.0f} ms", refresh=False)
+            except Exception as exc:  # one conversation's failure is reported, the others go on
+                log.error("conversation %s failed: %s: %s", conv.id, type(exc).__name__, exc)
+                out.failures.append(f"{conv.id}: {type(exc).__name__}: {exc}")
+            finally:
+                for lane in lanes.values():
+                    try:
+                        await lane.close()
+                    except Exception as exc:  # cleanup only
+                        log.debug("closing a lane: %s", exc)
+
+    try:
+        await asyncio.gather(*(replay(i, c) for i, c in enumerate(conversations)))
+    finally:
+        bar.close()
+    return out
+
+
+async def _workers(client: httpx.AsyncClient) -> tuple[dict, dict]:
+    resp = await client.get("/v1/workers")
+    resp.raise_for_status()
+    workers = resp.json().get("workers", [])
+    prefill = [w for w in workers if w.get("role") == "WORKER_ROLE_PREFILL"]
+    decode = [w for w in workers if w.get("role") == "WORKER_ROLE_DECODE"]
+    if not prefill or not decode:
+        raise RuntimeError(f"the gateway lists no prefill or no decode worker: {workers}")
+    return prefill[0], decode[0]
+
+
+async def run_bench(cfg: BenchConfig) -> int:
+    from kvshuttle.services.devtools.bench.ideal_worker import IdealWorker
+    from kvshuttle.services.engine.client import EngineClient
+    from kvshuttle.services.gateway.tokenizer import GatewayTokenizer
+
+    modes = cfg.mode_list
+    conversations = await asyncio.to_thread(workload, cfg)  # reads files
+    run_id = uuid.uuid4().hex[:6]
+    out_dir = Path(cfg.out_dir) / time.strftime("%Y%m%d-%H%M%S")
+    started = time.time()
+    if cfg.prefill_cache == "cold" and NO_PREFIX_CACHING not in cfg.prefill_extra_args:
+        cfg.prefill_extra_args = f"{cfg.prefill_extra_args} {NO_PREFIX_CACHING}".strip()
+    stack = None if cfg.gateway_url else Stack(cfg)
+    ideal = None
+    engines: list[EngineClient] = []
+    counters_before: dict[str, float] = {}
+    try:
+        jobs = []
+        if stack is not None:
+            await stack.ensure_model()
+            jobs.append(stack.start())
+        if IDEAL in modes and not cfg.ideal_address:
+            if stack is None:
+                raise SystemExit("--modes includes ideal with --gateway-url: give --ideal-address too")
+            ideal = IdealWorker(cfg, Path(cfg.work_dir).resolve() / "workers" / "ideal")
+            jobs.append(ideal.start(cfg.startup_timeout_s))
+        await asyncio.gather(*jobs)
+        base_url = stack.base_url if stack is not None else cfg.gateway_url.rstrip("/")
+        model_dir = stack.model_dir if stack is not None else Path(cfg.model_dir)
+        tokenizer = await asyncio.to_thread(GatewayTokenizer, model_dir)
+        async with httpx.AsyncClient(base_url=base_url, timeout=cfg.turn_timeout_s,
+                                     limits=httpx.Limits(max_connections=4 * cfg.concurrency + 4)) as client:
+            p_info, d_info = await _workers(client)
+            p_engine, d_engine = EngineClient(p_info["grpcAddress"]), EngineClient(d_info["grpcAddress"])
+            ideal_engine = EngineClient(ideal.address if ideal else cfg.ideal_address) if IDEAL in modes else None
+            engines = [e for e in (p_engine, d_engine, ideal_engine) if e is not None]
+            block_size = (await d_engine.server_info()).block_size
+
+            def make_lanes(conv: Conversation) -> dict:
+                made = {}
+                for mode in modes:
+                    if mode in (PULL, RECOMPUTE):
+                        made[mode] = lanes_mod.GatewayLane(client, mode, conv.id, conv.system, run_id)
+                    elif mode == IDEAL:
+                        made[mode] = lanes_mod.IdealLane(ideal_engine, tokenizer, conv.id, conv.system)
+                    else:
+                        made[mode] = lanes_mod.DirectLane(p_engine, d_engine, block_size, tokenizer, conv.id,
+                                                          conv.system)
+                return made
+
+            if stack is not None:
+                counters_before = await asyncio.to_thread(stack.prefill_prompt_tokens_by_source)
+            print(f"kvshuttle bench: {len(conversations)} conversations, "
+                  f"{sum(len(c.user_turns) for c in conversations)} turns in all, each in {', '.join(modes)}; "
+                  f"concurrency {cfg.concurrency}; gateway {base_url}", flush=True)
+            outcome = await drive(conversations, make_lanes, modes, concurrency=cfg.concurrency,
+                                  progress=cfg.progress, turn_timeout_s=cfg.turn_timeout_s)
+            counters = {}
+            if stack is not None:
+                after = await asyncio.to_thread(stack.prefill_prompt_tokens_by_source)
+                counters = {k: after.get(k, 0.0) - counters_before.get(k, 0.0) for k in after}
+    finally:
+        for engine in engines:
+            await engine.close()
+        if ideal is not None:
+            await ideal.stop()
+        if stack is not None:
+            await stack.stop()
+
+    meta = {
+        "title": f"kvshuttle bench, P cache {cfg.prefill_cache}",
+        "run_id": run_id, "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
+        "wall_s": round(time.time() - started, 1), "modes": modes, "conversations": len(conversations),
+        "concurrency": cfg.concurrency, "seed": cfg.seed, "workload": cfg.conversation_file or "agentic",
+        "max_history_tokens": cfg.max_history_tokens, "max_tokens": cfg.max_tokens,
+        "prefill_cache": cfg.prefill_cache, "model": str(cfg.model_dir), "dtype": cfg.dtype,
+        "machine": {"cpus": os.cpu_count(), "platform": os.uname().sysname + " " + os.uname().machine},
+        "headline_min_history": cfg.headline_min_history, "failures": outcome.failures,
+    }
+    report = build_report(outcome.samples, buckets=cfg.bucket_edges, meta=meta)
+    if PULL in modes and DIRECT in modes:
+        report["control_plane_overhead"] = control_plane_overhead(outcome.samples, outcome.timings)
+    pulled_reported = sum(s.pulled_tokens for s in outcome.samples if s.mode in (PULL, DIRECT))
+    report["prefill_worker_counters"] = {"delta_by_source": counters, "pulled_tokens_reported": pulled_reported}
+    paths = write_outputs(report, outcome.samples, out_dir)
+
+    print()
+    print(format_table(report))
+    if "control_plane_overhead" in report:
+        print()
+        print(format_overhead(report["control_plane_overhead"]))
+    if counters:
+        print(f"\nP's own counters over the run: {counters.get('external_kv_transfer', 0):.0f} tokens pulled over "
+              f"NIXL (lanes reported {pulled_reported}), {counters.get('local_compute', 0):.0f} computed, "
+              f"{counters.get('local_cache_hit', 0):.0f} from P's prefix cache")
+    print(f"\nresults: {', '.join(str(p) for p in paths.values())}")
+    if outcome.failures:
+        print(f"{len(outcome.failures)} conversation(s) failed:\n  " + "\n  ".join(outcome.failures))
+        return 1
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    cfg = load(BenchConfig, argv, prog="kvshuttle bench")
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not cfg.gateway_url and shutil.which("etcd") is None and not os.environ.get("KVSHUTTLE_ETCD_BIN"):
+        raise SystemExit("etcd is not installed: run `make install` (installs Debian's etcd-server)")
+
+    async def run() -> int:
+        task = asyncio.current_task()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)  # stop the stack, then exit
+        return await run_bench(cfg)
+
+    raise SystemExit(asyncio.run(run()))

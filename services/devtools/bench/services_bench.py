@@ -1,0 +1,713 @@
+"""`kvshuttle bench-services`: microbenchmarks of the control-plane services, without vLLM.
+
+What runs: a real etcd (data on /dev/shm), the session registry and the transfer scheduler as separate processes on
+loopback (``python -m kvshuttle.services.commands registry|scheduler``, the way ``kvshuttle up`` starts them; logs in
+``<work dir>/logs``). A fake prefill and a fake decode worker are registered through ``RegisterWorker`` and kept
+alive with ``KeepAlive`` for the whole run; nothing listens at their addresses, nothing needs to: the services only
+ever look at the records (the scheduler runs without load polling, ``--load-poll-interval-s 0``).
+
+What is measured, per operation and per concurrency level:
+
+``PlanTurn recompute``
+    ``TransferScheduler.PlanTurn`` for a session that has no record: the scheduler reads it (none there) and
+    answers RECOMPUTE.
+``PlanTurn pull``
+    ``PlanTurn`` for a session recorded just before (``RecordTurn`` with ``history_tokens`` ids, untimed): the
+    scheduler reads the record, checks the prompt against its block hash chain, claims the handle (an etcd
+    transaction at the record's revision) and answers PULL. Every timed plan is a verified pull with a claim; only
+    ``PlanTurn`` is timed.
+``PlanTurn pull+snapshot``
+    The same, the way the gateway plans: with the record it has just read (``session_snapshot``, read untimed), so
+    the scheduler skips its own read; it still claims at the snapshot's revision and re-checks the claimed record.
+``PlanTurn disable_pull``
+    ``PlanTurn`` with ``disable_pull``: the scheduler picks workers and answers RECOMPUTE without reading the
+    session, i.e. the scheduler's own cost plus one gRPC hop.
+``RecordTurn``
+    ``SessionRegistry.RecordTurn`` with ``history_tokens`` token ids (and ~4 characters of text per token, as the
+    gateway records): each client re-records its own conversation, i.e. the usual turn 2+ path (read the previous
+    record, look up the decode worker, grant a lease, compare-and-put, revoke the old lease).
+``ClaimSession``
+    ``SessionRegistry.ClaimSession`` on a freshly recorded session (recorded untimed); only the claim is timed.
+``GetSession``
+    ``SessionRegistry.GetSession`` of recorded sessions (each answer carries the ``history_tokens`` ids).
+
+The scheduler reads records and claims handles in etcd itself (``--claims etcd``, with the registry's store code,
+as ``kvshuttle up`` runs it) or through the registry's ``GetSession``/``ClaimSession`` (``--claims registry``).
+
+Prompts are ``history_tokens`` recorded ids followed by ``new_tokens`` new ones; the decode worker's handle covers
+all recorded ids but the last (vLLM's ``remote_num_tokens``) in ``block_size``-token blocks, so the registry hashes
+``history_tokens / block_size`` blocks per record and the scheduler as many per plan.
+
+The client model: one client process with one event loop, like the gateway (the registry's and scheduler's real
+caller), with ``concurrency`` coroutines each sending one request at a time (closed loop, no think time). By default
+every coroutine shares one grpc.aio channel per service, exactly as one gateway does; ``--channels N`` spreads them
+round-robin over N channels (N gateways' worth of HTTP/2 connections, still from one process). The client is part of
+the measurement: on a small machine the client, etcd and both services share the cores, which is why every row also
+shows the CPU time each process spent per operation (``cpu ms/op``: client, registry, scheduler, etcd).
+
+Each (operation, concurrency) cell runs ``requests_per_level`` timed requests (at least one per coroutine), split
+evenly among the coroutines, after ``warmup_requests`` untimed ones per operation. ops/s is successful requests
+divided by the wall time from the first request to the last answer; latencies are per request, client side.
+A request counts as an error when the RPC fails or the answer is not the expected one (e.g. a plan that should pull
+and does not). Output: a table on stdout and ``<out>/services.json``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import math
+import os
+import platform
+import random
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from kvshuttle.services.common.config import load, require, setting
+from kvshuttle.services.common.grpc_server import client_channel
+from kvshuttle.services.common.processes import ChildProcess
+from kvshuttle.services.devtools.bench.stats import percentile
+from kvshuttle.services.devtools.etcd_process import ETCD_BIN, EtcdProcess, free_port
+from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+
+log = logging.getLogger("kvshuttle.bench.services")
+REPO = Path(__file__).resolve().parents[2]
+
+PLAN_RECOMPUTE = "plan_recompute"
+PLAN_PULL = "plan_pull"
+PLAN_PULL_SNAPSHOT = "plan_pull_snapshot"
+PLAN_DISABLE_PULL = "plan_disable_pull"
+RECORD_TURN = "record_turn"
+CLAIM_SESSION = "claim_session"
+GET_SESSION = "get_session"
+OPERATIONS = (PLAN_RECOMPUTE, PLAN_PULL, PLAN_PULL_SNAPSHOT, PLAN_DISABLE_PULL, RECORD_TURN, CLAIM_SESSION,
+              GET_SESSION)
+LABELS = {
+    PLAN_RECOMPUTE: "PlanTurn recompute", PLAN_PULL: "PlanTurn pull", PLAN_PULL_SNAPSHOT: "PlanTurn pull+snapshot",
+    PLAN_DISABLE_PULL: "PlanTurn disable_pull",
+    RECORD_TURN: "RecordTurn", CLAIM_SESSION: "ClaimSession", GET_SESSION: "GetSession",
+}
+PROCESSES = ("client", "registry", "scheduler", "etcd")
+
+VOCAB = (100, 50_000)  # token ids are drawn from this range (a typical BPE vocabulary)
+TEXT_CHARS_PER_TOKEN = 4  # the recorded text: about this many characters per token, as English BPE gives
+WORKER_LEASE_TTL_S = 10
+DECODE_KV_TTL_S = 3600  # the fake decode worker keeps KV long enough that no handle expires during the run
+SETUP_CONCURRENCY = 16  # untimed recording of the sessions a cell needs
+
+
+@dataclasses.dataclass
+class ServicesBenchConfig:
+    """Microbenchmarks of the session registry and transfer scheduler (real etcd and processes, no vLLM)."""
+
+    ENV_PREFIX = "KVSHUTTLE_BENCH_SERVICES_"
+    concurrency: str = setting("1,4,16,64", "Concurrency levels (concurrent client coroutines), comma-separated")
+    requests_per_level: int = setting(400, "Timed requests per operation and concurrency level (raised to the "
+                                           "concurrency when lower)")
+    warmup_requests: int = setting(20, "Untimed requests per operation before its first level")
+    operations: str = setting(",".join(OPERATIONS), f"Operations to measure, comma-separated, among "
+                                                    f"{', '.join(OPERATIONS)}")
+    history_tokens: int = setting(4096, "Token ids per recorded turn (the conversation so far)")
+    new_tokens: int = setting(64, "Tokens a PlanTurn prompt adds after the recorded history")
+    block_size: int = setting(16, "The fake decode worker's KV block size (tokens per hashed block)")
+    channels: int = setting(1, "gRPC channels per service that the client coroutines share round-robin "
+                               "(1: one connection, like one gateway)")
+    claims: str = setting("etcd", "Where the scheduler reads session records and claims handles: etcd (directly, "
+                                  "as `kvshuttle up` runs it) or registry (through the registry's gRPC API)",
+                          choices=("etcd", "registry"))
+    rpc_timeout_s: float = setting(10.0, "Deadline of each benchmarked RPC")
+    startup_timeout_s: float = setting(60.0, "Seconds to wait for etcd, the registry and the scheduler")
+    seed: int = setting(0, "Seed of the random token ids")
+    out: str = setting("", "Output directory for services.json (default var/bench/services-<timestamp>)")
+    work_dir: str = setting("", "Directory for the services' logs (default <out>/work)")
+    log_level: str = setting("INFO", "Log level (also passed to the registry and scheduler)",
+                             env="KVSHUTTLE_LOG_LEVEL")
+
+    def levels(self) -> list[int]:
+        return [int(x) for x in self.concurrency.split(",") if x.strip()]
+
+    def operation_list(self) -> list[str]:
+        return [x.strip() for x in self.operations.split(",") if x.strip()]
+
+    def validate(self) -> None:
+        try:
+            levels = self.levels()
+        except ValueError:
+            levels = []
+        require(bool(levels) and all(c >= 1 for c in levels),
+                "--concurrency must be a comma-separated list of integers >= 1, e.g. 1,4,16,64")
+        ops = self.operation_list()
+        unknown = [op for op in ops if op not in OPERATIONS]
+        require(bool(ops) and not unknown, f"--operations: unknown {unknown}; choose among {', '.join(OPERATIONS)}")
+        require(self.requests_per_level >= 1, "--requests-per-level must be >= 1")
+        require(self.warmup_requests >= 0, "--warmup-requests must be >= 0")
+        require(self.block_size >= 1, "--block-size must be >= 1")
+        require(self.history_tokens >= 2 * self.block_size + 1 and self.history_tokens >= 32,
+                "--history-tokens must be >= 32 and cover at least two blocks (a pull needs reusable blocks)")
+        require(self.new_tokens >= 1, "--new-tokens must be >= 1")
+        require(self.channels >= 1, "--channels must be >= 1")
+        require(self.rpc_timeout_s > 0 and self.startup_timeout_s > 0, "timeouts must be > 0")
+
+
+def _reraise_if_cancelling() -> None:
+    """Call in an ``except grpc.aio.AioRpcError`` block: re-raises a cancellation of the current task.
+
+    grpc.aio can turn a cancellation that lands just as the answer arrives into an AioRpcError (even one with status
+    OK) instead of CancelledError; a loop that counts RPC errors and goes on would then swallow Ctrl-C.
+    """
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
+# -- the fake workers ----------------------------------------------------------------------------------------------
+
+def fake_worker(worker_id: str, role: int, port: int, block_size: int) -> common_pb2.Worker:
+    """A worker record as a worker agent registers it; nothing listens at its addresses."""
+    return common_pb2.Worker(worker_id=worker_id, role=role, engine_id=f"bench-engine-{worker_id}",
+                             grpc_address=f"127.0.0.1:{port}", nixl_host="127.0.0.1", nixl_port=port + 1,
+                             block_size=block_size, kv_blocks_ttl_s=DECODE_KV_TTL_S, model="bench")
+
+
+def handle_for(decode: common_pb2.Worker, covered: int) -> str:
+    """The decode worker's kv_transfer_params after a turn, covering ``covered`` tokens (as vLLM returns them)."""
+    blocks = -(-covered // decode.block_size)
+    return json.dumps({"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": decode.engine_id,
+                       "remote_host": decode.nixl_host, "remote_port": decode.nixl_port,
+                       "remote_num_tokens": covered, "remote_block_ids": [list(range(1000, 1000 + blocks))],
+                       "tp_size": 1})
+
+
+class FakeWorkers:
+    """One prefill and one decode worker, registered, with their leases kept alive until ``stop()``."""
+
+    def __init__(self, registry: registry_pb2_grpc.SessionRegistryStub, block_size: int):
+        self.registry = registry
+        self.prefill = fake_worker("bench-p0", common_pb2.WORKER_ROLE_PREFILL, 7000, block_size)
+        self.decode = fake_worker("bench-d0", common_pb2.WORKER_ROLE_DECODE, 7100, block_size)
+        self.leases: dict[str, int] = {}
+        self._task: asyncio.Task | None = None
+        self.keepalive_failures = 0
+
+    async def _register(self, worker: common_pb2.Worker) -> None:
+        resp = await self.registry.RegisterWorker(
+            registry_pb2.RegisterWorkerRequest(worker=worker, lease_ttl_s=WORKER_LEASE_TTL_S), timeout=10.0)
+        self.leases[worker.worker_id] = resp.lease_id
+
+    async def start(self) -> None:
+        for worker in (self.prefill, self.decode):
+            await self._register(worker)
+        self._task = asyncio.create_task(self._keep_alive(), name="bench-keepalive")
+
+    async def _keep_alive(self) -> None:
+        while True:
+            await asyncio.sleep(WORKER_LEASE_TTL_S / 3)
+            for worker in (self.prefill, self.decode):
+                try:
+                    await self.registry.KeepAlive(registry_pb2.KeepAliveRequest(
+                        worker_id=worker.worker_id, lease_id=self.leases[worker.worker_id]), timeout=5.0)
+                except grpc.aio.AioRpcError as exc:
+                    _reraise_if_cancelling()
+                    self.keepalive_failures += 1
+                    log.warning("KeepAlive of %s failed (%s); registering again", worker.worker_id, exc.code().name)
+                    try:
+                        await self._register(worker)
+                    except grpc.aio.AioRpcError as again:
+                        _reraise_if_cancelling()
+                        log.warning("re-registering %s failed (%s)", worker.worker_id, again.code().name)
+
+    async def stop(self) -> None:
+        """Stop the keep-alives (the records go with the benchmark's etcd)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+
+# -- the services under test -----------------------------------------------------------------------------------
+
+def _proc_cpu_seconds(pid: int | None) -> float:
+    """user+system CPU seconds of a process (all its threads) from /proc; NaN when it cannot be read."""
+    if pid is None:
+        return math.nan
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return math.nan
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14 and 15)
+
+
+class Services:
+    """etcd, then the registry and the scheduler as child processes on free loopback ports."""
+
+    def __init__(self, work: Path, log_level: str, startup_timeout_s: float, claims: str = "etcd"):
+        self.logs = work / "logs"
+        self.claims = claims
+        self.log_level = log_level
+        self.startup_timeout_s = startup_timeout_s
+        self.etcd: EtcdProcess | None = None
+        self.children: dict[str, ChildProcess] = {}
+        self.registry_address = ""
+        self.scheduler_address = ""
+
+    def _env(self) -> dict[str, str]:
+        return {"KVSHUTTLE_ETCD_ENDPOINTS": self.etcd.endpoints if self.etcd else "",
+                "KVSHUTTLE_REGISTRY_ADDRESS": self.registry_address, "KVSHUTTLE_LOG_LEVEL": self.log_level}
+
+    async def start(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        self.etcd = EtcdProcess("bench")
+        await self.etcd.astart()
+        log.info("etcd on %s (pid %s, data in %s)", self.etcd.endpoints, self.etcd.proc.pid if self.etcd.proc else None,
+                 self.etcd.data_dir)
+        self.registry_address = await self._start_service("registry", deadline)
+        self.scheduler_address = await self._start_service(
+            "scheduler", deadline, "--etcd-endpoints", self.etcd.endpoints if self.claims == "etcd" else "",
+            "--load-poll-interval-s", "0")  # nothing listens at the fake workers: no GetLoads to poll
+
+    async def _start_service(self, name: str, deadline: float, *args: str) -> str:
+        """Start ``kvshuttle <name> --listen 127.0.0.1:<free port> <args>``; a port taken meanwhile is retried."""
+        for attempt in range(3):
+            address = f"127.0.0.1:{free_port()}"
+            child = ChildProcess(name, [sys.executable, "-m", "kvshuttle.services.commands", name, "--listen", address, *args],
+                                 self.logs / f"{name}.log", env=self._env(), stop_grace_s=10.0, cwd=REPO)
+            self.children[name] = child
+            await child.start()
+            try:
+                await self._wait_serving(child, address, deadline)
+                return address
+            except ChildProcessError:
+                if attempt == 2 or "cannot listen" not in child.log_tail(20):
+                    raise
+                log.info("%s could not listen on %s; trying another port", name, address)
+        raise AssertionError("unreachable")
+
+    async def _wait_serving(self, child: ChildProcess, address: str, deadline: float) -> None:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while True:
+                if child.returncode is not None:
+                    raise ChildProcessError(f"{child.name} exited with code {child.returncode}; its log "
+                                            f"({child.log_path}) ends with:\n{child.log_tail(30)}")
+                try:
+                    resp = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                    if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                        log.info("%s serving on %s (pid %s)", child.name, address, child.pid)
+                        return
+                except grpc.aio.AioRpcError:
+                    _reraise_if_cancelling()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{child.name} not serving on {address} in time:\n{child.log_tail(30)}")
+                await asyncio.sleep(0.1)
+
+    def describe(self) -> dict[str, dict]:
+        etcd = {"address": self.etcd.endpoints, "pid": self.etcd.proc.pid if self.etcd.proc else None} \
+            if self.etcd else {}
+        return {"etcd": etcd, "registry": {"address": self.registry_address, "pid": self._pid("registry")},
+                "scheduler": {"address": self.scheduler_address, "pid": self._pid("scheduler")}}
+
+    def _pid(self, name: str) -> int | None:
+        return self.children[name].pid if name in self.children else None
+
+    def check_alive(self) -> None:
+        for child in self.children.values():
+            if child.returncode is not None:
+                raise RuntimeError(f"{child.name} exited with code {child.returncode}; its log "
+                                   f"({child.log_path}) ends with:\n{child.log_tail(30)}")
+        if self.etcd is not None and not self.etcd.running:
+            raise RuntimeError(f"etcd exited: {self.etcd.log_tail()}")
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds so far of the client (this process), the registry, the scheduler and etcd. Reads /proc."""
+        return {
+            "client": time.process_time(),
+            "registry": _proc_cpu_seconds(self._pid("registry")),
+            "scheduler": _proc_cpu_seconds(self._pid("scheduler")),
+            "etcd": _proc_cpu_seconds(self.etcd.proc.pid if self.etcd and self.etcd.proc else None),
+        }
+
+    async def stop(self) -> None:
+        """Scheduler, registry, then etcd; each is stopped even when another fails to."""
+        for name in reversed(list(self.children)):
+            try:
+                await self.children.pop(name).stop()
+            except Exception:  # noqa: BLE001 - keep stopping the rest
+                log.exception("stopping %s failed", name)
+        if self.etcd is not None:
+            await self.etcd.astop()
+            self.etcd = None
+
+
+# -- the operations --------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Stubs:
+    registry: registry_pb2_grpc.SessionRegistryStub
+    scheduler: scheduler_pb2_grpc.TransferSchedulerStub
+
+
+class Workload:
+    """Builds each operation's requests (untimed setup included) and checks its answers."""
+
+    def __init__(self, cfg: ServicesBenchConfig, setup: Stubs, decode: common_pb2.Worker):
+        self.cfg = cfg
+        self.setup = setup
+        self.decode = decode
+        rng = random.Random(cfg.seed)
+        self.history = [rng.randrange(*VOCAB) for _ in range(cfg.history_tokens)]
+        self.prompt = self.history + [rng.randrange(*VOCAB) for _ in range(cfg.new_tokens)]
+        self.covered = cfg.history_tokens - 1  # D holds prompt + answer; its KV covers all but the last token
+        self.handle = handle_for(decode, self.covered)
+        words = "the of and to in is you that it he was for on are as with his they at be this from".split()
+        text = " ".join(rng.choice(words) for _ in range(cfg.history_tokens * TEXT_CHARS_PER_TOKEN // 3))
+        self.text = text[: cfg.history_tokens * TEXT_CHARS_PER_TOKEN]
+        self.run_id = f"{os.getpid():x}{int(time.time() * 1000) % 0xFFFFFF:06x}"
+        self._cells = 0
+
+    def record_request(self, session_id: str) -> registry_pb2.RecordTurnRequest:
+        return registry_pb2.RecordTurnRequest(session_id=session_id, decode_worker_id=self.decode.worker_id,
+                                              kv_transfer_params_json=self.handle, token_ids=self.history,
+                                              text=self.text)
+
+    async def _record_many(self, session_ids: Sequence[str]) -> list[registry_pb2.RecordTurnResponse]:
+        """Record each session once (untimed setup), a few at a time."""
+        gate = asyncio.Semaphore(SETUP_CONCURRENCY)
+
+        async def one(session_id: str) -> registry_pb2.RecordTurnResponse:
+            async with gate:
+                return await self.setup.registry.RecordTurn(self.record_request(session_id),
+                                                            timeout=self.cfg.rpc_timeout_s)
+
+        return await asyncio.gather(*(one(s) for s in session_ids))
+
+    async def _read_many(self, session_ids: Sequence[str]) -> list[registry_pb2.GetSessionResponse]:
+        """Read each session once (untimed setup), a few at a time."""
+        gate = asyncio.Semaphore(SETUP_CONCURRENCY)
+
+        async def one(session_id: str) -> registry_pb2.GetSessionResponse:
+            async with gate:
+                return await self.setup.registry.GetSession(registry_pb2.GetSessionRequest(session_id=session_id),
+                                                            timeout=self.cfg.rpc_timeout_s)
+
+        return await asyncio.gather(*(one(s) for s in session_ids))
+
+    async def prepare(self, op: str, requests: int, concurrency: int) -> list[Any]:
+        """One payload per request (request ``i`` is sent by coroutine ``i % concurrency``)."""
+        self._cells += 1
+        prefix = f"bench-{self.run_id}-{self._cells}"
+        if op == PLAN_RECOMPUTE:  # never recorded
+            return [scheduler_pb2.PlanTurnRequest(session_id=f"{prefix}-none-{i % concurrency}",
+                                                  prompt_token_ids=self.prompt) for i in range(concurrency)]
+        if op == PLAN_DISABLE_PULL:  # recorded, but the request disables the pull
+            await self._record_many([f"{prefix}-dp"])
+            return [scheduler_pb2.PlanTurnRequest(session_id=f"{prefix}-dp", prompt_token_ids=self.prompt,
+                                                  disable_pull=True)]
+        if op == PLAN_PULL:  # a fresh record per plan
+            ids = [f"{prefix}-pull-{i}" for i in range(requests)]
+            await self._record_many(ids)
+            return [scheduler_pb2.PlanTurnRequest(session_id=s, prompt_token_ids=self.prompt) for s in ids]
+        if op == PLAN_PULL_SNAPSHOT:  # as the gateway plans: with the record it has just read (GetSession untimed)
+            ids = [f"{prefix}-snap-{i}" for i in range(requests)]
+            await self._record_many(ids)
+            snapshots = await self._read_many(ids)
+            for snap in snapshots:  # what the gateway sends: the record without its history
+                snap.session.ClearField("token_ids")
+                snap.session.ClearField("text")
+            return [scheduler_pb2.PlanTurnRequest(session_id=s, prompt_token_ids=self.prompt, session_snapshot=snap)
+                    for s, snap in zip(ids, snapshots, strict=True)]
+        if op == CLAIM_SESSION:  # a fresh record per claim, claimed at the revision RecordTurn returned
+            ids = [f"{prefix}-claim-{i}" for i in range(requests)]
+            recorded = await self._record_many(ids)
+            return [registry_pb2.ClaimSessionRequest(session_id=s, revision=r.session.revision)
+                    for s, r in zip(ids, recorded, strict=True)]
+        ids = [f"{prefix}-conv-{k}" for k in range(concurrency)]  # one conversation per coroutine, recorded once
+        await self._record_many(ids)
+        if op == RECORD_TURN:
+            return [self.record_request(s) for s in ids]
+        if op == GET_SESSION:
+            return [registry_pb2.GetSessionRequest(session_id=s) for s in ids]
+        raise ValueError(f"unknown operation {op!r}")
+
+    def invoke(self, op: str, stubs: Stubs, payload: Any) -> Any:
+        """Start the RPC (the caller awaits and times it)."""
+        timeout = self.cfg.rpc_timeout_s
+        if op in (PLAN_RECOMPUTE, PLAN_PULL, PLAN_PULL_SNAPSHOT, PLAN_DISABLE_PULL):
+            return stubs.scheduler.PlanTurn(payload, timeout=timeout)
+        if op == RECORD_TURN:
+            return stubs.registry.RecordTurn(payload, timeout=timeout)
+        if op == CLAIM_SESSION:
+            return stubs.registry.ClaimSession(payload, timeout=timeout)
+        return stubs.registry.GetSession(payload, timeout=timeout)
+
+    def check(self, op: str, resp: Any) -> str | None:
+        """None when the answer is the expected one, otherwise what is wrong with it."""
+        if op in (PLAN_RECOMPUTE, PLAN_DISABLE_PULL):
+            if resp.decision != scheduler_pb2.DECISION_RECOMPUTE:
+                return f"expected RECOMPUTE, got {scheduler_pb2.Decision.Name(resp.decision)}: {resp.reason}"
+            if op == PLAN_RECOMPUTE and resp.figures.session_found:
+                return f"the plan found a session that was never recorded: {resp.reason}"
+            return None
+        if op in (PLAN_PULL, PLAN_PULL_SNAPSHOT):
+            if resp.decision != scheduler_pb2.DECISION_PULL:
+                return f"expected PULL, got {scheduler_pb2.Decision.Name(resp.decision)}: {resp.reason}"
+            if resp.figures.reusable_tokens != self.covered:
+                return f"pulled {resp.figures.reusable_tokens} tokens, expected {self.covered}"
+            return None
+        if op == RECORD_TURN:
+            ok = resp.session.covered_tokens == self.covered and len(resp.session.block_hashes) == -(
+                -self.covered // self.cfg.block_size)
+            return None if ok else f"recorded {resp.session.covered_tokens} covered tokens, expected {self.covered}"
+        if op == CLAIM_SESSION:
+            return None if resp.claimed else f"claim refused: {resp.reason}"
+        if len(resp.session.token_ids) != self.cfg.history_tokens:
+            return f"got {len(resp.session.token_ids)} token ids, expected {self.cfg.history_tokens}"
+        return None
+
+
+@dataclasses.dataclass
+class CellResult:
+    operation: str
+    label: str
+    concurrency: int
+    requests: int
+    ok: int
+    errors: int
+    wall_s: float
+    ops_per_s: float
+    p50_ms: float
+    p99_ms: float
+    mean_ms: float
+    max_ms: float
+    cpu_ms_per_op: dict[str, float]
+    error_samples: list[str]
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        return _json_safe(out)
+
+
+def _json_safe(value: Any) -> Any:
+    """NaN/inf become null (strict JSON)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+async def run_cell(workload: Workload, services: Services, stubs: Sequence[Stubs], op: str, concurrency: int,
+                   requests: int) -> CellResult:
+    """``requests`` timed requests of ``op`` from ``concurrency`` coroutines (coroutine k sends requests
+    k, k+concurrency, ...; it uses channel k % len(stubs))."""
+    requests = max(requests, concurrency)
+    payloads = await workload.prepare(op, requests, concurrency)
+    latencies: list[float] = []
+    errors: list[str] = []
+
+    async def client(k: int) -> None:
+        stub = stubs[k % len(stubs)]
+        for i in range(k, requests, concurrency):
+            payload = payloads[i % len(payloads)]
+            started = time.perf_counter()
+            try:
+                resp = await workload.invoke(op, stub, payload)
+            except grpc.aio.AioRpcError as exc:
+                _reraise_if_cancelling()
+                errors.append(f"{exc.code().name}: {exc.details()}")
+                continue
+            elapsed = time.perf_counter() - started
+            wrong = workload.check(op, resp)
+            if wrong is None:
+                latencies.append(elapsed)
+            else:
+                errors.append(wrong)
+
+    cpu_before = await asyncio.to_thread(services.cpu_seconds)
+    started = time.perf_counter()
+    await asyncio.gather(*(client(k) for k in range(concurrency)))
+    wall = time.perf_counter() - started
+    cpu_after = await asyncio.to_thread(services.cpu_seconds)
+    services.check_alive()
+
+    ms = [x * 1000.0 for x in latencies]
+    done = len(ms) + len(errors)
+    return CellResult(
+        operation=op, label=LABELS[op], concurrency=concurrency, requests=done, ok=len(ms), errors=len(errors),
+        wall_s=wall, ops_per_s=len(ms) / wall if wall > 0 else math.nan,
+        p50_ms=percentile(ms, 50) if ms else math.nan, p99_ms=percentile(ms, 99) if ms else math.nan,
+        mean_ms=sum(ms) / len(ms) if ms else math.nan, max_ms=max(ms) if ms else math.nan,
+        cpu_ms_per_op={p: (cpu_after[p] - cpu_before[p]) * 1000.0 / done if done else math.nan for p in PROCESSES},
+        error_samples=list(dict.fromkeys(errors))[:3],
+    )
+
+
+# -- output ----------------------------------------------------------------------------------------------------
+
+_COLUMNS = [("operation", 22, "<"), ("conc", 5, ">"), ("requests", 8, ">"), ("ops/s", 9, ">"), ("p50 ms", 8, ">"),
+            ("p99 ms", 8, ">"), ("errors", 6, ">"), ("cpu ms/op client/registry/scheduler/etcd", 41, ">")]
+
+
+def table_header() -> str:
+    head = "  ".join(f"{name:{align}{width}}" for name, width, align in _COLUMNS)
+    return f"{head}\n{'-' * len(head)}"
+
+
+def _num(value: float, digits: int) -> str:
+    return "-" if not math.isfinite(value) else f"{value:.{digits}f}"
+
+
+def table_row(r: CellResult) -> str:
+    cpu = " / ".join(_num(r.cpu_ms_per_op[p], 2) for p in PROCESSES)
+    cells = [r.label, str(r.concurrency), str(r.requests), _num(r.ops_per_s, 0), _num(r.p50_ms, 2),
+             _num(r.p99_ms, 2), str(r.errors), cpu]
+    return "  ".join(f"{cell:{align}{width}}" for cell, (_, width, align) in zip(cells, _COLUMNS, strict=True))
+
+
+async def _etcd_version() -> str:
+    try:
+        proc = await asyncio.create_subprocess_exec(ETCD_BIN, "--version", stdout=asyncio.subprocess.PIPE,
+                                                    stderr=asyncio.subprocess.DEVNULL)
+        out, _ = await asyncio.wait_for(proc.communicate(), 10.0)
+        return out.decode(errors="replace").splitlines()[0].split(":", 1)[-1].strip()
+    except (OSError, TimeoutError, IndexError):
+        return "unknown"
+
+
+def _write_json(path: Path, report: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    tmp.replace(path)
+
+
+# -- the run ---------------------------------------------------------------------------------------------------
+
+async def run_benchmark(cfg: ServicesBenchConfig, emit: Callable[[str], None] = print) -> tuple[dict, Path]:
+    """Start the services, measure every operation at every level, stop everything; returns (report, JSON path).
+
+    ``emit`` gets the table's lines as they are measured.
+    """
+    out = Path(cfg.out or f"var/bench/services-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    work = Path(cfg.work_dir).resolve() if cfg.work_dir else out / "work"
+    started_at = time.time()
+    environment = {"cpus": os.cpu_count(), "load_average_at_start": list(os.getloadavg()),
+                   "python": platform.python_version(), "grpcio": grpc.__version__,
+                   "etcd": await _etcd_version(), "platform": platform.platform()}
+    services = Services(work, cfg.log_level, cfg.startup_timeout_s, cfg.claims)
+    results: list[CellResult] = []
+    channels: list[grpc.aio.Channel] = []
+    workers: FakeWorkers | None = None
+    processes: dict[str, dict] = {}
+    try:
+        await services.start()
+        processes = services.describe()
+        for _ in range(cfg.channels):
+            channels += [client_channel(services.registry_address), client_channel(services.scheduler_address)]
+        stubs = [Stubs(registry_pb2_grpc.SessionRegistryStub(channels[2 * i]),
+                       scheduler_pb2_grpc.TransferSchedulerStub(channels[2 * i + 1])) for i in range(cfg.channels)]
+        workers = FakeWorkers(stubs[0].registry, cfg.block_size)
+        await workers.start()
+        workload = Workload(cfg, stubs[0], workers.decode)
+        await _wait_scheduler_ready(stubs[0].scheduler, workload, cfg.startup_timeout_s)
+
+        emit(table_header())
+        for op in cfg.operation_list():
+            if cfg.warmup_requests:
+                warm = await run_cell(workload, services, stubs, op, min(4, cfg.warmup_requests), cfg.warmup_requests)
+                if warm.errors:
+                    log.warning("%s warm-up: %d errors, e.g. %s", op, warm.errors, warm.error_samples)
+            for concurrency in cfg.levels():
+                result = await run_cell(workload, services, stubs, op, concurrency, cfg.requests_per_level)
+                results.append(result)
+                emit(table_row(result))
+                if result.errors:
+                    log.warning("%s at concurrency %d: %d errors, e.g. %s", op, concurrency, result.errors,
+                                result.error_samples)
+    finally:
+        if workers is not None:
+            await workers.stop()
+        for channel in channels:
+            await channel.close()
+        await services.stop()
+
+    report = {
+        "benchmark": "services",
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started_at)),
+        "duration_s": round(time.time() - started_at, 3),
+        "config": dataclasses.asdict(cfg),
+        "setup": {
+            "client": "one process, one event loop; `concurrency` coroutines, closed loop, "
+                      f"{cfg.channels} grpc.aio channel(s) per service shared round-robin",
+            "services": "etcd, registry and scheduler as separate processes on loopback",
+            "scheduler_claims": f"session reads and claims via {cfg.claims}",
+            "history_tokens": cfg.history_tokens, "covered_tokens": workload.covered,
+            "prompt_tokens": len(workload.prompt), "block_size": cfg.block_size,
+            "blocks_per_record": -(-workload.covered // cfg.block_size), "text_chars": len(workload.text),
+            "keepalive_failures": workers.keepalive_failures if workers else 0,
+        },
+        "processes": processes,
+        "environment": environment,
+        "logs": str(work / "logs"),
+        "results": [r.to_dict() for r in results],
+    }
+    path = out / "services.json"
+    await asyncio.to_thread(_write_json, path, report)
+    return report, path
+
+
+async def _wait_scheduler_ready(scheduler: scheduler_pb2_grpc.TransferSchedulerStub, workload: Workload,
+                                timeout_s: float) -> None:
+    """Until the scheduler's worker view (WatchWorkers) holds both fake workers and it answers a plan."""
+    deadline = time.monotonic() + timeout_s
+    request = scheduler_pb2.PlanTurnRequest(session_id=f"bench-{workload.run_id}-ready",
+                                            prompt_token_ids=workload.prompt[:64])
+    while True:
+        try:
+            await scheduler.PlanTurn(request, timeout=5.0)
+            return
+        except grpc.aio.AioRpcError as exc:
+            _reraise_if_cancelling()
+            if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.1)
+
+
+async def _main(cfg: ServicesBenchConfig) -> None:
+    task = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, task.cancel)  # stop the children, then exit
+    try:
+        _, path = await run_benchmark(cfg, emit=lambda line: print(line, flush=True))
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+    print(f"\nwrote {path}", flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    cfg = load(ServicesBenchConfig, argv, prog="kvshuttle bench-services")
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    if shutil.which(ETCD_BIN) is None and not os.path.isfile(ETCD_BIN):
+        raise SystemExit("etcd is not installed: run `make install` (installs Debian's etcd-server)")
+    try:
+        asyncio.run(_main(cfg))
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+    except asyncio.CancelledError:  # SIGTERM
+        raise SystemExit(143) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,342 @@
+"""The whole kvshuttle stack on one machine: etcd, registry, scheduler, gateway and vLLM P/D workers.
+
+`kvshuttle up` keeps it running until Ctrl-C; `kvshuttle demo` runs a multi-turn conversation through it and
+stops everything. Every component is a real process on loopback; logs go to ``<work dir>/logs``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from kvshuttle.services.common.config import TelemetryConfig, load, require, setting
+from kvshuttle.services.common.processes import ChildProcess
+from kvshuttle.services.devtools.etcd_process import EtcdCluster, EtcdProcess, free_port
+from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+
+log = logging.getLogger("kvshuttle.stack")
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclasses.dataclass
+class StackConfig(TelemetryConfig):
+    """The local stack: what to start and how."""
+
+    ENV_PREFIX = "KVSHUTTLE_STACK_"
+    work_dir: str = setting("var/stack", "Logs and worker caches go here")
+    model_dir: str = setting("var/models/tiny", "Model directory; built with make-model if missing",
+                             env="KVSHUTTLE_MODEL_DIR")
+    model_variant: str = setting("tiny", "Variant to build when the model is missing", choices=("tiny", "medium"))
+    http_port: int = setting(8000, "Gateway HTTP port (0: any free port)")
+    grpc_port: int = setting(50053, "Gateway gRPC port (0: any free port)")
+    prefill_workers: int = setting(1, "Prefill workers to start")
+    decode_workers: int = setting(1, "Decode workers to start")
+    dtype: str = setting("float32", "Model dtype for the workers")
+    decoder_kv_blocks_ttl: int = setting(480, "Seconds a decode worker keeps a finished turn's blocks")
+    expiry_margin_s: float = setting(30.0, "Safety margin subtracted from the decode TTL for session expiry")
+    max_model_len: int = setting(8192, "Context length for workers and gateway")
+    etcd_members: int = setting(1, "etcd members to start: 1, or 3 (a cluster that keeps serving when one member "
+                                   "dies; every service is given all endpoints)")
+    cpu_bind: str = setting("split", "VLLM_CPU_OMP_THREADS_BIND for the workers: 'split' gives each worker its own "
+                                     "share of the cores; any other value is passed to every worker as is")
+    nixl_progress_delay_us: int = setting(500, "NIXL progress-thread poll delay for the workers (0: NIXL's busy "
+                                                   "polling, which burns a core per idle engine)")
+    vllm_idle_spin_ms: int = setting(20, "How long the workers' vLLM queue readers spin after a message before "
+                                         "sleeping (vLLM: 1000 ms, which keeps idle engines on the CPU); -1: vLLM's")
+    worker_nice: int = setting(10, "Run the vLLM workers at this nice level: idle vLLM-CPU engines busy-poll every "
+                                   "core they are given, and the control plane must stay responsive")
+    gpus: str = setting("", "GPU machines: one GPU id per worker, prefill workers first, then decode workers (then "
+                            "the benchmark's ideal worker), e.g. '0,1,2'. Empty: CPU workers")
+    prefill_extra_args: str = setting("", "More vLLM arguments for the prefill workers (shell-quoted), e.g. "
+                                          "'--no-enable-prefix-caching' for a P that never holds history itself")
+    decode_extra_args: str = setting("", "More vLLM arguments for the decode workers (shell-quoted)")
+    startup_timeout_s: float = setting(600.0, "Seconds to wait for the whole stack to be ready")
+    log_level: str = setting("INFO", "Log level", env="KVSHUTTLE_LOG_LEVEL")
+
+    @property
+    def gpu_list(self) -> list[str]:
+        return [g.strip() for g in self.gpus.split(",") if g.strip()]
+
+    def validate(self) -> None:
+        require(self.prefill_workers >= 1 and self.decode_workers >= 1, "need at least one prefill and one decode")
+        require(not self.gpus or len(self.gpu_list) >= self.prefill_workers + self.decode_workers,
+                "--gpus needs one GPU id per worker")
+        require(self.decoder_kv_blocks_ttl > self.expiry_margin_s, "the decode TTL must exceed the expiry margin")
+        require(self.etcd_members in (1, 3), "--etcd-members must be 1 or 3")
+
+
+@dataclasses.dataclass
+class DemoConfig(StackConfig):
+    """`kvshuttle demo`: the local stack plus one multi-turn conversation."""
+
+    turns: int = setting(4, "Conversation turns")
+    max_tokens: int = setting(32, "Tokens generated per turn")
+    compare_recompute: bool = setting(True, "Run each turn again with pulls disabled, side by side")
+    flush_prefill_cache: bool = setting(True, "Flush P's prefix cache before each turn (a busy P has no history "
+                                              "cached)")
+    policy: str = setting("threshold", "The scheduler's policy in the demo: threshold (pull whenever enough of the "
+                                       "history is reusable) or cost. The demo empties P's prefix cache behind the "
+                                       "scheduler's back; the cost model cannot see that and expects P to still hold "
+                                       "the previous turn's prompt, so it may rightly-but-wrongly choose recompute",
+                          choices=("threshold", "cost"))
+
+    def validate(self) -> None:
+        super().validate()
+        require(self.turns >= 1 and self.max_tokens >= 1, "--turns and --max-tokens must be >= 1")
+
+
+def cpu_binds(workers: int) -> list[str]:
+    """Split the cores evenly among the workers (VLLM_CPU_OMP_THREADS_BIND), one range each."""
+    cores = os.cpu_count() or 2
+    per = max(1, cores // workers)
+    return [f"{(i * per) % cores}" if per == 1 else f"{i * per}-{i * per + per - 1}" for i in range(workers)]
+
+
+def _port(preferred: int) -> int:
+    return preferred or free_port()
+
+
+def _host_port(url: str) -> str:
+    return url.removeprefix("http://").removesuffix("/metrics")
+
+
+class Stack:
+    def __init__(self, cfg: StackConfig, *, scheduler_env: dict[str, str] | None = None):
+        """``scheduler_env``: extra KVSHUTTLE_SCHEDULER_* settings for the scheduler (e.g. named policies)."""
+        self.cfg = cfg
+        self.scheduler_env = dict(scheduler_env or {})
+        self.work = Path(cfg.work_dir).resolve()
+        self.logs = self.work / "logs"
+        self.model_dir = Path(cfg.model_dir).resolve()
+        self.etcd: EtcdProcess | EtcdCluster | None = None
+        self.children: list[ChildProcess] = []
+        self.registry_address = f"127.0.0.1:{free_port()}"
+        self.scheduler_address = f"127.0.0.1:{free_port()}"
+        self.gateway_grpc = f"127.0.0.1:{_port(cfg.grpc_port)}"
+        self.gateway_http = f"127.0.0.1:{_port(cfg.http_port)}"
+        self.workers: list[common_pb2.Worker] = []
+        # Prometheus endpoints (GET /metrics): the gateway's on its HTTP port, the others on their own ports.
+        self.metrics: dict[str, str] = {"gateway": f"{self.base_url}/metrics",
+                                        "registry": f"http://127.0.0.1:{free_port()}/metrics",
+                                        "scheduler": f"http://127.0.0.1:{free_port()}/metrics"}
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.gateway_http}"
+
+    def _env(self) -> dict[str, str]:
+        return {
+            "KVSHUTTLE_ETCD_ENDPOINTS": self.etcd.endpoints if self.etcd else "",
+            "KVSHUTTLE_REGISTRY_ADDRESS": self.registry_address,
+            "KVSHUTTLE_SCHEDULER_ADDRESS": self.scheduler_address,
+            "KVSHUTTLE_MODEL_DIR": str(self.model_dir),
+            "KVSHUTTLE_TRACES_EXPORTER": self.cfg.traces_exporter,
+            "KVSHUTTLE_OTLP_ENDPOINT": self.cfg.otlp_endpoint,
+            "KVSHUTTLE_LOG_LEVEL": self.cfg.log_level,
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+        }
+
+    async def _spawn(self, name: str, *args: str, env: dict[str, str] | None = None) -> ChildProcess:
+        child = ChildProcess(name, [sys.executable, "-m", "kvshuttle.services.commands", *args], self.logs / f"{name}.log",
+                             env={**self._env(), **(env or {})}, stop_grace_s=30.0, cwd=REPO)
+        await child.start()
+        self.children.append(child)
+        return child
+
+    async def spawn_worker(self, role: str, name: str, bind: str, gpu: str = "",
+                           decoder_kv_blocks_ttl: int | None = None, extra_args: str | None = None) -> ChildProcess:
+        """Start one ``kvshuttle worker`` (it registers itself) with the stack's settings: own ports and work dir,
+        CPU binding ``bind`` (or GPU ``gpu``), the stack's decode KV TTL unless ``decoder_kv_blocks_ttl``, and the
+        role's extra vLLM arguments unless ``extra_args``."""
+        extra = ["--cuda-visible-devices", gpu, "--kv-buffer-device", "cuda"] if gpu else []
+        if self.cfg.traces_exporter == "otlp":  # vLLM's own spans join the turns' traces
+            extra += ["--vllm-otlp-traces-endpoint", self.cfg.otlp_endpoint]
+        self.metrics[name] = f"http://127.0.0.1:{free_port()}/metrics"
+        return await self._spawn(name, "worker", "--role", role, "--model", str(self.model_dir),
+                                 "--metrics-listen", _host_port(self.metrics[name]),
+                                 "--grpc-port", str(free_port()), "--nixl-port", str(free_port()),
+                                 "--cpu-bind", bind, "--dtype", self.cfg.dtype, "--worker-id", name,
+                                 "--decoder-kv-blocks-ttl", str(decoder_kv_blocks_ttl or self.cfg.decoder_kv_blocks_ttl),
+                                 "--max-model-len", str(self.cfg.max_model_len),
+                                 "--work-dir", str(self.work / "workers" / name), "--nice", str(self.cfg.worker_nice),
+                                 "--cpu-affinity", bind if self.cfg.cpu_bind == "split" else "", *extra,
+                                 "--nixl-progress-delay-us", str(self.cfg.nixl_progress_delay_us),
+                                 "--vllm-idle-spin-ms", str(self.cfg.vllm_idle_spin_ms),
+                                 "--extra-args=" + (extra_args if extra_args is not None
+                                                    else self.cfg.prefill_extra_args if role == "prefill"
+                                                    else self.cfg.decode_extra_args))
+
+    async def start(self) -> None:
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        self.logs.mkdir(parents=True, exist_ok=True)
+        await self.ensure_model()
+        self.etcd = EtcdCluster(3) if self.cfg.etcd_members == 3 else EtcdProcess()
+        await self.etcd.astart()
+        log.info("etcd (%d member%s) on %s", self.cfg.etcd_members, "s" * (self.cfg.etcd_members > 1),
+                 self.etcd.endpoints)
+
+        registry = await self._spawn("registry", "registry", "--listen", self.registry_address,
+                                     "--expiry-margin-s", str(self.cfg.expiry_margin_s),
+                                     "--metrics-listen", _host_port(self.metrics["registry"]))
+        await self._wait_grpc(registry, self.registry_address, deadline)
+        # The scheduler claims KV handles in etcd itself (the registry's store code), one hop less per plan.
+        scheduler = await self._spawn("scheduler", "scheduler", "--listen", self.scheduler_address,
+                                      "--etcd-endpoints", self.etcd.endpoints,
+                                      "--metrics-listen", _host_port(self.metrics["scheduler"]), env=self.scheduler_env)
+        gateway = await self._spawn("gateway", "gateway", "--grpc-listen", self.gateway_grpc,
+                                    "--http-listen", self.gateway_http, "--max-model-len",
+                                    str(self.cfg.max_model_len))
+        roles = ["prefill"] * self.cfg.prefill_workers + ["decode"] * self.cfg.decode_workers
+        gpus = self.cfg.gpu_list
+        if gpus:  # GPU workers: no CPU binding; KV buffers on the GPU
+            binds = [""] * len(roles)
+        else:
+            binds = cpu_binds(len(roles)) if self.cfg.cpu_bind == "split" else [self.cfg.cpu_bind] * len(roles)
+        for i, (role, bind) in enumerate(zip(roles, binds, strict=True)):
+            await self.spawn_worker(role, f"{role}-{i}", bind, gpus[i] if gpus else "")
+        await self._wait_grpc(scheduler, self.scheduler_address, deadline)
+        await self._wait_grpc(gateway, self.gateway_grpc, deadline)
+        await self._wait_workers(len(roles), deadline)
+        await self._warm_up()
+
+    async def ensure_model(self) -> None:
+        if not (self.model_dir / "config.json").is_file():
+            log.info("building the %s test model into %s", self.cfg.model_variant, self.model_dir)
+            from kvshuttle.workers.model_builder import build_model
+
+            await asyncio.to_thread(build_model, self.model_dir, self.cfg.model_variant)
+
+    async def _warm_up(self) -> None:
+        """One pull cycle through the gateway: NIXL's first transfer in each direction sets up connections and can
+        take many seconds; real traffic should not pay that."""
+        import httpx
+
+        t = time.perf_counter()
+        session = f"warm-up-{os.getpid()}"
+        messages = [{"role": "user", "content": "warm up " * 100}]
+        async with httpx.AsyncClient(base_url=self.base_url, timeout=self.cfg.startup_timeout_s) as client:
+            for _ in range(2):
+                resp = await client.post("/v1/chat/completions", headers={"X-Session-ID": session},
+                                         json={"messages": messages, "max_tokens": 2, "temperature": 0})
+                resp.raise_for_status()
+                messages += [resp.json()["choices"][0]["message"], {"role": "user", "content": "again " * 50}]
+            await client.post(f"/v1/sessions/{session}/end")
+        log.info("warm-up pull cycle done in %.1f s (last turn: %s)", time.perf_counter() - t,
+                 resp.headers.get("x-kv-decision"))
+
+    def _check_alive(self) -> None:
+        for child in self.children:
+            if child.returncode is not None:
+                raise RuntimeError(f"{child.name} exited with code {child.returncode}; its log "
+                                   f"({child.log_path}) ends with:\n{child.log_tail(30)}")
+
+    async def _wait_grpc(self, child: ChildProcess, address: str, deadline: float) -> None:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while True:
+                self._check_alive()
+                try:
+                    resp = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                    if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                        log.info("%s serving on %s", child.name, address)
+                        return
+                except grpc.aio.AioRpcError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{child.name} not serving on {address} in time:\n{child.log_tail(30)}")
+                await asyncio.sleep(0.2)
+
+    async def _wait_workers(self, count: int, deadline: float) -> None:
+        async with grpc.aio.insecure_channel(self.registry_address) as channel:
+            stub = registry_pb2_grpc.SessionRegistryStub(channel)
+            while True:
+                self._check_alive()
+                resp = await stub.ListWorkers(registry_pb2.ListWorkersRequest(), timeout=5.0)
+                if len(resp.workers) >= count:
+                    self.workers = list(resp.workers)
+                    log.info("%d workers registered: %s", count, ", ".join(w.worker_id for w in resp.workers))
+                    return
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"only {len(resp.workers)} of {count} workers registered in time")
+                await asyncio.sleep(1.0)
+
+    def prefill_prompt_tokens_by_source(self) -> dict[str, float]:
+        """vLLM's own counter on the prefill workers, summed: prompt tokens by source (``local_compute``,
+        ``external_kv_transfer`` = pulled over NIXL, ``local_cache_hit``), read from their Prometheus files."""
+        from prometheus_client import CollectorRegistry
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        totals: dict[str, float] = {}
+        for w in self.workers:
+            if w.role != common_pb2.WORKER_ROLE_PREFILL:
+                continue
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry, path=str(self.work / "workers" / w.worker_id / "prometheus"))
+            for metric in registry.collect():
+                for sample in metric.samples:
+                    if sample.name.endswith("prompt_tokens_by_source_total"):
+                        source = sample.labels.get("source", "")
+                        totals[source] = totals.get(source, 0.0) + sample.value
+        return totals
+
+    async def stop(self) -> None:
+        """Workers first (they deregister and stop vLLM), then the services, then etcd."""
+        for child in reversed(self.children):
+            await child.stop()
+        self.children.clear()
+        if self.etcd is not None:
+            await self.etcd.astop()
+            self.etcd = None
+
+
+async def _up(cfg: StackConfig) -> None:
+    from kvshuttle.services.common.grpc_server import run_until_signal
+
+    stack = Stack(cfg)
+
+    async def start() -> None:
+        await stack.start()
+        print(f"kvshuttle is up.\n  OpenAI API:  {stack.base_url}/v1  (model {stack.model_dir.name})\n"
+              f"  gateway gRPC: {stack.gateway_grpc}\n  registry:     {stack.registry_address}\n"
+              f"  scheduler:    {stack.scheduler_address}\n  logs:         {stack.logs}\n  metrics:      "
+              + "\n                ".join(f"{name:<10} {url}" for name, url in stack.metrics.items())
+              + "\nCtrl-C stops everything.", flush=True)
+
+    try:
+        await run_until_signal(start, stack.stop)
+    finally:
+        await stack.stop()
+
+
+async def _demo(cfg: DemoConfig) -> int:
+    from kvshuttle.services.devtools.demo import run_demo
+
+    task = asyncio.current_task()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)  # stop the stack, then exit
+    stack = Stack(cfg, scheduler_env={"KVSHUTTLE_SCHEDULER_POLICY": cfg.policy})
+    try:
+        await stack.start()
+        return await run_demo(stack, cfg)
+    finally:
+        await stack.stop()
+
+
+def main(argv: Sequence[str] | None = None, command: str = "demo") -> None:
+    cfg = load(DemoConfig if command == "demo" else StackConfig, argv, prog=f"kvshuttle {command}")
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if shutil.which("etcd") is None and not os.environ.get("KVSHUTTLE_ETCD_BIN"):
+        raise SystemExit("etcd is not installed: run `make install` (installs Debian's etcd-server)")
+    if command == "up":
+        asyncio.run(_up(cfg))
+    else:
+        raise SystemExit(asyncio.run(_demo(cfg)))

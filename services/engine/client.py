@@ -1,0 +1,253 @@
+"""Async client for a vLLM worker in gRPC server mode (`vllm.grpc.engine.VllmEngine`, smg-grpc-proto).
+
+Requests are token ids in and token ids out. The NIXL ``kv_transfer_params`` travel as JSON
+(``kv_transfer_params_json``) both ways and come back parsed on :class:`Final`.
+
+A streaming ``Generate`` yields one :class:`Chunk` per engine step and then one :class:`Final`. In a streamed call the
+servicer's ``GenerateComplete.output_ids`` (and its ``completion_tokens``) cover only the last chunk, so
+``Final.output_ids`` is built from the chunks; in a non-streamed call it is the complete's list. ``finish_reason == "error"`` (e.g. a failed KV load
+on a prefill worker) arrives as a normal Final, not as an exception: the caller decides whether to retry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from kvshuttle.control_plane.kv_params import prefill_request_params
+from kvshuttle.services.common.telemetry import client_interceptors
+from kvshuttle.services.common.tls import ClientTls
+from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
+from smg_grpc_proto.generated import common_pb2
+
+SERVICE_NAME = "vllm.grpc.engine.VllmEngine"
+# gRPC's reconnect backoff grows to 120 s while a server is down: a worker that is starting (or restarting) would be
+# seen up to minutes late. Cap it at 2 s.
+# gRPC core also takes min_reconnect_backoff_ms as the deadline of each connection attempt: at 250 ms a busy
+# worker's server that answered a fresh connection a little late counted as unreachable (and the gateway moved the
+# turn away from a live worker). Attempts get 2 s; retries still start 250 ms apart.
+FAST_RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 2000),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+
+
+def fast_reconnect_channel(address: str, tls: ClientTls | None = None) -> grpc.aio.Channel:
+    """Like ``kvshuttle.services.common.grpc_server.client_channel`` (trace context propagates when this process traces: each call is
+    a CLIENT span naming the worker's address), with a capped reconnect backoff.
+
+    ``tls`` is for kvshuttle's own servers (the registry); vLLM's gRPC server speaks plaintext only.
+    """
+    interceptors = client_interceptors(address)
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=FAST_RECONNECT_OPTIONS, interceptors=interceptors)
+    return grpc.aio.secure_channel(address, tls.credentials(), options=[*FAST_RECONNECT_OPTIONS, *tls.options()],
+                                   interceptors=interceptors)
+
+
+@dataclass
+class ServerInfo:
+    engine_id: str
+    block_size: int
+    kv_connector: str
+    kv_role: str
+    model_dtype: str
+    max_num_seqs: int = 0
+
+
+@dataclass
+class Chunk:
+    token_ids: list[int]
+    prompt_tokens: int
+    cached_tokens: int
+    logprobs: list[float] | None = None
+
+
+@dataclass
+class Final:
+    output_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    kv_transfer_params: dict | None
+    logprobs: list[float] | None = field(default=None, repr=False)
+
+
+class EngineError(Exception):
+    """A failed or timed-out call to a worker. ``code`` is the gRPC status (None: a protocol problem)."""
+
+    def __init__(self, code: grpc.StatusCode | None, message: str):
+        super().__init__(f"{code.name if code else 'ERROR'}: {message}")
+        self.code = code
+        self.message = message
+
+
+def _error(exc: grpc.aio.AioRpcError) -> EngineError:
+    return EngineError(exc.code(), exc.details() or "")
+
+
+class EngineClient:
+    """One worker's vLLM gRPC server. ``timeout_s`` bounds every call (a whole streamed generation included)."""
+
+    def __init__(self, address: str, *, timeout_s: float = 120.0):
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: vllm_engine_pb2_grpc.VllmEngineStub | None = None
+        self._health: health_pb2_grpc.HealthStub | None = None
+
+    def _engine(self) -> vllm_engine_pb2_grpc.VllmEngineStub:
+        # The channel is created lazily so that it binds to the event loop that uses it.
+        if self._stub is None:
+            self._channel = fast_reconnect_channel(self.address)
+            self._stub = vllm_engine_pb2_grpc.VllmEngineStub(self._channel)
+            self._health = health_pb2_grpc.HealthStub(self._channel)
+        return self._stub
+
+    async def generate(self, request_id: str, prompt_ids: Sequence[int], *, max_tokens: int,
+                       temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+                       ignore_eos: bool = False, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
+                       kv_transfer_params: dict | None = None, stream: bool = True, logprobs: bool = False,
+                       timeout_s: float | None = None) -> AsyncIterator[Chunk | Final]:
+        """Yield a Chunk per streamed piece (none when ``stream`` is false) and exactly one Final last.
+
+        Raises EngineError on gRPC errors and timeouts. Closing or cancelling the iterator cancels the RPC (the
+        server then aborts the request).
+        """
+        sampling = vllm_engine_pb2.SamplingParams(
+            temperature=temperature, top_p=top_p, max_tokens=max_tokens, ignore_eos=ignore_eos, stop=list(stop),
+            stop_token_ids=list(stop_token_ids), n=1)
+        if seed is not None:
+            sampling.seed = seed
+        if logprobs:
+            sampling.logprobs = 0  # the chosen token's logprob only
+        request = vllm_engine_pb2.GenerateRequest(
+            request_id=request_id, tokenized=vllm_engine_pb2.TokenizedInput(input_ids=list(prompt_ids)),
+            sampling_params=sampling, stream=stream)
+        if kv_transfer_params is not None:
+            request.kv_transfer_params_json = json.dumps(kv_transfer_params)
+        call = self._engine().Generate(request, timeout=timeout_s or self.timeout_s)
+        streamed: list[int] = []
+        streamed_logprobs: list[float] = []
+        final: Final | None = None
+        try:
+            async for response in call:
+                kind = response.WhichOneof("response")
+                if kind == "chunk":
+                    c = response.chunk
+                    ids = list(c.token_ids)
+                    lps = list(c.output_logprobs.token_logprobs) if logprobs else None
+                    streamed.extend(ids)
+                    streamed_logprobs.extend(lps or ())
+                    yield Chunk(ids, c.prompt_tokens, c.cached_tokens, lps)
+                elif kind == "complete":
+                    c = response.complete
+                    params = None
+                    if c.HasField("kv_transfer_params_json") and c.kv_transfer_params_json:
+                        params = json.loads(c.kv_transfer_params_json)
+                    if stream:
+                        ids, lps = streamed, (streamed_logprobs if logprobs else None)
+                    else:
+                        ids = list(c.output_ids)
+                        lps = list(c.output_logprobs.token_logprobs) if logprobs else None
+                    # A streamed complete's completion_tokens counts its own (last) ids only, like output_ids.
+                    final = Final(ids, c.finish_reason, c.prompt_tokens, len(ids) if stream else c.completion_tokens,
+                                  c.cached_tokens, params, lps)
+            # The Final is yielded once the stream has ended: cancelling a call whose request has just finished
+            # must never race with the engine's bookkeeping of the blocks it keeps for the next turn.
+            if final is None:
+                raise EngineError(None, f"request {request_id}: stream ended without a GenerateComplete")
+        except grpc.aio.AioRpcError as exc:
+            raise _error(exc) from None
+        finally:
+            if not call.done():
+                call.cancel()
+        yield final
+
+    async def read_to_free(self, request_id: str, first_block: Sequence[int], kv_transfer_params: dict, *,
+                           timeout_s: float | None = None) -> bool:
+        """Free a decode worker's held KV handle: this (prefill) worker reads the handle's first block, whose tokens
+        ``first_block`` repeats (plus one token to compute), and the decode worker frees all of the handle's blocks
+        after any read. ``kv_transfer_params``: the handle cut to that block (kvshuttle.control_plane.kv_params.pull_params).
+
+        A streamed request cancelled at its first token: by then the read is done (and D told), and a cancelled
+        request's blocks are freed at once here (one that finished would keep them for its KV lease, waiting for a
+        decode worker that never comes). False when the read failed. Raises EngineError like ``generate``."""
+        stream = self.generate(request_id, first_block, max_tokens=16, ignore_eos=True,
+                               kv_transfer_params=kv_transfer_params, stream=True, timeout_s=timeout_s)
+        async with contextlib.aclosing(stream):
+            async for item in stream:
+                return not (isinstance(item, Final) and item.finish_reason == "error")
+        return False
+
+    async def prefill(self, request_id: str, prompt_ids: Sequence[int], *,
+                      kv_transfer_params: dict | None, timeout_s: float | None = None, temperature: float = 0.0,
+                      top_p: float = 1.0, seed: int | None = None, ignore_eos: bool = False) -> Final:
+        """Compute (or pull) the prompt's KV on a prefill worker: ``max_tokens=1``, not streamed.
+
+        ``kv_transfer_params`` is a decode worker's (trimmed) handle to pull from, or None for a plain prefill
+        (then the standard "keep the blocks for a decode worker" params are sent). The returned Final's
+        ``kv_transfer_params`` are the ones for the decode worker; its one output id is sampled with the given
+        parameters (the answer's first token).
+        """
+        params = prefill_request_params() if kv_transfer_params is None else kv_transfer_params
+        final: Final | None = None
+        async for item in self.generate(request_id, prompt_ids, max_tokens=1, kv_transfer_params=params,
+                                        stream=False, timeout_s=timeout_s, temperature=temperature, top_p=top_p,
+                                        seed=seed, ignore_eos=ignore_eos):
+            if isinstance(item, Final):
+                final = item
+        assert final is not None  # generate always ends with a Final or raises
+        return final
+
+    async def _unary(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
+        try:
+            return await getattr(self._engine(), method)(request, timeout=timeout_s or self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise _error(exc) from None
+
+    async def server_info(self) -> ServerInfo:
+        r = await self._unary("GetServerInfo", vllm_engine_pb2.GetServerInfoRequest())
+        return ServerInfo(engine_id=r.kv_engine_id, block_size=r.block_size, kv_connector=r.kv_connector,
+                          kv_role=r.kv_role, model_dtype=r.model_dtype, max_num_seqs=r.max_num_seqs)
+
+    async def model_info(self) -> dict:
+        r = await self._unary("GetModelInfo", vllm_engine_pb2.GetModelInfoRequest())
+        return json_format.MessageToDict(r, preserving_proto_field_name=True,
+                                         always_print_fields_with_no_presence=True)
+
+    async def flush_cache(self, wait_s: float = 0.0) -> bool:
+        """Drop the worker's local prefix cache. False when refused (requests or held blocks in flight)."""
+        r = await self._unary("FlushCache", common_pb2.FlushCacheRequest(timeout_s=wait_s))
+        return r.success
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        await self._unary("Abort", vllm_engine_pb2.AbortRequest(request_ids=list(request_ids)))
+
+    async def is_serving(self, timeout_s: float = 5.0) -> bool:
+        """grpc.health.v1 status of the engine service (NOT_SERVING during warm-up and after an engine death)."""
+        self._engine()
+        try:
+            r = await self._health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout_s)
+        except grpc.aio.AioRpcError:
+            return False
+        return r.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def get_loads(self) -> dict:
+        """GetLoads as a dict with snake_case keys: ``{"timestamp", "version", "dp_rank_count", "loads": [...]}``."""
+        r = await self._unary("GetLoads", vllm_engine_pb2.GetLoadsRequest())
+        return json_format.MessageToDict(r, preserving_proto_field_name=True,
+                                         always_print_fields_with_no_presence=True)
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+        self._channel = self._stub = self._health = None

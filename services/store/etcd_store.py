@@ -1,0 +1,684 @@
+"""The registry's etcd store: the only module that talks to etcd (through etcd3aio), so the client can be swapped.
+
+Key layout under ``prefix`` (default ``/kvshuttle/``)::
+
+    workers/{worker_id}                   Worker proto, attached to the worker's lease (Worker.lease_id)
+    sessions/{tenant}/{session_id}        Session proto, attached to its own lease (TTL = seconds until expiry + grace)
+    sessions/{tenant}/{session_id}!claim  the record's claim (the claimed revision, as text), on the record's lease
+    worker-sessions/{worker_id}/{tenant}/{session_id}
+                                          the record's decode worker (an index), on the record's lease; its value is
+                                          a small summary of the record (a Session without ids, text or handle)
+    worker-claims/{worker_id}/{tenant}/{session_id}
+                                          the claimed revision (text), put by a claim next to the record's claim key,
+                                          on the record's lease: with the index, what each decode worker still holds
+    leaders/{name}                        the id of the replica that leads ``name`` (e.g. the scheduler replica that
+                                          frees decode KV), on that replica's lease
+
+Session.revision and Session.lease_id in returned records are the key's mod_revision and lease. ``claim_session``
+creates the claim key in one transaction comparing them; ``put_session`` deletes it with the record it replaces.
+Errors surface as ``StoreUnavailable`` (etcd unreachable, no leader, timeout) or ``StoreError``.
+
+Pinned to etcd3aio 0.3.0: the watch stream and txn compares use its generated stubs (``etcd3aio._protobuf``) because
+the library's own watch hides reconnects (we re-send a snapshot after each) and has no mod_revision compare helper.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+import grpc.aio
+from etcd3aio import EtcdConnectionError, EtcdError, EtcdTransientError, prefix_range_end
+from etcd3aio._protobuf import Compare, WatchCreateRequest, WatchRequest, WatchStub
+from etcd3aio.connections import ConnectionManager
+from etcd3aio.kv import KVService
+from etcd3aio.lease import LeaseService
+from google.protobuf.message import DecodeError
+from kvshuttle.control_plane.lru import BoundedLru
+from kvshuttle.control_plane.session import CHANGED, claim_refusal
+from kvshuttle.services.common import metrics
+from kvshuttle.services.common.tls import EtcdSecurity
+from kvshuttle.services.store.etcd_channel import EtcdAuthError, etcd_channel
+from kvshuttle.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+
+# Reconnect quickly to a member that comes back (gRPC's default backoff grows to 120 s).
+_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+# etcd fails a watch instead of hanging when its member has no leader (clientv3.WithRequireLeader).
+_REQUIRE_LEADER = (("hasleader", "true"),)
+_EVENT_PUT = 0
+# A session's claim key is its record's key + this: ids never contain "!", and it sorts before every id character.
+_CLAIM_SUFFIX = "!claim"
+
+
+class StoreError(Exception):
+    """etcd answered with an error that is not about reachability."""
+
+
+class StoreUnavailable(StoreError):
+    """etcd is unreachable, has no leader, or did not answer in time."""
+
+
+@dataclass(frozen=True)
+class WorkerEvent:
+    """``kind`` is ``snapshot`` (all live workers), ``put`` or ``delete`` (the removed record, or just its id)."""
+
+    kind: str
+    workers: tuple[common_pb2.Worker, ...]
+
+
+@dataclass(frozen=True)
+class ClaimResult:
+    claimed: bool
+    reason: str
+    # Claimed: the stored record at the claimed revision, with its handle. Refused: the current record without handle.
+    session: common_pb2.Session | None
+
+
+def parse_endpoints(endpoints: str | Sequence[str]) -> list[str]:
+    """``"h1:p1,h2:p2"`` or a list -> ``["h1:p1", "h2:p2"]`` (an ``http://`` scheme is dropped)."""
+    items = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
+    out = [e.strip().removeprefix("http://") for e in items if e.strip()]
+    if not out:
+        raise ValueError("no etcd endpoints given")
+    return out
+
+
+class EtcdStore:
+    """Workers, sessions and leases in etcd. ``connect()`` first (no I/O: channels connect lazily)."""
+
+    def __init__(self, endpoints: str | Sequence[str], prefix: str = "/kvshuttle/", *, timeout_s: float = 5.0,
+                 attempt_timeout_s: float = 2.0, recent_sessions_bytes: int = 64 << 20,
+                 security: EtcdSecurity | None = None):
+        """``security``: TLS towards etcd and/or its user/password auth (None: plaintext, no auth)."""
+        self.endpoints = parse_endpoints(endpoints)
+        self.security = security
+        self.prefix = prefix if prefix.endswith("/") else prefix + "/"
+        self.timeout_s = timeout_s
+        self.attempt_timeout_s = min(attempt_timeout_s, timeout_s)
+        self._channel: grpc.aio.Channel | None = None
+        self._kv: KVService | None = None
+        self._lease: LeaseService | None = None
+        self._watch: WatchStub | None = None
+        self._recent = _RecentSessions(recent_sessions_bytes)
+        self._leases: dict[str, int] = {}  # campaign name -> this process's lease for it
+        # Set when an operation failed for its whole timeout; cleared by any answer from etcd (see _call).
+        self.unreachable_since: float | None = None
+
+    # -- connection ------------------------------------------------------------------------------------------
+
+    async def connect(self) -> None:
+        """Open the channel; with etcd auth, authenticate now so wrong credentials fail here (StoreError)."""
+        manager = ConnectionManager(self.endpoints)
+        manager.grpc_options.extend(_CHANNEL_OPTIONS)
+        self._channel, auth = etcd_channel(manager.target, manager.grpc_options, self.security,
+                                           self.endpoints[0].rsplit(":", 1)[0])
+        if auth is not None:
+            try:
+                await auth.authenticate()
+            except EtcdAuthError as exc:
+                await self.close()
+                raise StoreError(str(exc)) from None
+            except grpc.aio.AioRpcError as exc:  # etcd not up yet: the first call authenticates
+                log.warning("etcd authentication deferred: %s (%s)", exc.code().name, exc.details())
+        self._kv = KVService(self._channel, max_attempts=1)
+        self._lease = LeaseService(self._channel, max_attempts=1)
+        self._watch = WatchStub(self._channel)
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+
+    async def __aenter__(self) -> EtcdStore:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _call(self, op: str, fn, *args, **kwargs):
+        """:meth:`_attempts`, timed and counted for the metrics (kvshuttle_etcd_*, by ``op``)."""
+        started, error = time.perf_counter(), ""
+        try:
+            return await self._attempts(op, fn, *args, **kwargs)
+        except StoreError as exc:
+            error = "unavailable" if isinstance(exc, StoreUnavailable) else "error"
+            raise
+        finally:
+            metrics.etcd_op(op, time.perf_counter() - started, error)
+
+    async def _attempts(self, op: str, fn, *args, **kwargs):
+        """Run ``fn(*args, **kwargs)`` (an etcd3aio call) with a short per-attempt deadline, retrying transient
+        failures until ``timeout_s``; map failures to StoreUnavailable / StoreError.
+
+        Short attempts matter when the leader dies: a member holds a proposal until etcd's own request timeout
+        (~6 s) while the survivors elect a new leader in ~1 s, and a fresh attempt then succeeds at once. The channel
+        balances over every endpoint and skips members it cannot reach, so a retry lands on a live member.
+        Once an operation has failed for its whole ``timeout_s`` (etcd down), later ones make a single attempt
+        (at most ``attempt_timeout_s``) until etcd answers again: callers learn of the outage at once instead of
+        each waiting ``timeout_s``.
+        """
+        delay = 0.05
+        last = "timed out"
+        since = self.unreachable_since
+        probing = since is not None
+        try:
+            async with asyncio.timeout(self.attempt_timeout_s if probing else self.timeout_s):
+                while True:
+                    try:
+                        result = await fn(*args, timeout=self.attempt_timeout_s, max_attempts=1, **kwargs)
+                        self._answered()
+                        return result
+                    except (EtcdConnectionError, EtcdTransientError, TimeoutError) as exc:
+                        last = str(exc) or "attempt timed out"
+                    except grpc.aio.AioRpcError as exc:
+                        if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                            self._answered()
+                            raise StoreError(f"etcd {op}: {exc.code().name} ({exc.details()})") from None
+                        last = f"{exc.code().name} ({exc.details()})"
+                    except EtcdError as exc:
+                        self._answered()
+                        raise StoreError(f"etcd {op}: {exc}") from None
+                    if probing:
+                        break
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 0.5)
+        except TimeoutError:
+            pass
+        if not probing and self.unreachable_since is None:
+            self.unreachable_since = time.monotonic()
+            log.warning("etcd unreachable (%s: %s); failing fast until it answers again", op, last)
+        if probing:
+            raise StoreUnavailable(f"etcd {op} failed: etcd unreachable for {time.monotonic() - since:.0f}s ({last})")
+        raise StoreUnavailable(f"etcd {op} failed for {self.timeout_s:g}s: {last}")
+
+    def _answered(self) -> None:
+        if self.unreachable_since is not None:
+            log.warning("etcd answers again after %.1fs", time.monotonic() - self.unreachable_since)
+            self.unreachable_since = None
+
+    @property
+    def kv(self) -> KVService:
+        if self._kv is None:
+            raise RuntimeError("EtcdStore is not connected")
+        return self._kv
+
+    @property
+    def lease(self) -> LeaseService:
+        if self._lease is None:
+            raise RuntimeError("EtcdStore is not connected")
+        return self._lease
+
+    async def ping(self) -> None:
+        """Raises StoreUnavailable unless etcd answers a linearizable read."""
+        await self._call("ping", self.kv.get, self.prefix + "ping")
+
+    # -- leases ----------------------------------------------------------------------------------------------
+
+    async def grant_lease(self, ttl_s: int) -> tuple[int, int]:
+        """A new lease; returns (lease id, TTL granted by etcd, which may round small TTLs up)."""
+        resp = await self._call("lease grant", self.lease.grant, ttl_s)
+        if resp.error:
+            raise StoreError(f"etcd lease grant: {resp.error}")
+        return resp.ID, resp.TTL
+
+    async def keep_alive_once(self, lease_id: int) -> int | None:
+        """Refresh ``lease_id`` once; its TTL, or None when the lease no longer exists."""
+        return await self._call("lease keep-alive", self._keep_alive_attempt, lease_id)
+
+    async def _keep_alive_attempt(self, lease_id: int, *, timeout: float, max_attempts: int) -> int | None:
+        call = self.lease.keep_alive(lease_id)
+        try:
+            async with asyncio.timeout(timeout):
+                async for resp in call:
+                    return resp.TTL if resp.TTL > 0 else None
+        finally:
+            call.cancel()
+        raise EtcdTransientError("keep-alive stream ended without an answer")
+
+    async def revoke_lease(self, lease_id: int) -> bool:
+        """Revoke ``lease_id`` (deleting its keys); False when it did not exist."""
+        try:
+            await self._call("lease revoke", self.lease.revoke, lease_id)
+        except StoreUnavailable:
+            raise
+        except StoreError as exc:
+            if "NOT_FOUND" in str(exc):
+                return False
+            raise
+        return True
+
+    async def _revoke_quietly(self, lease_id: int) -> None:
+        try:
+            await self.revoke_lease(lease_id)
+        except StoreError as exc:
+            log.debug("could not revoke lease %x: %s", lease_id, exc)
+
+    # -- workers ---------------------------------------------------------------------------------------------
+
+    def worker_key(self, worker_id: str) -> str:
+        return f"{self.prefix}workers/{worker_id}"
+
+    @property
+    def _workers_prefix(self) -> str:
+        return f"{self.prefix}workers/"
+
+    async def put_worker(self, worker: common_pb2.Worker) -> None:
+        """Store ``worker`` attached to ``worker.lease_id``. StoreError when that lease does not exist."""
+        await self._call("put worker", self.kv.put, self.worker_key(worker.worker_id), worker.SerializeToString(),
+                         lease=worker.lease_id)
+
+    async def get_worker(self, worker_id: str) -> common_pb2.Worker | None:
+        resp = await self._call("get worker", self.kv.get, self.worker_key(worker_id))
+        return _parse_worker(resp.kvs[0].value) if resp.kvs else None
+
+    async def list_workers(self) -> list[common_pb2.Worker]:
+        return (await self._list_workers_at())[0]
+
+    async def _list_workers_at(self) -> tuple[list[common_pb2.Worker], int]:
+        resp = await self._call("list workers", self.kv.get, self._workers_prefix,
+                                prefix_range_end(self._workers_prefix))
+        workers = [w for w in (_parse_worker(kv.value) for kv in resp.kvs) if w is not None]
+        return sorted(workers, key=lambda w: w.worker_id), resp.header.revision
+
+    async def delete_worker(self, worker_id: str) -> bool:
+        resp = await self._call("delete worker", self.kv.delete, self.worker_key(worker_id))
+        return resp.deleted > 0
+
+    async def watch_workers(self, *, raise_first: bool = True) -> AsyncIterator[WorkerEvent]:
+        """A snapshot of the live workers, then each change; after any stream error, backoff and a new snapshot.
+
+        With ``raise_first`` the first snapshot's StoreUnavailable reaches the caller (so an RPC can fail fast);
+        afterwards the iterator keeps retrying until it is closed.
+        """
+        backoff = 0.2
+        first = True
+        while True:
+            try:
+                workers, revision = await self._list_workers_at()
+            except StoreUnavailable as exc:
+                if first and raise_first:
+                    raise
+                log.warning("worker watch: snapshot failed (%s); retrying in %.1fs", exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            first = False
+            yield WorkerEvent("snapshot", tuple(workers))
+            try:
+                async with contextlib.aclosing(self._watch_workers_from(revision + 1)) as stream:
+                    async for event in stream:
+                        backoff = 0.2
+                        yield event
+                log.warning("worker watch: stream ended; resyncing")
+            except (grpc.aio.AioRpcError, _WatchLost) as exc:
+                detail = f"{exc.code().name} {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+                log.warning("worker watch: %s; resyncing in %.1fs", detail, backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)
+
+    async def _watch_workers_from(self, revision: int) -> AsyncIterator[WorkerEvent]:
+        if self._watch is None:
+            raise RuntimeError("EtcdStore is not connected")
+        create = WatchCreateRequest(key=self._workers_prefix.encode(),
+                                    range_end=prefix_range_end(self._workers_prefix),
+                                    start_revision=revision, prev_kv=True)
+
+        async def requests() -> AsyncIterator[WatchRequest]:
+            yield WatchRequest(create_request=create)
+            await asyncio.Event().wait()  # keep the request side open
+
+        call = self._watch.Watch(requests(), metadata=_REQUIRE_LEADER)
+        try:
+            async for resp in call:
+                if resp.canceled or resp.compact_revision:
+                    raise _WatchLost(f"watch canceled by etcd ({resp.cancel_reason or 'compacted'})")
+                for ev in resp.events:
+                    if ev.type == _EVENT_PUT:
+                        worker = _parse_worker(ev.kv.value)
+                        if worker is not None:
+                            yield WorkerEvent("put", (worker,))
+                    else:
+                        worker = _parse_worker(ev.prev_kv.value) if ev.HasField("prev_kv") else None
+                        if worker is None:
+                            worker = common_pb2.Worker(worker_id=ev.kv.key.decode()[len(self._workers_prefix):])
+                        yield WorkerEvent("delete", (worker,))
+        finally:
+            call.cancel()
+
+    # -- sessions --------------------------------------------------------------------------------------------
+
+    def session_key(self, tenant: str, session_id: str) -> str:
+        return f"{self.prefix}sessions/{tenant}/{session_id}"
+
+    def claim_key(self, tenant: str, session_id: str) -> str:
+        """The claim of a session's current record: a small key right after the record's (see _session_range_end)."""
+        return self.session_key(tenant, session_id) + _CLAIM_SUFFIX
+
+    async def get_session(self, tenant: str, session_id: str) -> common_pb2.Session | None:
+        """The record with ``revision`` = its mod_revision and ``lease_id`` = its lease, or None. A claimed record
+        comes with ``claimed`` set and its handle cleared. One range read returns the record and its claim."""
+        key = self.session_key(tenant, session_id)
+        resp = await self._call("get session", self.kv.get, key, _session_range_end(key))
+        session = _session_from(resp.kvs, key)
+        if session is not None and not session.claimed:
+            self._recent.put(key, session)
+        return session
+
+    async def put_session(self, session: common_pb2.Session, lease_id: int, *,
+                          expect_revision: int) -> common_pb2.Session | None:
+        """Write ``session`` under ``lease_id`` if the key's mod_revision is still ``expect_revision`` (0: absent).
+
+        The same transaction deletes the claim of the record it replaces, so a claim only ever stands for the record
+        it was made on. Returns the stored record (with its new revision and lease), or None when the record changed
+        meanwhile. The lease of the replaced record is revoked (best effort) since nothing else hangs on it.
+        """
+        key = self.session_key(session.tenant, session.session_id)
+        record = common_pb2.Session()
+        record.CopyFrom(session)
+        record.revision, record.lease_id, record.claimed = 0, 0, False
+        value = record.SerializeToString()
+        index = ([KVService.txn_op_put(self.worker_session_key(record.decode_worker_id, session.tenant,
+                                                               session.session_id), _summary(record), lease=lease_id)]
+                 if record.decode_worker_id else [])
+        resp = await self._call("put session", self.kv.txn,
+                                [_mod_revision_is(key, expect_revision)],
+                                [KVService.txn_op_put(key, value, lease=lease_id, prev_kv=True),
+                                 KVService.txn_op_delete(key + _CLAIM_SUFFIX), *index],
+                                [KVService.txn_op_get(key)])
+        record.lease_id = lease_id
+        if not resp.succeeded:
+            kvs = resp.responses[0].response_range.kvs
+            if kvs and kvs[0].value == value and kvs[0].lease == lease_id:  # a retried attempt had committed
+                record.revision = kvs[0].mod_revision
+                return record
+            return None
+        old_lease = resp.responses[0].response_put.prev_kv.lease
+        if old_lease and old_lease != lease_id:
+            await self._revoke_quietly(old_lease)
+        record.revision = resp.header.revision
+        self._recent.put(key, record)
+        return record
+
+    def worker_session_key(self, worker_id: str, tenant: str, session_id: str) -> str:
+        """The index entry saying that a session's KV lives on ``worker_id`` (it ends with the record's lease)."""
+        return f"{self.prefix}worker-sessions/{worker_id}/{tenant}/{session_id}"
+
+    def worker_claim_key(self, worker_id: str, tenant: str, session_id: str) -> str:
+        return f"{self.prefix}worker-claims/{worker_id}/{tenant}/{session_id}"
+
+    async def held_on_worker(self, worker_id: str) -> list[common_pb2.Session]:
+        """Summaries (no ids, text or handle; ``revision`` set) of the records whose unspent handle's KV lives on
+        ``worker_id``: the worker-sessions index less the claimed revisions, read in one transaction."""
+        index, claims = (f"{self.prefix}{kind}/{worker_id}/" for kind in ("worker-sessions", "worker-claims"))
+        resp = await self._call("list held kv", self.kv.txn, [], [
+            KVService.txn_op_get(index, range_end=prefix_range_end(index)),
+            KVService.txn_op_get(claims, range_end=prefix_range_end(claims))], [])
+        claimed = {kv.key.decode()[len(claims):]: kv.value for kv in resp.responses[1].response_range.kvs}
+        held = []
+        for kv in resp.responses[0].response_range.kvs:
+            name = kv.key.decode()[len(index):]
+            tenant, _, session_id = name.partition("/")
+            if not session_id or claimed.get(name) == str(kv.mod_revision).encode():
+                continue
+            summary = _parse_session(kv.value, kv.mod_revision)
+            if summary is None or summary.covered_tokens <= 0:  # an older, empty index entry: no summary to go by
+                continue
+            summary.tenant, summary.session_id, summary.decode_worker_id = tenant, session_id, worker_id
+            summary.lease_id = kv.lease
+            held.append(summary)
+        return held
+
+    async def campaign(self, name: str, holder: str, ttl_s: int) -> bool:
+        """Whether ``holder`` leads ``name`` (key ``leaders/{name}``, on a lease of ``ttl_s`` that each call keeps
+        alive): it takes the key when nobody holds it, and loses it when its lease ends (a call missed for ``ttl_s``,
+        or etcd away). One leader at a time among the replicas that campaign for the same name."""
+        key = f"{self.prefix}leaders/{name}"
+        lease = self._leases.get(name)
+        if lease is not None and await self.keep_alive_once(lease) is None:
+            self._leases.pop(name, None)
+            lease = None
+        if lease is None:
+            lease, _ = await self.grant_lease(ttl_s)
+            self._leases[name] = lease
+        resp = await self._call("campaign", self.kv.txn, [_absent(key)],
+                                [KVService.txn_op_put(key, holder.encode(), lease=lease)],
+                                [KVService.txn_op_get(key)])
+        if resp.succeeded:
+            return True
+        kvs = resp.responses[0].response_range.kvs
+        return bool(kvs) and kvs[0].value == holder.encode() and kvs[0].lease == lease
+
+    async def sessions_on_worker(self, worker_id: str) -> list[tuple[str, str]]:
+        """(tenant, session id) of the records whose KV lives on ``worker_id`` (keys only: no record is read)."""
+        prefix = f"{self.prefix}worker-sessions/{worker_id}/"
+        resp = await self._call("list worker sessions", self.kv.get, prefix, prefix_range_end(prefix),
+                                keys_only=True)
+        found = []
+        for kv in resp.kvs:
+            tenant, _, session_id = kv.key.decode()[len(prefix):].partition("/")
+            if session_id:
+                found.append((tenant, session_id))
+        return found
+
+    async def count_sessions(self) -> int:
+        """How many session records there are, from the worker-sessions index (a serializable count: no keys are
+        returned; an index entry outlives its record only when revoking a replaced record's lease failed)."""
+        prefix = f"{self.prefix}worker-sessions/"
+        resp = await self._call("count sessions", self.kv.get, prefix, prefix_range_end(prefix), serializable=True,
+                                count_only=True)
+        return resp.count
+
+    async def indexed_workers(self) -> set[str]:
+        """Worker ids that the worker-sessions index names (keys only)."""
+        prefix = f"{self.prefix}worker-sessions/"
+        resp = await self._call("list indexed workers", self.kv.get, prefix, prefix_range_end(prefix),
+                                keys_only=True)
+        return {kv.key.decode()[len(prefix):].partition("/")[0] for kv in resp.kvs}
+
+    async def drop_sessions_on_worker(self, worker_id: str) -> int:
+        """Delete every record whose KV lives on ``worker_id`` (it is gone: the worker's lease ended), by revoking
+        the records' leases. A record written meanwhile for another worker is kept. Returns how many were dropped."""
+        dropped = 0
+        for tenant, session_id in await self.sessions_on_worker(worker_id):
+            record = await self.get_session(tenant, session_id)
+            if record is None or record.decode_worker_id != worker_id or not record.lease_id:
+                continue
+            self._recent.discard(self.session_key(tenant, session_id))
+            if await self.revoke_lease(record.lease_id):
+                dropped += 1
+        return dropped
+
+    async def delete_session(self, tenant: str, session_id: str) -> bool:
+        """Delete the record (and its claim) and revoke its lease; False when there was none."""
+        key = self.session_key(tenant, session_id)
+        self._recent.discard(key)
+        resp = await self._call("delete session", self.kv.delete, key, _session_range_end(key), prev_kv=True)
+        for lease in {kv.lease for kv in resp.prev_kvs} - {0}:
+            await self._revoke_quietly(lease)
+        return any(kv.key == key.encode() for kv in resp.prev_kvs)
+
+    async def claim_session(self, tenant: str, session_id: str, revision: int, *, now: float,
+                            known: common_pb2.Session | None = None, free_reason: str = "") -> ClaimResult:
+        """Take the handle of the record at ``revision``: one transaction that creates the record's claim key.
+
+        The transaction compares the record's mod_revision (and lease) and that no claim exists, puts a small claim
+        key under the record's lease (so it ends with the record), and reads the record back: the result carries the
+        record as stored at ``revision`` (claimed, with its handle), never the caller's copy. The record itself is
+        not rewritten. ``known`` is the caller's copy of the record at ``revision`` (a snapshot, possibly stale or
+        wrong): its lease and expiry save a read; the transaction checks the lease. Refusals (missing, already
+        claimed, changed, no handle, expired) carry a reason and the current record without its handle.
+        ``free_reason`` claims the handle to free its KV (the scheduler's KV manager): later reads of the record
+        show it as ``kv_freed``. The claim is also noted under the decode worker (``worker-claims/``), so what a
+        worker still holds reads without the records.
+        """
+        key = self.session_key(tenant, session_id)
+        # The record at ``revision`` is immutable: its lease and expiry, from the caller or from this process's own
+        # recent reads and writes, need no read. The transaction compares revision and lease, so a wrong or
+        # outdated hint costs a refusal or one more round trip, never a second claim.
+        hint = known if known is not None and known.revision == revision and known.lease_id else None
+        hint = hint or self._recent.get(key, revision)
+        if hint is None or claim_refusal(hint, revision, now) is not None:
+            hint = await self.get_session(tenant, session_id)
+            reason = claim_refusal(hint, revision, now)
+            if reason is not None:
+                return ClaimResult(False, reason, _handle_cleared(hint))
+        for attempt in range(2):
+            try:
+                resp = await self._call(
+                    "claim session", self.kv.txn,
+                    [_mod_revision_is(key, revision), _lease_is(key, hint.lease_id), _absent(key + _CLAIM_SUFFIX)],
+                    [KVService.txn_op_put(key + _CLAIM_SUFFIX, _claim_value(revision, free_reason),
+                                          lease=hint.lease_id),
+                     KVService.txn_op_get(key),
+                     *([KVService.txn_op_put(self.worker_claim_key(hint.decode_worker_id, tenant, session_id),
+                                             str(revision).encode(), lease=hint.lease_id)]
+                       if hint.decode_worker_id else [])],
+                    [KVService.txn_op_get(key, range_end=_session_range_end(key))])
+            except StoreUnavailable:
+                raise
+            except StoreError as exc:
+                if "lease not found" in str(exc):  # the lease ended as the transaction ran
+                    return ClaimResult(False, "expired (lease ended)", None)
+                raise
+            if resp.succeeded:
+                self._recent.discard(key)
+                won = _session_from(resp.responses[1].response_range.kvs, key)
+                # The real record (the hint may have been wrong about its handle or expiry); the claim stands
+                # either way, and a handle that cannot be used has nothing to pull.
+                reason = claim_refusal(won, revision, now)
+                if reason is not None:
+                    return ClaimResult(False, reason, _handle_cleared(won))
+                won.claimed, won.kv_freed = True, free_reason
+                return ClaimResult(True, "", won)
+            # Also when an earlier attempt of ours committed but its answer was lost (etcd failover): then the
+            # handle goes unused and the next turn recomputes, which is safe; two pulls of one handle are not.
+            current = _session_from(resp.responses[0].response_range.kvs, key)
+            reason = claim_refusal(current, revision, now)
+            if reason is None and current.lease_id != hint.lease_id and attempt == 0:
+                hint = current  # only the hint's lease was wrong: once more with the record's own
+                continue
+            return ClaimResult(False, reason or f"{CHANGED}: revision {revision} is gone", _handle_cleared(current))
+        raise AssertionError("unreachable")
+
+
+class _WatchLost(Exception):
+    pass
+
+
+class _RecentSessions:
+    """What a claim needs to know of the session records this process wrote or read lately (revision, lease,
+    handle, expiry; not the history), one revision per session; bounded in bytes (LRU).
+
+    Only ever a hint for a record at a given revision (immutable in etcd), never an answer to "what is current".
+    """
+
+    def __init__(self, max_bytes: int):
+        self._lru: BoundedLru[common_pb2.Session] = BoundedLru(max_bytes)
+
+    def put(self, key: str, session: common_pb2.Session) -> None:
+        hint = common_pb2.Session(revision=session.revision, lease_id=session.lease_id,
+                                  kv_transfer_params_json=session.kv_transfer_params_json,
+                                  decode_worker_id=session.decode_worker_id)
+        hint.expires_at.CopyFrom(session.expires_at)
+        self._lru.put(key, hint, len(key) + len(hint.kv_transfer_params_json) + 64)
+
+    def get(self, key: str, revision: int) -> common_pb2.Session | None:
+        hint = self._lru.get(key)
+        return hint if hint is not None and hint.revision == revision else None
+
+    def discard(self, key: str) -> None:
+        self._lru.discard(key)
+
+
+def _mod_revision_is(key: str, revision: int) -> Compare:
+    # etcd compares an absent key as mod_revision 0.
+    return Compare(result=Compare.EQUAL, target=Compare.MOD, key=key.encode(), mod_revision=revision)
+
+
+def _lease_is(key: str, lease_id: int) -> Compare:
+    return Compare(result=Compare.EQUAL, target=Compare.LEASE, key=key.encode(), lease=lease_id)
+
+
+def _absent(key: str) -> Compare:
+    return Compare(result=Compare.EQUAL, target=Compare.CREATE, key=key.encode(), create_revision=0)
+
+
+def _session_range_end(record_key: str) -> bytes:
+    """End of the range holding exactly a session's record and its claim key: ids use no character below '+', so
+    no other session's key starts with the record's key followed by a character below '"' (the claim's '!')."""
+    return (record_key + '"').encode()
+
+
+def _session_from(kvs, key: str) -> common_pb2.Session | None:
+    """The record among ``kvs`` (a range up to _session_range_end), claimed when its claim key is there too: the handle
+    is cleared then (it is spent)."""
+    record = claim = None
+    for kv in kvs:
+        if kv.key == key.encode():
+            record = kv
+        elif kv.key == (key + _CLAIM_SUFFIX).encode():
+            claim = kv
+    if record is None:
+        return None
+    session = _parse_session(record.value, record.mod_revision)
+    if session is None:
+        return None
+    session.lease_id = record.lease
+    if claim is not None:
+        session.claimed = True
+        session.kv_transfer_params_json = ""
+        _, _, session.kv_freed = claim.value.decode(errors="replace").partition(" ")
+    return session
+
+
+def _claim_value(revision: int, free_reason: str) -> bytes:
+    """A claim key's value: the claimed revision, then the free reason when the claim freed the KV."""
+    return f"{revision} {free_reason}".encode() if free_reason else str(revision).encode()
+
+
+def _summary(record: common_pb2.Session) -> bytes:
+    """The index entry's value: what the KV manager weighs a held handle by (tens of bytes, whatever the history)."""
+    summary = common_pb2.Session(covered_tokens=record.covered_tokens, block_size=record.block_size, turn=record.turn)
+    for name in ("expires_at", "updated_at", "created_at"):
+        if record.HasField(name):
+            getattr(summary, name).CopyFrom(getattr(record, name))
+    return summary.SerializeToString()
+
+
+def _parse_worker(value: bytes) -> common_pb2.Worker | None:
+    try:
+        return common_pb2.Worker.FromString(value)
+    except DecodeError:
+        log.warning("skipping a worker record that does not parse (%d bytes)", len(value))
+        return None
+
+
+def _parse_session(value: bytes, mod_revision: int) -> common_pb2.Session | None:
+    try:
+        session = common_pb2.Session.FromString(value)
+    except DecodeError:
+        log.warning("ignoring a session record that does not parse (%d bytes)", len(value))
+        return None
+    session.revision = mod_revision
+    return session
+
+
+def _handle_cleared(session: common_pb2.Session | None) -> common_pb2.Session | None:
+    if session is None:
+        return None
+    out = common_pb2.Session()
+    out.CopyFrom(session)
+    out.kv_transfer_params_json = ""
+    return out

@@ -1,0 +1,89 @@
+"""The import graph of kvshuttle's own modules, read from the source (``ast``: function-level imports included).
+
+Used by tests/unit/test_layers.py to hold the layering of the architecture: commands → services → common runtime,
+engine client and store → control_plane → stubs.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+# Folder of each mapped package (pyproject [tool.setuptools] package-dir).
+ROOTS = {"kvshuttle.control_plane": "control_plane", "kvshuttle.services": "services", "kvshuttle.workers": "workers"}
+
+
+@dataclass(frozen=True)
+class Import:
+    importer: str  # module that imports
+    imported: str  # module (or module.attribute) it names
+    line: int
+
+
+def modules(repo: Path, roots: dict[str, str] = ROOTS) -> dict[str, Path]:
+    """Every module under the mapped folders, by dotted name."""
+    out = {}
+    for package, folder in roots.items():
+        for path in sorted((repo / folder).rglob("*.py")):
+            rel = path.relative_to(repo / folder).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            out[".".join([package, *parts])] = path
+    return out
+
+
+def imports(name: str, path: Path) -> Iterator[Import]:
+    """The imports ``path`` (module ``name``) makes, absolute or relative, anywhere in its body."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield Import(name, alias.name, node.lineno)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")
+                parent = parent[: len(parent) - (node.level - 1)]
+                base = ".".join([*parent, base] if base else parent)
+            for alias in node.names:
+                yield Import(name, f"{base}.{alias.name}", node.lineno)
+
+
+def layer_of(module: str, layers: list[tuple[str, ...]]) -> int | None:
+    """Index of the layer whose prefixes match ``module`` most specifically (0 = top); None: not ours."""
+    best, depth = None, -1
+    for i, prefixes in enumerate(layers):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and prefix.count(".") > depth:
+                best, depth = i, prefix.count(".")
+    return best
+
+
+def component_of(module: str, layer: tuple[str, ...]) -> str:
+    return next(p for p in sorted(layer, key=len, reverse=True) if module == p or module.startswith(p + "."))
+
+
+def violations(mods: dict[str, Path], layers: list[tuple[str, ...]], *, independent: set[int] = frozenset(),
+               allowed_within: dict[str, set[str]] | None = None) -> list[str]:
+    """Imports that run upwards, or sideways between components of a layer in ``independent``.
+
+    ``allowed_within``: component -> components of its own layer it may import (e.g. the store uses common).
+    """
+    allowed_within = allowed_within or {}
+    found = []
+    for name, path in mods.items():
+        mine = layer_of(name, layers)
+        if mine is None:
+            continue
+        for imp in imports(name, path):
+            theirs = layer_of(imp.imported, layers)
+            if theirs is None or theirs > mine:
+                continue
+            if theirs < mine:
+                found.append(f"{name}:{imp.line} imports {imp.imported} (a higher layer)")
+                continue
+            a, b = component_of(name, layers[mine]), component_of(imp.imported, layers[mine])
+            if a != b and (mine in independent or b not in allowed_within.get(a, set())):
+                found.append(f"{name}:{imp.line} imports {imp.imported} (a sibling: {a} -> {b})")
+    return found
