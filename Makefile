@@ -1,7 +1,7 @@
 # kvshuttle: `make demo` runs the whole local stack and a multi-turn conversation; `make test` runs every test.
 PY := .venv/bin/python
 
-.PHONY: install demo up bench test test-fast protos lint chart chart-schema clean
+.PHONY: install demo up bench test test-fast protos lint chart chart-schema docs clean
 
 install:
 	@bash scripts/bootstrap.sh
@@ -34,6 +34,10 @@ chart: install
 # Regenerate the `settings` schemas in deploy/helm/kvshuttle/values.schema.json from the commands' configs.
 chart-schema:
 	@$(PY) deploy/helm/schema.py
+
+# The documentation site (docs/, mkdocs.yml) into var/site; the reference pages are generated from the code.
+docs: install
+	@$(PY) -m mkdocs build --strict
 
 clean:
 	rm -rf var/stack var/workers .pytest_cache

@@ -47,6 +47,38 @@ RECOMPUTE_CODES = (PULL_DISABLED, NO_RECORD, HANDLE_USED, KV_FREED_IDLE, KV_FREE
                    STORE_ERROR, CLAIM_REFUSED, CLAIM_MISMATCH, PULL_FAILED, WORKER_FAILED)
 VOCABULARY = frozenset((*PULL_CODES, *RECOMPUTE_CODES, UNKNOWN))
 
+# What each code means (the documentation's reason-code reference is generated from this; tests check it covers the
+# vocabulary exactly).
+DESCRIPTIONS: dict[str, str] = {
+    PULL_ALL: "the prompt extends the recorded tokens: all of them are pulled",
+    PULL_PREFIX: "the prompt shares whole blocks with the recorded tokens: those are pulled",
+    PULL_EXPLORE: "the cost model predicts recomputing faster, but the link is pulled to keep measuring it",
+    PULL_DISABLED: "the request disabled pulls (also re-plans after a failed worker)",
+    NO_RECORD: "no recorded KV for the session (first turn, another tenant's id, dropped record)",
+    HANDLE_USED: "the record's KV handle was already claimed by another turn",
+    KV_FREED_IDLE: "the scheduler freed the session's KV on its decode worker: idle past `--kv-idle-limit-s` "
+                   "(\"KV freed: idle\")",
+    KV_FREED_PRESSURE: "the scheduler freed the session's KV to make room on a decode worker whose KV cache was "
+                       "filling (\"KV freed under pressure\")",
+    EXPIRED: "the handle expired or expires within `--expiry-guard-s`",
+    DECODE_WORKER_UNAVAILABLE: "the decode worker holding the KV is gone, registered elsewhere, excluded or not "
+                               "answering",
+    INCONSISTENT_RECORD: "block size, covered tokens and hash chain of the record disagree",
+    DIVERGED: "the prompt diverges from the recorded tokens before enough whole blocks",
+    BELOW_THRESHOLD: "the prompt extends the record, but too few tokens are reusable",
+    HANDLE_UNUSABLE: "the recorded `kv_transfer_params` cannot be turned into a pull",
+    COST_MODEL: "the cost model predicts recomputing faster by more than the margin",
+    WOULD_EXPIRE: "the pull would end (waiting at P included) within the expiry guard of the handle's expiry",
+    STORE_UNAVAILABLE: "the registry or etcd could not be reached to read or claim the record (UNAVAILABLE, "
+                       "DEADLINE_EXCEEDED)",
+    STORE_ERROR: "the registry or etcd refused the read or claim otherwise",
+    CLAIM_REFUSED: "a concurrent turn claimed the handle first, or the record changed",
+    CLAIM_MISMATCH: "the claimed record gives another plan than the one planned with",
+    PULL_FAILED: "the gateway: the planned pull failed at P and the turn was run again as a recompute",
+    WORKER_FAILED: "the gateway: the prefill worker failed and the turn was planned again and recomputed on another",
+    UNKNOWN: "not a code of this vocabulary (e.g. from a newer or older scheduler): what metrics count it as",
+}
+
 
 def known(code: str) -> str:
     """``code`` when it is in the vocabulary, else ``unknown`` (metrics labels must stay bounded)."""

@@ -62,6 +62,10 @@ class RegistryLink:
         self._channel = fast_reconnect_channel(address, tls)  # notices a returning registry within ~2 s
         self._stub = registry_pb2_grpc.SessionRegistryStub(self._channel)
 
+    def metrics_state(self) -> metrics.WorkerState:
+        """Registrations so far and whether the lease is held now, for the worker's /metrics."""
+        return metrics.WorkerState(registrations=self.registrations, registered=self.registered.is_set())
+
     async def run(self) -> None:
         while True:
             await self._register()
@@ -185,7 +189,7 @@ class Agent:
                 return 0
             self.link = RegistryLink(self.cfg.registry, self._worker_record(), self.cfg.lease_ttl_s,
                                      on_registered=self._announce, tls=self.cfg.client_tls())
-            metrics.track_worker(self.link)
+            metrics.WORKER_STATE.register(self.link.metrics_state)
             link_task = asyncio.create_task(self.link.run(), name="registry-link")
             reason = await self._until_stopped(self._watch(link_task))
             if reason:

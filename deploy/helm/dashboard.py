@@ -157,7 +157,7 @@ def dashboard() -> dict:
         "title": "kvshuttle",
         "uid": "kvshuttle-overview",
         "description": "Turns, KV reuse and what it saves, latency by hop, workers and failures "
-                       "(metrics: README, Metrics)",
+                       "(metrics: docs/metrics.md)",
         "tags": ["kvshuttle", "llm", "vllm"],
         "timezone": "browser",
         "schemaVersion": 39,

@@ -2,7 +2,13 @@
 
 Metrics are defined once here, unregistered, in groups (``GROUPS``): each process's ``/metrics`` endpoint registers
 the groups it serves (:func:`registry_for`), so a gateway never shows a registry's gauges. ``CATALOGUE`` lists every
-metric (name, type, labels, help, component) for the README table and dashboard checks.
+metric (name, type, labels, help, component) for the generated metrics reference (docs/hooks/reference.py) and the dashboard checks.
+
+Events are recorded by the small functions below (``turn_answered``, ``plan_made``, ``etcd_op`` ...). State that a
+service keeps itself (counts, what workers hold) is read at scrape time through a small typed interface: the service
+registers a callable returning a frozen snapshot (``GATEWAY_STATE.register(runner.metrics_state)``, returning a
+:class:`GatewayState`; :class:`SchedulerState` with its :class:`DecodeKvRow` rows; :class:`WorkerState`), and this
+module only sums the snapshots of the services registered in the process. It never reads their attributes.
 
 Labels are bounded: decisions (pull, recompute), reason codes (:mod:`kvshuttle.control_plane.reasons`), token kinds, failure
 kinds, worker roles and states, gRPC methods that are registered on the server, etcd operation names, and the
@@ -16,13 +22,12 @@ import asyncio
 import inspect
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import grpc
 from kvshuttle.control_plane import kv_eviction, reasons
-from kvshuttle.v1 import common_pb2
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -183,25 +188,95 @@ def etcd_op(op: str, seconds: float, error: str = "") -> None:
         ETCD_ERRORS.labels(op, error).inc()
 
 
-# -- state read at scrape time (collectors over the live objects of this process) ------------------------------------
+# -- state read at scrape time: each service registers a callable that returns its typed snapshot --------------------
 
-class _Tracked(Collector):
-    """Reads the tracked objects of this process at scrape time (in the event loop: the endpoints serve there)."""
+@dataclass(frozen=True)
+class GatewayState:
+    """One gateway's turn logic (a TurnRunner): turns served without the session store, and KV handles it freed."""
 
-    def __init__(self, families: Callable[[], list], read: Callable[[list, Iterable[Any]], None]):
-        self._objects: weakref.WeakSet = weakref.WeakSet()
+    degraded: Mapping[str, int]  # kind -> turns (as GET /health's degraded counts)
+    released_handles: int
+
+
+@dataclass(frozen=True)
+class DecodeKvRow:
+    """What one decode worker holds between turns, as a scheduler's KV manager last read it, and what was freed."""
+
+    worker_id: str
+    held_sessions: int
+    held_tokens: int
+    held_bytes: int
+    usage: tuple[int, int] | None  # (used tokens, capacity) as its engine reports them; None when unknown
+    evictions: Mapping[str, int]  # reason -> handles freed
+    evicted_tokens: Mapping[str, int]  # reason -> KV tokens freed
+    failures: int  # freeing reads that failed
+
+
+@dataclass(frozen=True)
+class SchedulerState:
+    """One scheduler: the workers it plans with, its policies' regret, and the decode KV its KV manager sees."""
+
+    workers: Mapping[tuple[str, str], int]  # (role, state) -> workers; role in ROLES, state in WORKER_STATES
+    judged: Mapping[str, int]  # policy -> reported turns that had an alternative
+    regrets: Mapping[str, int]  # policy -> judged turns the alternative would have served faster
+    decode_kv: tuple[DecodeKvRow, ...] = ()  # empty when it manages no decode KV
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    """One worker agent's registration with the registry."""
+
+    registrations: int
+    registered: bool  # holds a lease now
+
+
+S = TypeVar("S")
+
+
+class StateCollector(Collector, Generic[S]):
+    """The metric families built from the snapshots (``S``) of the services registered in this process, read at
+    scrape time (in the event loop: the endpoints serve there).
+
+    A bound method is held weakly (``weakref.WeakMethod``): a stopped service's object can be collected, and its
+    source then disappears. Any other callable is held as it is. Registering a source again changes nothing.
+    """
+
+    def __init__(self, families: Callable[[], list], read: Callable[[list, list[S]], None]):
+        self._sources: list[Callable[[], Callable[[], S] | None]] = []
         self._families, self._read = families, read
 
-    def track(self, obj: Any) -> None:
-        self._objects.add(obj)
+    def register(self, source: Callable[[], S]) -> None:
+        """Export what ``source()`` returns at each scrape, summed with the other registered sources."""
+        if any(ref() == source for ref in self._sources):
+            return
+        if inspect.ismethod(source):
+            self._sources.append(weakref.WeakMethod(source))
+        else:
+            self._sources.append(_Strong(source))
+
+    def snapshots(self) -> list[S]:
+        """The current snapshot of each registered source still alive (dead ones are dropped)."""
+        alive = [(ref, fn) for ref in self._sources if (fn := ref()) is not None]
+        self._sources = [ref for ref, _ in alive]
+        return [fn() for _, fn in alive]
 
     def describe(self):
         return self._families()
 
     def collect(self):
         families = self._families()
-        self._read(families, list(self._objects))
+        self._read(families, self.snapshots())
         return families
+
+
+class _Strong:
+    """A strong reference with the call signature of a weak one."""
+
+    def __init__(self, target: Callable):
+        self._target = target
+
+    def __call__(self) -> Callable:
+        return self._target
 
 
 def _gateway_families() -> list:
@@ -212,17 +287,15 @@ def _gateway_families() -> list:
                                 "id), an ended session's")]
 
 
-def _read_gateway(families: list, runners: Iterable[Any]) -> None:
+def _read_gateway(families: list, states: list[GatewayState]) -> None:
     degraded, released = families
     totals: dict[str, int] = {}
-    freed = 0
-    for runner in runners:
-        for kind, n in runner.degraded.items():
+    for state in states:
+        for kind, n in state.degraded.items():
             totals[kind] = totals.get(kind, 0) + n
-        freed += runner.released_handles
     for kind, n in sorted(totals.items()):
         degraded.add_metric([kind], n)
-    released.add_metric([], freed)
+    released.add_metric([], sum(state.released_handles for state in states))
 
 
 def _scheduler_families() -> list:
@@ -254,52 +327,45 @@ def _scheduler_families() -> list:
                                 "with its decode worker's TTL)")]
 
 
-def _read_scheduler(families: list, services: Iterable[Any]) -> None:
+def _read_scheduler(families: list, states: list[SchedulerState]) -> None:
     workers, judged, regrets, *kv = families
-    _read_decode_kv(kv, services)
+    _read_decode_kv(kv, states)
     counts = {(role, state): 0 for role in ROLES for state in WORKER_STATES}
     turns: dict[str, int] = {}
     regretted: dict[str, int] = {}
-    for service in services:
-        for role_name, role in (("prefill", common_pb2.WORKER_ROLE_PREFILL), ("decode", common_pb2.WORKER_ROLE_DECODE)):
-            for w in service.workers.by_role(role):
-                healthy = service.loads.healthy(w.worker_id) if service.loads is not None else None
-                state = "unknown" if healthy is None else "live" if healthy else "unreachable"
-                counts[(role_name, state)] += 1
-        meter = service.planner.regret
-        for name in service.planner.policies:
-            turns[name] = turns.get(name, 0) + meter.turns.get(name, 0)
-            regretted[name] = regretted.get(name, 0) + meter.regrets.get(name, 0)
-    for (role, state), n in counts.items():
-        workers.add_metric([role, state], n)
+    for state in states:
+        for key, n in state.workers.items():
+            counts[key] = counts.get(key, 0) + n
+        for name, n in state.judged.items():
+            turns[name] = turns.get(name, 0) + n
+        for name, n in state.regrets.items():
+            regretted[name] = regretted.get(name, 0) + n
+    for (role, worker_state), n in counts.items():
+        workers.add_metric([role, worker_state], n)
     for name in sorted(turns):
         judged.add_metric([name], turns[name])
-        regrets.add_metric([name], regretted[name])
+        regrets.add_metric([name], regretted.get(name, 0))
 
 
-def _read_decode_kv(families: list, services: Iterable[Any]) -> None:
-    """The decode-KV families from each service's KV manager (``.kv``, None when it manages none)."""
+def _read_decode_kv(families: list, states: list[SchedulerState]) -> None:
+    """The decode-KV families: one series per row (decode worker) of each scheduler, the freeing counters summed."""
     sessions, tokens, nbytes, used, capacity, evictions, evicted, failures = families
     by_reason = dict.fromkeys(kv_eviction.REASONS, 0)
     tokens_by_reason = dict.fromkeys(kv_eviction.REASONS, 0)
     failed = 0
-    for service in services:
-        manager = getattr(service, "kv", None)
-        if manager is None:
-            continue
-        for worker_id, state in sorted(manager.decode.items()):
-            sessions.add_metric([worker_id], len(state.held))
-            tokens.add_metric([worker_id], state.held_tokens)
-            nbytes.add_metric([worker_id], sum(h.bytes for h in state.held))
-            usage = manager.usage(worker_id)
-            if usage is not None:
-                used.add_metric([worker_id], usage[0])
-                capacity.add_metric([worker_id], usage[1])
-            for reason, n in state.evictions.items():
+    for state in states:
+        for row in state.decode_kv:
+            sessions.add_metric([row.worker_id], row.held_sessions)
+            tokens.add_metric([row.worker_id], row.held_tokens)
+            nbytes.add_metric([row.worker_id], row.held_bytes)
+            if row.usage is not None:
+                used.add_metric([row.worker_id], row.usage[0])
+                capacity.add_metric([row.worker_id], row.usage[1])
+            for reason, n in row.evictions.items():
                 by_reason[reason] = by_reason.get(reason, 0) + n
-            for reason, n in state.evicted_by_reason.items():
+            for reason, n in row.evicted_tokens.items():
                 tokens_by_reason[reason] = tokens_by_reason.get(reason, 0) + n
-            failed += state.failures
+            failed += row.failures
     for reason in sorted(by_reason):
         evictions.add_metric([reason], by_reason[reason])
         evicted.add_metric([reason], tokens_by_reason.get(reason, 0))
@@ -312,31 +378,16 @@ def _worker_families() -> list:
             GaugeMetricFamily("kvshuttle_worker_registered", "1 while this worker holds a lease, else 0")]
 
 
-def _read_worker(families: list, links: Iterable[Any]) -> None:
+def _read_worker(families: list, states: list[WorkerState]) -> None:
     registrations, registered = families
-    links = list(links)
-    registrations.add_metric([], sum(link.registrations for link in links))
-    registered.add_metric([], float(any(link.registered.is_set() for link in links)))
+    registrations.add_metric([], sum(state.registrations for state in states))
+    registered.add_metric([], float(any(state.registered for state in states)))
 
 
-GATEWAY_STATE = _Tracked(_gateway_families, _read_gateway)
-SCHEDULER_STATE = _Tracked(_scheduler_families, _read_scheduler)
-WORKER_STATE = _Tracked(_worker_families, _read_worker)
-
-
-def track_gateway(runner: Any) -> None:
-    """Export ``runner.degraded`` and ``runner.released_handles`` (a TurnRunner) at scrape time."""
-    GATEWAY_STATE.track(runner)
-
-
-def track_scheduler(service: Any) -> None:
-    """Export the workers by state and the policies' regret of ``service`` (``.workers``, ``.loads``, ``.planner``)."""
-    SCHEDULER_STATE.track(service)
-
-
-def track_worker(link: Any) -> None:
-    """Export a worker agent's registrations (``.registrations``, ``.registered``)."""
-    WORKER_STATE.track(link)
+# Register a service's snapshot method: ``metrics.GATEWAY_STATE.register(runner.metrics_state)``.
+GATEWAY_STATE: StateCollector[GatewayState] = StateCollector(_gateway_families, _read_gateway)
+SCHEDULER_STATE: StateCollector[SchedulerState] = StateCollector(_scheduler_families, _read_scheduler)
+WORKER_STATE: StateCollector[WorkerState] = StateCollector(_worker_families, _read_worker)
 
 
 # -- groups and endpoints ------------------------------------------------------------------------------------------

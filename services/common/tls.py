@@ -13,7 +13,7 @@ Every service takes the same flags and environment variables (mixins for its con
 * ``EtcdSecurityConfig`` (registry, scheduler with ``--etcd-endpoints``): etcd's CA, client certificate, user name and
   password (``KVSHUTTLE_ETCD_*``).
 
-Empty settings keep plaintext. The vLLM workers' own gRPC servers are vLLM's and stay plaintext (see README).
+Empty settings keep plaintext. The vLLM workers' own gRPC servers are vLLM's and stay plaintext (see docs/security.md).
 """
 
 from __future__ import annotations

@@ -189,7 +189,7 @@ class GatewayService:
         routes = [*bridge_routes({REGISTRY_SERVICE: self.registry_channel,
                                   SCHEDULER_SERVICE: self.scheduler_channel}, to_registry),
                   *bridge_routes({SERVICE_NAME: self.self_channel}, to_gateway)]
-        metrics.track_gateway(self.runner)
+        metrics.GATEWAY_STATE.register(self.runner.metrics_state)
         registry = metrics.registry_for("gateway")
         self.metrics = MetricsServer(cfg.metrics_listen, registry, name="gateway") if cfg.metrics_listen else None
         if self.metrics is None:  # on the HTTP port, open like /health (no tenant, session or key in any label)

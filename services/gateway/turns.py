@@ -176,8 +176,8 @@ class TurnRunner:
         # report the snapshot stale (its claim is at our revision), and the turn reads the record and plans again.
         self._sessions: BoundedLru[common_pb2.Session] = BoundedLru(session_cache_bytes)
         self._reports: set[asyncio.Task] = set()  # outcome reports in flight (kept so they are not collected)
-        # Turns served without the session store (registry/etcd unreachable), by kind; GET /health shows them.
-        # (Issue #7 turns these into Prometheus metrics.)
+        # Turns served without the session store (registry/etcd unreachable), by kind; GET /health shows them, and
+        # /metrics (metrics_state).
         self.degraded: dict[str, int] = dict.fromkeys(DEGRADED_KINDS, 0)
         self.release_unused_handles = True
         self.free_unrecorded_kv = True  # free the KV of turns nothing records (no session id, record refused)
@@ -193,6 +193,10 @@ class TurnRunner:
     async def close(self) -> None:
         for client in self._engines.values():
             await client.close()
+
+    def metrics_state(self) -> metrics.GatewayState:
+        """This runner's counts for the gateway's /metrics (registered with ``metrics.GATEWAY_STATE``)."""
+        return metrics.GatewayState(degraded=dict(self.degraded), released_handles=self.released_handles)
 
     # -- prompt ----------------------------------------------------------------------------------------------
 

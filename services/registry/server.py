@@ -70,7 +70,8 @@ class RegistryService:
     def __init__(self, cfg: RegistryConfig):
         self.cfg = cfg
         self.store = EtcdStore(cfg.etcd_endpoints, cfg.key_prefix, timeout_s=cfg.etcd_timeout_s,
-                                   attempt_timeout_s=cfg.etcd_attempt_timeout_s, security=cfg.etcd_security())
+                               attempt_timeout_s=cfg.etcd_attempt_timeout_s, security=cfg.etcd_security(),
+                               on_op=metrics.etcd_op)
         self.servicer = SessionRegistryServicer(self.store, default_lease_ttl_s=cfg.worker_lease_ttl_s,
                                                 expiry_margin_s=cfg.expiry_margin_s)
         self.server = Server(cfg.listen, [SERVICE_NAME],

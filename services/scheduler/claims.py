@@ -1,11 +1,12 @@
 """How the scheduler reads a session record and claims its KV handle: through the registry, or in etcd directly.
 
 ``RegistryClaims`` calls the registry (``GetSession``, ``ClaimSession``): one more gRPC hop per call, but the
-scheduler needs no access to etcd. ``EtcdClaims`` runs the very same store code the registry runs
-(``EtcdStore.get_session`` / ``claim_session``: one etcd transaction that creates the record's claim key only
-while the record is at the planned revision and unclaimed, so a handle is claimed at most once whoever claims it) in
-the scheduler's own process, which saves the hop and the registry's CPU on the planning path. The scheduler picks
-``EtcdClaims`` when it is given etcd endpoints.
+scheduler needs no access to etcd. ``EtcdClaims`` runs the very same store code the registry runs, through the
+store's small ``ClaimStore`` interface (kvshuttle.services.store.interface; ``EtcdStore.get_session`` /
+``claim_session``: one etcd transaction that creates the record's claim key only while the record is at the planned
+revision and unclaimed, so a handle is claimed at most once whoever claims it) in the scheduler's own process, which
+saves the hop and the registry's CPU on the planning path. The scheduler picks ``EtcdClaims`` when it is given etcd
+endpoints.
 
 Both answer alike: ``get_session`` gives the record (``revision`` = its mod_revision) and the seconds until its handle
 expires, or None when there is none; ``claim`` gives a ``Claim`` (``known``, the caller's copy of the record at that
@@ -22,7 +23,7 @@ from typing import Protocol
 
 import grpc
 from kvshuttle.control_plane import session as session_rules
-from kvshuttle.services.store.etcd_store import EtcdStore, StoreError, StoreUnavailable
+from kvshuttle.services.store.interface import ClaimStore, StoreError, StoreUnavailable
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 
@@ -96,11 +97,11 @@ class RegistryClaims:
 
 
 class EtcdClaims:
-    """In etcd, with the registry's store (same keys, same transaction, same refusal reasons)."""
+    """In etcd, with the store the registry uses (same keys, same transaction, same refusal reasons)."""
 
     via = "etcd"
 
-    def __init__(self, store: EtcdStore, clock: Callable[[], float] = time.time):
+    def __init__(self, store: ClaimStore, clock: Callable[[], float] = time.time):
         self._store = store
         self._clock = clock
 
@@ -136,14 +137,14 @@ class EtcdClaims:
         return Claim(result.claimed, result.reason, result.session)
 
     async def campaign(self, name: str, holder: str, ttl_s: int) -> bool:
-        """Whether ``holder`` leads ``name`` among the replicas (EtcdStore.campaign)."""
+        """Whether ``holder`` leads ``name`` among the replicas (ClaimStore.campaign)."""
         try:
             return await self._store.campaign(name, holder, ttl_s)
         except StoreError as exc:
             raise _status(exc) from None
 
     async def held_on(self, worker_id: str) -> list[common_pb2.Session]:
-        """Summaries of the records whose unspent handle's KV lives on ``worker_id`` (EtcdStore.held_on_worker)."""
+        """Summaries of the records whose unspent handle's KV lives on ``worker_id`` (ClaimStore.held_on_worker)."""
         try:
             return await self._store.held_on_worker(worker_id)
         except StoreError as exc:

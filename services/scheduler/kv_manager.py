@@ -1,7 +1,7 @@
 """The scheduler's decode-KV manager: what each decode worker holds between turns, and freeing it before it hurts.
 
 Every ``interval_s`` it reads, per decode worker, the summaries of the session records whose unspent handle lives
-there (one etcd read: the worker-sessions index less the claims, ``EtcdStore.held_on_worker``), sets them next to
+there (one etcd read: the worker-sessions index less the claims, ``ClaimStore.held_on_worker``), sets them next to
 the engine's own KV usage (``LoadMonitor``: vLLM ``GetLoads``), and frees what ``kvshuttle.control_plane.kv_eviction`` chooses:
 sessions idle past the limit, and under pressure the handles least worth keeping. ``make_room`` does the same at
 once for a turn about to land on a decode worker without room for it.
@@ -11,7 +11,7 @@ reason (``free_reason``: no turn can pull it any more, and the next turn of the 
 have a live prefill worker read the handle's first block (``EngineClient.read_to_free``): the decode worker frees all
 of the handle's blocks after any read. A handle that a turn has claimed is never freed (the claim is refused).
 
-With several scheduler replicas, one leads the rounds (an etcd key on its lease, ``EtcdStore.campaign``): the
+With several scheduler replicas, one leads the rounds (an etcd key on its lease, ``ClaimStore.campaign``): the
 others read the same view for their stats and make room for the turns they plan, which claims keep from freeing
 one handle twice.
 """
@@ -33,6 +33,7 @@ from kvshuttle.control_plane import kv_eviction as ev
 from kvshuttle.control_plane import kv_params
 from kvshuttle.control_plane import session as session_rules
 from kvshuttle.control_plane.cost_model import PrefillCostModel
+from kvshuttle.services.common import metrics
 from kvshuttle.services.engine.client import EngineClient, EngineError
 from kvshuttle.services.scheduler.claims import ClaimsError, EtcdClaims
 from kvshuttle.services.scheduler.load_monitor import LoadMonitor
@@ -232,6 +233,14 @@ class KvManager:
             usage = self.usage(worker_id)
             if usage is not None:
                 row.used_tokens, row.capacity_tokens = usage
+
+    def metrics_rows(self) -> tuple[metrics.DecodeKvRow, ...]:
+        """Per decode worker (by id), what it holds and what was freed there, for the scheduler's /metrics."""
+        return tuple(metrics.DecodeKvRow(
+            worker_id=worker_id, held_sessions=len(state.held), held_tokens=state.held_tokens,
+            held_bytes=sum(h.bytes for h in state.held), usage=self.usage(worker_id),
+            evictions=dict(state.evictions), evicted_tokens=dict(state.evicted_by_reason), failures=state.failures)
+            for worker_id, state in sorted(self.decode.items()))
 
     def note_pull_lost(self, worker_id: str, reason: str) -> None:
         state = self.decode.setdefault(worker_id, DecodeKv())

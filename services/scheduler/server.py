@@ -29,7 +29,7 @@ from kvshuttle.services.scheduler.load_monitor import LoadMonitor
 from kvshuttle.services.scheduler.servicer import TransferSchedulerServicer
 from kvshuttle.services.scheduler.worker_view import WorkerView
 from kvshuttle.services.store.etcd_store import EtcdStore, parse_endpoints
-from kvshuttle.v1 import registry_pb2_grpc, scheduler_pb2_grpc
+from kvshuttle.v1 import common_pb2, registry_pb2_grpc, scheduler_pb2_grpc
 
 SERVICE_NAME = "kvshuttle.v1.TransferScheduler"
 log = logging.getLogger(__name__)
@@ -158,16 +158,31 @@ class SchedulerService:
                              [lambda s: scheduler_pb2_grpc.add_TransferSchedulerServicer_to_server(servicer, s)],
                              tls=cfg.server_tls(), max_message_bytes=cfg.max_message_bytes)
         self.address = self.server.address
-        metrics.track_scheduler(self)
+        metrics.SCHEDULER_STATE.register(self.metrics_state)
         self.metrics = (MetricsServer(cfg.metrics_listen, metrics.registry_for("scheduler"), name="scheduler")
                         if cfg.metrics_listen else None)
+
+    def metrics_state(self) -> metrics.SchedulerState:
+        """The workers by role and state (live: their load polls answer; unreachable: they fail; unknown: not polled
+        yet, or polling off), the policies' regret and the decode KV, for the scheduler's /metrics."""
+        counts = {(role, state): 0 for role in metrics.ROLES for state in metrics.WORKER_STATES}
+        for role_name, role in (("prefill", common_pb2.WORKER_ROLE_PREFILL), ("decode", common_pb2.WORKER_ROLE_DECODE)):
+            for w in self.workers.by_role(role):
+                healthy = self.loads.healthy(w.worker_id) if self.loads is not None else None
+                counts[(role_name, "unknown" if healthy is None else "live" if healthy else "unreachable")] += 1
+        meter = self.planner.regret
+        return metrics.SchedulerState(
+            workers=counts, judged={name: meter.turns.get(name, 0) for name in self.planner.policies},
+            regrets={name: meter.regrets.get(name, 0) for name in self.planner.policies},
+            decode_kv=self.kv.metrics_rows() if self.kv is not None else ())
 
     @staticmethod
     def make_claims(cfg: SchedulerConfig, registry: registry_pb2_grpc.SessionRegistryStub) -> SessionClaims:
         if not cfg.etcd_endpoints:
             return RegistryClaims(registry, cfg.registry_timeout_s)
         store = EtcdStore(cfg.etcd_endpoints, cfg.key_prefix, timeout_s=cfg.registry_timeout_s,
-                              attempt_timeout_s=cfg.registry_timeout_s / 2, security=cfg.etcd_security())
+                          attempt_timeout_s=cfg.registry_timeout_s / 2, security=cfg.etcd_security(),
+                          on_op=metrics.etcd_op)
         return EtcdClaims(store)
 
     async def start(self) -> None:

@@ -1,22 +1,14 @@
-"""The registry's etcd store: the only module that talks to etcd (through etcd3aio), so the client can be swapped.
+"""The etcd store of kvshuttle: the only module that talks to etcd (through etcd3aio), so the client can be swapped.
 
-Key layout under ``prefix`` (default ``/kvshuttle/``)::
-
-    workers/{worker_id}                   Worker proto, attached to the worker's lease (Worker.lease_id)
-    sessions/{tenant}/{session_id}        Session proto, attached to its own lease (TTL = seconds until expiry + grace)
-    sessions/{tenant}/{session_id}!claim  the record's claim (the claimed revision, as text), on the record's lease
-    worker-sessions/{worker_id}/{tenant}/{session_id}
-                                          the record's decode worker (an index), on the record's lease; its value is
-                                          a small summary of the record (a Session without ids, text or handle)
-    worker-claims/{worker_id}/{tenant}/{session_id}
-                                          the claimed revision (text), put by a claim next to the record's claim key,
-                                          on the record's lease: with the index, what each decode worker still holds
-    leaders/{name}                        the id of the replica that leads ``name`` (e.g. the scheduler replica that
-                                          frees decode KV), on that replica's lease
+Used by the registry (workers, sessions, leases) and by the scheduler when it reads and claims in etcd itself
+(through :class:`~kvshuttle.services.store.interface.ClaimStore`). The schema has one owner each: the key layout is
+:mod:`kvshuttle.services.store.keys`, the values :mod:`kvshuttle.services.store.codec`; this module holds the
+connection, the retries and the transactions.
 
 Session.revision and Session.lease_id in returned records are the key's mod_revision and lease. ``claim_session``
 creates the claim key in one transaction comparing them; ``put_session`` deletes it with the record it replaces.
-Errors surface as ``StoreUnavailable`` (etcd unreachable, no leader, timeout) or ``StoreError``.
+Errors surface as ``StoreUnavailable`` (etcd unreachable, no leader, timeout) or ``StoreError``. Each operation is
+reported to ``on_op`` (name, seconds, error kind): the services pass their metrics' ``etcd_op``.
 
 Pinned to etcd3aio 0.3.0: the watch stream and txn compares use its generated stubs (``etcd3aio._protobuf``) because
 the library's own watch hides reconnects (we re-send a snapshot after each) and has no mod_revision compare helper.
@@ -38,13 +30,16 @@ from etcd3aio._protobuf import Compare, WatchCreateRequest, WatchRequest, WatchS
 from etcd3aio.connections import ConnectionManager
 from etcd3aio.kv import KVService
 from etcd3aio.lease import LeaseService
-from google.protobuf.message import DecodeError
 from kvshuttle.control_plane.lru import BoundedLru
 from kvshuttle.control_plane.session import CHANGED, claim_refusal
-from kvshuttle.services.common import metrics
 from kvshuttle.services.common.tls import EtcdSecurity
+from kvshuttle.services.store import codec
 from kvshuttle.services.store.etcd_channel import EtcdAuthError, etcd_channel
+from kvshuttle.services.store.interface import ClaimResult, OpObserver, StoreError, StoreUnavailable, no_op
+from kvshuttle.services.store.keys import Keys, first_segment, session_ref
 from kvshuttle.v1 import common_pb2
+
+__all__ = ["ClaimResult", "EtcdStore", "StoreError", "StoreUnavailable", "WorkerEvent", "parse_endpoints"]
 
 log = logging.getLogger(__name__)
 
@@ -57,16 +52,6 @@ _CHANNEL_OPTIONS = [
 # etcd fails a watch instead of hanging when its member has no leader (clientv3.WithRequireLeader).
 _REQUIRE_LEADER = (("hasleader", "true"),)
 _EVENT_PUT = 0
-# A session's claim key is its record's key + this: ids never contain "!", and it sorts before every id character.
-_CLAIM_SUFFIX = "!claim"
-
-
-class StoreError(Exception):
-    """etcd answered with an error that is not about reachability."""
-
-
-class StoreUnavailable(StoreError):
-    """etcd is unreachable, has no leader, or did not answer in time."""
 
 
 @dataclass(frozen=True)
@@ -75,14 +60,6 @@ class WorkerEvent:
 
     kind: str
     workers: tuple[common_pb2.Worker, ...]
-
-
-@dataclass(frozen=True)
-class ClaimResult:
-    claimed: bool
-    reason: str
-    # Claimed: the stored record at the claimed revision, with its handle. Refused: the current record without handle.
-    session: common_pb2.Session | None
 
 
 def parse_endpoints(endpoints: str | Sequence[str]) -> list[str]:
@@ -99,11 +76,14 @@ class EtcdStore:
 
     def __init__(self, endpoints: str | Sequence[str], prefix: str = "/kvshuttle/", *, timeout_s: float = 5.0,
                  attempt_timeout_s: float = 2.0, recent_sessions_bytes: int = 64 << 20,
-                 security: EtcdSecurity | None = None):
-        """``security``: TLS towards etcd and/or its user/password auth (None: plaintext, no auth)."""
+                 security: EtcdSecurity | None = None, on_op: OpObserver = no_op):
+        """``security``: TLS towards etcd and/or its user/password auth (None: plaintext, no auth). ``on_op`` is told
+        of each operation: its name, its seconds (retries included) and "" / "unavailable" / "error"."""
         self.endpoints = parse_endpoints(endpoints)
         self.security = security
-        self.prefix = prefix if prefix.endswith("/") else prefix + "/"
+        self.keys = Keys.under(prefix)
+        self.prefix = self.keys.prefix
+        self.on_op = on_op
         self.timeout_s = timeout_s
         self.attempt_timeout_s = min(attempt_timeout_s, timeout_s)
         self._channel: grpc.aio.Channel | None = None
@@ -148,7 +128,7 @@ class EtcdStore:
         await self.close()
 
     async def _call(self, op: str, fn, *args, **kwargs):
-        """:meth:`_attempts`, timed and counted for the metrics (kvshuttle_etcd_*, by ``op``)."""
+        """:meth:`_attempts`, timed and reported to ``on_op`` (the metrics: kvshuttle_etcd_*, by ``op``)."""
         started, error = time.perf_counter(), ""
         try:
             return await self._attempts(op, fn, *args, **kwargs)
@@ -156,7 +136,7 @@ class EtcdStore:
             error = "unavailable" if isinstance(exc, StoreUnavailable) else "error"
             raise
         finally:
-            metrics.etcd_op(op, time.perf_counter() - started, error)
+            self.on_op(op, time.perf_counter() - started, error)
 
     async def _attempts(self, op: str, fn, *args, **kwargs):
         """Run ``fn(*args, **kwargs)`` (an etcd3aio call) with a short per-attempt deadline, retrying transient
@@ -222,7 +202,7 @@ class EtcdStore:
 
     async def ping(self) -> None:
         """Raises StoreUnavailable unless etcd answers a linearizable read."""
-        await self._call("ping", self.kv.get, self.prefix + "ping")
+        await self._call("ping", self.kv.get, self.keys.ping)
 
     # -- leases ----------------------------------------------------------------------------------------------
 
@@ -268,32 +248,27 @@ class EtcdStore:
     # -- workers ---------------------------------------------------------------------------------------------
 
     def worker_key(self, worker_id: str) -> str:
-        return f"{self.prefix}workers/{worker_id}"
-
-    @property
-    def _workers_prefix(self) -> str:
-        return f"{self.prefix}workers/"
+        return self.keys.worker(worker_id)
 
     async def put_worker(self, worker: common_pb2.Worker) -> None:
         """Store ``worker`` attached to ``worker.lease_id``. StoreError when that lease does not exist."""
-        await self._call("put worker", self.kv.put, self.worker_key(worker.worker_id), worker.SerializeToString(),
+        await self._call("put worker", self.kv.put, self.keys.worker(worker.worker_id), codec.worker_value(worker),
                          lease=worker.lease_id)
 
     async def get_worker(self, worker_id: str) -> common_pb2.Worker | None:
-        resp = await self._call("get worker", self.kv.get, self.worker_key(worker_id))
-        return _parse_worker(resp.kvs[0].value) if resp.kvs else None
+        resp = await self._call("get worker", self.kv.get, self.keys.worker(worker_id))
+        return codec.parse_worker(resp.kvs[0].value) if resp.kvs else None
 
     async def list_workers(self) -> list[common_pb2.Worker]:
         return (await self._list_workers_at())[0]
 
     async def _list_workers_at(self) -> tuple[list[common_pb2.Worker], int]:
-        resp = await self._call("list workers", self.kv.get, self._workers_prefix,
-                                prefix_range_end(self._workers_prefix))
-        workers = [w for w in (_parse_worker(kv.value) for kv in resp.kvs) if w is not None]
+        resp = await self._call("list workers", self.kv.get, self.keys.workers, prefix_range_end(self.keys.workers))
+        workers = [w for w in (codec.parse_worker(kv.value) for kv in resp.kvs) if w is not None]
         return sorted(workers, key=lambda w: w.worker_id), resp.header.revision
 
     async def delete_worker(self, worker_id: str) -> bool:
-        resp = await self._call("delete worker", self.kv.delete, self.worker_key(worker_id))
+        resp = await self._call("delete worker", self.kv.delete, self.keys.worker(worker_id))
         return resp.deleted > 0
 
     async def watch_workers(self, *, raise_first: bool = True) -> AsyncIterator[WorkerEvent]:
@@ -331,8 +306,7 @@ class EtcdStore:
     async def _watch_workers_from(self, revision: int) -> AsyncIterator[WorkerEvent]:
         if self._watch is None:
             raise RuntimeError("EtcdStore is not connected")
-        create = WatchCreateRequest(key=self._workers_prefix.encode(),
-                                    range_end=prefix_range_end(self._workers_prefix),
+        create = WatchCreateRequest(key=self.keys.workers.encode(), range_end=prefix_range_end(self.keys.workers),
                                     start_revision=revision, prev_kv=True)
 
         async def requests() -> AsyncIterator[WatchRequest]:
@@ -346,13 +320,13 @@ class EtcdStore:
                     raise _WatchLost(f"watch canceled by etcd ({resp.cancel_reason or 'compacted'})")
                 for ev in resp.events:
                     if ev.type == _EVENT_PUT:
-                        worker = _parse_worker(ev.kv.value)
+                        worker = codec.parse_worker(ev.kv.value)
                         if worker is not None:
                             yield WorkerEvent("put", (worker,))
                     else:
-                        worker = _parse_worker(ev.prev_kv.value) if ev.HasField("prev_kv") else None
+                        worker = codec.parse_worker(ev.prev_kv.value) if ev.HasField("prev_kv") else None
                         if worker is None:
-                            worker = common_pb2.Worker(worker_id=ev.kv.key.decode()[len(self._workers_prefix):])
+                            worker = common_pb2.Worker(worker_id=self.keys.worker_id_of(ev.kv.key.decode()))
                         yield WorkerEvent("delete", (worker,))
         finally:
             call.cancel()
@@ -360,18 +334,17 @@ class EtcdStore:
     # -- sessions --------------------------------------------------------------------------------------------
 
     def session_key(self, tenant: str, session_id: str) -> str:
-        return f"{self.prefix}sessions/{tenant}/{session_id}"
+        return self.keys.session(tenant, session_id)
 
     def claim_key(self, tenant: str, session_id: str) -> str:
-        """The claim of a session's current record: a small key right after the record's (see _session_range_end)."""
-        return self.session_key(tenant, session_id) + _CLAIM_SUFFIX
+        return self.keys.claim(tenant, session_id)
 
     async def get_session(self, tenant: str, session_id: str) -> common_pb2.Session | None:
         """The record with ``revision`` = its mod_revision and ``lease_id`` = its lease, or None. A claimed record
         comes with ``claimed`` set and its handle cleared. One range read returns the record and its claim."""
-        key = self.session_key(tenant, session_id)
-        resp = await self._call("get session", self.kv.get, key, _session_range_end(key))
-        session = _session_from(resp.kvs, key)
+        key = self.keys.session(tenant, session_id)
+        resp = await self._call("get session", self.kv.get, key, self.keys.session_range_end(key))
+        session = codec.session_from(resp.kvs, key)
         if session is not None and not session.claimed:
             self._recent.put(key, session)
         return session
@@ -384,18 +357,16 @@ class EtcdStore:
         it was made on. Returns the stored record (with its new revision and lease), or None when the record changed
         meanwhile. The lease of the replaced record is revoked (best effort) since nothing else hangs on it.
         """
-        key = self.session_key(session.tenant, session.session_id)
-        record = common_pb2.Session()
-        record.CopyFrom(session)
-        record.revision, record.lease_id, record.claimed = 0, 0, False
-        value = record.SerializeToString()
-        index = ([KVService.txn_op_put(self.worker_session_key(record.decode_worker_id, session.tenant,
-                                                               session.session_id), _summary(record), lease=lease_id)]
+        key = self.keys.session(session.tenant, session.session_id)
+        record, value = codec.stored_record(session)
+        index = ([KVService.txn_op_put(self.keys.worker_session(record.decode_worker_id, session.tenant,
+                                                                session.session_id), codec.summary(record),
+                                       lease=lease_id)]
                  if record.decode_worker_id else [])
         resp = await self._call("put session", self.kv.txn,
                                 [_mod_revision_is(key, expect_revision)],
                                 [KVService.txn_op_put(key, value, lease=lease_id, prev_kv=True),
-                                 KVService.txn_op_delete(key + _CLAIM_SUFFIX), *index],
+                                 KVService.txn_op_delete(self.keys.claim_of(key)), *index],
                                 [KVService.txn_op_get(key)])
         record.lease_id = lease_id
         if not resp.succeeded:
@@ -412,16 +383,15 @@ class EtcdStore:
         return record
 
     def worker_session_key(self, worker_id: str, tenant: str, session_id: str) -> str:
-        """The index entry saying that a session's KV lives on ``worker_id`` (it ends with the record's lease)."""
-        return f"{self.prefix}worker-sessions/{worker_id}/{tenant}/{session_id}"
+        return self.keys.worker_session(worker_id, tenant, session_id)
 
     def worker_claim_key(self, worker_id: str, tenant: str, session_id: str) -> str:
-        return f"{self.prefix}worker-claims/{worker_id}/{tenant}/{session_id}"
+        return self.keys.worker_claim(worker_id, tenant, session_id)
 
     async def held_on_worker(self, worker_id: str) -> list[common_pb2.Session]:
         """Summaries (no ids, text or handle; ``revision`` set) of the records whose unspent handle's KV lives on
         ``worker_id``: the worker-sessions index less the claimed revisions, read in one transaction."""
-        index, claims = (f"{self.prefix}{kind}/{worker_id}/" for kind in ("worker-sessions", "worker-claims"))
+        index, claims = self.keys.worker_sessions_of(worker_id), self.keys.worker_claims_of(worker_id)
         resp = await self._call("list held kv", self.kv.txn, [], [
             KVService.txn_op_get(index, range_end=prefix_range_end(index)),
             KVService.txn_op_get(claims, range_end=prefix_range_end(claims))], [])
@@ -429,10 +399,10 @@ class EtcdStore:
         held = []
         for kv in resp.responses[0].response_range.kvs:
             name = kv.key.decode()[len(index):]
-            tenant, _, session_id = name.partition("/")
-            if not session_id or claimed.get(name) == str(kv.mod_revision).encode():
+            tenant, session_id = session_ref(name)
+            if not session_id or claimed.get(name) == codec.worker_claim_value(kv.mod_revision):
                 continue
-            summary = _parse_session(kv.value, kv.mod_revision)
+            summary = codec.parse_session(kv.value, kv.mod_revision)
             if summary is None or summary.covered_tokens <= 0:  # an older, empty index entry: no summary to go by
                 continue
             summary.tenant, summary.session_id, summary.decode_worker_id = tenant, session_id, worker_id
@@ -444,7 +414,7 @@ class EtcdStore:
         """Whether ``holder`` leads ``name`` (key ``leaders/{name}``, on a lease of ``ttl_s`` that each call keeps
         alive): it takes the key when nobody holds it, and loses it when its lease ends (a call missed for ``ttl_s``,
         or etcd away). One leader at a time among the replicas that campaign for the same name."""
-        key = f"{self.prefix}leaders/{name}"
+        key = self.keys.leader(name)
         lease = self._leases.get(name)
         if lease is not None and await self.keep_alive_once(lease) is None:
             self._leases.pop(name, None)
@@ -453,21 +423,21 @@ class EtcdStore:
             lease, _ = await self.grant_lease(ttl_s)
             self._leases[name] = lease
         resp = await self._call("campaign", self.kv.txn, [_absent(key)],
-                                [KVService.txn_op_put(key, holder.encode(), lease=lease)],
+                                [KVService.txn_op_put(key, codec.leader_value(holder), lease=lease)],
                                 [KVService.txn_op_get(key)])
         if resp.succeeded:
             return True
         kvs = resp.responses[0].response_range.kvs
-        return bool(kvs) and kvs[0].value == holder.encode() and kvs[0].lease == lease
+        return bool(kvs) and kvs[0].value == codec.leader_value(holder) and kvs[0].lease == lease
 
     async def sessions_on_worker(self, worker_id: str) -> list[tuple[str, str]]:
         """(tenant, session id) of the records whose KV lives on ``worker_id`` (keys only: no record is read)."""
-        prefix = f"{self.prefix}worker-sessions/{worker_id}/"
+        prefix = self.keys.worker_sessions_of(worker_id)
         resp = await self._call("list worker sessions", self.kv.get, prefix, prefix_range_end(prefix),
                                 keys_only=True)
         found = []
         for kv in resp.kvs:
-            tenant, _, session_id = kv.key.decode()[len(prefix):].partition("/")
+            tenant, session_id = session_ref(kv.key.decode()[len(prefix):])
             if session_id:
                 found.append((tenant, session_id))
         return found
@@ -475,17 +445,17 @@ class EtcdStore:
     async def count_sessions(self) -> int:
         """How many session records there are, from the worker-sessions index (a serializable count: no keys are
         returned; an index entry outlives its record only when revoking a replaced record's lease failed)."""
-        prefix = f"{self.prefix}worker-sessions/"
+        prefix = self.keys.worker_sessions
         resp = await self._call("count sessions", self.kv.get, prefix, prefix_range_end(prefix), serializable=True,
                                 count_only=True)
         return resp.count
 
     async def indexed_workers(self) -> set[str]:
         """Worker ids that the worker-sessions index names (keys only)."""
-        prefix = f"{self.prefix}worker-sessions/"
+        prefix = self.keys.worker_sessions
         resp = await self._call("list indexed workers", self.kv.get, prefix, prefix_range_end(prefix),
                                 keys_only=True)
-        return {kv.key.decode()[len(prefix):].partition("/")[0] for kv in resp.kvs}
+        return {first_segment(kv.key.decode()[len(prefix):]) for kv in resp.kvs}
 
     async def drop_sessions_on_worker(self, worker_id: str) -> int:
         """Delete every record whose KV lives on ``worker_id`` (it is gone: the worker's lease ended), by revoking
@@ -495,16 +465,16 @@ class EtcdStore:
             record = await self.get_session(tenant, session_id)
             if record is None or record.decode_worker_id != worker_id or not record.lease_id:
                 continue
-            self._recent.discard(self.session_key(tenant, session_id))
+            self._recent.discard(self.keys.session(tenant, session_id))
             if await self.revoke_lease(record.lease_id):
                 dropped += 1
         return dropped
 
     async def delete_session(self, tenant: str, session_id: str) -> bool:
         """Delete the record (and its claim) and revoke its lease; False when there was none."""
-        key = self.session_key(tenant, session_id)
+        key = self.keys.session(tenant, session_id)
         self._recent.discard(key)
-        resp = await self._call("delete session", self.kv.delete, key, _session_range_end(key), prev_kv=True)
+        resp = await self._call("delete session", self.kv.delete, key, self.keys.session_range_end(key), prev_kv=True)
         for lease in {kv.lease for kv in resp.prev_kvs} - {0}:
             await self._revoke_quietly(lease)
         return any(kv.key == key.encode() for kv in resp.prev_kvs)
@@ -523,7 +493,7 @@ class EtcdStore:
         show it as ``kv_freed``. The claim is also noted under the decode worker (``worker-claims/``), so what a
         worker still holds reads without the records.
         """
-        key = self.session_key(tenant, session_id)
+        key = self.keys.session(tenant, session_id)
         # The record at ``revision`` is immutable: its lease and expiry, from the caller or from this process's own
         # recent reads and writes, need no read. The transaction compares revision and lease, so a wrong or
         # outdated hint costs a refusal or one more round trip, never a second claim.
@@ -533,19 +503,19 @@ class EtcdStore:
             hint = await self.get_session(tenant, session_id)
             reason = claim_refusal(hint, revision, now)
             if reason is not None:
-                return ClaimResult(False, reason, _handle_cleared(hint))
+                return ClaimResult(False, reason, codec.handle_cleared(hint))
+        claim_key = self.keys.claim_of(key)
         for attempt in range(2):
             try:
                 resp = await self._call(
                     "claim session", self.kv.txn,
-                    [_mod_revision_is(key, revision), _lease_is(key, hint.lease_id), _absent(key + _CLAIM_SUFFIX)],
-                    [KVService.txn_op_put(key + _CLAIM_SUFFIX, _claim_value(revision, free_reason),
-                                          lease=hint.lease_id),
+                    [_mod_revision_is(key, revision), _lease_is(key, hint.lease_id), _absent(claim_key)],
+                    [KVService.txn_op_put(claim_key, codec.claim_value(revision, free_reason), lease=hint.lease_id),
                      KVService.txn_op_get(key),
-                     *([KVService.txn_op_put(self.worker_claim_key(hint.decode_worker_id, tenant, session_id),
-                                             str(revision).encode(), lease=hint.lease_id)]
+                     *([KVService.txn_op_put(self.keys.worker_claim(hint.decode_worker_id, tenant, session_id),
+                                             codec.worker_claim_value(revision), lease=hint.lease_id)]
                        if hint.decode_worker_id else [])],
-                    [KVService.txn_op_get(key, range_end=_session_range_end(key))])
+                    [KVService.txn_op_get(key, range_end=self.keys.session_range_end(key))])
             except StoreUnavailable:
                 raise
             except StoreError as exc:
@@ -554,22 +524,23 @@ class EtcdStore:
                 raise
             if resp.succeeded:
                 self._recent.discard(key)
-                won = _session_from(resp.responses[1].response_range.kvs, key)
+                won = codec.session_from(resp.responses[1].response_range.kvs, key)
                 # The real record (the hint may have been wrong about its handle or expiry); the claim stands
                 # either way, and a handle that cannot be used has nothing to pull.
                 reason = claim_refusal(won, revision, now)
                 if reason is not None:
-                    return ClaimResult(False, reason, _handle_cleared(won))
+                    return ClaimResult(False, reason, codec.handle_cleared(won))
                 won.claimed, won.kv_freed = True, free_reason
                 return ClaimResult(True, "", won)
             # Also when an earlier attempt of ours committed but its answer was lost (etcd failover): then the
             # handle goes unused and the next turn recomputes, which is safe; two pulls of one handle are not.
-            current = _session_from(resp.responses[0].response_range.kvs, key)
+            current = codec.session_from(resp.responses[0].response_range.kvs, key)
             reason = claim_refusal(current, revision, now)
             if reason is None and current.lease_id != hint.lease_id and attempt == 0:
                 hint = current  # only the hint's lease was wrong: once more with the record's own
                 continue
-            return ClaimResult(False, reason or f"{CHANGED}: revision {revision} is gone", _handle_cleared(current))
+            return ClaimResult(False, reason or f"{CHANGED}: revision {revision} is gone",
+                               codec.handle_cleared(current))
         raise AssertionError("unreachable")
 
 
@@ -613,72 +584,3 @@ def _lease_is(key: str, lease_id: int) -> Compare:
 
 def _absent(key: str) -> Compare:
     return Compare(result=Compare.EQUAL, target=Compare.CREATE, key=key.encode(), create_revision=0)
-
-
-def _session_range_end(record_key: str) -> bytes:
-    """End of the range holding exactly a session's record and its claim key: ids use no character below '+', so
-    no other session's key starts with the record's key followed by a character below '"' (the claim's '!')."""
-    return (record_key + '"').encode()
-
-
-def _session_from(kvs, key: str) -> common_pb2.Session | None:
-    """The record among ``kvs`` (a range up to _session_range_end), claimed when its claim key is there too: the handle
-    is cleared then (it is spent)."""
-    record = claim = None
-    for kv in kvs:
-        if kv.key == key.encode():
-            record = kv
-        elif kv.key == (key + _CLAIM_SUFFIX).encode():
-            claim = kv
-    if record is None:
-        return None
-    session = _parse_session(record.value, record.mod_revision)
-    if session is None:
-        return None
-    session.lease_id = record.lease
-    if claim is not None:
-        session.claimed = True
-        session.kv_transfer_params_json = ""
-        _, _, session.kv_freed = claim.value.decode(errors="replace").partition(" ")
-    return session
-
-
-def _claim_value(revision: int, free_reason: str) -> bytes:
-    """A claim key's value: the claimed revision, then the free reason when the claim freed the KV."""
-    return f"{revision} {free_reason}".encode() if free_reason else str(revision).encode()
-
-
-def _summary(record: common_pb2.Session) -> bytes:
-    """The index entry's value: what the KV manager weighs a held handle by (tens of bytes, whatever the history)."""
-    summary = common_pb2.Session(covered_tokens=record.covered_tokens, block_size=record.block_size, turn=record.turn)
-    for name in ("expires_at", "updated_at", "created_at"):
-        if record.HasField(name):
-            getattr(summary, name).CopyFrom(getattr(record, name))
-    return summary.SerializeToString()
-
-
-def _parse_worker(value: bytes) -> common_pb2.Worker | None:
-    try:
-        return common_pb2.Worker.FromString(value)
-    except DecodeError:
-        log.warning("skipping a worker record that does not parse (%d bytes)", len(value))
-        return None
-
-
-def _parse_session(value: bytes, mod_revision: int) -> common_pb2.Session | None:
-    try:
-        session = common_pb2.Session.FromString(value)
-    except DecodeError:
-        log.warning("ignoring a session record that does not parse (%d bytes)", len(value))
-        return None
-    session.revision = mod_revision
-    return session
-
-
-def _handle_cleared(session: common_pb2.Session | None) -> common_pb2.Session | None:
-    if session is None:
-        return None
-    out = common_pb2.Session()
-    out.CopyFrom(session)
-    out.kv_transfer_params_json = ""
-    return out

@@ -309,7 +309,7 @@ def merged_values(profile: str) -> dict:
 
 
 def expected_worker_flags(values: dict, role: str) -> list[str]:
-    """The `kvshuttle worker` flags the chart's values mean (deploy/helm/README.md, "Worker settings")."""
+    """The `kvshuttle worker` flags the chart's values mean (deploy/README.md, "Settings": worker values)."""
     model = values["model"]
     model_dir = {"build": "/models/tiny", "huggingface": "/models/hf"}.get(
         model["source"], f"/models/{model.get('path', '')}".rstrip("/"))

@@ -13,7 +13,7 @@ from kvshuttle.services.devtools.demo import run_demo
 from kvshuttle.v1 import gateway_pb2, gateway_pb2_grpc, scheduler_pb2
 from openai import AsyncOpenAI
 
-from tests.e2e.helpers import flush_prefill, new_session, user_turn
+from tests.support.e2e import flush_prefill, new_session, user_turn
 from tests.support.grpcurl import check_serving
 
 pytestmark = pytest.mark.e2e

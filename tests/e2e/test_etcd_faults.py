@@ -23,9 +23,10 @@ from kvshuttle.control_plane.session import STORE_UNAVAILABLE
 from kvshuttle.services.common.grpc_server import client_channel
 from kvshuttle.services.devtools.etcd_process import EtcdCluster
 from kvshuttle.services.store.etcd_store import EtcdStore
-from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
-from tests.e2e.helpers import new_session
+from tests.support.e2e import new_session
+from tests.support.waits import until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 CLIENT_TIMEOUT_S = 120  # far above any control timeout: a hang fails the turn instead of the test run
@@ -99,24 +100,29 @@ async def _workers(stack) -> dict[str, common_pb2.Worker]:
 
 
 async def _until(pred, timeout_s: float, what: str) -> float:
-    t = time.monotonic()
-    while True:
+    """``until(pred)``, where an error means "not yet" (the stack is still recovering); returns the seconds it
+    took."""
+    t, errors = time.monotonic(), []
+
+    async def check() -> bool:
         try:
-            if await pred():
-                return time.monotonic() - t
+            return await pred()
         except Exception as exc:  # noqa: BLE001 - still recovering
-            last = exc
-        else:
-            last = None
-        assert time.monotonic() - t < timeout_s, f"{what} (last error: {last!r})"
-        await asyncio.sleep(0.5)
+            errors.append(exc)
+            return False
+
+    try:
+        await until(check, timeout_s, what, interval_s=0.5)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; last error: {errors[-1]!r}" if errors else str(exc)) from None
+    return time.monotonic() - t
 
 
 async def _restore_workers(stack, expected: set[str]) -> float:
     """Wait until every worker of the stack is registered again (the agents re-register on their own)."""
     async def all_back() -> bool:
         return expected <= set(await _workers(stack))
-    return await _until(all_back, RECOVERY_S, f"workers {expected} did not all register again")
+    return await _until(all_back, RECOVERY_S, f"workers {expected} to register again")
 
 
 async def test_leader_kill_during_conversations_fails_no_turn(stack):
@@ -138,8 +144,11 @@ async def test_leader_kill_during_conversations_fails_no_turn(stack):
         assert leader is not None, "no etcd leader"
         cluster.kill(leader)
         killed.update(index=leader, at=time.monotonic())
-        while (new := await asyncio.to_thread(cluster.leader)) is None:
-            await asyncio.sleep(0.05)
+        async def elected() -> tuple[int] | None:  # (the new leader's index: 0 is one)
+            leader = await asyncio.to_thread(cluster.leader)
+            return None if leader is None else (leader,)
+
+        (new,) = await until(elected, 30, "a new etcd leader", interval_s=0.05)
         killed.update(new=new, elected=time.monotonic())
 
     t0 = time.monotonic()
@@ -149,7 +158,7 @@ async def test_leader_kill_during_conversations_fails_no_turn(stack):
     finally:
         if "index" in killed:
             await cluster.arestart(killed["index"])
-            await _until(lambda: asyncio.to_thread(cluster.healthy), RECOVERY_S, "etcd cluster not healthy")
+            await _until(lambda: asyncio.to_thread(cluster.healthy), RECOVERY_S, "the etcd cluster to be healthy")
 
     turns = [t for c in convs for t in c.turns]
     _show(f"leader m{killed['index']} killed at +{killed['at'] - t0:.2f}s, m{killed['new']} leads from "
@@ -181,7 +190,7 @@ async def test_etcd_down_turns_recompute_and_pull_again_when_it_returns(stack):
                 outage.append(await conv.turn(client))
             while time.monotonic() - down_at < lease_ttl_s + 3:  # longer than the workers' lease TTL
                 outage.append(await b.turn(client))
-                await asyncio.sleep(1.0)
+                await asyncio.sleep(1.0)  # a turn a second while the outage lasts (its length is what is tested)
             counts_during = (await _health(client))["degraded"]
         finally:
             up_at = time.monotonic()
@@ -199,7 +208,7 @@ async def test_etcd_down_turns_recompute_and_pull_again_when_it_returns(stack):
     async def registered_again() -> bool:
         now = await _workers(stack)
         return all(w in now and now[w].lease_id != workers_before[w].lease_id for w in workers_before)
-    await _until(registered_again, RECOVERY_S, "the workers did not register again after the outage")
+    await _until(registered_again, RECOVERY_S, "the workers to register again after the outage")
     back_in = time.monotonic() - healthy_at
     workers_after = await _workers(stack)
 
@@ -241,8 +250,15 @@ async def test_worker_registers_again_after_its_lease_is_lost(stack):
             async def all_new() -> bool:
                 now = await _workers(stack)
                 return set(now) == set(before) and all(now[w].lease_id != before[w].lease_id for w in before)
-            back = await _until(all_new, RECOVERY_S, "the workers did not register again")
-            await asyncio.sleep(0.5)  # the scheduler's worker watch delivers the registrations
+            back = await _until(all_new, RECOVERY_S, "the workers to register again")
+
+            async def scheduler_has_all() -> bool:  # its worker watch delivered the registrations (and a load poll)
+                async with client_channel(stack.scheduler_address) as channel:
+                    stats = await scheduler_pb2_grpc.TransferSchedulerStub(channel).GetStats(
+                        scheduler_pb2.GetStatsRequest(), timeout=5)
+                return {row.worker_id for row in stats.loads if row.reachable} >= set(before)
+
+            await _until(scheduler_has_all, RECOVERY_S, "the scheduler to have every worker again")
             first = await conv.turn(client)
             second = await conv.turn(client)
     finally:

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvshuttle.v1 import gateway_pb2, gateway_pb2_grpc
 
-from tests.e2e.helpers import new_session
+from tests.support.e2e import new_session
 
 pytestmark = pytest.mark.e2e
 EXAMPLES = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)

@@ -6,7 +6,7 @@ A dedicated gateway (context 512 tokens, 8 tokens by default, so valid requests 
 (wrong types, missing fields, out-of-range numbers, malformed session ids, odd strings and headers) in its coverage
 and fuzzing phases, derandomized, and checks that nothing answers a 5xx, that every status and content type is one
 the document declares, that responses match their schemas, that schema-violating requests are refused, and (our
-hooks, ``schemathesis_hooks.py``) that every error is JSON with a message and every event stream ends cleanly.
+hooks, ``tests/support/schemathesis_hooks.py``) that every error is JSON with a message and every event stream ends cleanly.
 Afterwards both gateways still serve a conversation.
 """
 
@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.helpers import chat, new_session, spawn_gateway
+from tests.support.e2e import chat, new_session, spawn_gateway
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
@@ -59,7 +59,7 @@ EXPECTED_OPERATIONS = {
 
 async def run_schemathesis(base_url: str, out: Path) -> tuple[int, str]:
     junit = out / "junit.xml"
-    env = {**os.environ, "SCHEMATHESIS_HOOKS": "tests.e2e.schemathesis_hooks",
+    env = {**os.environ, "SCHEMATHESIS_HOOKS": "tests.support.schemathesis_hooks",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = await asyncio.create_subprocess_exec(
         str(Path(sys.executable).with_name("schemathesis")), "--no-color", "run", f"{base_url}/openapi.json",

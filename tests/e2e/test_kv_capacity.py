@@ -15,7 +15,6 @@ the next turns would wait for blocks that only the TTL frees (minutes). With it:
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import httpx
@@ -25,8 +24,8 @@ from kvshuttle.services.devtools.stack import cpu_binds
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from openai import AsyncOpenAI
 
-from tests.e2e.helpers import Paused, chat, new_session, user_turn
-from tests.e2e.test_load_aware import EXTRA_STARTUP_TIMEOUT_S, wait_registered
+from tests.support.e2e import EXTRA_STARTUP_TIMEOUT_S, Paused, chat, new_session, user_turn, wait_registered
+from tests.support.waits import until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 SMALL = "small-kv-decode"
@@ -128,10 +127,10 @@ async def test_turns_without_a_session_id_leave_no_kv_behind(stack, small_decode
                 assert raw.headers["x-kv-decode-worker"] == SMALL
             print(f"\nturn times without a session id (s): {[round(t, 2) for t in took]}")
             assert max(took) < NORMAL_TURN_S, took
-        deadline = time.monotonic() + 10
-        while await released_handles(client) - before < len(took):  # freed in the background after each answer
-            assert time.monotonic() < deadline, (await released_handles(client)) - before
-            await asyncio.sleep(0.2)
+        async def all_released() -> bool:  # freed in the background after each answer
+            return await released_handles(client) - before >= len(took)
+
+        await until(all_released, 10, f"the {len(took)} turns' handles to be released", interval_s=0.2)
 
 
 async def released_handles(client: httpx.AsyncClient) -> float:

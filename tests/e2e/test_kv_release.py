@@ -9,16 +9,15 @@ count of used KV tokens (vLLM ``GetLoads``).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import inspect
-import time
 
 import httpx
 import pytest
 from kvshuttle.services.engine.client import EngineClient
 from kvshuttle.v1 import common_pb2
 
-from tests.e2e.helpers import new_session
+from tests.support.e2e import new_session
+from tests.support.waits import until
 
 pytestmark = pytest.mark.e2e
 
@@ -44,10 +43,11 @@ async def test_ending_a_session_frees_its_kv_on_the_decode_worker(stack):
             ended = await client.post(f"/v1/sessions/{session}/end")
             assert ended.status_code == 200, ended.text
             assert ended.json() == {"deleted": True, "kvReleased": True}
-            deadline, after = time.monotonic() + 10, held
-            while held - after < prompt_tokens // 2 and time.monotonic() < deadline:
-                await asyncio.sleep(0.2)
+            async def freed() -> tuple[int] | None:  # (a tuple: 0 tokens used is a fine answer)
                 after = await used_tokens(engine)
+                return (after,) if held - after >= prompt_tokens // 2 else None
+
+            (after,) = await until(freed, 10, "the ended session's KV to be freed on the decode worker", interval_s=0.2)
             print(f"\nD's used KV tokens: {before} before the turn, {held} after it ({prompt_tokens} prompt tokens), "
                   f"{after} after ending the session")
             assert held - after >= prompt_tokens // 2, "the ended session's KV is still held on the decode worker"

@@ -18,35 +18,15 @@ import time
 import grpc
 import pytest
 from kvshuttle.control_plane.load import parse_get_loads
-from kvshuttle.services.common.processes import ChildProcess
-from kvshuttle.services.devtools.stack import cpu_binds
 from kvshuttle.services.engine.client import EngineClient
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+
+from tests.support.e2e import EXTRA_STARTUP_TIMEOUT_S, start_prefill_worker, wait_registered
+from tests.support.waits import until
 
 pytestmark = pytest.mark.e2e
 CONCURRENCY, MAX_TOKENS = 8, 256
 PLANS = 10
-EXTRA_STARTUP_TIMEOUT_S = 240.0
-
-
-async def start_prefill_worker(stack, name: str) -> ChildProcess:
-    """One more prefill worker, started the way the stack starts its own (own ports, work dir, CPU binding)."""
-    cfg = stack.cfg
-    bind = cpu_binds(len(stack.workers) + 1)[-1] if cfg.cpu_bind == "split" else cfg.cpu_bind
-    return await stack.spawn_worker("prefill", name, bind)
-
-
-async def wait_registered(registry: registry_pb2_grpc.SessionRegistryStub, child: ChildProcess, worker_id: str,
-                          timeout_s: float) -> common_pb2.Worker:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        assert child.returncode is None, f"{worker_id} exited ({child.returncode}):\n{child.log_tail(30)}"
-        resp = await registry.ListWorkers(registry_pb2.ListWorkersRequest(), timeout=5.0)
-        for w in resp.workers:
-            if w.worker_id == worker_id:
-                return w
-        assert time.monotonic() < deadline, f"{worker_id} not registered in {timeout_s:.0f} s:\n{child.log_tail(30)}"
-        await asyncio.sleep(0.5)
 
 
 class BackgroundLoad:
@@ -98,7 +78,7 @@ async def visibility_lag(client: EngineClient, prompt_tokens: int, max_tokens: i
         async for _ in client.generate(f"lag-probe-{prompt_tokens}", prompt, max_tokens=max_tokens, ignore_eos=True):
             seen.setdefault("first token", time.monotonic() - t0)
         seen["done"] = time.monotonic() - t0
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # the poller's last look (a measurement that is only printed)
     finally:
         poller.cancel()
         await asyncio.gather(poller, return_exceptions=True)
@@ -111,6 +91,12 @@ def summary(raw: dict) -> str:
     keys = ("num_running_reqs", "num_waiting_reqs", "num_used_tokens", "max_total_num_tokens", "token_usage",
             "num_waiting_uncached_tokens", "gen_throughput", "cache_hit_rate", "max_running_requests")
     return " ".join(f"{k}={r.get(k)}" for k in keys)
+
+
+async def scheduler_sees(scheduler: scheduler_pb2_grpc.TransferSchedulerStub, worker_id: str, check) -> bool:
+    """Whether the scheduler's load view of ``worker_id`` (GetStats) passes ``check``."""
+    stats = await scheduler.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5.0)
+    return any(check(row) for row in stats.loads if row.worker_id == worker_id)
 
 
 async def plan_prefill_ids(scheduler: scheduler_pb2_grpc.TransferSchedulerStub, n: int, spacing_s: float
@@ -178,7 +164,9 @@ async def test_busy_prefill_worker_is_avoided(stack):
         assert busiest.running + busiest.waiting > 0, f"GetLoads never showed the load: {samples[-1]}"
         assert busiest.capacity_tokens > 0 and busiest.used_tokens > 0, samples[-1]
 
-        await asyncio.sleep(1.5)  # the scheduler's monitor samples every 0.5 s
+        # the scheduler's load monitor (a sample every 0.5 s) sees the busy worker's load
+        await until(lambda: scheduler_sees(scheduler, busy_id, lambda row: row.running + row.waiting > 0), 10,
+                    f"the scheduler to see {busy_id} busy")
         busy_picks = await plan_prefill_ids(scheduler, PLANS, spacing_s=0.25)
         counts = collections.Counter(busy_picks)
         print(f"plans while {busy_id} is busy: {dict(counts)}; GetLoads after: "
@@ -187,12 +175,16 @@ async def test_busy_prefill_worker_is_avoided(stack):
 
         await background.stop()
         background = None
-        deadline = time.monotonic() + 30
-        while (load := parse_get_loads(await probe.get_loads())).running + load.waiting:
-            assert time.monotonic() < deadline, f"{busy_id} still reports load after the requests were aborted"
-            await asyncio.sleep(0.2)
+        async def idle_now() -> bool:
+            load = parse_get_loads(await probe.get_loads())
+            return load.running + load.waiting == 0
+
+        await until(idle_now, 30, f"{busy_id} to report no load after the requests were aborted", interval_s=0.2)
         print(f"GetLoads after the load: {summary(await probe.get_loads())}", flush=True)
-        await asyncio.sleep(1.5)
+        # the scheduler sees both idle, with no turn of its own pending on either
+        for worker_id in (busy_id, idle_id):
+            await until(lambda: scheduler_sees(scheduler, worker_id, lambda row: row.reachable and row.running
+                                               + row.waiting + row.pending == 0), 10, f"the scheduler to see {worker_id} idle")
         # A burst, faster than the monitor samples: the turns the scheduler itself sent must spread it.
         idle_picks = collections.Counter(await plan_prefill_ids(scheduler, PLANS, spacing_s=0.0))
         print(f"plans with both idle: {dict(idle_picks)}", flush=True)

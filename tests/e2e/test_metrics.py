@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.e2e.helpers import chat, flush_prefill, new_session, user_turn
+from tests.support.e2e import chat, flush_prefill, new_session, user_turn
 from tests.support.metrics import delta, scrape
 
 pytestmark = pytest.mark.e2e

@@ -7,7 +7,6 @@ A second gateway with an API keys file joins the shared stack (same registry and
 
 from __future__ import annotations
 
-import asyncio
 import json
 import secrets
 import time
@@ -22,7 +21,7 @@ from kvshuttle.services.devtools.etcd_process import free_port
 from kvshuttle.services.gateway import auth
 from kvshuttle.v1 import gateway_pb2, gateway_pb2_grpc, scheduler_pb2
 
-from tests.e2e.helpers import flush_prefill, user_turn
+from tests.support.e2e import flush_prefill, user_turn
 
 pytestmark = pytest.mark.e2e
 KEY_A = f"kvs-e2e-acme-{secrets.token_hex(12)}"
@@ -54,8 +53,38 @@ def key(k: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {k}"}
 
 
-async def chat(client: httpx.AsyncClient, k: str, session: str, messages: list[dict], **extra) -> dict:
-    resp = await client.post("/v1/chat/completions", headers={**key(k), "X-Session-ID": session},
+class Traces:
+    """A trace id of its own for each request a test sends (W3C ``traceparent``; the gateway continues it), and what
+    each trace must hold once every process has exported its spans: (service, span name) pairs."""
+
+    def __init__(self):
+        self.expected: dict[str, set[tuple[str, str]]] = {}
+
+    def header(self, *expected: tuple[str, str]) -> dict[str, str]:
+        trace_id = secrets.token_hex(16)
+        self.expected[trace_id] = set(expected)
+        return {"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"}
+
+    def missing(self, spans: list[dict]) -> dict[str, set[tuple[str, str]]]:
+        """The expected spans not (yet) received, by trace id."""
+        found: dict[str, set[tuple[str, str]]] = {}
+        for s in spans:
+            if s["trace_id"] in self.expected:
+                found.setdefault(s["trace_id"], set()).add((s["service"], s["name"]))
+        return {t: want - found.get(t, set()) for t, want in self.expected.items() if want - found.get(t, set())}
+
+    def spans(self, spans: list[dict]) -> list[dict]:
+        return [s for s in spans if s["trace_id"] in self.expected]
+
+
+# A turn's trace through every process: the gateway, the scheduler, the registry, and vLLM on P and D.
+TURN = (("kvshuttle-gateway", "kvshuttle.turn"), ("kvshuttle-scheduler", "scheduler.plan_turn"),
+        ("kvshuttle-registry", "registry.record_turn"), ("vllm-prefill", "llm_request"), ("vllm-decode", "llm_request"))
+
+
+async def chat(client: httpx.AsyncClient, k: str, session: str, messages: list[dict], *,
+               headers: dict[str, str] | None = None, **extra) -> dict:
+    resp = await client.post("/v1/chat/completions", headers={**key(k), "X-Session-ID": session, **(headers or {})},
                              json={"messages": messages, "max_tokens": 8, "temperature": 0, **extra})
     assert resp.status_code == 200, resp.text
     return resp.json()
@@ -129,29 +158,39 @@ async def test_grpc_gateway_keys_decide_the_tenant(keyed):
 
 
 async def test_keys_and_session_ids_stay_out_of_logs_and_traces(stack, keyed, otlp):
+    """Every request here carries a trace id of its own; the spans checked are those of these traces only (not
+    whatever other tests exported), and each trace must have arrived whole: a span that never came cannot pass."""
     base, _ = keyed
     session = SESSIONS["logs"]
+    traces = Traces()
     async with httpx.AsyncClient(base_url=base, timeout=300) as client:
-        first = await chat(client, KEY_A, session, [SYSTEM, user_turn(6)])
+        first = await chat(client, KEY_A, session, [SYSTEM, user_turn(6)], headers=traces.header(*TURN))
         messages = follow_up([SYSTEM, user_turn(6)], first, "Why?")
-        await chat(client, KEY_B, session, messages)
-        assert (await chat(client, KEY_A, session, messages))["kvshuttle"]["decision"] == "pull"
-        assert (await client.get(f"/v1/sessions/{session}", headers=key(WRONG_KEY))).status_code == 401
-        assert (await client.get(f"/v1/sessions/{session}", headers=key(KEY_B))).status_code == 200
-        bad = await client.post("/v1/chat/completions", headers={**key(KEY_A), "X-Session-ID": session},
-                                json={"messages": messages, "max_tokens": 0})
+        await chat(client, KEY_B, session, messages, headers=traces.header(*TURN))
+        again = await chat(client, KEY_A, session, messages, headers=traces.header(*TURN))
+        assert again["kvshuttle"]["decision"] == "pull"
+        # refused before it is routed: the gateway's HTTP span, named by the method alone
+        refused = await client.get(f"/v1/sessions/{session}", headers={
+            **key(WRONG_KEY), **traces.header(("kvshuttle-gateway", "GET"))})
+        assert refused.status_code == 401
+        read = await client.get(f"/v1/sessions/{session}", headers={
+            **key(KEY_B), **traces.header(("kvshuttle-gateway", "GET /v1/sessions/{session_id}"),
+                                          ("kvshuttle-registry", "/kvshuttle.v1.SessionRegistry/GetSession"))})
+        assert read.status_code == 200
+        bad = await client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 0}, headers={
+            **key(KEY_A), "X-Session-ID": session, **traces.header(("kvshuttle-gateway", "POST /v1/chat/completions"))})
         assert bad.status_code == 400
 
-    digest = hashed(session)
-    turns = await otlp.wait_for(lambda spans: sum(
-        s["name"] == "kvshuttle.turn" and s["attributes"].get("kvshuttle.session") == digest for s in spans) >= 3)
-    await asyncio.sleep(1.0)  # the registry's and scheduler's spans of the same turns
-    spans = otlp.spans
-    assert any(s["service"] == "kvshuttle-registry" for s in spans)
+    try:
+        await otlp.wait_for(lambda spans: not traces.missing(spans), timeout_s=60)
+    except AssertionError:
+        raise AssertionError(f"spans never received: {traces.missing(otlp.spans)}") from None
+    spans = traces.spans(otlp.spans)
     secrets_ = [KEY_A, KEY_B, WRONG_KEY, *SESSIONS.values(), auth.hash_key(KEY_A), auth.hash_key(KEY_B)]
     leaks = [(s["service"], s["name"], secret) for s in spans for secret in secrets_ if secret in json.dumps(s)]
     assert not leaks, leaks
-    assert any(digest in json.dumps(s) for s in turns)  # the spans carry the session hashed
+    turns = [s for s in spans if s["name"] == "kvshuttle.turn"]
+    assert len(turns) == 3 and all(s["attributes"].get("kvshuttle.session") == hashed(session) for s in turns), turns
 
     logs = sorted(Path(stack.logs).rglob("*.log")) + sorted(Path(stack.work, "workers").rglob("*.log"))
     texts = {str(p): p.read_text(errors="replace") for p in logs}

@@ -1,6 +1,6 @@
 """A short soak on the shared stack: concurrent multi-turn sessions through the gateway, every turn must succeed.
 
-The long soak is a benchmark (`kvshuttle soak`, numbers in the README); this checks the command's machinery and
+The long soak is a benchmark (`kvshuttle soak`, numbers in docs/performance.md); this checks the command's machinery and
 the invariant it reports (zero failed turns) at a small size.
 """
 

@@ -10,7 +10,7 @@ import pytest
 from kvshuttle.services.commands.trace_view import render_tree
 from kvshuttle.v1 import gateway_pb2, gateway_pb2_grpc
 
-from tests.e2e.helpers import new_session, user_turn
+from tests.support.e2e import new_session, user_turn
 from tests.support.traces import child, children, in_trace, one, rpc_hop
 
 pytestmark = pytest.mark.e2e

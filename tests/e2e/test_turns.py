@@ -8,7 +8,7 @@ import asyncio
 import httpx
 import pytest
 
-from tests.e2e.helpers import chat, flush_prefill, new_session, prompt_token_sources, user_turn
+from tests.support.e2e import chat, flush_prefill, new_session, prompt_token_sources, user_turn
 
 pytestmark = pytest.mark.e2e
 

@@ -12,7 +12,7 @@ import asyncio
 import httpx
 import pytest
 
-from tests.e2e.helpers import chat, new_session, spawn_gateway, user_turn
+from tests.support.e2e import chat, new_session, spawn_gateway, user_turn
 
 pytestmark = pytest.mark.e2e
 SYSTEM = {"role": "system", "content": "You are a careful coding agent."}

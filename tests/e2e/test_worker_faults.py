@@ -11,9 +11,12 @@ of the whole process group: agent and vLLM, as when a node goes away) while the 
 To place turns on an extra worker, the test pauses (SIGSTOP) the shared stack's worker of that role until the
 scheduler sees it unreachable, and resumes it (SIGCONT) before the extra worker is killed.
 
-The extra decode worker keeps finished turns' KV for a short time (``SHORT_TTL_S``, 10 s more than the registry's
+The extra decode worker keeps finished turns' KV for a short time (``HANDLE_LIFE_S``, 10 s more than the registry's
 expiry margin), so the first test can also check expiry: a turn whose handle expired (inside the margin, and after
 the worker's own TTL) recomputes and is never sent the expired handle.
+
+Each test asks for the extra workers it needs (``Extras``: started on demand, a killed one replaced by a new one
+for the next test that needs it) and leaves the stack as it found it, so the tests pass alone and in any order.
 """
 
 from __future__ import annotations
@@ -28,11 +31,19 @@ import httpx
 import pytest
 from kvshuttle.services.common.grpc_server import client_channel
 from kvshuttle.services.common.processes import ChildProcess
-from kvshuttle.services.devtools.stack import cpu_binds
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
-from tests.e2e.helpers import Paused, new_session, signal_tree, user_turn
-from tests.e2e.test_load_aware import EXTRA_STARTUP_TIMEOUT_S, wait_registered
+from tests.support.e2e import (
+    EXTRA_STARTUP_TIMEOUT_S,
+    Paused,
+    extra_worker_bind,
+    new_session,
+    signal_tree,
+    spawn_gateway,
+    user_turn,
+    wait_registered,
+)
+from tests.support.waits import until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 ANSWER_TOKENS = 96
@@ -45,31 +56,103 @@ class Extra:
 
     def __init__(self, name: str, child: ChildProcess, worker):
         self.name, self.child, self.worker = name, child, worker
+        self.killed = False
 
     def kill(self) -> None:
         """SIGKILL the agent and its vLLM together: nothing deregisters, the lease runs out on its own."""
         assert signal_tree(self.child, signal.SIGKILL) >= 2  # the agent and at least vLLM's server
+        self.killed = True
+
+
+class Extras:
+    """Extra workers next to the shared stack's, started when a test asks for one: a living extra worker of a role
+    is shared by the tests until one kills it; the next test that needs that role gets a new one. A test therefore
+    never depends on what an earlier one left (``pytest -k``, any order)."""
+
+    ROLES = ("prefill", "decode")
+
+    def __init__(self, stack, registry):
+        self.stack, self.registry = stack, registry
+        self.living: dict[str, Extra] = {}
+        self.started: list[Extra] = []
+
+    async def get(self, role: str) -> Extra:
+        """A living extra worker of ``role``. The first start also starts the other role's, side by side (starting
+        vLLM is most of these tests' time)."""
+        if role not in self.living:
+            roles = [role] + [r for r in self.ROLES if r != role and not any(
+                e.name.startswith(f"fault-{r}") for e in self.started)]
+            ttl = int(self.stack.cfg.expiry_margin_s) + HANDLE_LIFE_S
+            bind = extra_worker_bind(self.stack)
+            children = {}
+            for r in roles:
+                name = f"fault-{r}-{len(self.started) + len(children) + 1}"
+                children[r] = (name, await self.stack.spawn_worker(
+                    r, name, bind, decoder_kv_blocks_ttl=ttl if r == "decode" else None))
+            workers = await asyncio.gather(*(wait_registered(self.registry, child, name, EXTRA_STARTUP_TIMEOUT_S)
+                                             for name, child in children.values()))
+            for (r, (name, child)), w in zip(children.items(), workers, strict=True):
+                self.living[r] = Extra(name, child, w)
+                self.started.append(self.living[r])
+        return self.living[role]
+
+    async def settle(self) -> None:
+        """After a test: the extras it killed have left the registry (their leases ended), so the next test sees
+        only living workers."""
+        for role, extra in list(self.living.items()):
+            if extra.killed:
+                del self.living[role]
+                await until(lambda: self._gone(extra.name), 60, f"the dead {extra.name} to leave the registry",
+                            interval_s=0.5)
+
+    async def none(self) -> None:
+        """No extra worker: the living ones stopped (they deregister), the registry lists the stack's own only."""
+        for extra in self.living.values():
+            await extra.child.stop()
+        self.living.clear()
+        own = {w.worker_id for w in self.stack.workers}
+        await until(lambda: self._ids_are(own), 60, f"the registry to list the stack's own workers {own} only",
+                    interval_s=0.5)
+
+    async def _ids(self) -> set[str]:
+        resp = await self.registry.ListWorkers(registry_pb2.ListWorkersRequest(), timeout=5)
+        return {w.worker_id for w in resp.workers}
+
+    async def _gone(self, name: str) -> bool:
+        return name not in await self._ids()
+
+    async def _ids_are(self, ids: set[str]) -> bool:
+        return await self._ids() == ids
+
+    async def close(self) -> None:
+        for extra in self.started:
+            await extra.child.stop()
+            self.stack.children.remove(extra.child)
 
 
 @pytest.fixture(scope="module")
-async def extras(stack):
-    """One more prefill and one more decode worker, started side by side; stopped (if still alive) at the end."""
+async def pool(stack):
     channel = client_channel(stack.registry_address)
-    registry = registry_pb2_grpc.SessionRegistryStub(channel)
-    bind = cpu_binds(len(stack.workers) + 1)[-1] if stack.cfg.cpu_bind == "split" else stack.cfg.cpu_bind
-    names = {"prefill": "fault-prefill", "decode": "fault-decode"}
-    ttl = int(stack.cfg.expiry_margin_s) + HANDLE_LIFE_S
-    children = {role: await stack.spawn_worker(role, name, bind, decoder_kv_blocks_ttl=ttl if role == "decode" else None)
-                for role, name in names.items()}
+    extras = Extras(stack, registry_pb2_grpc.SessionRegistryStub(channel))
     try:
-        workers = await asyncio.gather(*(wait_registered(registry, children[role], name, EXTRA_STARTUP_TIMEOUT_S)
-                                         for role, name in names.items()))
-        yield {role: Extra(names[role], children[role], w) for role, w in zip(names, workers, strict=True)}
+        yield extras
     finally:
-        for child in children.values():
-            await child.stop()
-            stack.children.remove(child)
+        await extras.close()
         await channel.close()
+
+
+@pytest.fixture
+async def extras(stack, pool):
+    """The extra workers, for one test; afterwards the stack is as the test found it: what it killed is gone from
+    the registry and the stack's own workers answer the scheduler again (a pause can outlast a lease when loaded)."""
+    yield pool
+    await pool.settle()
+    for role in (common_pb2.WORKER_ROLE_PREFILL, common_pb2.WORKER_ROLE_DECODE):
+        view = Paused(stack, role)
+        try:
+            await view.wait(True, timeout_s=60)
+        finally:
+            await view.channel.close()
 
 
 def body(messages: list[dict], **kw) -> dict:
@@ -102,7 +185,7 @@ async def turn_on(client: httpx.AsyncClient, decode_id: str, prefix: str, n: int
 
 
 async def test_expired_handles_are_never_pulled(stack, extras):
-    d2, ttl = extras["decode"], int(stack.cfg.expiry_margin_s) + HANDLE_LIFE_S
+    d2, ttl = await extras.get("decode"), int(stack.cfg.expiry_margin_s) + HANDLE_LIFE_S
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=300) as client:
         async with Paused(stack, common_pb2.WORKER_ROLE_DECODE):
             fresh, fresh_history = await turn_on(client, d2.name, "expiry-fresh", 1)
@@ -122,7 +205,8 @@ async def test_expired_handles_are_never_pulled(stack, extras):
 
         # Control: while the handle is valid, this worker's KV is pulled.
         assert (await next_turn(fresh, fresh_history, 40)).headers["x-kv-decision"] == "pull"
-        # Past the handle's expiry but inside the margin (the worker still holds the blocks): recompute.
+        # Past the handle's expiry but inside the margin (the worker still holds the blocks): recompute. (The
+        # sleeps let the handles' life run out: the time is what is tested.)
         await asyncio.sleep(max(0.0, margin_done + HANDLE_LIFE_S + 1 - time.monotonic()))
         resp = await next_turn(in_margin, in_margin_history, 41)
         kv = resp.json()["kvshuttle"]
@@ -136,7 +220,7 @@ async def test_expired_handles_are_never_pulled(stack, extras):
 
 
 async def test_a_decode_worker_killed_mid_answer(stack, extras):
-    d2 = extras["decode"]
+    d2 = await extras.get("decode")
     channel = client_channel(stack.registry_address)
     registry = registry_pb2_grpc.SessionRegistryStub(channel)
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=300) as client:
@@ -197,22 +281,26 @@ async def test_a_decode_worker_killed_mid_answer(stack, extras):
 
         # The untouched session's record goes when the dead worker's lease ends.
         t = time.monotonic()
-        deadline = t + 60
-        while await session_exists(registry, idle):
-            assert time.monotonic() < deadline, "the dead worker's session record was not dropped"
-            await asyncio.sleep(0.5)
+
+        async def dropped() -> bool:
+            return not await session_exists(registry, idle)
+
+        await until(dropped, 60, "the dead worker's session record to be dropped", interval_s=0.5)
         print(f"the idle session's record was dropped {time.monotonic() - t:.1f} s after the checks")
         # (Its handle is short-lived here: the record may also have ended with its own lease.) The dead worker
         # leaves the registry when its lease ends.
-        while d2.name in {w.worker_id for w in (await registry.ListWorkers(
-                registry_pb2.ListWorkersRequest(), timeout=5)).workers}:
-            assert time.monotonic() < deadline, "the dead worker is still registered"
-            await asyncio.sleep(0.5)
+
+        async def deregistered() -> bool:
+            resp = await registry.ListWorkers(registry_pb2.ListWorkersRequest(), timeout=5)
+            return d2.name not in {w.worker_id for w in resp.workers}
+
+        await until(deregistered, max(1.0, t + 60 - time.monotonic()), "the dead worker to leave the registry",
+                    interval_s=0.5)
     await channel.close()
 
 
 async def test_a_prefill_worker_killed_while_it_prefills(stack, extras):
-    p2 = extras["prefill"]
+    p2 = await extras.get("prefill")
     # A long prompt (~3k tokens: around a second of prefill here), so that P2 dies while it prefills.
     import inspect
     import textwrap
@@ -223,7 +311,8 @@ async def test_a_prefill_worker_killed_while_it_prefills(stack, extras):
             task = asyncio.create_task(client.post("/v1/chat/completions", json=body(messages),
                                                    headers={"X-Session-ID": new_session("fault-p")}))
             started = time.monotonic()
-            await asyncio.sleep(0.05)  # planned (a few ms) and prefilling (~0.3 s here): kill it now
+            # The fault's timing is what is tested: planned (a few ms) and prefilling (~0.3 s here): kill it now.
+            await asyncio.sleep(0.05)
             paused.resume()  # the other prefill worker answers again, then this one dies
             p2.kill()
             killed_after = time.monotonic() - started
@@ -240,25 +329,14 @@ async def test_a_prefill_worker_killed_while_it_prefills(stack, extras):
 
 
 async def test_a_hung_decode_worker_with_none_left_is_a_503_with_retry_after(stack, extras):
-    """The extra decode worker is dead (previous test); the stack's own one hangs (SIGSTOP). A gateway with a short
-    stall timeout gives up on it and, with no decode worker left, answers 503 with Retry-After, in bounded time."""
-    from tests.e2e.helpers import spawn_gateway
-
-    # Wait for the stack to be its own again: the killed extras gone, its own two workers registered and answering
-    # in the scheduler's view (a pause in an earlier test can outlast a lease on a loaded machine).
-    channel = client_channel(stack.registry_address)
-    registry = registry_pb2_grpc.SessionRegistryStub(channel)
-    own = {w.worker_id for w in stack.workers}
-    deadline = time.monotonic() + 60
-    while {w.worker_id for w in (await registry.ListWorkers(registry_pb2.ListWorkersRequest(), timeout=5)).workers
-           } != own:
-        assert time.monotonic() < deadline, "the stack's workers are not back to its own two"
-        await asyncio.sleep(0.5)
-    await channel.close()
+    """No extra worker (stopped if any are running); the stack's own decode worker hangs (SIGSTOP). A gateway with
+    a short stall timeout gives up on it and, with no decode worker left, answers 503 with Retry-After, in bounded
+    time."""
+    await extras.none()
     for role in (common_pb2.WORKER_ROLE_PREFILL, common_pb2.WORKER_ROLE_DECODE):
         view = Paused(stack, role)
         try:
-            await view.wait(True)
+            await view.wait(True)  # the stack's own workers answer the scheduler's polls
         finally:
             await view.channel.close()
     child, base_url = await spawn_gateway(stack, "gateway-stall", "--decode-stall-timeout-s", "3")

@@ -9,9 +9,7 @@ the KV cache's memory).
 
 from __future__ import annotations
 
-import asyncio
 import signal
-import time
 
 import psutil
 import pytest
@@ -19,7 +17,8 @@ from kvshuttle.services.common.grpc_server import client_channel
 from kvshuttle.services.devtools.stack import cpu_binds
 from kvshuttle.v1 import registry_pb2_grpc
 
-from tests.e2e.test_load_aware import EXTRA_STARTUP_TIMEOUT_S, wait_registered
+from tests.support.e2e import EXTRA_STARTUP_TIMEOUT_S, wait_registered
+from tests.support.waits import until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -53,9 +52,10 @@ async def test_killing_one_process_of_a_worker_takes_the_whole_tree(stack, victi
         assert len(tree) >= 2, [" ".join(p.cmdline())[:120] for p in tree]  # the server and its engine core
         pids = [agent.pid, *(p.pid for p in tree)]
         (agent if victim == "agent" else server).send_signal(signal.SIGKILL)  # that process alone
-        deadline = time.monotonic() + 60
-        while left := alive(pids):
-            assert time.monotonic() < deadline, f"still running 60 s after the {victim} was killed: {left}"
-            await asyncio.sleep(0.5)
+        try:
+            await until(lambda: not alive(pids), 60, f"the whole tree to go after the {victim} was killed",
+                        interval_s=0.5)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; still running: {alive(pids)}") from None
     finally:
         await child.stop()

@@ -6,7 +6,7 @@ import pytest
 from kvshuttle.services.common.grpc_server import client_channel
 from kvshuttle.v1 import registry_pb2, registry_pb2_grpc
 
-from tests.integration.test_registry import _deregister, decode_worker, uid
+from tests.support.registry import decode_worker, deregister, uid
 
 
 @pytest.fixture
@@ -22,4 +22,4 @@ async def decode(stub):
     w = decode_worker(uid("d"))
     resp = await stub.RegisterWorker(registry_pb2.RegisterWorkerRequest(worker=w, lease_ttl_s=60))
     yield resp.worker
-    await _deregister(stub, resp.worker)
+    await deregister(stub, resp.worker)

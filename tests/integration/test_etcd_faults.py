@@ -20,10 +20,16 @@ from kvshuttle.services.store.etcd_store import EtcdStore
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from kvshuttle.workers.agent import RegistryLink
 
-from tests.integration.test_scheduler import handle_for, worker
+from tests.support.scheduler import handle_for, worker
+from tests.support.waits import until
 
 pytestmark = pytest.mark.timeout(240)
 ETCD_TIMEOUT_S = 5.0  # the registry's default etcd deadline
+# The leader-kill test's registry waits this long for etcd (each operation, retries included): far longer than an
+# election takes (etcd's election timeout here is 1 s; a few seconds on a loaded machine), so that no call can fail
+# while the survivors elect a new leader. The test checks that the election did end within it.
+PATIENT_ETCD_TIMEOUT_S = 20.0
+CALL_TIMEOUT_S = PATIENT_ETCD_TIMEOUT_S + 10  # the test's own gRPC deadlines: never the first to give up
 
 
 @pytest.fixture(scope="module")
@@ -34,23 +40,33 @@ async def cluster():
     await c.astop()
 
 
-@pytest.fixture(scope="module")
-async def planes(cluster):
-    """Registry and scheduler (claiming in etcd directly), both given all three endpoints; their stubs."""
+@contextlib.asynccontextmanager
+async def control_plane(cluster: EtcdCluster, etcd_timeout_s: float):
+    """Registry and scheduler (claiming in etcd directly) on their own key prefix, both given all three endpoints;
+    yields them, their stubs and the prefix."""
     prefix = f"/faults-{uuid.uuid4().hex[:6]}/"
     registry = await serve(RegistryConfig(listen="127.0.0.1:0", etcd_endpoints=cluster.endpoints, key_prefix=prefix,
-                                          expiry_margin_s=5, etcd_timeout_s=ETCD_TIMEOUT_S))
+                                          expiry_margin_s=5, etcd_timeout_s=etcd_timeout_s))
     scheduler = SchedulerService(SchedulerConfig(listen="127.0.0.1:0", registry=registry.address, key_prefix=prefix,
                                                  policy="threshold", pull_threshold_tokens=16,
                                                  load_poll_interval_s=0, etcd_endpoints=cluster.endpoints))
     await scheduler.start()
     channels = [client_channel(registry.address), client_channel(scheduler.address)]
-    yield (registry, scheduler, registry_pb2_grpc.SessionRegistryStub(channels[0]),
-           scheduler_pb2_grpc.TransferSchedulerStub(channels[1]), prefix)
-    for channel in channels:
-        await channel.close()
-    await scheduler.stop()
-    await registry.stop(grace=0.5)
+    try:
+        yield (registry, scheduler, registry_pb2_grpc.SessionRegistryStub(channels[0]),
+               scheduler_pb2_grpc.TransferSchedulerStub(channels[1]), prefix)
+    finally:
+        for channel in channels:
+            await channel.close()
+        await scheduler.stop()
+        await registry.stop(grace=0.5)
+
+
+@pytest.fixture(scope="module")
+async def planes(cluster):
+    """The control plane with the registry's default etcd deadline (ETCD_TIMEOUT_S)."""
+    async with control_plane(cluster, ETCD_TIMEOUT_S) as planes:
+        yield planes
 
 
 async def _registered_pair(reg, scheduler: SchedulerService, port: int):
@@ -59,118 +75,116 @@ async def _registered_pair(reg, scheduler: SchedulerService, port: int):
     for w in (p, d):
         resp = await reg.RegisterWorker(registry_pb2.RegisterWorkerRequest(worker=w, lease_ttl_s=60), timeout=10)
         w.lease_id = resp.lease_id
-    await _until(lambda: scheduler.workers.get(p.worker_id) and scheduler.workers.get(d.worker_id), 20,
-                 "the scheduler's worker view never showed the pair")
+    await until(lambda: scheduler.workers.get(p.worker_id) and scheduler.workers.get(d.worker_id), 20,
+                "the scheduler's worker view to show the pair")
     return p, d
 
 
-async def _until(pred, timeout_s: float, what: str) -> float:
-    """Poll ``pred`` (sync or async) until true; returns the seconds it took."""
+async def _timed(check, timeout_s: float, what: str) -> float:
+    """``until(check)``; returns the seconds it took."""
     t = time.monotonic()
-    while True:
-        value = pred()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return time.monotonic() - t
-        assert time.monotonic() - t < timeout_s, what
-        await asyncio.sleep(0.1)
+    await until(check, timeout_s, what, interval_s=0.1)
+    return time.monotonic() - t
 
 
-async def _record(reg, session: str, d, history: list[int]) -> registry_pb2.RecordTurnResponse:
+async def _record(reg, session: str, d, history: list[int], timeout: float = 15) -> registry_pb2.RecordTurnResponse:
     return await reg.RecordTurn(registry_pb2.RecordTurnRequest(
         session_id=session, decode_worker_id=d.worker_id, kv_transfer_params_json=handle_for(d, len(history) - 1),
-        token_ids=history), timeout=15)
+        token_ids=history), timeout=timeout)
 
 
-async def _plan(sched, session: str, prompt: list[int], **kw) -> scheduler_pb2.PlanTurnResponse:
+async def _plan(sched, session: str, prompt: list[int], timeout: float = 15, **kw) -> scheduler_pb2.PlanTurnResponse:
     return await sched.PlanTurn(scheduler_pb2.PlanTurnRequest(session_id=session, prompt_token_ids=prompt, **kw),
-                                timeout=15)
+                                timeout=timeout)
 
 
-async def test_leader_kill_under_load_has_no_client_visible_error(cluster, planes):
+async def test_leader_kill_under_load_has_no_client_visible_error(cluster):
     """Sessions record turns and claim their handles (through the scheduler and through the registry), and a worker
     keeps its lease alive, while the etcd leader is SIGKILLed: no call fails; claims resume once a new leader is
-    elected."""
-    _, scheduler, reg, sched, _ = planes
-    p, d = await _registered_pair(reg, scheduler, 7200)
-    errors: list[str] = []
-    outcomes: list[tuple[float, str]] = []  # (time, "pull" | "recompute: reason" | "claimed" | ...)
-    killed_at: list[float] = []
-    elected_after: list[float] = []
-    stop = asyncio.Event()
+    elected. (The registry's etcd deadline, PATIENT_ETCD_TIMEOUT_S, outlasts the election.)"""
+    async with control_plane(cluster, PATIENT_ETCD_TIMEOUT_S) as (_, scheduler, reg, sched, _):
+        p, d = await _registered_pair(reg, scheduler, 7200)
+        errors: list[str] = []
+        outcomes: list[tuple[float, str, str]] = []  # (time, session, "pull" | "recompute: reason" | "refused: ...")
+        stop = asyncio.Event()
 
-    async def via_scheduler(session: str) -> None:
-        history = list(range(1000, 1040))
-        while not stop.is_set():
-            try:
-                await _record(reg, session, d, history)
-                history = history + list(range(len(history), len(history) + 20))
-                plan = await _plan(sched, session, history)
-                outcomes.append((time.monotonic(), "pull" if plan.decision == scheduler_pb2.DECISION_PULL
-                                 else f"recompute: {plan.reason}"))
-            except grpc.aio.AioRpcError as exc:
-                errors.append(f"{session}: {exc.code().name} {exc.details()}")
+        async def via_scheduler(session: str) -> None:
+            history = list(range(1000, 1040))
+            while not stop.is_set():
+                try:
+                    await _record(reg, session, d, history, timeout=CALL_TIMEOUT_S)
+                    history = history + list(range(len(history), len(history) + 20))
+                    plan = await _plan(sched, session, history, timeout=CALL_TIMEOUT_S)
+                    outcomes.append((time.monotonic(), session, "pull" if plan.decision == scheduler_pb2.DECISION_PULL
+                                     else f"recompute: {plan.reason}"))
+                except grpc.aio.AioRpcError as exc:
+                    errors.append(f"{session}: {exc.code().name} {exc.details()}")
 
-    async def via_registry(session: str) -> None:
-        history = list(range(2000, 2040))
-        while not stop.is_set():
-            try:
-                stored = (await _record(reg, session, d, history)).session
-                claim = await reg.ClaimSession(registry_pb2.ClaimSessionRequest(
-                    session_id=session, revision=stored.revision), timeout=15)
-                outcomes.append((time.monotonic(), "pull" if claim.claimed else f"refused: {claim.reason}"))
-                history = history + [7] * 20
-            except grpc.aio.AioRpcError as exc:
-                errors.append(f"{session}: {exc.code().name} {exc.details()}")
+        async def via_registry(session: str) -> None:
+            history = list(range(2000, 2040))
+            while not stop.is_set():
+                try:
+                    stored = (await _record(reg, session, d, history, timeout=CALL_TIMEOUT_S)).session
+                    claim = await reg.ClaimSession(registry_pb2.ClaimSessionRequest(
+                        session_id=session, revision=stored.revision), timeout=CALL_TIMEOUT_S)
+                    outcomes.append((time.monotonic(), session, "pull" if claim.claimed
+                                     else f"refused: {claim.reason}"))
+                    history = history + [7] * 20
+                except grpc.aio.AioRpcError as exc:
+                    errors.append(f"{session}: {exc.code().name} {exc.details()}")
 
-    async def keep_alive() -> None:
-        while not stop.is_set():
-            try:
-                await reg.KeepAlive(registry_pb2.KeepAliveRequest(worker_id=d.worker_id, lease_id=d.lease_id),
-                                    timeout=15)
-            except grpc.aio.AioRpcError as exc:
-                errors.append(f"keep-alive: {exc.code().name} {exc.details()}")
-            await asyncio.sleep(0.3)
+        async def keep_alive() -> None:
+            while not stop.is_set():
+                try:
+                    await reg.KeepAlive(registry_pb2.KeepAliveRequest(worker_id=d.worker_id, lease_id=d.lease_id),
+                                        timeout=CALL_TIMEOUT_S)
+                except grpc.aio.AioRpcError as exc:
+                    errors.append(f"keep-alive: {exc.code().name} {exc.details()}")
+                await asyncio.sleep(0.3)  # a worker's keep-alive cadence (the load itself, not a wait)
 
-    tasks = [asyncio.create_task(via_scheduler(f"ls-{i}-{uuid.uuid4().hex[:6]}")) for i in range(3)]
-    tasks += [asyncio.create_task(via_registry(f"lr-{i}-{uuid.uuid4().hex[:6]}")) for i in range(2)]
-    tasks.append(asyncio.create_task(keep_alive()))
-    leader = None
-    try:
-        await asyncio.sleep(1.5)
-        leader = await asyncio.to_thread(cluster.leader)
-        assert leader is not None
-        cluster.kill(leader)
-        killed_at.append(time.monotonic())
-        while time.monotonic() - killed_at[0] < 30:  # how long the survivors take to elect a new leader
-            if await asyncio.to_thread(cluster.leader) is not None:
-                break
-            await asyncio.sleep(0.1)
-        elected_after.append(time.monotonic() - killed_at[0])
-        await asyncio.sleep(max(0.0, 6.0 - elected_after[0]))
-    finally:
-        stop.set()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        if leader is not None:
-            await cluster.arestart(leader)
-    before = [o for t, o in outcomes if t < killed_at[0]]
-    after = [(t - killed_at[0], o) for t, o in outcomes if t >= killed_at[0]]
-    first_pull = next((dt for dt, o in after if o == "pull"), None)
-    demoted = [o for _, o in after if o != "pull"]
-    print(f"\nleader kill: {len(before)} plans/claims before, {len(after)} after; first pull "
-          f"{first_pull if first_pull is None else round(first_pull, 2)} s after the kill; not pulled after: "
-          f"{len(demoted)} {sorted(set(demoted))[:4]}")
-    print(f"new leader {elected_after[0]:.2f} s after the kill; errors: {errors}")
-    if elected_after[0] < ETCD_TIMEOUT_S - 2:  # an election within the calls' budget: nothing may fail
-        assert errors == []
-    else:  # a loaded machine elected slower than the registry's etcd deadline: such calls fail clearly, then resume
-        assert all("UNAVAILABLE" in e and "etcd" in e for e in errors), errors
-        assert after, "nothing succeeded after the new leader was elected"
-    assert before and after and first_pull is not None
-    # A new leader is serving: the turns at the end pull again.
-    assert after[-1][1] == "pull" or any(o == "pull" for dt, o in after if dt > after[-1][0] - 2.0)
-    assert await asyncio.to_thread(cluster.healthy)
+        sessions = [f"ls-{i}-{uuid.uuid4().hex[:6]}" for i in range(3)] + [f"lr-{i}-{uuid.uuid4().hex[:6]}"
+                                                                          for i in range(2)]
+        tasks = [asyncio.create_task(via_scheduler(s)) for s in sessions[:3]]
+        tasks += [asyncio.create_task(via_registry(s)) for s in sessions[3:]]
+        tasks.append(asyncio.create_task(keep_alive()))
+
+        def pulled_since(t: float) -> set[str]:
+            return {s for when, s, o in outcomes if when >= t and o == "pull"}
+
+        leader = None
+        try:
+            # Under load: every session has pulled at least once before the kill.
+            await until(lambda: pulled_since(0) == set(sessions), 30, "every session's first pull")
+            leader = await asyncio.to_thread(cluster.leader)
+            assert leader is not None
+            cluster.kill(leader)
+            killed_at = time.monotonic()
+
+            async def elected() -> bool:
+                return await asyncio.to_thread(cluster.leader) is not None
+
+            await until(elected, 30, "a new etcd leader", interval_s=0.1)
+            elected_after = time.monotonic() - killed_at
+            # The claim holds for elections within the registry's etcd deadline (else calls may fail, clearly:
+            # tests/integration/test_etcd_faults.py's outage test): this one must have been.
+            assert elected_after < PATIENT_ETCD_TIMEOUT_S - 2, f"the election took {elected_after:.1f} s"
+            # Claims resume: every session pulls again after the election.
+            elected_at = time.monotonic()
+            await until(lambda: pulled_since(elected_at) == set(sessions), 30, "every session pulling again")
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if leader is not None:
+                await cluster.arestart(leader)
+        before = [o for t, _, o in outcomes if t < killed_at]
+        after = [(t - killed_at, o) for t, _, o in outcomes if t >= killed_at]
+        first_pull = next(dt for dt, o in after if o == "pull")
+        demoted = [o for _, o in after if o != "pull"]
+        print(f"\nleader kill: {len(before)} plans/claims before, {len(after)} after; first pull {first_pull:.2f} s "
+              f"after the kill; new leader {elected_after:.2f} s after it; not pulled after: {len(demoted)} "
+              f"{sorted(set(demoted))[:4]}")
+        assert errors == [], errors
+        assert await asyncio.to_thread(cluster.healthy)
 
 
 async def test_etcd_down_fails_fast_recomputes_and_recovers(cluster, planes):
@@ -217,7 +231,6 @@ async def test_etcd_down_fails_fast_recomputes_and_recovers(cluster, planes):
             assert plan.decision == scheduler_pb2.DECISION_RECOMPUTE
             assert plan.reason.startswith(STORE_UNAVAILABLE), plan.reason
             assert plan.prefill.worker_id and plan.decode.worker_id  # workers still known from before the outage
-        await asyncio.sleep(1.0)
     finally:
         t = time.monotonic()
         await cluster.arestart_all()
@@ -232,7 +245,7 @@ async def test_etcd_down_fails_fast_recomputes_and_recovers(cluster, planes):
         except grpc.aio.AioRpcError:
             return False
 
-    took = await _until(reads_again, 30, "the registry never read from etcd again")
+    took = await _timed(reads_again, 30, "the registry to read from etcd again")
     fresh = await reg.GetSession(registry_pb2.GetSessionRequest(session_id=session), timeout=10)
     assert fresh.session.revision == snapshot.session.revision  # the record survived the outage
     pulled = await _plan(sched, session, history + [5] * 20)
@@ -240,8 +253,8 @@ async def test_etcd_down_fails_fast_recomputes_and_recovers(cluster, planes):
     assert pulled.decision == scheduler_pb2.DECISION_PULL, pulled.reason
     await _record(reg, session, d, history + [5] * 20 + [6])
     await reg.RegisterWorker(registry_pb2.RegisterWorkerRequest(worker=late, lease_ttl_s=60), timeout=10)
-    watch = await _until(lambda: scheduler.workers.get(late.worker_id) is not None, 30,
-                         "the scheduler's worker view never saw a registration made after etcd came back")
+    watch = await _timed(lambda: scheduler.workers.get(late.worker_id) is not None, 30,
+                         "the scheduler's worker view to show a registration made after etcd came back")
     print(f"etcd back: registry reads after {took:.2f} s, scheduler claims (pull) after "
           f"{pulled_after:.2f} s, a new registration reached the scheduler's view {watch:.2f} s after "
           "it was made")
@@ -262,7 +275,7 @@ async def test_worker_re_registers_after_its_lease_is_lost(cluster, planes):
     try:
         for link in links:
             await asyncio.wait_for(link.registered.wait(), 20)
-        await _until(lambda: all(scheduler.workers.get(w.worker_id) for w in (p, d)), 20, "view never had the pair")
+        await until(lambda: all(scheduler.workers.get(w.worker_id) for w in (p, d)), 20, "the view to have the pair")
         session = f"lease-{uuid.uuid4().hex[:6]}"
         history = list(range(4000, 4060))
         await _record(reg, session, d, history)
@@ -270,11 +283,11 @@ async def test_worker_re_registers_after_its_lease_is_lost(cluster, planes):
         old = links[1].lease_id
         t = time.monotonic()
         assert await store.revoke_lease(old)  # the record goes with the lease
-        await _until(lambda: scheduler.workers.get(d.worker_id) is None, 10, "the revoked worker stayed in view")
-        await _until(lambda: links[1].lease_id != old and links[1].registered.is_set(), 20,
-                     "the link never registered again")
-        await _until(lambda: (w := scheduler.workers.get(d.worker_id)) is not None and w.lease_id == links[1].lease_id,
-                     20, "the scheduler never saw the new registration")
+        await until(lambda: scheduler.workers.get(d.worker_id) is None, 10, "the revoked worker to leave the view")
+        await until(lambda: links[1].lease_id != old and links[1].registered.is_set(), 20,
+                    "the link to register again")
+        await until(lambda: (w := scheduler.workers.get(d.worker_id)) is not None and w.lease_id == links[1].lease_id,
+                    20, "the scheduler to see the new registration")
         back = time.monotonic() - t
         assert (await store.get_worker(d.worker_id)).lease_id == links[1].lease_id
         # The registry's janitor may have dropped the session (its decode worker's record was deleted): then the
@@ -297,18 +310,22 @@ async def test_worker_re_registers_after_its_lease_is_lost(cluster, planes):
         before = [link.registrations for link in links]
         cluster.kill_all()
         try:
-            await asyncio.sleep(3 * 2)  # twice the lease TTL without a keep-alive
+            # No keep-alive answered for the lease TTL (3 s): each link presumes its lease lost (and keeps trying
+            # to register, which cannot succeed while etcd is down).
+            await until(lambda: not any(link.registered.is_set() for link in links), 3 * 3,
+                        "both links to give up their lease")
+            assert [link.registrations for link in links] == before
         finally:
             await cluster.arestart_all()
         t = time.monotonic()
-        await _until(lambda: all(link.registrations > n and link.registered.is_set()
-                                 for link, n in zip(links, before)), 30, "a link did not register again")
+        await until(lambda: all(link.registrations > n and link.registered.is_set()
+                                for link, n in zip(links, before)), 30, "both links to register again")
         again = time.monotonic() - t
         for link, w in zip(links, (p, d)):
             assert (await store.get_worker(w.worker_id)).lease_id == link.lease_id
             assert await store.keep_alive_once(link.lease_id) is not None
-        await _until(lambda: all((w2 := scheduler.workers.get(w.worker_id)) is not None and w2.lease_id == link.lease_id
-                                 for link, w in zip(links, (p, d))), 30, "the view never caught up")
+        await until(lambda: all((w2 := scheduler.workers.get(w.worker_id)) is not None and w2.lease_id == link.lease_id
+                                for link, w in zip(links, (p, d))), 30, "the view to catch up")
         print(f"etcd down > lease TTL: both links registered again {again:.2f} s after etcd was back "
               f"(registrations {[link.registrations for link in links]})")
     finally:

@@ -27,23 +27,11 @@ from kvshuttle.services.registry.server import RegistryConfig, serve
 from kvshuttle.services.scheduler.server import SchedulerConfig, SchedulerService
 from kvshuttle.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, registry_pb2, registry_pb2_grpc
 
+from tests.support.auth import KEYS, bearer, keys_file
 from tests.support.certs import TestCA
 
 pytestmark = pytest.mark.timeout(120)
-KEYS = {"acme": "kvs-acme-7c1d0b5e", "globex": "kvs-globex-93aa41f2", "ops": "kvs-ops-admin-51e0"}
 MAX_BODY, MAX_PROMPT = 64 << 10, 200
-
-
-def bearer(tenant: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {KEYS[tenant]}"}
-
-
-def keys_file(directory) -> str:
-    path = directory / "keys.json"
-    path.write_text(json.dumps({"keys": [auth.entry(KEYS["acme"], "acme", name="acme"),
-                                         auth.entry(KEYS["globex"], "globex"),
-                                         auth.entry(KEYS["ops"], "ops", admin=True)]}))
-    return str(path)
 
 
 @pytest.fixture(scope="module")

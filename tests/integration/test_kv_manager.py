@@ -9,9 +9,7 @@ frees nothing while the first one leads.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
 import uuid
 
 import pytest
@@ -20,7 +18,8 @@ from kvshuttle.services.registry.server import RegistryConfig, serve
 from kvshuttle.services.scheduler.server import SchedulerConfig, SchedulerService
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
-from tests.unit.fake_engine import FakeEngineServer
+from tests.support.fake_engine import FakeEngineServer
+from tests.support.waits import until
 
 pytestmark = pytest.mark.timeout(120)
 BS = 16
@@ -113,12 +112,22 @@ async def stats(sched) -> scheduler_pb2.DecodeKvStats | None:
     return next((row for row in resp.decode_kv if row.worker_id == "d0"), None)
 
 
-async def until(check, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while not (result := await check()):
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.1)
-    return result
+def count_rounds(service: SchedulerService) -> list[int]:
+    """Count the KV manager's completed rounds (the scheduler runs in this process): ``[n]``, kept up to date."""
+    rounds, run_once = [0], service.kv.run_once
+
+    async def counted() -> None:
+        await run_once()
+        rounds[0] += 1
+
+    service.kv.run_once = counted  # the manager's loop looks it up each round
+    return rounds
+
+
+async def more_rounds(rounds: list[int], n: int = 3) -> None:
+    """Wait until the KV manager has completed ``n`` more rounds (each one would have freed what it was going to)."""
+    start = rounds[0]
+    await until(lambda: rounds[0] >= start + n, what=f"{n} more KV manager rounds")
 
 
 async def test_pressure_frees_the_least_valuable_handles_down_to_the_low_water_mark(cluster):
@@ -127,17 +136,18 @@ async def test_pressure_frees_the_least_valuable_handles_down_to_the_low_water_m
     for sid in sessions:
         await cluster.record(sid, 10 * BS - 1, turns=3)
     sched = await cluster.add_scheduler()
+    rounds = count_rounds(cluster.schedulers[-1])
     cluster.d_engine.engine.used_tokens = 70 * BS  # under the 80% high-water mark: nothing to do
-    row = await until(lambda: stats(sched))
-    await until(lambda: _held(sched, 8))
-    await asyncio.sleep(1.0)
-    assert not cluster.freeing_reads() and sum(row.evictions.values()) == 0
+    await until(lambda: _held(sched, 8), what="the 8 sessions held")
+    await until(lambda: _used(sched, 70 * BS), what="the engine's usage sampled")
+    await more_rounds(rounds)  # rounds that saw 70% in use: nothing freed
     row = await stats(sched)
+    assert not cluster.freeing_reads() and sum(row.evictions.values()) == 0
     assert (row.held_tokens, row.held_blocks, row.held_bytes) == (80 * BS, 80, 80 * BS * 4096)
     assert row.capacity_tokens == CAPACITY
 
     cluster.d_engine.engine.used_tokens = 85 * BS  # past it: free down to 60% = 60 blocks, i.e. 3 handles
-    row = await until(lambda: _evicted(sched, "pressure", 3))
+    row = await until(lambda: _evicted(sched, "pressure", 3), what="3 handles freed under pressure")
     reads = cluster.freeing_reads()
     assert len(reads) == 3
     for read in reads:  # each read is of the handle's first block only (then D frees the whole handle)
@@ -149,7 +159,8 @@ async def test_pressure_frees_the_least_valuable_handles_down_to_the_low_water_m
     for sid in freed:  # the records stay (exact ids for the next turn), marked and claimed
         rec = await cluster.get(sid)
         assert rec.claimed and rec.kv_freed == "pressure" and rec.token_ids
-    await asyncio.sleep(1.0)  # the engine still reports 85%: the frees it has not shown yet are counted
+    # The engine still reports 85%: the rounds after count the frees it has not shown yet, and free no more.
+    await more_rounds(rounds)
     assert len(cluster.freeing_reads()) == 3
     assert (await stats(sched)).held_sessions == 5
 
@@ -164,7 +175,7 @@ async def test_pressure_frees_the_least_valuable_handles_down_to_the_low_water_m
 async def test_an_idle_session_is_freed_and_its_next_turn_says_so(cluster):
     await cluster.record("quiet", 4 * BS - 1)
     sched = await cluster.add_scheduler(kv_idle_limit_s=1.5)
-    await until(lambda: _evicted(sched, "idle", 1), timeout=15)
+    await until(lambda: _evicted(sched, "idle", 1), 15, "the idle session freed")
     rec = await cluster.get("quiet")
     assert rec.kv_freed == "idle"
     plan = await sched.PlanTurn(scheduler_pb2.PlanTurnRequest(session_id="quiet",
@@ -178,8 +189,8 @@ async def test_a_turn_on_a_full_decode_worker_gets_room_first(cluster):
     # pressure off (high water 100%): only room for the turn frees anything
     sched = await cluster.add_scheduler(kv_high_water=1.0, kv_low_water=0.9)
     cluster.d_engine.engine.used_tokens = CAPACITY - 5 * BS  # 5 blocks free
-    await until(lambda: _held(sched, 3))
-    await until(lambda: _capacity_known(sched))
+    await until(lambda: _held(sched, 3), what="the 3 sessions held")
+    await until(lambda: _capacity_known(sched), what="the engine's capacity sampled")
     plan = await sched.PlanTurn(scheduler_pb2.PlanTurnRequest(session_id="new", prompt_token_ids=list(range(200)),
                                                               max_tokens=8 * BS))  # 208 + 128 tokens: 21 blocks
     assert plan.decode.worker_id == "d0"
@@ -191,13 +202,13 @@ async def test_one_replica_frees_while_another_only_reads(cluster):
     for i in range(6):
         await cluster.record(f"r{i}", 10 * BS - 1)
     first = await cluster.add_scheduler()
-    await until(lambda: _leading(first))
+    await until(lambda: _leading(first), what="the first replica leading")
     second = await cluster.add_scheduler()
     cluster.d_engine.engine.used_tokens = 90 * BS
-    await until(lambda: _evicted(first, "pressure", 3))
+    await until(lambda: _evicted(first, "pressure", 3), what="3 handles freed under pressure")
     resp = await second.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5)
     assert resp.kv_managed and not resp.kv_leading
-    row = await until(lambda: stats(second))  # the second replica's first view may come after the first's frees
+    row = await until(lambda: stats(second), what="the second replica's view")  # may come after the first's frees
     assert sum(row.evictions.values()) == 0
     assert len(cluster.freeing_reads()) == 3
 
@@ -205,6 +216,11 @@ async def test_one_replica_frees_while_another_only_reads(cluster):
 async def _held(sched, n: int) -> bool:
     row = await stats(sched)
     return row is not None and row.held_sessions == n
+
+
+async def _used(sched, tokens: int) -> bool:
+    row = await stats(sched)
+    return row is not None and row.used_tokens == tokens
 
 
 async def _capacity_known(sched) -> bool:

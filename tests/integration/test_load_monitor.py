@@ -15,6 +15,8 @@ from kvshuttle.services.scheduler.worker_view import WorkerView
 from kvshuttle.v1 import common_pb2, registry_pb2
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
+from tests.support.waits import until
+
 Event = registry_pb2.WatchWorkersResponse
 INTERVAL, TIMEOUT = 0.05, 0.3
 
@@ -90,16 +92,6 @@ def delete(view: WorkerView, *workers: common_pb2.Worker) -> None:
     view.apply(Event(type=Event.EVENT_TYPE_DELETE, workers=list(workers)))
 
 
-async def until(predicate, timeout_s: float = 5.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
-
-
 @pytest.fixture
 async def servers():
     started: list[LoadServer] = []
@@ -149,18 +141,33 @@ async def test_loads_follow_the_engines_numbers(monitor, servers):
     await until(lambda: monitor.loads()["p-busy"].running == 0, what="the new number")
     # Polled every interval, concurrently: a few interval later every server has answered several times.
     calls = [s.servicer.calls for s in (busy, idle, decode)]
-    await asyncio.sleep(INTERVAL * 4)
-    assert all(s.servicer.calls > c for s, c in zip((busy, idle, decode), calls, strict=True))
+    await until(lambda: all(s.servicer.calls > c for s, c in zip((busy, idle, decode), calls, strict=True)),
+                timeout_s=INTERVAL * 4, what="a new poll of every server within a few intervals")
 
 
-async def test_age_grows_between_samples(monitor, servers):
-    s = await servers()
+async def test_age_grows_while_the_worker_does_not_answer(monitor, servers):
+    """A worker that stops answering keeps its last sample, and that sample's age grows from one read to the next
+    (the planner sees how stale the numbers are); an answer makes it fresh again."""
+    s = await servers(num_running_reqs=2)
     put(monitor.view, worker("p", s.address))
     await until(lambda: "p" in monitor.loads(), what="a sample")
-    s.servicer.delay_s = TIMEOUT * 0.8  # answers still arrive, but late: the sample ages
-    await asyncio.sleep(INTERVAL * 3)
-    ages = [monitor.loads()["p"].age_s for _ in range(2)]
-    assert ages[0] > INTERVAL and monitor.loads()["p"].reachable
+    w = monitor._workers["p"]
+    s.servicer.delay_s = 60.0  # from now on every poll times out (TIMEOUT)
+
+    await until(lambda: w.failures >= 1, what="a poll that timed out")
+    first = monitor.loads()["p"]
+    # the next poll is sent after this one failed and fails TIMEOUT later: the reads are at least that far apart
+    await until(lambda: w.failures >= 2, what="a second poll that timed out")
+    second = monitor.loads()["p"]
+    print(f"\nages while the worker does not answer: {first.age_s:.3f} s, then {second.age_s:.3f} s")
+    assert first.age_s >= TIMEOUT, "the sample is at least as old as the poll that timed out"
+    assert second.age_s >= first.age_s + TIMEOUT / 2, (first.age_s, second.age_s)
+    assert second.running == first.running == 2, "the last known numbers are kept"
+
+    s.servicer.delay_s = 0.0  # it answers again: a new sample, young again
+    fresh = await until(lambda: (l := monitor.loads()["p"]).age_s < TIMEOUT and l.reachable and l,
+                        what="a fresh sample")
+    assert fresh.age_s < second.age_s
 
 
 async def test_pending_counts_until_the_next_sample(monitor, servers):
@@ -182,10 +189,11 @@ async def test_pending_counts_until_the_next_sample(monitor, servers):
     await monitor.stop()  # stop the background poller; drive polls by hand
     put(monitor.view, worker("p", s.address))
     s.servicer.delay_s = 0.2
+    calls = s.servicer.calls
     poll = asyncio.create_task(monitor.poll_now())
-    await until(lambda: s.servicer.calls and monitor._workers.get("p") is not None
-                and monitor._workers["p"].in_flight is not None, what="a poll in flight")
-    await asyncio.sleep(0.05)
+    # the server has the poll (so it was sent before the note below) and is still answering it
+    await until(lambda: s.servicer.calls > calls, what="a poll in flight")
+    assert not poll.done()
     monitor.note_assigned("p", 64)
     await poll
     load = monitor.loads()["p"]
@@ -205,7 +213,7 @@ async def test_pending_survives_samples_taken_within_the_grace(servers):
         m.note_assigned("p", 100)
         await m.poll_now()  # sent right after the note: the engine cannot have stepped with the turn yet
         assert m.loads()["p"].pending == 1
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)  # the grace passes (the time is what is tested)
         await m.poll_now()
         assert m.loads()["p"].pending == 0
     finally:
@@ -316,12 +324,12 @@ async def test_clients_are_closed_when_workers_leave_or_move(monitor, servers):
     put(monitor.view, worker("p-b", moved.address))  # re-registered at another address
     await until(lambda: monitor.loads().get("p-b") and monitor.loads()["p-b"].running == 7, what="the new address")
     assert b.address in monitor.recorder.closed
-    calls = a.servicer.calls
-    await asyncio.sleep(INTERVAL * 3)
+    calls, polls = a.servicer.calls, moved.servicer.calls
+    await until(lambda: moved.servicer.calls >= polls + 3, what="three more polling rounds")
     assert a.servicer.calls == calls, "a worker that left is not polled any more"
 
 
-async def test_the_task_survives_a_broken_client(monitor):
+async def test_the_task_survives_a_broken_client(monitor, servers):
     class Broken:
         async def get_loads(self):
             raise RuntimeError("boom")
@@ -335,6 +343,9 @@ async def test_the_task_survives_a_broken_client(monitor):
     await until(lambda: monitor.healthy("p-broken") is False, what="failed polls")
     delete(monitor.view, w)
     await until(lambda: "p-broken" not in monitor._workers, what="dropped")
-    await asyncio.sleep(INTERVAL * 2)
+    # still at work: a worker that joins now is polled
+    monitor._client_factory = monitor.recorder
+    fine = await servers(num_running_reqs=3)
+    put(monitor.view, worker("p-fine", fine.address))
+    await until(lambda: (l := monitor.loads().get("p-fine")) and l.running == 3, what="the new worker's sample")
     assert monitor._task is not None and not monitor._task.done()
-    monitor.recorder.made.clear()  # the broken client was not made by the recorder

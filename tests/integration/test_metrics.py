@@ -5,10 +5,8 @@ each test reads only what it moved) and, in the last test, as separate processes
 
 from __future__ import annotations
 
-import asyncio
 import re
 import sys
-import time
 import uuid
 
 import grpc
@@ -31,8 +29,9 @@ from kvshuttle.v1 import (
 )
 from prometheus_client import generate_latest
 
-from tests.integration.test_scheduler import handle_for, record, worker
 from tests.support.metrics import delta, names, parse, scrape, value
+from tests.support.scheduler import handle_for, record, worker
+from tests.support.waits import until
 
 REGISTRY_SVC, SCHEDULER_SVC = "kvshuttle.v1.SessionRegistry", "kvshuttle.v1.TransferScheduler"
 
@@ -61,13 +60,6 @@ async def planes(etcd):
     await registry.stop(grace=0.5)
 
 
-async def _until(predicate, timeout_s: float = 10.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
-
-
 async def _workers_seen(sched) -> None:
     async def planned() -> bool:
         try:
@@ -76,7 +68,7 @@ async def _workers_seen(sched) -> None:
         except grpc.aio.AioRpcError as exc:
             assert exc.code() == grpc.StatusCode.UNAVAILABLE
             return False
-    await _until(planned, what="the scheduler to see the workers")
+    await until(planned, what="the scheduler to see the workers")
 
 
 async def test_plans_are_counted_by_decision_and_reason_code(planes):
@@ -160,7 +152,7 @@ async def test_the_registry_counts_etcd_operations_calls_by_code_and_live_record
         now = await scrape(url)
         return (value(now, "kvshuttle_live_workers", role="decode") == 1
                 and value(now, "kvshuttle_live_sessions") == 1)
-    await _until(counted, what="the census to count the worker and the session")  # this prefix holds just those
+    await until(counted, what="the census to count the worker and the session")  # this prefix holds just those
 
     # A client cannot invent label values: an unknown method is not counted.
     channel = client_channel(registry.address)
@@ -176,7 +168,7 @@ async def test_the_registry_counts_etcd_operations_calls_by_code_and_live_record
     async def cancelled() -> bool:
         now = await scrape(url)
         return delta(after, now, handled, method="WatchWorkers", code="CANCELLED") == 1
-    await _until(cancelled, what="the cancelled watch to be counted")
+    await until(cancelled, what="the cancelled watch to be counted")
     assert not any("NoSuchMethod" in str(labels) for _, labels in await scrape(url))
 
 
@@ -245,7 +237,7 @@ async def test_the_services_serve_their_own_metrics_as_separate_processes(etcd, 
             found[:] = [*re.findall(r"serving \S+ on (\S+)", text)[:1],
                         *re.findall(rf"{name} metrics on (http://\S+/metrics)", text)[:1]]
             return len(found) == 2
-        await _until(logged, 60, f"{name} to log its addresses")
+        await until(logged, 60, f"{name} to log its addresses")
         return found[0], found[1]
 
     try:
@@ -292,7 +284,7 @@ async def test_the_gateway_serves_metrics_on_its_http_port_or_its_own(etcd, mode
     the gRPC API's calls by code. With --metrics-listen the metrics move to their own port, off the HTTP one."""
     from kvshuttle.services.gateway.server import GatewayConfig, GatewayService
 
-    from tests.integration.test_gateway_auth import KEYS, bearer, keys_file
+    from tests.support.auth import KEYS, bearer, keys_file
 
     prefix = f"/metrics-gw-{uuid.uuid4().hex[:6]}/"
     registry = await serve(RegistryConfig(listen="127.0.0.1:0", etcd_endpoints=etcd, key_prefix=prefix))

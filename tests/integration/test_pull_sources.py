@@ -7,12 +7,10 @@ registered, or handed to PlanTurn as a forged snapshot) is planned as a recomput
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
 
-import grpc
 import pytest
 from kvshuttle.control_plane import session as session_rules
 from kvshuttle.services.common.grpc_server import client_channel
@@ -20,6 +18,9 @@ from kvshuttle.services.registry.server import RegistryConfig, serve
 from kvshuttle.services.scheduler.server import SchedulerConfig, SchedulerService
 from kvshuttle.services.store.etcd_store import EtcdStore
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+
+from tests.support.scheduler import first_plan
+from tests.support.waits import until
 
 pytestmark = pytest.mark.timeout(120)
 BS = 16
@@ -67,16 +68,12 @@ async def plane(etcd, request):
 
 async def plan(sched, session: str, **kw) -> scheduler_pb2.PlanTurnResponse:
     """PlanTurn for HISTORY + 2 new tokens, once the scheduler's worker watch has seen the workers."""
-    for _ in range(200):
-        try:
-            got = await sched.PlanTurn(scheduler_pb2.PlanTurnRequest(session_id=session,
-                                                                     prompt_token_ids=HISTORY + [1, 2], **kw))
-            if got.decode.worker_id == "d-src":
-                return got
-        except grpc.aio.AioRpcError as exc:
-            assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
-        await asyncio.sleep(0.05)
-    raise AssertionError("the scheduler never saw the workers")
+    async def on_d_src():
+        got = await first_plan(sched, scheduler_pb2.PlanTurnRequest(session_id=session,
+                                                                    prompt_token_ids=HISTORY + [1, 2], **kw))
+        return got if got.decode.worker_id == "d-src" else None
+
+    return await until(on_d_src, what="a plan on d-src (the scheduler's worker view)")
 
 
 async def record(reg, session: str, params: str) -> registry_pb2.GetSessionResponse:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 
 import grpc
 import pytest
@@ -18,49 +17,21 @@ from kvshuttle.services.registry.server import RegistryConfig, serve
 from kvshuttle.services.store.etcd_store import EtcdStore
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
+from tests.support.registry import (
+    MARGIN_S,
+    TENANT,
+    decode_worker,
+    deregister,
+    handle,
+    prefill_worker,
+    session_exists,
+    turn,
+    uid,
+)
+from tests.support.waits import until
+
 pytestmark = pytest.mark.timeout(120)
 Ev = registry_pb2.WatchWorkersResponse
-MARGIN_S = 30  # the registry fixture's default expiry margin
-TENANT = "itest"
-
-
-def uid(kind: str) -> str:
-    return f"{kind}-{uuid.uuid4().hex[:10]}"
-
-
-def decode_worker(worker_id: str, **kw) -> common_pb2.Worker:
-    fields = dict(worker_id=worker_id, role=common_pb2.WORKER_ROLE_DECODE, engine_id=f"eng-{worker_id}",
-                  grpc_address="127.0.0.1:9", nixl_host="127.0.0.1", nixl_port=5700, block_size=4,
-                  kv_blocks_ttl_s=480, model="tiny")
-    fields.update(kw)
-    return common_pb2.Worker(**fields)
-
-
-def prefill_worker(worker_id: str) -> common_pb2.Worker:
-    return decode_worker(worker_id, role=common_pb2.WORKER_ROLE_PREFILL, kv_blocks_ttl_s=0)
-
-
-def handle(worker: common_pb2.Worker, num_tokens: int, blocks: int | None = None) -> str:
-    n = blocks if blocks is not None else -(-num_tokens // worker.block_size)
-    return json.dumps({"do_remote_decode": True, "remote_block_ids": [list(range(n))],
-                       "remote_engine_id": worker.engine_id, "remote_host": "127.0.0.1", "remote_port": 5700,
-                       "remote_num_tokens": num_tokens, "remote_blocks_expiry_time": 1.0, "tp_size": 1})
-
-
-def turn(worker: common_pb2.Worker, session_id: str, tokens: list[int], covered: int | None = None,
-         **kw) -> registry_pb2.RecordTurnRequest:
-    covered = len(tokens) - 1 if covered is None else covered
-    return registry_pb2.RecordTurnRequest(session_id=session_id, tenant=TENANT, decode_worker_id=worker.worker_id,
-                                          kv_transfer_params_json=handle(worker, covered), token_ids=tokens,
-                                          text="some text", **kw)
-
-
-async def _deregister(stub, worker: common_pb2.Worker) -> None:
-    try:
-        await stub.DeregisterWorker(registry_pb2.DeregisterWorkerRequest(worker_id=worker.worker_id,
-                                                                         lease_id=worker.lease_id))
-    except grpc.aio.AioRpcError:
-        pass
 
 
 async def expect_status(coro, code: grpc.StatusCode, words: str = "") -> str:
@@ -112,15 +83,6 @@ def about(kind, worker_id):
     return lambda ev: ev.type == kind and any(w.worker_id == worker_id for w in ev.workers)
 
 
-async def eventually(check, timeout: float = 15.0, interval: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while True:
-        result = await check()
-        if result or time.monotonic() > deadline:
-            return result
-        await asyncio.sleep(interval)
-
-
 # -- service plumbing --------------------------------------------------------------------------------------------
 
 
@@ -134,7 +96,7 @@ async def test_health_reports_serving(registry):
 # -- workers -----------------------------------------------------------------------------------------------------
 
 
-async def test_register_list_watch_deregister(stub):
+async def test_register_list_watchderegister(stub):
     watch = Watch(stub)
     try:
         first = await watch.wait_for(lambda ev: True)
@@ -192,7 +154,7 @@ async def test_worker_without_keepalive_expires_then_reregisters(stub):
         assert again.lease_id != reg.lease_id
         await watch.wait_for(about(Ev.EVENT_TYPE_PUT, w.worker_id))
         await stub.KeepAlive(registry_pb2.KeepAliveRequest(worker_id=w.worker_id, lease_id=again.lease_id))
-        await _deregister(stub, again.worker)
+        await deregister(stub, again.worker)
     finally:
         await watch.close()
 
@@ -210,7 +172,7 @@ async def test_reregistering_moves_worker_to_new_lease(stub):
     await expect_status(stub.DeregisterWorker(registry_pb2.DeregisterWorkerRequest(worker_id=w.worker_id,
                                                                                    lease_id=first.lease_id)),
                         grpc.StatusCode.FAILED_PRECONDITION, "another lease")
-    await _deregister(stub, second.worker)
+    await deregister(stub, second.worker)
 
 
 # -- sessions ----------------------------------------------------------------------------------------------------
@@ -272,15 +234,10 @@ async def test_session_expires_then_leaves_etcd(stub, etcd):
                                                                          revision=rec.revision))
         assert not claim.claimed and claim.reason.startswith(("expired", "missing")), claim.reason
 
-        async def gone():
-            try:
-                await stub.GetSession(registry_pb2.GetSessionRequest(session_id=sid, tenant=TENANT))
-                return False
-            except grpc.aio.AioRpcError as exc:
-                assert exc.code() == grpc.StatusCode.NOT_FOUND
-                return True
+        async def gone() -> bool:
+            return not await session_exists(stub, sid)
 
-        assert await eventually(gone, timeout=LEASE_GRACE_S + 20), "session record outlived its lease"
+        await until(gone, LEASE_GRACE_S + 20, "the session record to leave with its lease", interval_s=0.2)
         async with EtcdStore(etcd) as store:  # and it is really gone from etcd
             assert await store.get_session(TENANT, sid) is None
 
@@ -289,7 +246,7 @@ async def test_session_expires_then_leaves_etcd(stub, etcd):
         old.finished_at.FromSeconds(int(time.time()) - 60)
         await expect_status(stub.RecordTurn(old), grpc.StatusCode.FAILED_PRECONDITION, "already expired")
     finally:
-        await _deregister(stub, w)
+        await deregister(stub, w)
 
 
 async def test_claim_race_has_exactly_one_winner(registry, stub, decode):
@@ -447,7 +404,7 @@ async def test_bad_session_requests(stub, decode):
         as_prefill.kv_transfer_params_json = handle(p, 9)
         await expect_status(stub.RecordTurn(as_prefill), PRECONDITION, "not a decode worker")
     finally:
-        await _deregister(stub, p)
+        await deregister(stub, p)
 
 
 # -- etcd down / reconnects --------------------------------------------------------------------------------------
@@ -484,8 +441,9 @@ async def test_store_watch_resends_snapshot_after_etcd_restart():
             events = store.watch_workers()
             first = await asyncio.wait_for(anext(events), 20)
             assert first.kind == "snapshot" and [w.worker_id for w in first.workers] == ["w1"]
-            pending = asyncio.ensure_future(anext(events))  # the watch stream opens on this read
-            await asyncio.sleep(0.3)
+            # The stream opens on this read, from the snapshot's revision on: the put below is delivered whether it
+            # lands before or after the stream is open.
+            pending = asyncio.ensure_future(anext(events))
             await store.put_worker(decode_worker("w2", lease_id=lease))
             put = await asyncio.wait_for(pending, 10)
             assert put.kind == "put" and put.workers[0].worker_id == "w2"

@@ -17,7 +17,8 @@ from kvshuttle.control_plane.session import LEASE_GRACE_S
 from kvshuttle.services.store.etcd_store import EtcdStore
 from kvshuttle.v1 import common_pb2, registry_pb2
 
-from tests.integration.test_registry import MARGIN_S, TENANT, _deregister, decode_worker, eventually, turn, uid
+from tests.support.registry import MARGIN_S, TENANT, decode_worker, deregister, turn, uid
+from tests.support.waits import until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -200,10 +201,10 @@ async def test_the_claim_key_ends_with_the_session_lease(stub, store):
             claim = await store.kv.get(store.claim_key(TENANT, sid))
             return not record.kvs and not claim.kvs
 
-        assert await eventually(gone, timeout=LEASE_GRACE_S + 20), "the claim outlived the session's lease"
+        await until(gone, LEASE_GRACE_S + 20, "the claim to end with the session's lease", interval_s=0.2)
         assert await store.get_session(TENANT, sid) is None
     finally:
-        await _deregister(stub, w)
+        await deregister(stub, w)
 
 
 def test_no_other_session_key_falls_in_a_sessions_range():
@@ -278,7 +279,7 @@ async def test_one_replica_leads_and_another_takes_over_when_its_lease_ends(etcd
         assert not await second.campaign(name, "two", ttl_s=2)
         assert await first.campaign(name, "one", ttl_s=2)  # it keeps leading while it campaigns
         # "one" stops campaigning (its process went away): its lease ends, "two" takes over.
-        assert await eventually(lambda: second.campaign(name, "two", ttl_s=2), timeout=10, interval=0.5)
+        await until(lambda: second.campaign(name, "two", ttl_s=2), 10, '"two" to take over', interval_s=0.5)
         assert not await first.campaign(name, "one", ttl_s=2)
     finally:
         for s in (first, second):

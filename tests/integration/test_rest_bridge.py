@@ -25,6 +25,8 @@ from kvshuttle.services.gateway.rest_bridge import (
 )
 from kvshuttle.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, registry_pb2, registry_pb2_grpc, scheduler_pb2
 
+from tests.support.waits import until
+
 pytestmark = pytest.mark.timeout(180)
 
 REGISTRY = "kvshuttle.v1.SessionRegistry"
@@ -65,7 +67,7 @@ class FakeRegistry(registry_pb2_grpc.SessionRegistryServicer):
         if request.session_id == "bad":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "session_id 'bad' is not allowed")
         if request.session_id == "slow":
-            await asyncio.sleep(5)
+            await asyncio.sleep(5)  # a backend that answers late (past the bridge's deadline): what is tested
         session = self.sessions.get((request.tenant, request.session_id))
         if session is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no session {request.session_id!r}")
@@ -346,11 +348,7 @@ async def test_real_socket_with_uvicorn(app, backend):
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
-        for _ in range(200):
-            if server.started:
-                break
-            await asyncio.sleep(0.05)
-        assert server.started, "uvicorn did not start"
+        await until(lambda: server.started, 10, "uvicorn to start")
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
             r = await c.get("/v1/sessions/s1", params={"tenant": "t"})
             assert r.status_code == 200 and r.json()["session"]["turn"] == "7"

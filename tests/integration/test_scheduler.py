@@ -26,7 +26,8 @@ from kvshuttle.services.scheduler.server import SchedulerConfig, SchedulerServic
 from kvshuttle.services.store.etcd_store import EtcdStore
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
-BS = 16
+from tests.support.scheduler import BS, first_plan, handle_for, plan, record, register_pair, worker
+from tests.support.waits import until
 
 
 @pytest.fixture(scope="module", params=["registry", "etcd"])
@@ -50,38 +51,6 @@ async def planes(etcd, request):
     await registry.stop(grace=0.5)
 
 
-def worker(worker_id: str, role: int, port: int) -> common_pb2.Worker:
-    return common_pb2.Worker(worker_id=worker_id, role=role, engine_id=f"engine-{worker_id}",
-                             grpc_address=f"127.0.0.1:{port}", nixl_host="127.0.0.1", nixl_port=port + 1,
-                             block_size=BS, kv_blocks_ttl_s=60, model="tiny")
-
-
-def handle_for(w: common_pb2.Worker, covered: int) -> str:
-    return json.dumps({"do_remote_decode": True, "remote_engine_id": w.engine_id, "remote_host": w.nixl_host,
-                       "remote_port": w.nixl_port, "remote_num_tokens": covered,
-                       "remote_block_ids": [list(range(100, 100 + -(-covered // BS)))]})
-
-
-async def register_pair(reg, prefill_id: str, decode_id: str, port: int) -> tuple[common_pb2.Worker, common_pb2.Worker]:
-    p, d = worker(prefill_id, common_pb2.WORKER_ROLE_PREFILL, port), worker(decode_id, common_pb2.WORKER_ROLE_DECODE,
-                                                                             port + 100)
-    for w in (p, d):
-        await reg.RegisterWorker(registry_pb2.RegisterWorkerRequest(worker=w, lease_ttl_s=30))
-    return p, d
-
-
-async def record(reg, session: str, d: common_pb2.Worker, history: list[int]) -> registry_pb2.GetSessionResponse:
-    """Record a turn whose handle covers all of ``history`` but its last token; return the record as read."""
-    await reg.RecordTurn(registry_pb2.RecordTurnRequest(session_id=session, decode_worker_id=d.worker_id,
-                                                        kv_transfer_params_json=handle_for(d, len(history) - 1),
-                                                        token_ids=history))
-    return await reg.GetSession(registry_pb2.GetSessionRequest(session_id=session))
-
-
-async def plan(sched, session: str, prompt: list[int], **kw) -> scheduler_pb2.PlanTurnResponse:
-    return await sched.PlanTurn(scheduler_pb2.PlanTurnRequest(session_id=session, prompt_token_ids=prompt, **kw))
-
-
 async def test_plans_pulls_only_for_verified_unclaimed_history(planes):
     reg, sched = planes
     p, d = worker("p0", common_pb2.WORKER_ROLE_PREFILL, 7000), worker("d0", common_pb2.WORKER_ROLE_DECODE, 7100)
@@ -90,13 +59,8 @@ async def test_plans_pulls_only_for_verified_unclaimed_history(planes):
     history = list(range(1000, 1100))  # 100 ids: last turn's prompt + answer
     session = f"s-{uuid.uuid4().hex[:8]}"
 
-    for _ in range(100):  # the scheduler learns about workers through WatchWorkers
-        try:
-            first = await plan(sched, session, history[:60])
-            break
-        except grpc.aio.AioRpcError as exc:
-            assert exc.code() == grpc.StatusCode.UNAVAILABLE
-            await asyncio.sleep(0.05)
+    # the scheduler learns about workers through WatchWorkers
+    first = await first_plan(sched, scheduler_pb2.PlanTurnRequest(session_id=session, prompt_token_ids=history[:60]))
     assert first.decision == scheduler_pb2.DECISION_RECOMPUTE and "no recorded KV" in first.reason
     assert (first.prefill.worker_id, first.decode.worker_id) == ("p0", "d0")
 
@@ -132,11 +96,11 @@ async def test_plans_pulls_only_for_verified_unclaimed_history(planes):
     d1 = worker("d1", common_pb2.WORKER_ROLE_DECODE, 7200)
     await reg.RegisterWorker(registry_pb2.RegisterWorkerRequest(worker=d1, lease_ttl_s=30))
     await reg.DeregisterWorker(registry_pb2.DeregisterWorkerRequest(worker_id="d0"))
-    for _ in range(100):  # the scheduler learns it through WatchWorkers: then only d1 is picked
-        picks = {(await plan(sched, session, history + [5], disable_pull=True)).decode.worker_id for _ in range(2)}
-        if picks == {"d1"}:
-            break
-        await asyncio.sleep(0.05)
+    async def only_d1() -> bool:  # the scheduler learns it through WatchWorkers: then only d1 is picked
+        return {(await plan(sched, session, history + [5], disable_pull=True)).decode.worker_id
+                for _ in range(2)} == {"d1"}
+
+    await until(only_d1, what="plans on d1 only (d0 gone from the scheduler's view)")
     gone = await plan(sched, session, history + [5])
     # "not alive" while the record stands; "no recorded KV" once the registry has dropped it (its worker is gone)
     assert gone.decision == scheduler_pb2.DECISION_RECOMPUTE, gone.reason
@@ -153,13 +117,12 @@ async def test_a_session_snapshot_saves_a_read_but_never_makes_a_wrong_pull(plan
     session = f"s-{uuid.uuid4().hex[:8]}"
 
     async def plan_with(snapshot, prompt, **kw) -> scheduler_pb2.PlanTurnResponse:
-        for _ in range(100):  # the scheduler learns about the workers through WatchWorkers
+        async def on_d9():  # the scheduler learns about the workers through WatchWorkers
             got = await plan(sched, session, prompt, session_snapshot=snapshot, exclude_worker_ids=["p0", "d0", "d1"],
                              **kw)
-            if got.decode.worker_id == "d9" and "not alive" not in got.reason:
-                return got
-            await asyncio.sleep(0.05)
-        raise AssertionError(got)
+            return got if got.decode.worker_id == "d9" and "not alive" not in got.reason else None
+
+        return await until(on_d9, what="a plan on d9 (the scheduler's worker view)")
 
     snapshot = await record(reg, session, d, history)
     pulled = await plan_with(snapshot, history + [1])
@@ -218,13 +181,8 @@ async def test_cost_policy_learns_from_reported_outcomes(etcd):
 
         async def plan_next() -> scheduler_pb2.PlanTurnResponse:
             await record(reg, session, d, history)
-            for _ in range(100):
-                try:
-                    return await plan(sched, session, history + [1, 2])
-                except grpc.aio.AioRpcError as exc:  # the scheduler learns about the workers through the watch
-                    assert exc.code() == grpc.StatusCode.UNAVAILABLE
-                    await asyncio.sleep(0.05)
-            raise AssertionError("no plan")
+            return await first_plan(sched, scheduler_pb2.PlanTurnRequest(session_id=session,
+                                                                         prompt_token_ids=history + [1, 2]))
 
         first = await plan_next()  # priors: pulling 399 tokens beats computing them
         assert first.decision == scheduler_pb2.DECISION_PULL and first.figures.policy == "cost", first.reason
@@ -265,11 +223,11 @@ async def direct(etcd):
     reg = registry_pb2_grpc.SessionRegistryStub(channels[0])
     sched = scheduler_pb2_grpc.TransferSchedulerStub(channels[1])
     _, d = await register_pair(reg, "p0", "d0", 7800)
-    for _ in range(100):  # until the scheduler's worker view has them
-        got = await plan(sched, "warm-up", [1, 2, 3], disable_pull=True)
-        if got.decode.worker_id == "d0":
-            break
-        await asyncio.sleep(0.05)
+    async def on_d0() -> bool:
+        warm_up = scheduler_pb2.PlanTurnRequest(session_id="warm-up", prompt_token_ids=[1, 2, 3], disable_pull=True)
+        return (await first_plan(sched, warm_up)).decode.worker_id == "d0"
+
+    await until(on_d0, what="the scheduler's worker view of the pair")
     yield reg, sched, d, prefix
     for channel in channels:
         await channel.close()
@@ -374,7 +332,7 @@ _TRACED = textwrap.dedent("""
     from kvshuttle.services.registry.server import RegistryConfig, serve
     from kvshuttle.services.scheduler.server import SchedulerConfig, SchedulerService
     from kvshuttle.services.common.telemetry import setup_tracing, tracing_enabled
-    from tests.integration.test_scheduler import register_pair
+    from tests.support.scheduler import first_plan, register_pair
 
     async def main(etcd):
         assert not tracing_enabled()
@@ -390,12 +348,7 @@ _TRACED = textwrap.dedent("""
         await register_pair(registry_pb2_grpc.SessionRegistryStub(channels[0]), "p0", "d0", 7900)
         sched = scheduler_pb2_grpc.TransferSchedulerStub(channels[1])
         with trace.get_tracer("test").start_as_current_span("caller") as caller:
-            for _ in range(100):
-                try:
-                    await sched.PlanTurn(scheduler_pb2.PlanTurnRequest(session_id="s1", prompt_token_ids=[1, 2]))
-                    break
-                except Exception:  # the worker view is not ready yet
-                    await asyncio.sleep(0.05)
+            await first_plan(sched, scheduler_pb2.PlanTurnRequest(session_id="s1", prompt_token_ids=[1, 2]))
         trace.get_tracer_provider().force_flush()
         plans = [s for s in spans.get_finished_spans() if s.name == "scheduler.plan_turn"]
         assert plans and plans[-1].context.trace_id == caller.get_span_context().trace_id, plans

@@ -5,7 +5,6 @@ The workers here are registry records only (no engines): load polls fail, which 
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 
 import grpc
@@ -15,7 +14,8 @@ from kvshuttle.services.registry.server import RegistryConfig, serve
 from kvshuttle.services.scheduler.server import SchedulerConfig, SchedulerService
 from kvshuttle.v1 import scheduler_pb2, scheduler_pb2_grpc
 
-from tests.integration.test_scheduler import record, register_pair
+from tests.support.scheduler import first_plan, record, register_pair
+from tests.support.waits import until
 
 
 @pytest.fixture(params=[0.0])
@@ -39,16 +39,6 @@ async def stubs(etcd, request):
     await registry.stop(grace=0.5)
 
 
-async def plan_when_ready(sched, request: scheduler_pb2.PlanTurnRequest) -> scheduler_pb2.PlanTurnResponse:
-    for _ in range(100):
-        try:
-            return await sched.PlanTurn(request)
-        except grpc.aio.AioRpcError as exc:  # the scheduler learns about the workers through the watch
-            assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc.details()
-            await asyncio.sleep(0.05)
-    raise AssertionError("no plan")
-
-
 async def test_requests_choose_among_the_configured_policies(stubs):
     reg, sched = stubs
     _, d = await register_pair(reg, "p0", "d0", 7700)
@@ -59,14 +49,14 @@ async def test_requests_choose_among_the_configured_policies(stubs):
         return scheduler_pb2.PlanTurnRequest(session_id=session, prompt_token_ids=history + [7, 8], policy=policy)
 
     await record(reg, session, d, history)
-    t512 = await plan_when_ready(sched, request("t512"))
+    t512 = await first_plan(sched, request("t512"))
     assert t512.decision == scheduler_pb2.DECISION_RECOMPUTE and "threshold 512" in t512.reason
     assert t512.figures.policy == "t512" and t512.figures.pullable_tokens == 299
     assert t512.source.worker_id == "d0"  # the option not taken: where the KV was
     assert t512.figures.predicted_pull_ms > 0 and t512.figures.predicted_recompute_ms > 0
     assert "prefill p0" in t512.figures.worker_choice and "decode d0" in t512.figures.worker_choice
 
-    default = await plan_when_ready(sched, request(""))  # the default policy: cost
+    default = await first_plan(sched, request(""))  # the default policy: cost
     assert default.decision == scheduler_pb2.DECISION_PULL and default.figures.policy == "cost", default.reason
     assert default.figures.reusable_tokens == 299 and "predicted pull" in default.reason
 
@@ -80,7 +70,7 @@ async def test_requests_choose_among_the_configured_policies(stubs):
 async def test_stats_show_the_fitted_model_regret_per_policy_and_loads(stubs):
     reg, sched = stubs
     await register_pair(reg, "p0", "d0", 7800)
-    await plan_when_ready(sched, scheduler_pb2.PlanTurnRequest(prompt_token_ids=[1, 2, 3]))
+    await first_plan(sched, scheduler_pb2.PlanTurnRequest(prompt_token_ids=[1, 2, 3]))
 
     def report(decision, pulled: int, ms: float, policy: str, pullable: int = 0):
         return sched.ReportOutcome(scheduler_pb2.ReportOutcomeRequest(
@@ -103,10 +93,10 @@ async def test_stats_show_the_fitted_model_regret_per_policy_and_loads(stubs):
     (link,) = stats.transfers
     assert (link.prefill_worker_id, link.decode_worker_id, link.observations) == ("p0", "d0", 5)
     # the workers are records without engines: their load polls fail and they show as unreachable
-    for _ in range(50):
+    async def both_unreachable():
         stats = await sched.GetStats(scheduler_pb2.GetStatsRequest())
-        if {w.worker_id for w in stats.loads if not w.reachable} >= {"p0", "d0"}:
-            break
-        await asyncio.sleep(0.1)
+        return stats if {w.worker_id for w in stats.loads if not w.reachable} >= {"p0", "d0"} else None
+
+    stats = await until(both_unreachable, 5, "both workers shown unreachable")
     loads = {w.worker_id: w for w in stats.loads}
     assert not loads["p0"].reachable and loads["p0"].assigned_turns == 1

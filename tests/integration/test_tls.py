@@ -26,8 +26,9 @@ from kvshuttle.services.store.etcd_store import EtcdStore, StoreError, StoreUnav
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from kvshuttle.workers.agent import RegistryLink
 
-from tests.integration.test_scheduler import handle_for, worker
 from tests.support.certs import TestCA
+from tests.support.scheduler import first_plan, handle_for, worker
+from tests.support.waits import until
 
 pytestmark = pytest.mark.timeout(180)
 BS = 16
@@ -67,15 +68,11 @@ async def refused(call, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> 
 
 async def plan_eventually(sched, request) -> scheduler_pb2.PlanTurnResponse:
     """PlanTurn once the scheduler's worker watch has seen the workers (and their source check passes)."""
-    for _ in range(200):
-        try:
-            got = await sched.PlanTurn(request, timeout=5)
-            if "not alive" not in got.reason:
-                return got
-        except grpc.aio.AioRpcError as exc:
-            assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
-        await asyncio.sleep(0.05)
-    raise AssertionError("the scheduler never planned with the registered workers")
+    async def planned():
+        got = await first_plan(sched, request, timeout=5)
+        return got if "not alive" not in got.reason else None
+
+    return await until(planned, 10, "a plan with the registered workers")
 
 
 # --------------------------------------------------------------------------------------------------- etcd, secured

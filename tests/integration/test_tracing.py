@@ -2,7 +2,7 @@
 vLLM engines): the span tree every turn makes, its attributes, the caller's trace context continued (HTTP header and
 gRPC metadata) and passed on to the engines, and failures recorded with their status.
 
-The turns run in a subprocess (tests/integration/traced_stack.py: the tracer provider is process-wide); their spans
+The turns run in a subprocess (tests/support/traced_stack.py: the tracer provider is process-wide); their spans
 come back as JSON. Across real processes and vLLM: tests/e2e/test_tracing.py.
 """
 
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(180)
 
 @pytest.fixture(scope="module")
 def traced(etcd, model_dir) -> dict:
-    done = subprocess.run([sys.executable, "-m", "tests.integration.traced_stack", etcd, str(model_dir)], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "tests.support.traced_stack", etcd, str(model_dir)], cwd=ROOT,
                           capture_output=True, text=True, timeout=150)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])

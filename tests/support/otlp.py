@@ -6,9 +6,9 @@ end_ns, attributes, status, status_code, events.
 
 from __future__ import annotations
 
-import asyncio
-
 from kvshuttle.services.commands.trace_view import TraceReceiver, receiver_server
+
+from tests.support.waits import until
 
 
 class OtlpReceiver:
@@ -29,8 +29,9 @@ class OtlpReceiver:
 
     async def wait_for(self, predicate, timeout_s: float = 30.0) -> list[dict]:
         """Spans collected so far once ``predicate(spans)`` is true; fails after ``timeout_s``."""
-        for _ in range(int(timeout_s * 10)):
-            if predicate(self.spans):
-                return self.spans
-            await asyncio.sleep(0.1)
-        raise AssertionError(f"spans never satisfied the condition; got {[s['name'] for s in self.spans]}")
+        try:
+            await until(lambda: predicate(self.spans), timeout_s, "spans that satisfy the condition", interval_s=0.1)
+        except AssertionError:
+            raise AssertionError(f"spans never satisfied the condition; got {[s['name'] for s in self.spans]}") \
+                from None
+        return self.spans

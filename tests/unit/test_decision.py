@@ -1,24 +1,11 @@
-import json
+"""The pull-vs-recompute decision for one handle: what is reusable, and when a pull is refused."""
+
+from __future__ import annotations
 
 import pytest
-from kvshuttle.control_plane.decision import Choice, HandleView, PullPolicy, decide, reusable_tokens
-from kvshuttle.control_plane.prefix import block_hash_chain
+from kvshuttle.control_plane.decision import Choice, PullPolicy, decide, reusable_tokens
 
-BS = 16
-HISTORY = list(range(1000, 1100))  # 100 tokens: prompt + answer of the last turn
-COVERED = 99  # D's handle covers all but the last generated token
-
-
-def handle_view(**over):
-    params = {"do_remote_decode": True, "remote_engine_id": "d", "remote_host": "127.0.0.1",
-              "remote_port": 5700, "remote_num_tokens": COVERED,
-              "remote_block_ids": [list(range(7))]}
-    base = dict(kv_transfer_params_json=json.dumps(params), covered_tokens=COVERED, block_size=BS,
-                block_hashes=block_hash_chain(HISTORY, COVERED, BS), expires_in_s=300.0, claimed=False,
-                source_alive=True)
-    base.update(over)
-    return HandleView(**base)
-
+from tests.support.planning import BS, COVERED, HISTORY, handle_view
 
 POLICY = PullPolicy(pull_threshold_tokens=16, expiry_guard_s=2.0)
 

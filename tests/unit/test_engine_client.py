@@ -9,7 +9,8 @@ import grpc
 import pytest
 from kvshuttle.services.engine.client import Chunk, EngineClient, EngineError, Final
 
-from tests.unit.fake_engine import FakeEngineServer
+from tests.support.fake_engine import FakeEngineServer
+from tests.support.waits import until
 
 
 @pytest.fixture
@@ -76,15 +77,11 @@ async def test_cancelling_the_iterator_cancels_the_rpc(client, server):
             pass
 
     task = asyncio.create_task(consume())
-    await asyncio.sleep(0.2)
+    await until(lambda: any(r.request_id == "slow-c" for r in server.engine.requests), what="the request under way")
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
-    for _ in range(50):
-        if "slow-c" in server.engine.cancelled:
-            break
-        await asyncio.sleep(0.02)
-    assert "slow-c" in server.engine.cancelled
+    await until(lambda: "slow-c" in server.engine.cancelled, 1.0, "the server to see the RPC cancelled")
 
 
 async def test_closing_the_iterator_cancels_the_rpc(client, server):
@@ -92,11 +89,7 @@ async def test_closing_the_iterator_cancels_the_rpc(client, server):
     first = await anext(gen)
     assert first.token_ids == [2]
     await gen.aclose()
-    for _ in range(50):
-        if "slow-b" in server.engine.cancelled:
-            break
-        await asyncio.sleep(0.02)
-    assert "slow-b" in server.engine.cancelled
+    await until(lambda: "slow-b" in server.engine.cancelled, 1.0, "the server to see the RPC cancelled")
 
 
 async def test_management_calls(client, server):

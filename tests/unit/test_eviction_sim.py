@@ -75,7 +75,7 @@ PURE_TENANTS = "0.9/0.05/0.05,0.05/0.9/0.05,0.05/0.05/0.9"  # one tenant chatty,
 
 
 def test_value_beats_lru_where_tenants_differ_and_matches_it_on_the_mixed_default():
-    """Measured, not hoped for (kvshuttle bench-eviction, README "Decode KV"): where each tenant's sessions behave
+    """Measured, not hoped for (kvshuttle bench-eviction, docs/decode-kv.md): where each tenant's sessions behave
     alike, what the value ranking learns per tenant pays (more TTFT saved than LRU in every seeded run); on the
     default mix, where every tenant mixes all kinds, recency already says most of it and the two are within 1%."""
     pure = run(EvictionSimConfig(out="", tenant_mixes=PURE_TENANTS))

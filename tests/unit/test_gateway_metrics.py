@@ -13,7 +13,7 @@ from kvshuttle.v1 import scheduler_pb2
 from prometheus_client import generate_latest
 
 from tests.support.metrics import delta, parse
-from tests.unit.test_turns import DownRegistry, Engine, Registry, Scheduler, Tokenizer, resume_runner, run, runner
+from tests.support.turn_fakes import DownRegistry, Engine, Registry, Scheduler, Tokenizer, resume_runner, run, runner
 
 GATEWAY = metrics.registry_for("gateway")
 
@@ -165,7 +165,7 @@ async def test_a_stream_the_client_leaves_counts_as_cancelled_but_a_finished_one
 
 async def test_degraded_turns_and_released_handles_are_read_from_the_runner():
     r, _, _ = runner(scheduler_pb2.DECISION_RECOMPUTE, Engine(), registry=DownRegistry())
-    metrics.track_gateway(r)
+    metrics.GATEWAY_STATE.register(r.metrics_state)
     before = scrape()
     await run(r, TurnRequest(session_id="s", prompt_text="hello", max_tokens=2))
     r.released_handles += 2

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 
 import pytest
 from kvshuttle.control_plane.cost_model import PrefillCostModel, PrefillPrior
 from kvshuttle.control_plane.decision import Choice
 from kvshuttle.control_plane.load import WorkerLoad
-from kvshuttle.control_plane.planner import Planner
 from kvshuttle.control_plane.policies import (
     Outcome,
     PolicyError,
@@ -20,31 +18,8 @@ from kvshuttle.control_plane.policies import (
     parse_policy_specs,
 )
 from kvshuttle.control_plane.prefix import block_hash_chain
-from kvshuttle.control_plane.selection import make_selector
 
-from tests.unit.test_decision import COVERED, HISTORY, handle_view
-
-PROMPT = HISTORY + [1, 2, 3]
-
-
-@dataclass(frozen=True)
-class W:
-    worker_id: str
-
-
-def planner(prior: PrefillPrior | None = None, default: str = "cost", **policies: str) -> Planner:
-    model = PrefillCostModel(prior)
-    made = {"cost": make_policy("cost", {}, model=model),
-            "t16": make_policy("threshold", {"pull_threshold_tokens": "16"}, model=model, name="t16")}
-    for name, params in policies.items():
-        kind, _, text = params.partition(":")
-        made[name] = make_policy(kind, parse_params(text), model=model, name=name)
-    return Planner(made, default, model, make_selector("load"))
-
-
-def plan(p: Planner, prompt=PROMPT, handle=None, loads=None, prefill=("p0",), **kw):
-    return p.plan(prompt, handle_view() if handle is None else handle, prefill=[W(w) for w in prefill],
-                  decode=[W("d0")], loads=loads or {}, source_worker="d", **kw)
+from tests.support.planning import COVERED, PROMPT, handle_view, plan, planner
 
 
 def test_threshold_policy_is_vllm_s_rule():

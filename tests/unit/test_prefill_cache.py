@@ -12,7 +12,7 @@ from kvshuttle.control_plane.policies import Outcome, make_policy
 from kvshuttle.control_plane.prefill_cache import PrefillCacheHints
 from kvshuttle.control_plane.selection import make_selector
 
-from tests.unit.test_decision import HISTORY, handle_view
+from tests.support.planning import HISTORY, handle_view
 
 
 @dataclass(frozen=True)

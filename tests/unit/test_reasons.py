@@ -15,8 +15,7 @@ from kvshuttle.control_plane.prefix import block_hash_chain
 from kvshuttle.services.scheduler.claims import ClaimsError
 from kvshuttle.services.scheduler.servicer import _demote, _store_failure
 
-from tests.unit.test_decision import COVERED, HISTORY, handle_view
-from tests.unit.test_policies import PROMPT, plan, planner
+from tests.support.planning import COVERED, HISTORY, PROMPT, handle_view, plan, planner
 
 POLICY = PullPolicy(pull_threshold_tokens=16, expiry_guard_s=2.0)
 

@@ -13,6 +13,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from tests.support.waits import until
+
 
 def a_turn() -> list:
     """Three finished SDK spans: kvshuttle.turn with a child, and an error under it."""
@@ -40,10 +42,7 @@ async def test_spans_exported_over_otlp_arrive_with_their_tree():
         exporter = OTLPSpanExporter(endpoint=f"http://127.0.0.1:{port}", insecure=True)
         result = await asyncio.to_thread(exporter.export, a_turn())  # the exporter blocks: not on this loop
         assert result == SpanExportResult.SUCCESS
-        for _ in range(50):
-            if printed:
-                break
-            await asyncio.sleep(0.02)
+        await until(lambda: printed, 1.0, "the turn printed")
         await asyncio.to_thread(exporter.shutdown)
     finally:
         await server.stop(0)

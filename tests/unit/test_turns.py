@@ -10,145 +10,23 @@ import json
 import grpc
 import pytest
 from kvshuttle.control_plane import kv_params
-from kvshuttle.services.engine.client import Chunk, EngineClient, EngineError, Final
+from kvshuttle.services.engine.client import EngineError, Final
 from kvshuttle.services.gateway.turns import Delta, Finished, TurnError, TurnRequest, TurnRunner
 from kvshuttle.v1 import common_pb2, registry_pb2, scheduler_pb2
 
-PULL_PARAMS = {"do_remote_decode": True, "remote_block_ids": [[1]], "remote_num_tokens": 3}
-
-
-class Tokenizer:
-    """Characters are tokens (id = code point): exact and easy to reason about."""
-
-    vocab_size = 65536
-
-    def render_chat(self, messages, add_generation_prompt=True):
-        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt
-                                                                           else "")
-
-    def encode(self, text, add_special_tokens=False):
-        return [ord(c) for c in text]
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(i) for i in ids)
-
-    def stream_decoder(self, skip_special_tokens=True):
-        return self.decode
-
-
-BLOCK = 4  # the fake decode worker's KV block size
-
-
-class Engine:
-    def __init__(self, fail_prefills: int = 0, answer: str = "ok", tight_blocks: bool = False,
-                 fail_code: grpc.StatusCode = grpc.StatusCode.INTERNAL, die_after: int | None = None,
-                 hang_after: int | None = None):
-        """``tight_blocks``: the handle P returns lists only the prompt's blocks (vLLM with prefix caching), not one
-        for the token P generated. ``die_after`` / ``hang_after``: a decode stream that fails (UNAVAILABLE) or stops
-        answering after that many tokens."""
-        self.fail_prefills, self.answer, self.prefills, self.calls = fail_prefills, answer, [], []
-        self.tight_blocks, self.fail_code = tight_blocks, fail_code
-        self.die_after, self.hang_after = die_after, hang_after
-
-    async def prefill(self, request_id, prompt_ids, *, kv_transfer_params, **sampling):
-        self.prefills.append(kv_transfer_params)
-        self.sampling = sampling
-        if self.fail_prefills:
-            self.fail_prefills -= 1
-            raise EngineError(self.fail_code, "engine said no")
-        first = self.answer[0] if self.answer else "!"
-        tokens = len(prompt_ids) + (0 if self.tight_blocks else 1)
-        handle = {"for": "decode", "remote_block_ids": [list(range(-(-tokens // BLOCK)))]}
-        return Final([ord(first)], "stop" if first == "$" else "length", len(prompt_ids), 1, 0, handle)
-
-    read_to_free = EngineClient.read_to_free  # the real freeing read, over this fake's generate
-
-    async def generate(self, request_id, prompt_ids, **kw):
-        self.calls.append((list(prompt_ids), kw))
-        ids = [ord(c) for c in self.answer][:kw.get("max_tokens", len(self.answer))]
-        for n, i in enumerate(ids):
-            if n == self.die_after:
-                raise EngineError(grpc.StatusCode.UNAVAILABLE, "Socket closed")
-            if n == self.hang_after:
-                await asyncio.sleep(3600)
-            yield Chunk([i], len(prompt_ids), 0)
-        yield Final(ids, "length", len(prompt_ids), len(ids), 0, {"do_remote_decode": True, "handle": 1})
-
-    async def close(self):
-        pass
-
-
-class Registry:
-    def __init__(self, session=None):
-        self.session, self.recorded, self.reads = session, [], 0
-
-    async def GetSession(self, request, timeout=None):
-        self.reads += 1
-        if self.session is None:
-            raise _rpc_error(grpc.StatusCode.NOT_FOUND)
-        return registry_pb2.GetSessionResponse(session=self.session, expires_in_s=100)
-
-    async def RecordTurn(self, request, timeout=None):
-        self.recorded.append(request)
-        stored = common_pb2.Session(session_id=request.session_id, token_ids=request.token_ids, text=request.text,
-                                    kv_transfer_params_json=request.kv_transfer_params_json,
-                                    revision=len(self.recorded) + 10)
-        self.session = stored
-        return registry_pb2.RecordTurnResponse(session=stored)
-
-
-class Scheduler:
-    def __init__(self, decision, prefills=("p",), decodes=("d",)):
-        """Plans on the first of ``prefills`` / ``decodes`` (worker ids; their engines listen at '<id>:1') that the
-        request does not exclude; UNAVAILABLE when none is left, as the real scheduler answers."""
-        self.decision, self.prompts, self.requests, self.stale, self.outcomes = decision, [], [], 0, []
-        self.prefills, self.decodes = prefills, decodes
-
-    async def ReportOutcome(self, request, timeout=None):
-        self.outcomes.append(request)
-        return scheduler_pb2.ReportOutcomeResponse()
-
-    async def PlanTurn(self, request, timeout=None):
-        self.prompts.append(list(request.prompt_token_ids))
-        self.requests.append(request)
-        if self.stale:  # the caller's snapshot is out of date
-            self.stale -= 1
-            return scheduler_pb2.PlanTurnResponse(decision=scheduler_pb2.DECISION_RECOMPUTE, reason="stale",
-                                                  figures=scheduler_pb2.PlanFigures(snapshot_stale=True))
-        live_p = [w for w in self.prefills if w not in request.exclude_worker_ids]
-        live_d = [w for w in self.decodes if w not in request.exclude_worker_ids]
-        if not live_p or not live_d:
-            raise _rpc_error(grpc.StatusCode.UNAVAILABLE)
-        pull = self.decision == scheduler_pb2.DECISION_PULL and not request.disable_pull
-        params = PULL_PARAMS if pull else kv_params.prefill_request_params()
-        return scheduler_pb2.PlanTurnResponse(
-            decision=scheduler_pb2.DECISION_PULL if pull else scheduler_pb2.DECISION_RECOMPUTE, reason="test",
-            prefill_kv_transfer_params_json=json.dumps(params),
-            prefill=common_pb2.Worker(worker_id=live_p[0], grpc_address=f"{live_p[0]}:1"),
-            decode=common_pb2.Worker(worker_id=live_d[0], grpc_address=f"{live_d[0]}:1", block_size=BLOCK),
-            figures=scheduler_pb2.PlanFigures(reusable_tokens=3 if pull else 0))
-
-
-def _rpc_error(code):
-    class Err(grpc.aio.AioRpcError):
-        def __init__(self):
-            super().__init__(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details="x")
-    return Err()
-
-
-def runner(decision, prefill: Engine, registry=None, decode: Engine | None = None,
-           first_token_from_prefill: bool = False) -> tuple[TurnRunner, Scheduler, Registry]:
-    scheduler, registry = Scheduler(decision), registry or Registry()
-    r = TurnRunner(Tokenizer(), registry, scheduler, max_model_len=1000,
-                   first_token_from_prefill=first_token_from_prefill)
-    r._engines = {"p:1": prefill, "d:1": decode or Engine()}
-    return r, scheduler, registry
-
-
-async def run(r: TurnRunner, req: TurnRequest):
-    turn = await r.prepare(req)
-    events = [e async for e in r.decode(turn)]
-    return turn, events
+from tests.support.turn_fakes import (
+    BLOCK,
+    PULL_PARAMS,
+    DownRegistry,
+    Engine,
+    Registry,
+    Scheduler,
+    Tokenizer,
+    resume_runner,
+    run,
+    runner,
+)
+from tests.support.waits import until
 
 
 async def test_failed_pull_is_retried_once_as_a_recompute():
@@ -183,15 +61,6 @@ async def test_a_failed_prefill_worker_is_replaced_and_the_turn_recomputes_there
     retry = scheduler.requests[-1]
     assert list(retry.exclude_worker_ids) == ["p"] and retry.disable_pull
     assert "".join(e.text for e in events if isinstance(e, Delta)) == "ok"
-
-
-def resume_runner(first: Engine, second: Engine | None, *, stall_s: float = 120.0, first_token: bool = False):
-    decodes = ("d", "d2") if second is not None else ("d",)
-    scheduler, registry = Scheduler(scheduler_pb2.DECISION_RECOMPUTE, decodes=decodes), Registry()
-    r = TurnRunner(Tokenizer(), registry, scheduler, max_model_len=1000, first_token_from_prefill=first_token,
-                   decode_stall_timeout_s=stall_s)
-    r._engines = {"p:1": Engine(answer="a"), "d:1": first, **({"d2:1": second} if second else {})}
-    return r, scheduler, registry
 
 
 @pytest.mark.parametrize("how", ["dies", "hangs"])
@@ -416,10 +285,7 @@ async def test_with_stop_strings_d_samples_the_first_token_itself():
 async def test_each_prefill_is_reported_to_the_scheduler():
     r, scheduler, _ = runner(scheduler_pb2.DECISION_PULL, Engine())
     turn, _ = await run(r, TurnRequest(session_id="s", prompt_text="hello", max_tokens=2))
-    for _ in range(10):  # the report is sent off the turn's path
-        if scheduler.outcomes:
-            break
-        await asyncio.sleep(0.01)
+    await until(lambda: scheduler.outcomes, 1.0, "the outcome report (sent off the turn's path)")
     (report,) = scheduler.outcomes
     assert report.prefill_worker_id == "p" and report.decision == scheduler_pb2.DECISION_PULL
     assert report.prompt_tokens == 5 and report.pulled_tokens == 3 and report.computed_tokens == 5
@@ -436,16 +302,6 @@ async def test_a_request_the_engine_finds_invalid_is_a_400_not_a_503():
     with pytest.raises(TurnError) as err:
         await r.prepare(TurnRequest(session_id="s", prompt_text="hi", max_tokens=2))
     assert err.value.http_status == 503
-
-
-class DownRegistry(Registry):
-    """The registry with etcd down: every call is UNAVAILABLE."""
-
-    async def GetSession(self, request, timeout=None):
-        raise _rpc_error(grpc.StatusCode.UNAVAILABLE)
-
-    async def RecordTurn(self, request, timeout=None):
-        raise _rpc_error(grpc.StatusCode.UNAVAILABLE)
 
 
 async def test_turns_without_the_session_store_succeed_and_are_counted():

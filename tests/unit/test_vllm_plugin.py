@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from kvshuttle.workers import vllm_plugin
 
+from tests.support.waits import wait_until
+
 
 def test_without_variables_nothing_changes(monkeypatch):
     shm = pytest.importorskip("vllm.distributed.device_communicators.shm_broadcast")
@@ -45,7 +47,6 @@ def test_a_vllm_process_is_tied_to_its_parent_unless_it_already_is(tmp_path):
     server) is kept. Then the parent dies, and the child with it."""
     import subprocess
     import sys
-    import time
 
     script = tmp_path / "child.py"
     script.write_text(
@@ -65,10 +66,7 @@ def test_a_vllm_process_is_tied_to_its_parent_unless_it_already_is(tmp_path):
         assert int(parent.stdout.readline()) == int(expected)
         parent.kill()
         parent.wait()
-        deadline = time.monotonic() + 10
-        while _running(child):
-            assert time.monotonic() < deadline, f"the child ({mode}) outlived its parent"
-            time.sleep(0.1)
+        wait_until(lambda: not _running(child), 10, f"the child ({mode}) to die with its parent", interval_s=0.1)
 
 
 def _running(pid: int) -> bool:

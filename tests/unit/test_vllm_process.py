@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import os
@@ -14,6 +13,8 @@ import pytest
 from kvshuttle.services.common.config import ConfigError, from_namespace
 from kvshuttle.workers import vllm_process
 from kvshuttle.workers.vllm_process import VllmProcess, WorkerConfig, vllm_command
+
+from tests.support.waits import until
 
 
 def test_command_and_env(tmp_path):
@@ -138,22 +139,22 @@ async def test_stop_kills_the_whole_group(tmp_path, monkeypatch):
     monkeypatch.setattr(vllm_process, "vllm_command", lambda cfg: ([sys.executable, "-c", script], {}))
     proc = VllmProcess(WorkerConfig(role="decode", model="/m", work_dir=str(tmp_path), stop_grace_s=0.5))
     await proc.start()
-    for _ in range(200):
-        if ready.exists() and pidfile.exists() and pidfile.read_text():
-            break
-        await asyncio.sleep(0.05)
+    await until(lambda: ready.exists() and pidfile.exists() and pidfile.read_text(), 10, "the stubborn child")
     child = int(pidfile.read_text())
     code = await proc.stop()
     assert code is not None
-    await asyncio.sleep(0.2)
-    try:
-        os.kill(child, 0)
-        # Still listed only as a zombie waiting for its new parent to reap it.
-        with open(f"/proc/{child}/stat") as f:
-            assert f.read().split(") ")[1].startswith("Z")
-    except ProcessLookupError:
-        pass
+    await until(lambda: not _alive(child), 5, "the child that ignores SIGTERM to be killed too")
     assert str(child) in proc.log_tail()  # the child's output went to the log
+
+
+def _alive(pid: int) -> bool:
+    """Running: not gone, and not a zombie waiting for its new parent to reap it."""
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as f:
+            return not f.read().split(") ")[1].startswith("Z")
+    except (ProcessLookupError, FileNotFoundError):
+        return False
 
 
 def test_vllm_log_dash_sends_vllm_output_to_the_agents_stderr(tmp_path):

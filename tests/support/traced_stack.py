@@ -2,7 +2,7 @@
 engines; prints every finished span and what the client saw as JSON. Run by tests/integration/test_tracing.py in a
 subprocess (the tracer provider is process-wide and set once):
 
-    python -m tests.integration.traced_stack <etcd endpoints> <model dir>
+    python -m tests.support.traced_stack <etcd endpoints> <model dir>
 
 The turns: a 3-turn HTTP conversation whose first turn carries the client's ``traceparent`` (the third streams), a
 gRPC turn with ``traceparent`` in its metadata, a turn the gateway refuses (400) and one that fails because the only
@@ -27,7 +27,8 @@ from kvshuttle.services.scheduler.server import SchedulerConfig, SchedulerServic
 from kvshuttle.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, registry_pb2, registry_pb2_grpc
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from tests.unit.fake_engine import FakeEngineServer
+from tests.support.fake_engine import FakeEngineServer
+from tests.support.waits import until
 
 SESSION = f"secret-conversation-{uuid.uuid4().hex[:8]}"  # must never appear in a span
 HTTP_PARENT = ("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7")  # the HTTP client's trace and span
@@ -120,9 +121,8 @@ async def main(etcd: str, model_dir: str) -> None:
         await engine.start()
     d.engine.handle["remote_port"] = d.port + 1
     await register(registry.address, p, d)
-    while len(scheduler.workers.by_role(common_pb2.WORKER_ROLE_PREFILL)) < 1 or not scheduler.workers.by_role(
-            common_pb2.WORKER_ROLE_DECODE):
-        await asyncio.sleep(0.05)
+    await until(lambda: scheduler.workers.by_role(common_pb2.WORKER_ROLE_PREFILL) and scheduler.workers.by_role(
+        common_pb2.WORKER_ROLE_DECODE), what="the scheduler's view of both workers")
     gateway = GatewayService(GatewayConfig(http_listen="127.0.0.1:0", grpc_listen="127.0.0.1:0",
                                            registry=registry.address, scheduler=scheduler.address,
                                            model_dir=model_dir, max_model_len=2048))
@@ -132,7 +132,9 @@ async def main(etcd: str, model_dir: str) -> None:
         result = {"session": SESSION, "http_parent": HTTP_PARENT, "grpc_parent": GRPC_PARENT,
                   "prefill_address": p.address, "decode_address": d.address,
                   "http": await http_turns(base_url), "grpc": await grpc_turn(gateway.grpc_address)}
-        await asyncio.sleep(0.5)  # the background outcome reports and releases
+        # The turns' outcome reports and releases run in the background: all four reported, none in flight.
+        await until(lambda: scheduler.planner.reported >= 4 and not gateway.runner._reports,
+                    what="the turns' outcome reports")
         result["engine_metadata"] = {**p.engine.metadata, **d.engine.metadata}
         result["errors"] = await failing_turns(base_url, p)
     finally:

@@ -1,21 +1,23 @@
 """The worker agent's registry link (register, keep-alive, re-register) and life cycle, against a small in-test
-SessionRegistry on a real loopback gRPC server and a fake vLLM."""
+SessionRegistry on a real loopback gRPC server and a fake vLLM (tests/support/fake_engine.py) on another."""
 
 from __future__ import annotations
 
 import asyncio
 import io
 import json
-import socket
+import logging
 
 import grpc
 import pytest
+from kvshuttle.services.devtools.etcd_process import free_port
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 from kvshuttle.workers import agent as agent_mod
 from kvshuttle.workers.agent import Agent, RegistryLink
 from kvshuttle.workers.vllm_process import WorkerConfig
 
-from tests.unit.fake_engine import FakeEngineServer
+from tests.support.fake_engine import FakeEngineServer
+from tests.support.waits import until
 
 
 class FakeRegistry(registry_pb2_grpc.SessionRegistryServicer):
@@ -47,12 +49,6 @@ class FakeRegistry(registry_pb2_grpc.SessionRegistryServicer):
         return registry_pb2.DeregisterWorkerResponse()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class RegistryServer:
     def __init__(self, port: int, servicer: FakeRegistry):
         self.servicer = servicer
@@ -70,14 +66,6 @@ class RegistryServer:
         await self.server.stop(0)
 
 
-async def until(predicate, timeout: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not predicate():
-        assert loop.time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
-
-
 WORKER = common_pb2.Worker(worker_id="decode-a", role=common_pb2.WORKER_ROLE_DECODE, engine_id="e1",
                            grpc_address="127.0.0.1:1", block_size=16)
 
@@ -90,7 +78,7 @@ async def test_registers_and_keeps_alive():
     try:
         await asyncio.wait_for(link.registered.wait(), 5)
         assert link.lease_id == 101 and reg.servicer.registered[0].worker_id == "decode-a"
-        await until(lambda: reg.servicer.keepalives >= 3)  # every ttl/3 = 0.67 s
+        await until(lambda: reg.servicer.keepalives >= 3, what="three keep-alives")  # every ttl/3 = 0.67 s
         assert link.registrations == 1
     finally:
         task.cancel()
@@ -109,10 +97,10 @@ async def test_reregisters_when_the_lease_is_gone():
     try:
         await asyncio.wait_for(link.registered.wait(), 5)
         reg.servicer.leases.clear()  # the lease expired in the store
-        await until(lambda: link.registrations == 2)
+        await until(lambda: link.registrations == 2, what="a second registration")
         assert link.lease_id == 102
         before = reg.servicer.keepalives
-        await until(lambda: reg.servicer.keepalives > before)  # and the new lease is kept alive
+        await until(lambda: reg.servicer.keepalives > before, what="a keep-alive on the new lease")  # kept alive too
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -120,22 +108,28 @@ async def test_reregisters_when_the_lease_is_gone():
         await reg.stop()
 
 
-async def test_recovers_after_registry_outage_and_waits_for_first_start():
+async def test_recovers_after_registry_outage_and_waits_for_first_start(caplog):
+    caplog.set_level(logging.WARNING, logger="kvshuttle.worker")
     port = free_port()
     link = RegistryLink(f"127.0.0.1:{port}", WORKER, 2, retry_s=0.2, max_retry_s=0.5)
     task = asyncio.create_task(link.run())
+
+    def said(words: str) -> bool:
+        return any(words in r.getMessage() for r in caplog.records)
+
     try:
-        await asyncio.sleep(1.0)  # registry not up yet: keeps trying
-        assert link.registrations == 0
-        reg = await RegistryServer.start(port)
+        await until(lambda: said("register failed"), what="a failed registration")  # registry not up yet
+        assert link.registrations == 0 and not link.registered.is_set()
+        reg = await RegistryServer.start(port)  # it keeps trying: registered once the registry is up
         await asyncio.wait_for(link.registered.wait(), 5)
-        await reg.stop()  # outage longer than the TTL
-        await asyncio.sleep(3.0)
+        await reg.stop()  # an outage longer than the TTL (2 s): the link presumes its lease lost
+        await until(lambda: not link.registered.is_set(), 10, "the link to give up its lease")
+        assert said("the lease has expired, registering again") and link.registrations == 1
         # A fresh registry (restarted, store lost its leases): the agent registers again under a new lease.
         reg = await RegistryServer.start(port, first_lease=500)
-        await until(lambda: link.registrations == 2)
+        await until(lambda: link.registrations == 2, what="a second registration")
         assert link.lease_id == 501 and reg.servicer.registered[0].worker_id == "decode-a"
-        await until(lambda: reg.servicer.keepalives >= 1)
+        await until(lambda: reg.servicer.keepalives >= 1, what="a keep-alive")
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -193,7 +187,7 @@ async def test_agent_lifecycle_ready_line_and_graceful_stop():
     reg = await RegistryServer.start(port)
     agent, proc, out, task = await start_agent(port)
     try:
-        await until(lambda: agent_mod.READY_MARKER in out.getvalue())
+        await until(lambda: agent_mod.READY_MARKER in out.getvalue(), what="the ready line")
         line = out.getvalue().strip()
         ready = json.loads(line.split(" ", 1)[1])
         assert ready["engine_id"] == "fake-engine" and ready["block_size"] == 16 and ready["lease_id"] == 101
@@ -216,7 +210,7 @@ async def test_agent_leaves_when_vllm_dies(failure):
     reg = await RegistryServer.start(port)
     agent, proc, out, task = await start_agent(port)
     try:
-        await until(lambda: agent_mod.READY_MARKER in out.getvalue())
+        await until(lambda: agent_mod.READY_MARKER in out.getvalue(), what="the ready line")
         if failure == "exit":
             proc.exit(9)
         else:

@@ -1,18 +1,25 @@
-"""Helpers for the end-to-end tests: chat turns over HTTP, P's cache and counters."""
+"""Helpers for the end-to-end tests (tests/e2e, on the shared real stack): chat turns over HTTP, P's cache and
+counters, more gateways and workers next to the stack's, and pausing one of its workers."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import inspect
 import signal
-import time
+import textwrap
 import uuid
 
 import httpx
 from kvshuttle.services.common.grpc_server import client_channel
 from kvshuttle.services.common.processes import ChildProcess
+from kvshuttle.services.devtools.etcd_process import free_port
+from kvshuttle.services.devtools.stack import cpu_binds
 from kvshuttle.services.engine.client import EngineClient
-from kvshuttle.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+
+from tests.support.waits import until
+
+EXTRA_STARTUP_TIMEOUT_S = 240.0  # an extra vLLM worker's start-up (~40-85 s on 2 cores) and registration
 
 
 def new_session(prefix: str) -> str:
@@ -28,16 +35,10 @@ async def flush_prefill(stack, wait_s: float = 40.0) -> None:
 
     vLLM refuses while P holds blocks, e.g. a prefill whose decode worker never read it (an earlier test's failure
     case) until its KV lease ends (30 s): retry until then."""
-    import asyncio
-    import time
-
     for w in prefill_workers(stack):
         client = EngineClient(w.grpc_address, timeout_s=30)
-        deadline = time.monotonic() + wait_s
         try:
-            while not await client.flush_cache():
-                assert time.monotonic() < deadline, f"FlushCache refused on {w.worker_id} for {wait_s:g} s"
-                await asyncio.sleep(0.5)
+            await until(client.flush_cache, wait_s, f"FlushCache to be accepted on {w.worker_id}", interval_s=0.5)
         finally:
             await client.close()
 
@@ -57,9 +58,6 @@ async def chat(client: httpx.AsyncClient, session: str, messages: list[dict], *,
 
 def user_turn(n: int) -> dict:
     """A long-ish user message (tool output) so the history spans several KV blocks."""
-    import inspect
-    import textwrap
-
     source = inspect.getsource(textwrap)
     return {"role": "user", "content": f"Turn {n}. Tool output:\n{source[n * 1500:(n + 1) * 1500]}\nExplain."}
 
@@ -67,28 +65,59 @@ def user_turn(n: int) -> dict:
 async def spawn_gateway(stack, name: str, *args: str):
     """One more gateway process on the stack's registry and scheduler (``args``: more gateway flags); returns the
     child and its base URL once it answers /health. The caller stops it (``child.stop()``)."""
-    import asyncio
-    import time
-
-    from kvshuttle.services.devtools.etcd_process import free_port
-
     http, grpc_port = free_port(), free_port()
     child = await stack._spawn(name, "gateway", "--grpc-listen", f"127.0.0.1:{grpc_port}",
                                "--http-listen", f"127.0.0.1:{http}", "--max-model-len",
                                str(stack.cfg.max_model_len), *args)
     stack.children.remove(child)  # the caller stops it
     base_url = f"http://127.0.0.1:{http}"
-    deadline = time.monotonic() + 120
     async with httpx.AsyncClient(base_url=base_url, timeout=5) as client:
-        while True:
+        async def healthy() -> bool:
             assert child.returncode is None, f"{name} exited:\n{child.log_tail(30)}"
             try:
-                if (await client.get("/health")).status_code == 200:
-                    return child, base_url
+                return (await client.get("/health")).status_code == 200
             except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, f"{name} did not answer /health:\n{child.log_tail(30)}"
-            await asyncio.sleep(0.3)
+                return False
+
+        try:
+            await until(healthy, 120, f"{name} to answer /health", interval_s=0.3)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{child.log_tail(30)}") from None
+    return child, base_url
+
+
+def extra_worker_bind(stack) -> str:
+    """The CPU binding of one more worker next to the stack's (its own cores when the stack splits them)."""
+    return cpu_binds(len(stack.workers) + 1)[-1] if stack.cfg.cpu_bind == "split" else stack.cfg.cpu_bind
+
+
+async def start_prefill_worker(stack, name: str) -> ChildProcess:
+    """One more prefill worker, started the way the stack starts its own (own ports, work dir, CPU binding)."""
+    return await stack.spawn_worker("prefill", name, extra_worker_bind(stack))
+
+
+async def wait_registered(registry: registry_pb2_grpc.SessionRegistryStub, child: ChildProcess, worker_id: str,
+                          timeout_s: float = EXTRA_STARTUP_TIMEOUT_S) -> common_pb2.Worker:
+    """The registry's record of ``worker_id`` once the worker (process ``child``) has registered; fails if the
+    process exits first."""
+
+    async def registered() -> common_pb2.Worker | None:
+        assert child.returncode is None, f"{worker_id} exited ({child.returncode}):\n{child.log_tail(30)}"
+        resp = await registry.ListWorkers(registry_pb2.ListWorkersRequest(), timeout=5.0)
+        return next((w for w in resp.workers if w.worker_id == worker_id), None)
+
+    try:
+        return await until(registered, timeout_s, f"{worker_id} to register", interval_s=0.5)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{child.log_tail(30)}") from None
+
+
+async def registered_ids(stack) -> set[str]:
+    """The ids of the workers registered with the stack's registry now."""
+    async with client_channel(stack.registry_address) as channel:
+        resp = await registry_pb2_grpc.SessionRegistryStub(channel).ListWorkers(registry_pb2.ListWorkersRequest(),
+                                                                                timeout=5)
+    return {w.worker_id for w in resp.workers}
 
 
 def signal_tree(child: ChildProcess, sig: int) -> int:
@@ -128,10 +157,10 @@ class Paused:
         return any(row.reachable for row in stats.loads if row.worker_id == self.worker_id)
 
     async def wait(self, reachable: bool, timeout_s: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while await self.reachable() != reachable:
-            assert time.monotonic() < deadline, f"scheduler never saw {self.worker_id} reachable={reachable}"
-            await asyncio.sleep(0.1)
+        async def seen() -> bool:
+            return await self.reachable() == reachable
+
+        await until(seen, timeout_s, f"the scheduler to see {self.worker_id} reachable={reachable}", interval_s=0.1)
 
     def resume(self) -> None:
         if self.stopped:

@@ -1,0 +1,63 @@
+"""What users of the session store see of it: its errors, a claim's result, and ``ClaimStore``, the small interface
+the scheduler reads records and claims handles through (``EtcdStore`` implements it; the scheduler never needs the
+registry's service code or the rest of the store)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvshuttle.v1 import common_pb2
+
+# Told of each etcd operation: its name (one of the store's fixed names), its seconds (retries included), and
+# "" / "unavailable" / "error". The services pass kvshuttle.services.common.metrics.etcd_op.
+OpObserver = Callable[[str, float, str], None]
+
+
+def no_op(op: str, seconds: float, error: str) -> None:
+    """The default observer: nothing."""
+
+
+class StoreError(Exception):
+    """etcd answered with an error that is not about reachability."""
+
+
+class StoreUnavailable(StoreError):
+    """etcd is unreachable, has no leader, or did not answer in time."""
+
+
+@dataclass(frozen=True)
+class ClaimResult:
+    claimed: bool
+    reason: str
+    # Claimed: the stored record at the claimed revision, with its handle. Refused: the current record without handle.
+    session: common_pb2.Session | None
+
+
+class ClaimStore(Protocol):
+    """Session reads, handle claims, leadership and the decode workers' held KV (the scheduler's use of the store).
+
+    Failures raise ``StoreUnavailable`` (etcd unreachable, no leader, timeout) or ``StoreError``.
+    """
+
+    async def connect(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def get_session(self, tenant: str, session_id: str) -> common_pb2.Session | None:
+        """The record (``revision`` = its mod_revision, ``lease_id`` = its lease; claimed: handle cleared), or None."""
+        ...
+
+    async def claim_session(self, tenant: str, session_id: str, revision: int, *, now: float,
+                            known: common_pb2.Session | None = None, free_reason: str = "") -> ClaimResult:
+        """Take the handle of the record at ``revision``, at most once whoever claims it."""
+        ...
+
+    async def campaign(self, name: str, holder: str, ttl_s: int) -> bool:
+        """Whether ``holder`` leads ``name`` (one leader at a time among the replicas campaigning for it)."""
+        ...
+
+    async def held_on_worker(self, worker_id: str) -> list[common_pb2.Session]:
+        """Summaries of the records whose unspent handle's KV lives on ``worker_id``."""
+        ...
