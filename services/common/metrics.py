@@ -2,7 +2,8 @@
 
 Metrics are defined once here, unregistered, in groups (``GROUPS``): each process's ``/metrics`` endpoint registers
 the groups it serves (:func:`registry_for`), so a gateway never shows a registry's gauges. ``CATALOGUE`` lists every
-metric (name, type, labels, help, component) for the generated metrics reference (docs/hooks/reference.py) and the dashboard checks.
+metric (name, type, labels, help, component) for the generated metrics reference (docs/hooks/reference.py) and the
+dashboard checks.
 
 Events are recorded by the small functions below (``turn_answered``, ``plan_made``, ``etcd_op`` ...). State that a
 service keeps itself (counts, what workers hold) is read at scrape time through a small typed interface: the service
