@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,15 +116,26 @@ class EngineClient:
                        temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                        ignore_eos: bool = False, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
                        kv_transfer_params: dict | None = None, stream: bool = True, logprobs: bool = False,
-                       timeout_s: float | None = None) -> AsyncIterator[Chunk | Final]:
+                       timeout_s: float | None = None, top_k: int = 0, min_p: float = 0.0,
+                       presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                       repetition_penalty: float = 1.0, min_tokens: int = 0,
+                       logit_bias: Mapping[int, float] | None = None, skip_special_tokens: bool = True,
+                       spaces_between_special_tokens: bool = True) -> AsyncIterator[Chunk | Final]:
         """Yield a Chunk per streamed piece (none when ``stream`` is false) and exactly one Final last.
+
+        The sampling keywords are vLLM's (``top_k`` 0: off). The worker detokenizes only to match ``stop`` strings
+        (then with ``skip_special_tokens``/``spaces_between_special_tokens``); the caller detokenizes the answer.
 
         Raises EngineError on gRPC errors and timeouts. Closing or cancelling the iterator cancels the RPC (the
         server then aborts the request).
         """
         sampling = vllm_engine_pb2.SamplingParams(
             temperature=temperature, top_p=top_p, max_tokens=max_tokens, ignore_eos=ignore_eos, stop=list(stop),
-            stop_token_ids=list(stop_token_ids), n=1)
+            stop_token_ids=list(stop_token_ids), n=1, top_k=top_k, min_p=min_p, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty, min_tokens=min_tokens,
+            skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=spaces_between_special_tokens)
+        if logit_bias:
+            sampling.logit_bias.update(logit_bias)
         if seed is not None:
             sampling.seed = seed
         if logprobs:
@@ -189,20 +200,18 @@ class EngineClient:
         return False
 
     async def prefill(self, request_id: str, prompt_ids: Sequence[int], *,
-                      kv_transfer_params: dict | None, timeout_s: float | None = None, temperature: float = 0.0,
-                      top_p: float = 1.0, seed: int | None = None, ignore_eos: bool = False) -> Final:
+                      kv_transfer_params: dict | None, timeout_s: float | None = None, **sampling: Any) -> Final:
         """Compute (or pull) the prompt's KV on a prefill worker: ``max_tokens=1``, not streamed.
 
         ``kv_transfer_params`` is a decode worker's (trimmed) handle to pull from, or None for a plain prefill
         (then the standard "keep the blocks for a decode worker" params are sent). The returned Final's
         ``kv_transfer_params`` are the ones for the decode worker; its one output id is sampled with the given
-        parameters (the answer's first token).
+        parameters (``sampling``: generate's sampling keywords; the answer's first token).
         """
         params = prefill_request_params() if kv_transfer_params is None else kv_transfer_params
         final: Final | None = None
         async for item in self.generate(request_id, prompt_ids, max_tokens=1, kv_transfer_params=params,
-                                        stream=False, timeout_s=timeout_s, temperature=temperature, top_p=top_p,
-                                        seed=seed, ignore_eos=ignore_eos):
+                                        stream=False, timeout_s=timeout_s, **sampling):
             if isinstance(item, Final):
                 final = item
         assert final is not None  # generate always ends with a Final or raises

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import grpc
+from google.protobuf import unknown_fields
+from google.protobuf.message import Message
 from kvshuttle.services.gateway.auth import AuthError, KeyRing, Principal
 from kvshuttle.services.gateway.turns import (
     Delta,
@@ -33,6 +35,23 @@ def turn_timings(t: dict[str, float]) -> gateway_pb2.TurnTimings:
 def usage(f: Finished) -> gateway_pb2.Usage:
     return gateway_pb2.Usage(prompt_tokens=f.prompt_tokens, completion_tokens=len(f.output_ids),
                              total_tokens=f.prompt_tokens + len(f.output_ids))
+
+
+def unknown_field(msg: Message, path: str = "") -> str | None:
+    """The first field of ``msg`` (or of a message in it) that this gateway's protos do not know, as
+    ``path#number``: a client built from newer protos sent it, and this gateway would not apply it."""
+    found = unknown_fields.UnknownFieldSet(msg)
+    if len(found):
+        return f"{path or msg.DESCRIPTOR.name}#{found[0].field_number}"
+    for fd, value in msg.ListFields():
+        if fd.message_type is None or fd.message_type.GetOptions().map_entry:
+            continue
+        for i, item in enumerate(value if fd.is_repeated else [value]):
+            name = f"{path}.{fd.name}" if path else fd.name
+            inner = unknown_field(item, f"{name}[{i}]" if fd.is_repeated else name)
+            if inner:
+                return inner
+    return None
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
@@ -71,11 +90,23 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if msg.model and msg.model != self.served_model:
             raise TurnError(404, grpc.StatusCode.NOT_FOUND,
                             f"model {msg.model!r} not found; this gateway serves {self.served_model!r}")
+        unknown = unknown_field(msg)
+        if unknown:
+            raise TurnError(400, grpc.StatusCode.INVALID_ARGUMENT,
+                            f"unknown field {unknown}: this gateway does not apply it")
         s = msg.sampling
         return TurnRequest(session_id=msg.session_id, max_tokens=s.max_tokens or self.default_max_tokens,
                            temperature=s.temperature, top_p=s.top_p or 1.0,
                            seed=s.seed if s.HasField("seed") else None, ignore_eos=s.ignore_eos, stop=list(s.stop),
-                           disable_pull=msg.disable_pull, policy=msg.policy, **prompt)
+                           disable_pull=msg.disable_pull, policy=msg.policy, top_k=s.top_k, min_p=s.min_p,
+                           presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+                           repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+                           min_tokens=s.min_tokens, stop_token_ids=list(s.stop_token_ids),
+                           logit_bias=dict(s.logit_bias), include_stop_str_in_output=s.include_stop_str_in_output,
+                           skip_special_tokens=s.skip_special_tokens if s.HasField("skip_special_tokens") else True,
+                           spaces_between_special_tokens=(s.spaces_between_special_tokens
+                                                          if s.HasField("spaces_between_special_tokens") else True),
+                           **prompt)
 
     def _complete_request(self, msg: gateway_pb2.CompleteRequest) -> TurnRequest:
         if msg.prompt and msg.prompt_token_ids:
@@ -91,7 +122,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         bad = [m.role for m in msg.messages if m.role not in roles]
         if bad:
             raise TurnError(400, grpc.StatusCode.INVALID_ARGUMENT, f"unknown message role {bad[0]!r}")
-        return self._request(msg, messages=[{"role": m.role, "content": m.content} for m in msg.messages])
+        # A name goes to the chat template as vLLM passes it (templates that do not use it ignore it).
+        return self._request(msg, messages=[{"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
+                                            for m in msg.messages])
 
     async def _prepare(self, req: TurnRequest, context) -> PreparedTurn:
         turn = await self.runner.prepare(req)

@@ -3,6 +3,10 @@
 The session (conversation) id comes from the `X-Session-ID` header or the body's `conversation_id`. Clients'
 `kv_transfer_params` are ignored: only the scheduler decides what P pulls. Every response says what happened to the
 KV (`X-KV-Decision`, `X-KV-Reason`, ... headers, and a `kvshuttle` object in the body / last stream chunk).
+
+Nothing a client sends is dropped silently: a field this gateway does not apply (tools, response_format, logprobs,
+...; any unknown one) is a 400 naming it, except at a value that asks for nothing (null, ``logprobs: false``, ...).
+docs/api.md lists every field and what becomes of it.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import grpc
 from fastapi import FastAPI, Request
@@ -29,31 +33,73 @@ from kvshuttle.services.gateway.turns import (
     TurnRequest,
     TurnRunner,
 )
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
 
 
-# strict: JSON types exactly as documented (no "5" for 5, 0 for false or false for a token id), as the fuzzer expects.
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+UNSUPPORTED = "unsupported_fields"  # the pydantic error type of fields the gateway does not apply
+
+
+def _same(value: Any, neutral: Any) -> bool:
+    return type(value) is type(neutral) and value == neutral
+
+
+class StrictIn(BaseModel):
+    """A request object: JSON types exactly as documented (strict: no "5" for 5, 0 for false or false for a token
+    id, as the fuzzer expects), and no field dropped. A field it does not declare is refused (error type
+    ``unsupported_fields``, naming them all), except a known one (``KNOWN``: fields of OpenAI's or vLLM's API that
+    this gateway does not apply yet) that is null or at a value in ``NEUTRAL`` (one that asks for nothing)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    KNOWN: ClassVar[frozenset[str]] = frozenset()
+    NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        kept, refused = {}, []
+        for key, value in data.items():
+            if key in cls.model_fields:
+                kept[key] = value
+            elif not ((value is None and key in cls.KNOWN)
+                      or any(_same(value, n) for n in cls.NEUTRAL.get(key, ()))):
+                refused.append(key)
+        if refused:
+            raise PydanticCustomError(UNSUPPORTED, "unsupported field(s): {fields}",
+                                      {"fields": ", ".join(map(str, refused)), "first": str(refused[0])})
+        return kept
+
+
+class TextPart(StrictIn):
+    KNOWN = frozenset({"cache_control"})
     type: Literal["text"]
     text: str
 
 
-class ChatMessageIn(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class ChatMessageIn(StrictIn):
+    # Tool calls and their results come later (issue #16); an assistant message echoed back from a response (the
+    # SDK's model_dump()) carries them as null.
+    KNOWN = frozenset({"tool_calls", "tool_call_id", "function_call", "refusal", "audio", "annotations",
+                       "reasoning_content", "reasoning"})
+    NEUTRAL = {"tool_calls": ([],), "annotations": ([],)}
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    # Given to the chat template as vLLM gives it (most templates ignore it; some render it).
+    name: str | None = Field(default=None, max_length=256)
 
     def plain(self) -> dict[str, str]:
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
-        return {"role": self.role, "content": content}
+        return {"role": self.role, "content": content, **({"name": self.name} if self.name is not None else {})}
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True)
+class StreamOptions(StrictIn):
+    KNOWN = frozenset({"continuous_usage_stats"})
+    NEUTRAL = {"continuous_usage_stats": (False,)}
     include_usage: bool = False
 
 
@@ -61,9 +107,26 @@ class StreamOptions(BaseModel):
 SESSION_ID_PATTERN = r"^[A-Za-z0-9._:@=+-]*$"
 
 
-class SamplingIn(BaseModel):
-    # OpenAI clients send many optional fields; kv_transfer_params too
-    model_config = ConfigDict(extra="ignore", strict=True)
+TOKEN_ID = Annotated[int, Field(ge=0, le=2**31 - 1)]
+# OpenAI's logit_bias: token ids as JSON object keys (strings), each to a bias in [-100, 100].
+LOGIT_BIAS_KEY = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
+BIAS = Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]
+
+
+class SamplingIn(StrictIn):
+    # Fields of OpenAI's and vLLM's APIs this gateway does not apply: a 400 naming them, unless null (or neutral).
+    KNOWN = frozenset({
+        "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "response_format", "logprobs",
+        "top_logprobs", "audio", "modalities", "prediction", "web_search_options", "store", "metadata",
+        "service_tier", "reasoning_effort", "verbosity", "prompt_cache_key", "safety_identifier", "echo", "best_of",
+        "suffix", "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words", "prompt_logprobs",
+        "truncate_prompt_tokens", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+        "guided_grammar", "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
+        "add_special_tokens", "documents", "priority", "request_id", "return_tokens_as_token_ids", "cache_salt",
+        "mm_processor_kwargs", "vllm_xargs", "include_reasoning"})
+    NEUTRAL = {"logprobs": (False,), "top_logprobs": (0,), "store": (False,), "echo": (False,), "best_of": (1,),
+               "service_tier": ("auto", "default"), "modalities": (["text"],), "parallel_tool_calls": (True, False),
+               "use_beam_search": (False,)}
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
@@ -78,6 +141,33 @@ class SamplingIn(BaseModel):
     disable_pull: bool = False  # kvshuttle extension: force a recompute (benchmarks)
     # kvshuttle extension: plan with this named scheduler policy (A/B tests, benchmarks)
     policy: str = Field(default="", max_length=64, pattern=r"^[A-Za-z0-9_-]*$")
+    # vLLM's sampling parameters beyond OpenAI's (null: the default); checked as vLLM checks them.
+    top_k: int | None = Field(default=None, ge=-1, le=2**31 - 1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
+    min_tokens: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    stop_token_ids: list[TOKEN_ID] | None = Field(default=None, max_length=1024)
+    logit_bias: dict[LOGIT_BIAS_KEY, BIAS] | None = Field(default=None, max_length=1024)
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    user: str | None = Field(default=None, max_length=256)  # informational (OpenAI's end-user id): not used
+    # Ignored by design: only the scheduler decides what P pulls (a router's kv_transfer_params would be wrong here).
+    kv_transfer_params: dict | None = None
+
+    def sampling(self) -> dict[str, Any]:
+        """TurnRequest's keywords for the sampling fields the request set."""
+        out = {name: value for name in ("top_k", "min_p", "presence_penalty", "frequency_penalty",
+                                        "repetition_penalty", "min_tokens", "include_stop_str_in_output",
+                                        "skip_special_tokens", "spaces_between_special_tokens")
+               if (value := getattr(self, name)) is not None}
+        if self.stop_token_ids:
+            out["stop_token_ids"] = list(self.stop_token_ids)
+        if self.logit_bias:
+            out["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
+        return out
 
 
 class ChatCompletionIn(SamplingIn):
@@ -86,13 +176,18 @@ class ChatCompletionIn(SamplingIn):
 
 
 class CompletionIn(SamplingIn):
+    NEUTRAL = {**SamplingIn.NEUTRAL, "logprobs": (False,)}  # an int here: 0 asks for the chosen token's logprob
     # Constraints on each member, so that the OpenAPI document shows them too (on the union it showed none).
     prompt: Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 
-def error_body(status: int, message: str, kind: str | None = None, code: str | None = None) -> dict[str, Any]:
+def error_body(status: int, message: str, kind: str | None = None, code: str | None = None,
+               param: str | None = None) -> dict[str, Any]:
     kind = kind or ("invalid_request_error" if status < 500 else "server_error")
-    return {"error": {"message": message, "type": kind, "code": code or status}}
+    error = {"message": message, "type": kind, "code": code or status}
+    if param is not None:
+        error["param"] = param
+    return {"error": error}
 
 
 def kv_headers(kv: KvOutcome) -> dict[str, str]:
@@ -129,7 +224,7 @@ def usage(prompt: int, completion: int) -> dict[str, int]:
 _ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message"],
     "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                   "code": {"anyOf": [{"type": "integer"}, {"type": "string"}]}}}}}
+                   "code": {"anyOf": [{"type": "integer"}, {"type": "string"}]}, "param": {"type": "string"}}}}}
 # What a turn can answer, for the OpenAI routes' OpenAPI document (validation errors are 400s, not FastAPI's 422).
 TURN_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"description": "The answer; with `stream: true`, server-sent events (JSON chunks, then `[DONE]`)",
@@ -169,11 +264,19 @@ def create_app(runner: TurnRunner, served_model: str, default_max_tokens: int,
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        parts = []
+        parts, param = [], None
         for err in exc.errors():
             where = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+            if err.get("type") == UNSUPPORTED:  # name the first refused field in full, as OpenAI's `param`
+                first = err.get("ctx", {}).get("first", "")
+                param = param or (f"{where}.{first}" if where else first)
+            elif err.get("type") == "extra_forbidden":
+                param = param or where
             parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
-        return JSONResponse(error_body(400, "; ".join(parts) or "invalid request"), status_code=400)
+        if param is None and parts:
+            first = exc.errors()[0]
+            param = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or None
+        return JSONResponse(error_body(400, "; ".join(parts) or "invalid request", param=param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -208,7 +311,7 @@ def create_app(runner: TurnRunner, served_model: str, default_max_tokens: int,
         caller = principal(request) or OPEN  # the tenant comes from the API key only (no guard: open gateway)
         return TurnRequest(session_id=session, tenant=caller.tenant, max_tokens=max_tokens or default_max_tokens,
                            temperature=body.temperature, top_p=body.top_p, seed=body.seed, ignore_eos=body.ignore_eos,
-                           stop=stop, disable_pull=body.disable_pull, policy=body.policy, **prompt)
+                           stop=stop, disable_pull=body.disable_pull, policy=body.policy, **body.sampling(), **prompt)
 
     async def respond(body: SamplingIn, req: TurnRequest, shape: _Shape):
         turn = await runner.prepare(req)

@@ -64,6 +64,14 @@ OPENAPI_CONSTRAINTS = {
     "kvshuttle.v1.SamplingOptions.temperature": {"minimum": 0, "maximum": 2},
     "kvshuttle.v1.SamplingOptions.top_p": {"minimum": 0, "maximum": 1},
     "kvshuttle.v1.CompleteRequest.prompt_token_ids": {"items": {"minimum": 0}},
+    # vLLM's ranges (TurnRunner.validate checks them; token ids are checked against the vocabulary there too)
+    "kvshuttle.v1.SamplingOptions.top_k": {"minimum": -1},
+    "kvshuttle.v1.SamplingOptions.min_p": {"minimum": 0, "maximum": 1},
+    "kvshuttle.v1.SamplingOptions.presence_penalty": {"minimum": -2, "maximum": 2},
+    "kvshuttle.v1.SamplingOptions.frequency_penalty": {"minimum": -2, "maximum": 2},
+    "kvshuttle.v1.SamplingOptions.repetition_penalty": {"exclusiveMinimum": 0},
+    "kvshuttle.v1.SamplingOptions.min_tokens": {"minimum": 0},
+    "kvshuttle.v1.SamplingOptions.stop_token_ids": {"items": {"minimum": 0}},
 }
 
 

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -37,6 +38,8 @@ tracer = trace.get_tracer("kvshuttle.gateway")
 
 
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 32, 512
+MAX_STOP_TOKEN_IDS, MAX_LOGIT_BIAS = 1024, 1024  # bounds on a request's lists (vLLM has none; they cost every step)
+TOKEN_ID_LIMIT = 2**31  # token ids travel as int32 (our protos) / uint32 (vLLM's); a tokenizer's vocabulary is tighter
 # TurnRunner.degraded: session reads that failed, turns that recomputed because the registry/etcd was unreachable,
 # and turns whose record could not be written (their next turn cannot pull them).
 DEGRADED_KINDS = ("session_read_failed", "recomputed_store_unavailable", "record_failed")
@@ -72,6 +75,33 @@ class TurnRequest:
     stop: list[str] = field(default_factory=list)
     disable_pull: bool = False
     policy: str = ""  # a named scheduler policy ("": the scheduler's default)
+    # vLLM's other sampling parameters (docs/api.md, "Request fields"); the defaults change nothing.
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    include_stop_str_in_output: bool = False  # for stop token ids: keep the stopping token's text
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # no effect with a fast tokenizer (as in vLLM)
+
+    def engine_sampling(self) -> dict[str, Any]:
+        """The sampling parameters both workers get (EngineClient.generate's keywords), min_tokens aside."""
+        return {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed, "ignore_eos": self.ignore_eos,
+                "top_k": max(self.top_k, 0), "min_p": self.min_p, "presence_penalty": self.presence_penalty,
+                "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
+                "stop_token_ids": self.stop_token_ids, "logit_bias": self.logit_bias,
+                "skip_special_tokens": self.skip_special_tokens,
+                "spaces_between_special_tokens": self.spaces_between_special_tokens}
+
+    @property
+    def penalizes_output(self) -> bool:
+        """Presence/frequency penalties count the answer's tokens: only a worker that samples all of them applies
+        them exactly (so D samples the first token too; P's is dropped)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 @dataclass
@@ -273,6 +303,31 @@ class TurnRunner:
             raise bad("temperature must be between 0 and 2")
         if not 0.0 < req.top_p <= 1.0:
             raise bad("top_p must be in (0, 1]")
+        if not (req.top_k >= -1 and req.top_k < TOKEN_ID_LIMIT):
+            raise bad(f"top_k must be 0 or -1 (off) or at least 1, got {req.top_k}")
+        if not 0.0 <= req.min_p <= 1.0:
+            raise bad(f"min_p must be in [0, 1], got {req.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(req, name) <= 2.0:
+                raise bad(f"{name} must be in [-2, 2], got {getattr(req, name)}")
+        if not (math.isfinite(req.repetition_penalty) and req.repetition_penalty > 0.0):
+            raise bad(f"repetition_penalty must be a finite number greater than 0, got {req.repetition_penalty}")
+        if not 0 <= req.min_tokens <= req.max_tokens:
+            raise bad(f"min_tokens must be between 0 and max_tokens ({req.max_tokens}), got {req.min_tokens}")
+        vocab = getattr(self.tokenizer, "vocab_size", None)
+        vocab = vocab if isinstance(vocab, int) else None
+        if len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise bad(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(req.stop_token_ids)}")
+        if len(req.logit_bias) > MAX_LOGIT_BIAS:
+            raise bad(f"logit_bias may hold at most {MAX_LOGIT_BIAS} token ids, got {len(req.logit_bias)}")
+        for name, ids in (("stop_token_ids", req.stop_token_ids), ("logit_bias", list(req.logit_bias))):
+            outside = [i for i in ids if not 0 <= i < (vocab or TOKEN_ID_LIMIT)]
+            if outside:
+                where = f"the model's vocabulary (ids 0 to {vocab - 1})" if vocab else "the token ids (0 or more)"
+                raise bad(f"{name}: token id {outside[0]} is outside {where}")
+        odd = [(i, b) for i, b in req.logit_bias.items() if not -100.0 <= b <= 100.0]
+        if odd:
+            raise bad(f"logit_bias: the bias of token id {odd[0][0]} must be in [-100, 100], got {odd[0][1]}")
         if len(req.session_id) > 256:
             raise bad("session id longer than 256 characters")
         if req.messages is not None and not req.messages:
@@ -283,11 +338,10 @@ class TurnRunner:
             if any(not s or len(s) > MAX_STOP_CHARS for s in req.stop):
                 raise bad(f"stop strings must be 1 to {MAX_STOP_CHARS} characters long")
         if req.prompt_ids:
-            vocab = getattr(self.tokenizer, "vocab_size", None)
             low, high = min(req.prompt_ids), max(req.prompt_ids)
             if low < 0:
                 raise bad(f"prompt token id {low} is negative")
-            if isinstance(vocab, int) and high >= vocab:  # vLLM refuses it too, but as a failed prefill
+            if vocab is not None and high >= vocab:  # vLLM refuses it too, but as a failed prefill
                 raise bad(f"prompt token id {high} is outside the model's vocabulary (ids 0 to {vocab - 1})")
 
     async def _prepare(self, req: TurnRequest, turn_id: str, started: float, span) -> PreparedTurn:
@@ -349,8 +403,10 @@ class TurnRunner:
                                 started, timings, span, excluded=excluded,
                                 release=self._release_unused_handle(turn_id, plan, known_session, prompt_ids, req))
         # Stop strings are matched by D on what it generates; one starting inside the first token would be missed.
-        # D's prompt grows by that token: P's handle must list a block for it (see covers_extra_token).
-        if (self.first_token_from_prefill and not req.stop and p_final.output_ids
+        # Presence/frequency penalties count the answer's tokens, and D's answer would not hold P's token. Either
+        # way D samples the first token itself. D's prompt grows by P's token: P's handle must list a block for it
+        # (see covers_extra_token).
+        if (self.first_token_from_prefill and not req.stop and not req.penalizes_output and p_final.output_ids
                 and kv_params.covers_extra_token(p_final.kv_transfer_params, len(prompt_ids),
                                                  plan.decode.block_size)):
             prepared.first_token, prepared.first_finish = p_final.output_ids[-1], p_final.finish_reason
@@ -527,8 +583,8 @@ class TurnRunner:
         """P's prefill (a failed pull is run once more as a recompute on the same P). WorkerDown when P failed."""
         engine = self.engine(plan.prefill)
         worker = plan.prefill.worker_id
-        sampling = {"temperature": req.temperature, "top_p": req.top_p, "seed": req.seed, "ignore_eos": req.ignore_eos,
-                    "timeout_s": self.prefill_timeout_s}
+        # P samples at most the answer's first token: with min_tokens it must not end the answer there.
+        sampling = {**req.engine_sampling(), "min_tokens": min(req.min_tokens, 1), "timeout_s": self.prefill_timeout_s}
         params = json.loads(plan.prefill_kv_transfer_params_json)
         with tracer.start_as_current_span("prefill") as span:
             span.set_attributes({"kvshuttle.worker": worker, "kvshuttle.decision": kv.decision})
@@ -593,7 +649,12 @@ class TurnRunner:
         output: list[int] = []
         pending: list[int] = []  # ids not yet sent in a Delta (held back while they end in a partial character)
         sent: list[str] = []  # text pieces already streamed
-        detokenize = self.tokenizer.stream_decoder(True)
+        stream_decoder = self.tokenizer.stream_decoder(req.skip_special_tokens)
+        stoppers = self._stop_token_ids(req)
+
+        def detokenize(ids: Sequence[int]) -> str:
+            return stream_decoder([i for i in ids if i not in stoppers])
+
         final: Final | None = None
         t = time.perf_counter()
         d_prompt, d_max_tokens, done_at_first = turn.prompt_ids, req.max_tokens, ""
@@ -623,8 +684,8 @@ class TurnRunner:
                 # (releasing P's blocks) and keeps prompt + first token for the next turn; its token is dropped.
                 async for item in self._stream_tokens(
                         engine, f"{turn.id}-d{attempt or ''}", d_prompt, span, max_tokens=d_max_tokens,
-                        temperature=req.temperature, top_p=req.top_p, seed=req.seed, ignore_eos=req.ignore_eos,
-                        stop=req.stop, kv_transfer_params=turn.decode_params):
+                        min_tokens=0 if done_at_first else min(max(req.min_tokens - len(output), 0), d_max_tokens),
+                        stop=req.stop, kv_transfer_params=turn.decode_params, **req.engine_sampling()):
                     if isinstance(item, Final):
                         final = item
                         break
@@ -668,7 +729,7 @@ class TurnRunner:
             final = dataclasses.replace(final, finish_reason=done_at_first)
         elif final.output_ids and len(final.output_ids) > len(output) - before:
             output = [*output[:before], *final.output_ids]  # non-streaming engines report everything at the end
-        text = self.tokenizer.decode(output, True)
+        text = self.tokenizer.decode([i for i in output if i not in stoppers], req.skip_special_tokens)
         streamed = "".join(sent)
         if pending or len(text) > len(streamed):  # a held-back tail (e.g. an unfinished character)
             yield Delta(text[len(streamed):] if text.startswith(streamed) else "", pending)
@@ -679,6 +740,15 @@ class TurnRunner:
         timings["record_ms"] = _ms(t)
         timings["total_ms"] = _ms(turn.started)
         yield Finished(final.finish_reason, text, output, len(turn.prompt_ids), turn.kv, timings)
+
+    def _stop_token_ids(self, req: TurnRequest) -> set[int]:
+        """Token ids whose text is left out of the answer, as vLLM leaves out the token that stopped it: stop token
+        ids, and EOS unless ignored (none with include_stop_str_in_output). Such a token can only be the answer's
+        last (min_tokens keeps them from being sampled earlier), so every one in the output is left out."""
+        if req.include_stop_str_in_output:
+            return set()
+        eos = getattr(self.tokenizer, "eos_token_ids", None)
+        return set(req.stop_token_ids) | (set(eos) if isinstance(eos, list) and not req.ignore_eos else set())
 
     async def _stream_tokens(self, engine: EngineClient, request_id: str, prompt: list[int], span, **kwargs: Any,
                              ) -> AsyncIterator[Any]:
@@ -811,6 +881,15 @@ def _request_attributes(req: TurnRequest, model: str) -> dict[str, Any]:
         attrs["gen_ai.request.model"] = model
     if req.seed is not None:
         attrs["gen_ai.request.seed"] = req.seed
+    # The other GenAI request attributes the conventions define, when the request sets them.
+    if req.top_k > 0:
+        attrs["gen_ai.request.top_k"] = float(req.top_k)  # a double in the conventions
+    if req.presence_penalty:
+        attrs["gen_ai.request.presence_penalty"] = req.presence_penalty
+    if req.frequency_penalty:
+        attrs["gen_ai.request.frequency_penalty"] = req.frequency_penalty
+    if req.stop:
+        attrs["gen_ai.request.stop_sequences"] = list(req.stop)
     if req.disable_pull:
         attrs["kvshuttle.disable_pull"] = True
     return attrs

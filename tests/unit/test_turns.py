@@ -138,6 +138,20 @@ async def test_edited_history_is_tokenized_from_scratch():
     (TurnRequest(prompt_text="x", stop=["a"] * 33), "at most 32 stop strings"),
     (TurnRequest(prompt_ids=[5, 70_000]), "token id 70000 is outside the model's vocabulary (ids 0 to 65535)"),
     (TurnRequest(messages=[]), "messages"),
+    (TurnRequest(prompt_text="x", top_k=-2), "top_k must be 0 or -1"),
+    (TurnRequest(prompt_text="x", min_p=1.5), "min_p must be in [0, 1]"),
+    (TurnRequest(prompt_text="x", presence_penalty=2.5), "presence_penalty must be in [-2, 2]"),
+    (TurnRequest(prompt_text="x", frequency_penalty=-2.5), "frequency_penalty must be in [-2, 2]"),
+    (TurnRequest(prompt_text="x", frequency_penalty=float("nan")), "frequency_penalty"),
+    (TurnRequest(prompt_text="x", repetition_penalty=0.0), "repetition_penalty must be"),
+    (TurnRequest(prompt_text="x", repetition_penalty=float("inf")), "repetition_penalty must be"),
+    (TurnRequest(prompt_text="x", max_tokens=4, min_tokens=5), "min_tokens must be between 0 and max_tokens (4)"),
+    (TurnRequest(prompt_text="x", min_tokens=-1), "min_tokens"),
+    (TurnRequest(prompt_text="x", stop_token_ids=[65536]), "stop_token_ids: token id 65536 is outside"),
+    (TurnRequest(prompt_text="x", stop_token_ids=[-1]), "stop_token_ids: token id -1"),
+    (TurnRequest(prompt_text="x", stop_token_ids=list(range(1025))), "at most 1024 stop_token_ids"),
+    (TurnRequest(prompt_text="x", logit_bias={70000: 1.0}), "logit_bias: token id 70000 is outside"),
+    (TurnRequest(prompt_text="x", logit_bias={5: 101.0}), "logit_bias: the bias of token id 5 must be in [-100, 100]"),
 ])
 async def test_bad_requests_are_400(req, words):
     r, _, _ = runner(scheduler_pb2.DECISION_RECOMPUTE, Engine())
@@ -236,7 +250,9 @@ async def test_the_first_token_comes_from_p_and_d_continues_after_it():
     p, d = Engine(answer="abc"), Engine(answer="bc")
     r, scheduler, registry = runner(scheduler_pb2.DECISION_RECOMPUTE, p, decode=d, first_token_from_prefill=True)
     turn, events = await run(r, TurnRequest(session_id="s", prompt_text="hi", max_tokens=3, temperature=0.5, seed=7))
-    assert p.sampling == {"temperature": 0.5, "top_p": 1.0, "seed": 7, "ignore_eos": False, "timeout_s": 120.0}
+    assert p.sampling == {**TurnRequest(temperature=0.5, seed=7).engine_sampling(), "min_tokens": 0,
+                          "timeout_s": 120.0}
+    assert p.sampling["temperature"] == 0.5 and p.sampling["seed"] == 7 and p.sampling["top_k"] == 0
     (d_prompt, d_kw), = d.calls
     assert d_prompt == [*[ord(c) for c in "hi"], ord("a")] and d_kw["max_tokens"] == 2
     assert d_kw["kv_transfer_params"]["for"] == "decode"
@@ -427,3 +443,83 @@ async def test_ending_a_session_frees_its_handle_then_deletes_the_record():
     with pytest.raises(TurnError) as err:
         await r.end_session("default", "bad id with spaces")
     assert err.value.http_status == 400
+
+
+SAMPLING = dict(top_k=3, min_p=0.1, repetition_penalty=1.3, stop_token_ids=[ord("!")], logit_bias={ord("b"): 5.0},
+                skip_special_tokens=False, spaces_between_special_tokens=False)
+
+
+async def test_sampling_fields_reach_p_and_d_and_min_tokens_is_split_between_them():
+    """P samples token 1 (min_tokens 1 keeps it from ending the answer there); D needs min_tokens - 1 more."""
+    p, d = Engine(answer="abc"), Engine(answer="bc")
+    r, _, _ = runner(scheduler_pb2.DECISION_RECOMPUTE, p, decode=d, first_token_from_prefill=True)
+    await run(r, TurnRequest(session_id="s", prompt_text="hi", max_tokens=3, min_tokens=3, **SAMPLING))
+    (d_prompt, d_kw), = d.calls
+    assert d_prompt[-1] == ord("a") and d_kw["max_tokens"] == 2 and d_kw["min_tokens"] == 2
+    assert p.sampling["min_tokens"] == 1
+    for kw in (p.sampling, d_kw):
+        assert {k: kw[k] for k in SAMPLING} == SAMPLING
+        assert kw["presence_penalty"] == kw["frequency_penalty"] == 0.0
+
+
+async def test_without_min_tokens_neither_worker_gets_one():
+    p, d = Engine(answer="abc"), Engine(answer="bc")
+    r, _, _ = runner(scheduler_pb2.DECISION_RECOMPUTE, p, decode=d, first_token_from_prefill=True)
+    await run(r, TurnRequest(session_id="s", prompt_text="hi", max_tokens=3))
+    (_, d_kw), = d.calls
+    assert p.sampling["min_tokens"] == 0 and d_kw["min_tokens"] == 0 and d_kw["top_k"] == 0
+    assert d_kw["repetition_penalty"] == 1.0 and d_kw["logit_bias"] == {} and d_kw["skip_special_tokens"]
+
+
+@pytest.mark.parametrize("penalty", ["presence_penalty", "frequency_penalty"])
+async def test_with_output_penalties_d_samples_the_first_token_itself(penalty):
+    """They count the answer's tokens: D must see all of them, so P's token is dropped and D gets all of min_tokens."""
+    p, d = Engine(answer="abc"), Engine(answer="abc")
+    r, _, _ = runner(scheduler_pb2.DECISION_RECOMPUTE, p, decode=d, first_token_from_prefill=True)
+    _, events = await run(r, TurnRequest(session_id="s", prompt_text="hi", max_tokens=3, min_tokens=2,
+                                         **{penalty: 0.5}))
+    (d_prompt, d_kw), = d.calls
+    assert d_prompt == [ord(c) for c in "hi"] and d_kw["max_tokens"] == 3 and d_kw["min_tokens"] == 2
+    assert d_kw[penalty] == 0.5 and p.sampling[penalty] == 0.5
+    assert events[-1].text == "abc"
+
+
+async def test_the_text_of_a_stop_token_id_is_left_out_unless_asked_for():
+    # D ends the answer at "!", a stop token id: the token counts, its text is not shown (as vLLM does)
+    for include, text in ((False, "ab"), (True, "ab!")):
+        r, _, _ = runner(scheduler_pb2.DECISION_RECOMPUTE, Engine(answer="ab!"), decode=Engine(answer="b!"),
+                         first_token_from_prefill=True)
+        _, events = await run(r, TurnRequest(prompt_text="hi", max_tokens=5, stop_token_ids=[ord("!")],
+                                             include_stop_str_in_output=include))
+        assert events[-1].output_ids == [ord(c) for c in "ab!"] and events[-1].text == text
+        assert "".join(e.text for e in events if isinstance(e, Delta)) == text
+
+
+async def test_skip_special_tokens_reaches_the_detokenizer():
+    seen = []
+
+    class Recording(Tokenizer):
+        def decode(self, ids, skip_special_tokens=True):
+            seen.append(skip_special_tokens)
+            return super().decode(ids)
+
+        def stream_decoder(self, skip_special_tokens=True):
+            seen.append(skip_special_tokens)
+            return lambda ids: "".join(chr(i) for i in ids)
+
+    for skip in (True, False):
+        seen.clear()
+        r, _, _ = runner(scheduler_pb2.DECISION_RECOMPUTE, Engine())
+        r.tokenizer = Recording()
+        await run(r, TurnRequest(prompt_text="hi", max_tokens=2, skip_special_tokens=skip))
+        assert seen[:2] == [skip, skip]  # the stream decoder and the answer's text (a record decodes raw)
+
+
+def test_the_turn_span_carries_the_genai_sampling_attributes():
+    from kvshuttle.services.gateway.turns import _request_attributes
+    attrs = _request_attributes(TurnRequest(prompt_text="x", top_k=5, presence_penalty=0.5, frequency_penalty=-1.0,
+                                            stop=["\n"]), "m")
+    assert attrs["gen_ai.request.top_k"] == 5.0 and attrs["gen_ai.request.presence_penalty"] == 0.5
+    assert attrs["gen_ai.request.frequency_penalty"] == -1.0 and attrs["gen_ai.request.stop_sequences"] == ["\n"]
+    plain = _request_attributes(TurnRequest(prompt_text="x"), "m")
+    assert not any(k in plain for k in ("gen_ai.request.top_k", "gen_ai.request.presence_penalty"))

@@ -26,13 +26,15 @@ from google.api import annotations_pb2 as google_dot_api_dot_annotations__pb2
 from kvshuttle.v1 import scheduler_pb2 as kvshuttle_dot_v1_dot_scheduler__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvshuttle/v1/gateway.proto\x12\x0ckvshuttle.v1\x1a\x1cgoogle/api/annotations.proto\x1a\x1ckvshuttle/v1/scheduler.proto\"\'\n\x11\x45ndSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\":\n\x12\x45ndSessionResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\x12\x13\n\x0bkv_released\x18\x02 \x01(\x08\"\x87\x01\n\x0fSamplingOptions\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x12\x0c\n\x04stop\x18\x06 \x03(\tB\x07\n\x05_seed\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xb5\x01\n\x0f\x43ompleteRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.kvshuttle.v1.SamplingOptions\x12\x14\n\x0c\x64isable_pull\x18\x06 \x01(\x08\x12\x0e\n\x06policy\x18\x07 \x01(\t\"\xbc\x01\n\x13\x43hatCompleteRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12+\n\x08messages\x18\x03 \x03(\x0b\x32\x19.kvshuttle.v1.ChatMessage\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.kvshuttle.v1.SamplingOptions\x12\x14\n\x0c\x64isable_pull\x18\x05 \x01(\x08\x12\x0e\n\x06policy\x18\x06 \x01(\t\"\xa1\x02\n\x08KvReport\x12(\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0e\x32\x16.kvshuttle.v1.Decision\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x15\n\rpulled_tokens\x18\x03 \x01(\x05\x12\x17\n\x0f\x63omputed_tokens\x18\x04 \x01(\x05\x12\x1c\n\x14retried_as_recompute\x18\x05 \x01(\x08\x12\x19\n\x11prefill_worker_id\x18\x06 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x07 \x01(\t\x12*\n\x07\x66igures\x18\x08 \x01(\x0b\x32\x19.kvshuttle.v1.PlanFigures\x12\x17\n\x0fworker_failures\x18\t \x03(\t\x12\x13\n\x0breason_code\x18\n \x01(\t\"\xa2\x01\n\x0bTurnTimings\x12\x0f\n\x07plan_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x03 \x01(\x01\x12\x11\n\tdecode_ms\x18\x04 \x01(\x01\x12\x11\n\trecord_ms\x18\x05 \x01(\x01\x12\x10\n\x08total_ms\x18\x06 \x01(\x01\x12\x11\n\tprompt_ms\x18\x07 \x01(\x01\x12\x12\n\nsession_ms\x18\x08 \x01(\x01\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\"\xf3\x01\n\x10\x43ompleteResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x05\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\"\n\x05usage\x18\x07 \x01(\x0b\x32\x13.kvshuttle.v1.Usage\x12\"\n\x02kv\x18\x08 \x01(\x0b\x32\x16.kvshuttle.v1.KvReport\x12*\n\x07timings\x18\t \x01(\x0b\x32\x19.kvshuttle.v1.TurnTimings\"\x95\x02\n\x14\x43hatCompleteResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12*\n\x07message\x18\x03 \x01(\x0b\x32\x19.kvshuttle.v1.ChatMessage\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x05\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\"\n\x05usage\x18\x07 \x01(\x0b\x32\x13.kvshuttle.v1.Usage\x12\"\n\x02kv\x18\x08 \x01(\x0b\x32\x16.kvshuttle.v1.KvReport\x12*\n\x07timings\x18\t \x01(\x0b\x32\x19.kvshuttle.v1.TurnTimings\"\xd1\x03\n\tTurnEvent\x12\x32\n\x07started\x18\x01 \x01(\x0b\x32\x1f.kvshuttle.v1.TurnEvent.StartedH\x00\x12.\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x1d.kvshuttle.v1.TurnEvent.DeltaH\x00\x12\x34\n\x08\x66inished\x18\x03 \x01(\x0b\x32 .kvshuttle.v1.TurnEvent.FinishedH\x00\x1a_\n\x07Started\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\"\n\x02kv\x18\x03 \x01(\x0b\x32\x16.kvshuttle.v1.KvReport\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x1a(\n\x05\x44\x65lta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x1a\x95\x01\n\x08\x46inished\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.kvshuttle.v1.Usage\x12\"\n\x02kv\x18\x03 \x01(\x0b\x32\x16.kvshuttle.v1.KvReport\x12*\n\x07timings\x18\x04 \x01(\x0b\x32\x19.kvshuttle.v1.TurnTimingsB\x07\n\x05\x65vent2\x90\x04\n\x07Gateway\x12m\n\x08\x43omplete\x12\x1d.kvshuttle.v1.CompleteRequest\x1a\x1e.kvshuttle.v1.CompleteResponse\"\"\x82\xd3\xe4\x93\x02\x1c\"\x17/v1/gateway/completions:\x01*\x12J\n\x0e\x43ompleteStream\x12\x1d.kvshuttle.v1.CompleteRequest\x1a\x17.kvshuttle.v1.TurnEvent0\x01\x12~\n\x0c\x43hatComplete\x12!.kvshuttle.v1.ChatCompleteRequest\x1a\".kvshuttle.v1.ChatCompleteResponse\"\'\x82\xd3\xe4\x93\x02!\"\x1c/v1/gateway/chat/completions:\x01*\x12R\n\x12\x43hatCompleteStream\x12!.kvshuttle.v1.ChatCompleteRequest\x1a\x17.kvshuttle.v1.TurnEvent0\x01\x12v\n\nEndSession\x12\x1f.kvshuttle.v1.EndSessionRequest\x1a .kvshuttle.v1.EndSessionResponse\"%\x82\xd3\xe4\x93\x02\x1f\"\x1d/v1/sessions/{session_id}/endb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvshuttle/v1/gateway.proto\x12\x0ckvshuttle.v1\x1a\x1cgoogle/api/annotations.proto\x1a\x1ckvshuttle/v1/scheduler.proto\"\'\n\x11\x45ndSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\":\n\x12\x45ndSessionResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\x12\x13\n\x0bkv_released\x18\x02 \x01(\x08\"\xde\x04\n\x0fSamplingOptions\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\r\n\x05top_k\x18\x07 \x01(\x05\x12\r\n\x05min_p\x18\x08 \x01(\x02\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x01\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0c \x01(\x05\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12@\n\nlogit_bias\x18\x0e \x03(\x0b\x32,.kvshuttle.v1.SamplingOptions.LogitBiasEntry\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\x02\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x11 \x01(\x08H\x03\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokens\":\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\"\xb5\x01\n\x0f\x43ompleteRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.kvshuttle.v1.SamplingOptions\x12\x14\n\x0c\x64isable_pull\x18\x06 \x01(\x08\x12\x0e\n\x06policy\x18\x07 \x01(\t\"\xbc\x01\n\x13\x43hatCompleteRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12+\n\x08messages\x18\x03 \x03(\x0b\x32\x19.kvshuttle.v1.ChatMessage\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.kvshuttle.v1.SamplingOptions\x12\x14\n\x0c\x64isable_pull\x18\x05 \x01(\x08\x12\x0e\n\x06policy\x18\x06 \x01(\t\"\xa1\x02\n\x08KvReport\x12(\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0e\x32\x16.kvshuttle.v1.Decision\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x15\n\rpulled_tokens\x18\x03 \x01(\x05\x12\x17\n\x0f\x63omputed_tokens\x18\x04 \x01(\x05\x12\x1c\n\x14retried_as_recompute\x18\x05 \x01(\x08\x12\x19\n\x11prefill_worker_id\x18\x06 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x07 \x01(\t\x12*\n\x07\x66igures\x18\x08 \x01(\x0b\x32\x19.kvshuttle.v1.PlanFigures\x12\x17\n\x0fworker_failures\x18\t \x03(\t\x12\x13\n\x0breason_code\x18\n \x01(\t\"\xa2\x01\n\x0bTurnTimings\x12\x0f\n\x07plan_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x03 \x01(\x01\x12\x11\n\tdecode_ms\x18\x04 \x01(\x01\x12\x11\n\trecord_ms\x18\x05 \x01(\x01\x12\x10\n\x08total_ms\x18\x06 \x01(\x01\x12\x11\n\tprompt_ms\x18\x07 \x01(\x01\x12\x12\n\nsession_ms\x18\x08 \x01(\x01\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\"\xf3\x01\n\x10\x43ompleteResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x05\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\"\n\x05usage\x18\x07 \x01(\x0b\x32\x13.kvshuttle.v1.Usage\x12\"\n\x02kv\x18\x08 \x01(\x0b\x32\x16.kvshuttle.v1.KvReport\x12*\n\x07timings\x18\t \x01(\x0b\x32\x19.kvshuttle.v1.TurnTimings\"\x95\x02\n\x14\x43hatCompleteResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12*\n\x07message\x18\x03 \x01(\x0b\x32\x19.kvshuttle.v1.ChatMessage\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x05\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\"\n\x05usage\x18\x07 \x01(\x0b\x32\x13.kvshuttle.v1.Usage\x12\"\n\x02kv\x18\x08 \x01(\x0b\x32\x16.kvshuttle.v1.KvReport\x12*\n\x07timings\x18\t \x01(\x0b\x32\x19.kvshuttle.v1.TurnTimings\"\xd1\x03\n\tTurnEvent\x12\x32\n\x07started\x18\x01 \x01(\x0b\x32\x1f.kvshuttle.v1.TurnEvent.StartedH\x00\x12.\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x1d.kvshuttle.v1.TurnEvent.DeltaH\x00\x12\x34\n\x08\x66inished\x18\x03 \x01(\x0b\x32 .kvshuttle.v1.TurnEvent.FinishedH\x00\x1a_\n\x07Started\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\"\n\x02kv\x18\x03 \x01(\x0b\x32\x16.kvshuttle.v1.KvReport\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x1a(\n\x05\x44\x65lta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x1a\x95\x01\n\x08\x46inished\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.kvshuttle.v1.Usage\x12\"\n\x02kv\x18\x03 \x01(\x0b\x32\x16.kvshuttle.v1.KvReport\x12*\n\x07timings\x18\x04 \x01(\x0b\x32\x19.kvshuttle.v1.TurnTimingsB\x07\n\x05\x65vent2\x90\x04\n\x07Gateway\x12m\n\x08\x43omplete\x12\x1d.kvshuttle.v1.CompleteRequest\x1a\x1e.kvshuttle.v1.CompleteResponse\"\"\x82\xd3\xe4\x93\x02\x1c\"\x17/v1/gateway/completions:\x01*\x12J\n\x0e\x43ompleteStream\x12\x1d.kvshuttle.v1.CompleteRequest\x1a\x17.kvshuttle.v1.TurnEvent0\x01\x12~\n\x0c\x43hatComplete\x12!.kvshuttle.v1.ChatCompleteRequest\x1a\".kvshuttle.v1.ChatCompleteResponse\"\'\x82\xd3\xe4\x93\x02!\"\x1c/v1/gateway/chat/completions:\x01*\x12R\n\x12\x43hatCompleteStream\x12!.kvshuttle.v1.ChatCompleteRequest\x1a\x17.kvshuttle.v1.TurnEvent0\x01\x12v\n\nEndSession\x12\x1f.kvshuttle.v1.EndSessionRequest\x1a .kvshuttle.v1.EndSessionResponse\"%\x82\xd3\xe4\x93\x02\x1f\"\x1d/v1/sessions/{session_id}/endb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvshuttle.v1.gateway_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_GATEWAY'].methods_by_name['Complete']._loaded_options = None
   _globals['_GATEWAY'].methods_by_name['Complete']._serialized_options = b'\202\323\344\223\002\034\"\027/v1/gateway/completions:\001*'
   _globals['_GATEWAY'].methods_by_name['ChatComplete']._loaded_options = None
@@ -44,31 +46,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENDSESSIONRESPONSE']._serialized_start=145
   _globals['_ENDSESSIONRESPONSE']._serialized_end=203
   _globals['_SAMPLINGOPTIONS']._serialized_start=206
-  _globals['_SAMPLINGOPTIONS']._serialized_end=341
-  _globals['_CHATMESSAGE']._serialized_start=343
-  _globals['_CHATMESSAGE']._serialized_end=387
-  _globals['_COMPLETEREQUEST']._serialized_start=390
-  _globals['_COMPLETEREQUEST']._serialized_end=571
-  _globals['_CHATCOMPLETEREQUEST']._serialized_start=574
-  _globals['_CHATCOMPLETEREQUEST']._serialized_end=762
-  _globals['_KVREPORT']._serialized_start=765
-  _globals['_KVREPORT']._serialized_end=1054
-  _globals['_TURNTIMINGS']._serialized_start=1057
-  _globals['_TURNTIMINGS']._serialized_end=1219
-  _globals['_USAGE']._serialized_start=1221
-  _globals['_USAGE']._serialized_end=1300
-  _globals['_COMPLETERESPONSE']._serialized_start=1303
-  _globals['_COMPLETERESPONSE']._serialized_end=1546
-  _globals['_CHATCOMPLETERESPONSE']._serialized_start=1549
-  _globals['_CHATCOMPLETERESPONSE']._serialized_end=1826
-  _globals['_TURNEVENT']._serialized_start=1829
-  _globals['_TURNEVENT']._serialized_end=2294
-  _globals['_TURNEVENT_STARTED']._serialized_start=1996
-  _globals['_TURNEVENT_STARTED']._serialized_end=2091
-  _globals['_TURNEVENT_DELTA']._serialized_start=2093
-  _globals['_TURNEVENT_DELTA']._serialized_end=2133
-  _globals['_TURNEVENT_FINISHED']._serialized_start=2136
-  _globals['_TURNEVENT_FINISHED']._serialized_end=2285
-  _globals['_GATEWAY']._serialized_start=2297
-  _globals['_GATEWAY']._serialized_end=2825
+  _globals['_SAMPLINGOPTIONS']._serialized_end=812
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_start=674
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_end=722
+  _globals['_CHATMESSAGE']._serialized_start=814
+  _globals['_CHATMESSAGE']._serialized_end=872
+  _globals['_COMPLETEREQUEST']._serialized_start=875
+  _globals['_COMPLETEREQUEST']._serialized_end=1056
+  _globals['_CHATCOMPLETEREQUEST']._serialized_start=1059
+  _globals['_CHATCOMPLETEREQUEST']._serialized_end=1247
+  _globals['_KVREPORT']._serialized_start=1250
+  _globals['_KVREPORT']._serialized_end=1539
+  _globals['_TURNTIMINGS']._serialized_start=1542
+  _globals['_TURNTIMINGS']._serialized_end=1704
+  _globals['_USAGE']._serialized_start=1706
+  _globals['_USAGE']._serialized_end=1785
+  _globals['_COMPLETERESPONSE']._serialized_start=1788
+  _globals['_COMPLETERESPONSE']._serialized_end=2031
+  _globals['_CHATCOMPLETERESPONSE']._serialized_start=2034
+  _globals['_CHATCOMPLETERESPONSE']._serialized_end=2311
+  _globals['_TURNEVENT']._serialized_start=2314
+  _globals['_TURNEVENT']._serialized_end=2779
+  _globals['_TURNEVENT_STARTED']._serialized_start=2481
+  _globals['_TURNEVENT_STARTED']._serialized_end=2576
+  _globals['_TURNEVENT_DELTA']._serialized_start=2578
+  _globals['_TURNEVENT_DELTA']._serialized_end=2618
+  _globals['_TURNEVENT_FINISHED']._serialized_start=2621
+  _globals['_TURNEVENT_FINISHED']._serialized_end=2770
+  _globals['_GATEWAY']._serialized_start=2782
+  _globals['_GATEWAY']._serialized_end=3310
 # @@protoc_insertion_point(module_scope)
