@@ -7,6 +7,7 @@ starts with the text the previous turn's ids stand for, the next prompt is those
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,3 +29,34 @@ def plan_continuation(prev_text: str, prev_ids: Sequence[int], new_text: str) ->
     if prev_text and prev_ids and new_text.startswith(prev_text):
         return Continuation(tuple(prev_ids), new_text[len(prev_text):])
     return Continuation((), new_text)
+
+
+# -- finding a session by content ----------------------------------------------------------------------------------
+# A turn sent without a session id continues the session whose recorded text (rendered prompt + raw answer) its own
+# prompt text extends. Records are indexed under the SHA-256 of that text; a recorded text ends where an answer ended,
+# so the candidate prefixes of a new prompt end just before or just after one of the model's end-of-turn markers
+# (its EOS texts, e.g. "<|im_end|>": before it when the answer was cut by max_tokens).
+
+
+
+def text_key(text: str) -> bytes:
+    """The content key of a recorded text."""
+    return hashlib.sha256(text.encode()).digest()
+
+
+def prefix_keys(text: str, markers: Sequence[str], limit: int = 64) -> list[bytes]:
+    """Content keys of the prefixes of ``text`` that end just before or just after a marker, longest first (at most
+    ``limit``; the whole text and the empty prefix are not candidates). One pass over the text."""
+    cuts: set[int] = set()
+    for marker in filter(None, markers):
+        at = text.find(marker)
+        while at >= 0:
+            cuts.update((at, at + len(marker)))
+            at = text.find(marker, at + 1)
+    ordered = sorted(c for c in cuts if 0 < c < len(text))
+    hasher, keys, done = hashlib.sha256(), [], 0
+    for cut in ordered:
+        hasher.update(text[done:cut].encode())
+        done = cut
+        keys.append(hasher.copy().digest())
+    return keys[::-1][:limit]

@@ -125,6 +125,40 @@ class SessionPlan:
     lease_ttl_s: int
 
 
+RESPONSE_TTL_RANGE_S = (1, 30 * 86400)  # how long a stored response may be kept
+
+
+def validate_stored_response(response, ttl_s: int) -> None:
+    """A StoredResponse the registry can keep: ids, a body within the record limit, a TTL in range."""
+    validate_id("response_id", response.response_id)
+    validate_id("tenant", response.tenant)
+    validate_id("session_id", response.session_id)
+    if not response.body_json:
+        raise InvalidArgument("body_json is required")
+    low, high = RESPONSE_TTL_RANGE_S
+    if not low <= ttl_s <= high:
+        raise InvalidArgument(f"ttl_s must be between {low} and {high} seconds, got {ttl_s}")
+    size = response.ByteSize()
+    if size > MAX_RECORD_BYTES:
+        raise InvalidArgument(f"the stored response would be {size} bytes; the store takes at most {MAX_RECORD_BYTES}")
+
+
+TEXT_KEY_BYTES = 32  # a content key (Session.text_key): SHA-256
+MAX_FIND_KEYS = 64  # FindSession's most keys per request
+
+
+def validate_find(text_keys) -> None:
+    """FindSession's keys: 1 to MAX_FIND_KEYS content keys of TEXT_KEY_BYTES each."""
+    if not text_keys:
+        raise InvalidArgument("text_keys is required: content keys of the prompt text's prefixes, longest first")
+    if len(text_keys) > MAX_FIND_KEYS:
+        raise InvalidArgument(f"at most {MAX_FIND_KEYS} text_keys are allowed, got {len(text_keys)}")
+    odd = [i for i, k in enumerate(text_keys) if len(k) != TEXT_KEY_BYTES]
+    if odd:
+        raise InvalidArgument(f"text_keys[{odd[0]}] must be {TEXT_KEY_BYTES} bytes (SHA-256), got "
+                              f"{len(text_keys[odd[0]])}")
+
+
 def build_session(req: registry_pb2.RecordTurnRequest, worker: common_pb2.Worker | None, *, now: float,
                   margin_s: float, previous: common_pb2.Session | None = None) -> SessionPlan:
     """The Session record for a finished turn on ``worker`` (the decode worker, looked up by the caller).
@@ -143,6 +177,8 @@ def build_session(req: registry_pb2.RecordTurnRequest, worker: common_pb2.Worker
         raise InvalidArgument("token_ids must not be negative")
     if not req.kv_transfer_params_json:
         raise InvalidArgument("kv_transfer_params_json is required")
+    if req.text_key and len(req.text_key) != TEXT_KEY_BYTES:
+        raise InvalidArgument(f"text_key must be {TEXT_KEY_BYTES} bytes (SHA-256 of the text), got {len(req.text_key)}")
     try:
         handle = parse_handle(req.kv_transfer_params_json)
     except HandleError as exc:
@@ -179,7 +215,7 @@ def build_session(req: registry_pb2.RecordTurnRequest, worker: common_pb2.Worker
         block_size=worker.block_size,
         block_hashes=block_hash_chain(req.token_ids, covered, worker.block_size),
         prefix_digest=prefix_digest(req.token_ids, covered),
-        token_ids=req.token_ids, text=req.text,
+        token_ids=req.token_ids, text=req.text, text_key=req.text_key,
         turn=(previous.turn if previous is not None else 0) + 1, claimed=False,
     )
     set_seconds(session.expires_at, expires_at)

@@ -29,6 +29,18 @@ def require_module(name: str) -> None:
     pytest.skip(f"{name} is not installed")
 
 
+def _built_model(variant: str, default: Path, env: str) -> Path:
+    for module in E2E_PREREQUISITES:
+        require_module(module)
+    from kvshuttle.workers.model_builder import build_model
+
+    out = Path(os.environ.get(env, default))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:  # parallel sessions build it once
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return build_model(out, variant)
+
+
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
     """The tiny offline test model, built once into ``var/models/tiny`` (kept between runs; rebuilt on recipe change).
@@ -37,15 +49,14 @@ def model_dir() -> Path:
     them the tests that need the model are skipped, except under ``CI=true``, where they fail (a green CI run must
     not mean that no end-to-end test ran).
     """
-    for module in E2E_PREREQUISITES:
-        require_module(module)
-    from kvshuttle.workers.model_builder import build_model
+    return _built_model("tiny", REPO / "var" / "models" / "tiny", "KVSHUTTLE_TEST_MODEL_DIR")
 
-    out = Path(os.environ.get("KVSHUTTLE_TEST_MODEL_DIR", REPO / "var" / "models" / "tiny"))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f".{out.name}.lock", "w") as lock:  # parallel sessions build it once
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        return build_model(out, "tiny")
+
+@pytest.fixture(scope="session")
+def agent_model_dir() -> Path:
+    """The agent test model (trained to reason and call tools: kvshuttle.workers.agent_script), built once into
+    ``var/models/agent`` (``KVSHUTTLE_TEST_AGENT_MODEL_DIR`` overrides it); skipped or failed like ``model_dir``."""
+    return _built_model("agent", REPO / "var" / "models" / "agent", "KVSHUTTLE_TEST_AGENT_MODEL_DIR")
 
 
 @pytest.fixture(scope="session")

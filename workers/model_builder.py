@@ -5,6 +5,11 @@ library's top-level sources (sorted file order); the weights are drawn N(0, 0.05
 that greedy decoding rarely meets ties) and saved as float32 safetensors. A stamp file records a hash of the recipe
 (variant settings, builder version, training text): a directory whose stamp and files match is not rebuilt.
 
+The "agent" variant is a smaller Llama that really calls tools: its tokenizer adds Qwen's ``<tool_call>``/``<think>``
+tokens (not special) and a Qwen-style template (workers/agent_script.py), and its weights are then trained on CPU,
+deterministically (one thread, full-batch AdamW), until greedy decoding reproduces every assistant step of the
+script's conversations with a logit margin of at least ``AGENT_TRAINING["min_margin"]``.
+
 Needs the worker extras (torch, transformers).
 """
 
@@ -20,6 +25,8 @@ import sysconfig
 import tempfile
 import time
 from pathlib import Path
+
+from . import agent_script
 
 RECIPE_VERSION = 1
 STAMP = "kvshuttle-model.json"
@@ -41,7 +48,17 @@ VARIANTS = {
                  num_key_value_heads=2, head_dim=64),
     "medium": dict(num_hidden_layers=8, hidden_size=512, intermediate_size=1408, num_attention_heads=8,
                    num_key_value_heads=4, head_dim=64),
+    "agent": dict(num_hidden_layers=2, hidden_size=128, intermediate_size=352, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=64),
 }
+AGENT = "agent"
+AGENT_VERSION = 1  # bump when the agent's build (tokenizer additions, training code) changes
+AGENT_CHAT_TEMPLATE = agent_script.AGENT_CHAT_TEMPLATE
+AGENT_ADDED_TOKENS = list(agent_script.ADDED_TOKENS)
+# Trained until every target token is the argmax by at least min_margin logits (checked on every step's own
+# teacher-forced logits, then once more in eval mode on the final weights), at most max_steps full-batch steps.
+AGENT_TRAINING = dict(optimizer="AdamW", lr=3e-3, betas=[0.9, 0.95], eps=1e-8, weight_decay=0.0, max_steps=600,
+                      min_margin=3.0, threads=1, vocab_multiple=8)
 
 
 def corpus_files() -> list[Path]:
@@ -54,9 +71,14 @@ def recipe(variant: str, files: list[Path]) -> dict:
     text_hash = hashlib.sha256()
     for path in files:
         text_hash.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    return {"version": RECIPE_VERSION, "variant": variant, "arch": VARIANTS[variant], "seed": SEED,
-            "init_std": INIT_STD, "vocab_size": VOCAB_SIZE, "special_tokens": SPECIAL_TOKENS,
-            "chat_template": CHAT_TEMPLATE, "corpus_sha256": text_hash.hexdigest()}
+    rec = {"version": RECIPE_VERSION, "variant": variant, "arch": VARIANTS[variant], "seed": SEED,
+           "init_std": INIT_STD, "vocab_size": VOCAB_SIZE, "special_tokens": SPECIAL_TOKENS,
+           "chat_template": CHAT_TEMPLATE, "corpus_sha256": text_hash.hexdigest()}
+    if variant == AGENT:
+        script = Path(agent_script.__file__).read_bytes()
+        rec.update(chat_template=AGENT_CHAT_TEMPLATE, agent_version=AGENT_VERSION, added_tokens=AGENT_ADDED_TOKENS,
+                   training=AGENT_TRAINING, script_sha256=hashlib.sha256(script).hexdigest())
+    return rec
 
 
 def recipe_hash(rec: dict) -> str:
@@ -77,8 +99,9 @@ def is_complete(out_dir: Path, rec_hash: str) -> bool:
     return stamp.get("recipe_hash") == rec_hash and stamp.get("files") == file_hashes(out_dir)
 
 
-def _train_tokenizer(files: list[Path], out_dir: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+def _train_tokenizer(files: list[Path], out_dir: Path, chat_template: str = CHAT_TEMPLATE,
+                     added_tokens: list[str] | None = None) -> None:
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -93,24 +116,29 @@ def _train_tokenizer(files: list[Path], out_dir: Path) -> None:
             yield path.read_text(encoding="utf-8", errors="replace")
 
     tok.train_from_iterator(lines(), trainer=trainer)
+    if added_tokens:  # like Qwen's tool/think tokens: whole tokens, but not special (decoding keeps them)
+        tok.add_tokens([AddedToken(t, single_word=False, lstrip=False, rstrip=False, normalized=False, special=False)
+                        for t in added_tokens])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   bos_token=None, unk_token=None, chat_template=CHAT_TEMPLATE,
+                                   bos_token=None, unk_token=None, chat_template=chat_template,
                                    clean_up_tokenization_spaces=False, model_max_length=8192)
     fast.save_pretrained(out_dir)
     # Light clients (the gateway) read the template from tokenizer_config.json; newer transformers write it only
     # to chat_template.jinja, so keep both.
     cfg_path = out_dir / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
-    if cfg.get("chat_template") != CHAT_TEMPLATE:
-        cfg["chat_template"] = CHAT_TEMPLATE
+    if cfg.get("chat_template") != chat_template:
+        cfg["chat_template"] = chat_template
         cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 
 
-def _build_weights(variant: str, out_dir: Path, eos_id: int, pad_id: int) -> None:
+def _build_weights(variant: str, out_dir: Path, eos_id: int, pad_id: int, vocab_size: int = VOCAB_SIZE,
+                   tok=None) -> dict | None:
+    """Write config, generation config and weights; returns the training summary (agent variant) or None."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=VOCAB_SIZE, max_position_embeddings=8192, rms_norm_eps=1e-5,
+    config = LlamaConfig(vocab_size=vocab_size, max_position_embeddings=8192, rms_norm_eps=1e-5,
                          rope_theta=10000.0, tie_word_embeddings=False, initializer_range=INIT_STD,
                          bos_token_id=None, eos_token_id=eos_id, pad_token_id=pad_id, **VARIANTS[variant])
     config.dtype = torch.float32
@@ -122,8 +150,88 @@ def _build_weights(variant: str, out_dir: Path, eos_id: int, pad_id: int) -> Non
                 param.fill_(1.0)
             else:
                 param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * INIT_STD)
+    summary = _train_agent(model, tok) if variant == AGENT else None
     model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id)
     model.save_pretrained(out_dir, safe_serialization=True)
+    return summary
+
+
+def _model_vocab_size(variant: str, tokenizer_size: int) -> int:
+    if variant != AGENT:
+        return VOCAB_SIZE
+    step = AGENT_TRAINING["vocab_multiple"]
+    return -(-tokenizer_size // step) * step
+
+
+def agent_examples(tok) -> list[tuple[list[int], list[int]]]:
+    """Per conversation of the agent script: the token ids of the whole conversation (rendered with its tools) and
+    the indices of the tokens the model generates (every step's ``assistant_text``, ``<|im_end|>`` included)."""
+    out = []
+    for conv in agent_script.CONVERSATIONS:
+        def render(messages, gen, conv=conv):
+            return tok.apply_chat_template(messages, tools=conv.tools, add_generation_prompt=gen, tokenize=False)
+
+        n = len(conv.steps)
+        ids = tok.encode(render(agent_script.messages_after(n, conv), False), add_special_tokens=False)
+        targets: list[int] = []
+        for step in range(n):
+            prompt = tok.encode(render(agent_script.messages_after(step, conv), True), add_special_tokens=False)
+            answer = tok.encode(agent_script.assistant_text(step, conv), add_special_tokens=False)
+            if ids[:len(prompt) + len(answer)] != prompt + answer:
+                raise RuntimeError(f"{conv.name} step {step}: the conversation does not re-render its prompt + reply")
+            targets += range(len(prompt), len(prompt) + len(answer))
+        out.append((ids, targets))
+    return out
+
+
+def _margins(logits, targets):
+    """Per position: the target's logit minus the best other logit (positive: greedy picks the target)."""
+    picked = logits.gather(1, targets[:, None])[:, 0]
+    others = logits.scatter(1, targets[:, None], float("-inf"))
+    return picked - others.max(dim=1).values
+
+
+def _train_agent(model, tok) -> dict:
+    """Train ``model`` in place until greedy decoding reproduces the agent script; returns the training summary."""
+    import torch
+
+    examples = []
+    for ids, targets in agent_examples(tok):
+        examples.append((torch.tensor([ids[:-1]]), torch.tensor([t - 1 for t in targets]),
+                         torch.tensor([ids[t] for t in targets])))
+    n_targets = sum(len(t) for _, _, t in examples)
+    cfg = AGENT_TRAINING
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg["threads"])
+    torch.manual_seed(SEED)
+    try:
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=tuple(cfg["betas"]), eps=cfg["eps"],
+                                weight_decay=cfg["weight_decay"])
+        model.train()
+        step, margin = 0, float("-inf")
+        while True:
+            loss = torch.zeros(())
+            margins = []
+            for inp, pos, tgt in examples:
+                logits = model(input_ids=inp).logits[0, pos]
+                loss = loss + torch.nn.functional.cross_entropy(logits, tgt, reduction="sum")
+                margins.append(_margins(logits.detach(), tgt))
+            margin = torch.cat(margins).min().item()
+            if margin >= cfg["min_margin"] or step >= cfg["max_steps"]:
+                break
+            opt.zero_grad(set_to_none=True)
+            (loss / n_targets).backward()
+            opt.step()
+            step += 1
+        model.eval()
+        with torch.no_grad():  # the saved weights, checked as inference sees them
+            margin = min(_margins(model(input_ids=inp).logits[0, pos], tgt).min().item()
+                         for inp, pos, tgt in examples)
+    finally:
+        torch.set_num_threads(threads)
+    if margin < cfg["min_margin"]:
+        raise RuntimeError(f"agent model: min margin {margin:.2f} < {cfg['min_margin']} after {step} steps")
+    return {"steps": step, "min_margin": round(margin, 3), "targets": n_targets}
 
 
 def build_model(out_dir: str | os.PathLike, variant: str = "tiny", *, force: bool = False) -> Path:
@@ -140,13 +248,19 @@ def build_model(out_dir: str | os.PathLike, variant: str = "tiny", *, force: boo
     # Build beside the target, then swap in: a crash never leaves a half-written model that looks complete.
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
-        _train_tokenizer(files, tmp)
+        if variant == AGENT:
+            _train_tokenizer(files, tmp, AGENT_CHAT_TEMPLATE, AGENT_ADDED_TOKENS)
+        else:
+            _train_tokenizer(files, tmp)
         from transformers import PreTrainedTokenizerFast
 
         tok = PreTrainedTokenizerFast.from_pretrained(tmp)
-        _build_weights(variant, tmp, tok.convert_tokens_to_ids("<|im_end|>"),
-                       tok.convert_tokens_to_ids("<|endoftext|>"))
+        summary = _build_weights(variant, tmp, tok.convert_tokens_to_ids("<|im_end|>"),
+                                 tok.convert_tokens_to_ids("<|endoftext|>"),
+                                 vocab_size=_model_vocab_size(variant, len(tok)), tok=tok)
         stamp = {"recipe_hash": rec_hash, "recipe": rec, "files": file_hashes(tmp)}
+        if summary is not None:
+            stamp["training"] = summary
         (tmp / STAMP).write_text(json.dumps(stamp, indent=2, sort_keys=True) + "\n")
         tmp.chmod(0o755)
         for path in tmp.iterdir():

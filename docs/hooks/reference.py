@@ -41,7 +41,7 @@ CONFIGS: dict[str, str] = {
     "soak": "kvshuttle.services.devtools.bench.soak:SoakConfig",
 }
 # Commands that parse plain argparse flags: their parser is read from the command itself.
-ARGPARSE: tuple[str, ...] = ("hash-key", "make-model")
+ARGPARSE: tuple[str, ...] = ("hash-key", "make-model", "bench-agent")
 
 # Settings several commands share, with the same variable everywhere: listed once, below the commands.
 SHARED: list[tuple[str, str, str]] = [

@@ -23,6 +23,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                  "one"),
     "make-model": ("kvshuttle.workers.model_builder", "Build the small offline test model into a directory"),
     "bench-services": (f"{DEV}.bench.services_bench", "Microbenchmarks of the registry and scheduler (no vLLM)"),
+    "bench-agent": (f"{DEV}.bench.agent_overhead", "What tools and reasoning add to each turn in the gateway: "
+                    "template rendering, tokenizing, session keys, answer parsing (no vLLM)"),
     "soak": (f"{DEV}.bench.soak", "Many concurrent sessions through the gateway for minutes: failed turns (must be 0), "
              "turns/s and the services' memory over time (starts the local stack)"),
     "bench-eviction": (f"{DEV}.bench.eviction_sim", "Decode-KV eviction policies compared in a simulation (the real "

@@ -60,6 +60,9 @@ WORKER_STATES = ("live", "unreachable", "unknown")
 # -- gateway ---------------------------------------------------------------------------------------------------
 TURNS = Counter("kvshuttle_turns", "Turns answered, by the KV decision they ran with and its reason code",
                 ["decision", "reason"], registry=None)
+TURN_SESSIONS = Counter("kvshuttle_turn_sessions", "Answered turns by how their session was known: client (the request "
+                        "named it), response (previous_response_id), found (no session id; the prompt text extends a recorded session's), new (no "
+                        "session id and none found: a new session), none (not recorded)", ["source"], registry=None)
 TURN_TOKENS = Counter("kvshuttle_turn_tokens", "Tokens of answered turns: prompt = pulled (from D over NIXL) + "
                       "cached (P's own prefix cache) + computed (by P); generated = answer tokens", ["kind"],
                       registry=None)
@@ -134,6 +137,7 @@ def turn_answered(finished: Any, kv_bytes_per_token: int = 0) -> None:
     kv, timings = finished.kv, finished.timings
     decision = _decision(kv.decision)
     TURNS.labels(decision, reasons.known(kv.reason_code)).inc()
+    TURN_SESSIONS.labels(getattr(kv, "session_source", "") or "none").inc()
     TTFT.labels(decision, kv.figures.policy if kv.figures is not None else "").observe(
         timings.get("ttft_ms", 0.0) / 1000)
     TURN_DURATION.labels(decision).observe(timings.get("total_ms", 0.0) / 1000)
@@ -394,7 +398,7 @@ WORKER_STATE: StateCollector[WorkerState] = StateCollector(_worker_families, _re
 # -- groups and endpoints ------------------------------------------------------------------------------------------
 
 GROUPS: dict[str, tuple[Collector, ...]] = {
-    "gateway": (TURNS, TURN_TOKENS, KV_PULLED_BYTES, TTFT, TURN_DURATION, TURN_FAILURES, HTTP_REQUESTS,
+    "gateway": (TURNS, TURN_SESSIONS, TURN_TOKENS, KV_PULLED_BYTES, TTFT, TURN_DURATION, TURN_FAILURES, HTTP_REQUESTS,
                 WORKER_FAILURES, GATEWAY_STATE),
     "scheduler": (PLANS, PLAN_SECONDS, KV_PULLS_LOST, SCHEDULER_STATE),
     "registry": (LIVE_WORKERS, LIVE_SESSIONS, SESSIONS_DROPPED),

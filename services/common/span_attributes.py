@@ -21,6 +21,11 @@ SPAN_ATTRIBUTES: dict[str, str] = {
     "kvshuttle.policy": "the scheduler policy that decided",
     "kvshuttle.prompt_tokens": "prompt tokens, history included",
     "kvshuttle.continued_ids": "the prompt continues the session's recorded token ids exactly",
+    "kvshuttle.session_source": "how the session was known: `client` (the request named it), `response` (the "
+                                "Responses API's previous_response_id), `found` (a request "
+                                "without a session id whose prompt text extends a recorded session's), `new` (none "
+                                "found: a new session id) or \"\" (no session)",
+    "kvshuttle.found": "FindSession found a session whose recorded text the prompt extends",
     "kvshuttle.reusable_tokens": "tokens the plan pulls (0 for a recompute)",
     "kvshuttle.pullable_tokens": "tokens a refused pull would have moved (what the safety rules allow, before the "
                                  "policy)",

@@ -36,7 +36,11 @@ class StackConfig(TelemetryConfig):
     work_dir: str = setting("var/stack", "Logs and worker caches go here")
     model_dir: str = setting("var/models/tiny", "Model directory; built with make-model if missing",
                              env="KVSHUTTLE_MODEL_DIR")
-    model_variant: str = setting("tiny", "Variant to build when the model is missing", choices=("tiny", "medium"))
+    model_variant: str = setting("tiny", "Variant to build when the model is missing ('agent': a small model trained "
+                                         "to call tools and reason; run it with the hermes and qwen3 parsers)",
+                                 choices=("tiny", "medium", "agent"))
+    tool_call_parser: str = setting("", "The gateway's --tool-call-parser (e.g. hermes for the agent model)")
+    reasoning_parser: str = setting("", "The gateway's --reasoning-parser (e.g. qwen3 for the agent model)")
     http_port: int = setting(8000, "Gateway HTTP port (0: any free port)")
     grpc_port: int = setting(50053, "Gateway gRPC port (0: any free port)")
     prefill_workers: int = setting(1, "Prefill workers to start")
@@ -195,7 +199,8 @@ class Stack:
                                       "--metrics-listen", _host_port(self.metrics["scheduler"]), env=self.scheduler_env)
         gateway = await self._spawn("gateway", "gateway", "--grpc-listen", self.gateway_grpc,
                                     "--http-listen", self.gateway_http, "--max-model-len",
-                                    str(self.cfg.max_model_len))
+                                    str(self.cfg.max_model_len), "--tool-call-parser", self.cfg.tool_call_parser,
+                                    "--reasoning-parser", self.cfg.reasoning_parser)
         roles = ["prefill"] * self.cfg.prefill_workers + ["decode"] * self.cfg.decode_workers
         gpus = self.cfg.gpu_list
         if gpus:  # GPU workers: no CPU binding; KV buffers on the GPU

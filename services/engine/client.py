@@ -120,10 +120,13 @@ class EngineClient:
                        presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                        repetition_penalty: float = 1.0, min_tokens: int = 0,
                        logit_bias: Mapping[int, float] | None = None, skip_special_tokens: bool = True,
-                       spaces_between_special_tokens: bool = True) -> AsyncIterator[Chunk | Final]:
+                       spaces_between_special_tokens: bool = True,
+                       constraint: tuple[str, Any] | None = None) -> AsyncIterator[Chunk | Final]:
         """Yield a Chunk per streamed piece (none when ``stream`` is false) and exactly one Final last.
 
-        The sampling keywords are vLLM's (``top_k`` 0: off). The worker detokenizes only to match ``stop`` strings
+        The sampling keywords are vLLM's (``top_k`` 0: off). ``constraint``: guided decoding, as (SamplingParams'
+        constraint field, value): ("json_schema" | "regex" | "grammar" | "structural_tag", str), ("json_object", True)
+        or ("choice", [str, ...]). The worker detokenizes only to match ``stop`` strings
         (then with ``skip_special_tokens``/``spaces_between_special_tokens``); the caller detokenizes the answer.
 
         Raises EngineError on gRPC errors and timeouts. Closing or cancelling the iterator cancels the RPC (the
@@ -136,6 +139,12 @@ class EngineClient:
             skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=spaces_between_special_tokens)
         if logit_bias:
             sampling.logit_bias.update(logit_bias)
+        if constraint is not None:
+            kind, value = constraint
+            if kind == "choice":
+                sampling.choice.choices.extend(value)
+            else:
+                setattr(sampling, kind, value)
         if seed is not None:
             sampling.seed = seed
         if logprobs:

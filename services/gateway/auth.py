@@ -124,7 +124,8 @@ class KeyRing:
         if not self._entries:
             return OPEN
         if not key:
-            raise AuthError("an API key is required: send it as 'Authorization: Bearer <key>'")
+            raise AuthError("an API key is required: send it as 'Authorization: Bearer <key>' (or, from an "
+                            "Anthropic client, as 'x-api-key')")
         digest = hashlib.sha256(key.encode()).digest()
         found = None
         for stored, principal in self._entries:  # every entry, whatever matched: no early exit

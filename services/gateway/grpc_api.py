@@ -25,7 +25,7 @@ def kv_report(kv: KvOutcome) -> gateway_pb2.KvReport:
         decision=_DECISIONS[kv.decision], reason=kv.reason, reason_code=kv.reason_code, pulled_tokens=kv.pulled_tokens,
         computed_tokens=kv.computed_tokens, retried_as_recompute=kv.retried_as_recompute,
         prefill_worker_id=kv.prefill_worker_id, decode_worker_id=kv.decode_worker_id, figures=kv.figures,
-        worker_failures=kv.worker_failures)
+        worker_failures=kv.worker_failures, session_source=kv.session_source, session_id=kv.session_id)
 
 
 def turn_timings(t: dict[str, float]) -> gateway_pb2.TurnTimings:
@@ -34,7 +34,8 @@ def turn_timings(t: dict[str, float]) -> gateway_pb2.TurnTimings:
 
 def usage(f: Finished) -> gateway_pb2.Usage:
     return gateway_pb2.Usage(prompt_tokens=f.prompt_tokens, completion_tokens=len(f.output_ids),
-                             total_tokens=f.prompt_tokens + len(f.output_ids))
+                             total_tokens=f.prompt_tokens + len(f.output_ids),
+                             cached_tokens=max(f.prompt_tokens - f.kv.computed_tokens, 0))
 
 
 def unknown_field(msg: Message, path: str = "") -> str | None:

@@ -46,7 +46,9 @@ class HttpGuard:
             scope[SCOPE_KEY] = OPEN if not self.keys.enabled else None
         else:
             try:
-                scope[SCOPE_KEY] = self.keys.from_header(headers.get("authorization"))
+                auth = headers.get("authorization")
+                key = (headers.get("x-api-key") or "").strip() if auth is None else ""  # Anthropic clients' header
+                scope[SCOPE_KEY] = self.keys.principal(key) if key else self.keys.from_header(auth)
             except AuthError as exc:
                 await _reply(send, 401, _error(401, str(exc), "invalid_api_key"),
                              [(b"www-authenticate", b'Bearer realm="kvshuttle"')])

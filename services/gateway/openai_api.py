@@ -22,8 +22,27 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from kvshuttle.control_plane.constraints import CALL_SYNTAX, Constraint, forced_tool_calls
+from kvshuttle.control_plane.reasoning import REASONING_PARSERS
+from kvshuttle.control_plane.tool_calls import TOOL_CALL_PARSERS
 from kvshuttle.services.gateway.auth import OPEN
+from kvshuttle.services.gateway.chat_answer import AnswerShape, finish_reason
+from kvshuttle.services.gateway.chat_tools import (
+    MAX_TOOLS,
+    FieldError,
+    ToolCallIn,
+    ToolChoice,
+    ToolIn,
+    check_tool_results,
+    check_tools,
+    template_tool_calls,
+)
 from kvshuttle.services.gateway.http_guard import principal
+from kvshuttle.services.gateway.structured_output import (
+    ResponseFormatIn,
+    StructuredOutputsIn,
+    requested_constraint,
+)
 from kvshuttle.services.gateway.turns import (
     Delta,
     Finished,
@@ -82,19 +101,35 @@ class TextPart(StrictIn):
 
 
 class ChatMessageIn(StrictIn):
-    # Tool calls and their results come later (issue #16); an assistant message echoed back from a response (the
-    # SDK's model_dump()) carries them as null.
-    KNOWN = frozenset({"tool_calls", "tool_call_id", "function_call", "refusal", "audio", "annotations",
-                       "reasoning_content", "reasoning"})
-    NEUTRAL = {"tool_calls": ([],), "annotations": ([],)}
+    # An assistant message echoed back from a response (the SDK's model_dump()) carries these as null.
+    KNOWN = frozenset({"function_call", "refusal", "audio", "annotations"})
+    NEUTRAL = {"annotations": ([],)}
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     # Given to the chat template as vLLM gives it (most templates ignore it; some render it).
     name: str | None = Field(default=None, max_length=256)
+    tool_calls: list[ToolCallIn] | None = Field(default=None, max_length=MAX_TOOLS)  # assistant messages
+    tool_call_id: str | None = Field(default=None, max_length=256)  # tool messages: the call they answer
+    # An answer's reasoning, echoed back (vLLM reads either name); templates that keep reasoning render it.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
-    def plain(self) -> dict[str, str]:
+    def plain(self, where: str = "message") -> dict[str, Any]:
+        """The message as the chat template gets it (content parts joined, tool call arguments as dicts)."""
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
-        return {"role": self.role, "content": content, **({"name": self.name} if self.name is not None else {})}
+        out: dict[str, Any] = {"role": self.role, "content": content}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls and self.role != "assistant":
+            raise FieldError(f"{where}.tool_calls", f"only assistant messages carry tool_calls, not {self.role}")
+        if self.tool_calls:
+            out["tool_calls"] = template_tool_calls(self.tool_calls, where)
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning is not None:
+            out["reasoning_content"] = out["reasoning"] = reasoning
+        return out
 
 
 class StreamOptions(StrictIn):
@@ -116,11 +151,11 @@ BIAS = Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]
 class SamplingIn(StrictIn):
     # Fields of OpenAI's and vLLM's APIs this gateway does not apply: a 400 naming them, unless null (or neutral).
     KNOWN = frozenset({
-        "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "response_format", "logprobs",
+        "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "logprobs",
         "top_logprobs", "audio", "modalities", "prediction", "web_search_options", "store", "metadata",
         "service_tier", "reasoning_effort", "verbosity", "prompt_cache_key", "safety_identifier", "echo", "best_of",
         "suffix", "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words", "prompt_logprobs",
-        "truncate_prompt_tokens", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+        "truncate_prompt_tokens", "guided_json", "guided_regex", "guided_choice",
         "guided_grammar", "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
         "add_special_tokens", "documents", "priority", "request_id", "return_tokens_as_token_ids", "cache_salt",
         "mm_processor_kwargs", "vllm_xargs", "include_reasoning"})
@@ -156,6 +191,9 @@ class SamplingIn(StrictIn):
     user: str | None = Field(default=None, max_length=256)  # informational (OpenAI's end-user id): not used
     # Ignored by design: only the scheduler decides what P pulls (a router's kv_transfer_params would be wrong here).
     kv_transfer_params: dict | None = None
+    # Structured output (guided decoding on D): OpenAI's response_format, or vLLM's structured_outputs.
+    response_format: ResponseFormatIn | None = None
+    structured_outputs: StructuredOutputsIn | None = None
 
     def sampling(self) -> dict[str, Any]:
         """TurnRequest's keywords for the sampling fields the request set."""
@@ -170,9 +208,29 @@ class SamplingIn(StrictIn):
         return out
 
 
+# chat_template_kwargs may not set what the gateway itself gives the template.
+RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "documents", "add_generation_prompt", "conversation"})
+
+
 class ChatCompletionIn(SamplingIn):
     messages: list[ChatMessageIn] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[ToolIn] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, e.g. enable_thinking
+    include_reasoning: bool = True  # vLLM's: false leaves the reasoning out of the answer
+
+    def template_vars(self) -> dict[str, Any]:
+        """What the chat template gets besides the messages."""
+        extra = dict(self.chat_template_kwargs or {})
+        reserved = sorted(RESERVED_TEMPLATE_VARS & extra.keys())
+        if reserved:
+            raise FieldError("chat_template_kwargs", f"chat_template_kwargs may not set {', '.join(reserved)}")
+        tools = [t.template_dict() for t in self.tools or []]
+        if tools:  # given to the template even with tool_choice "none", as vLLM gives them
+            extra["tools"] = tools
+        return extra
 
 
 class CompletionIn(SamplingIn):
@@ -199,6 +257,7 @@ def kv_headers(kv: KvOutcome) -> dict[str, str]:
         "X-KV-Computed-Tokens": str(kv.computed_tokens),
         "X-KV-Prefill-Worker": kv.prefill_worker_id,
         "X-KV-Decode-Worker": kv.decode_worker_id,
+        **({"X-Session-Source": kv.session_source} if kv.session_source else {}),
     }
 
 
@@ -207,7 +266,7 @@ def kv_body(kv: KvOutcome, timings: dict[str, float]) -> dict[str, Any]:
     return {
         "decision": kv.decision, "reason": kv.reason, "reason_code": kv.reason_code, "pulled_tokens": kv.pulled_tokens,
         "computed_tokens": kv.computed_tokens, "retried_as_recompute": kv.retried_as_recompute,
-        "prefill_worker": kv.prefill_worker_id, "decode_worker": kv.decode_worker_id,
+        "session_source": kv.session_source, "prefill_worker": kv.prefill_worker_id, "decode_worker": kv.decode_worker_id,
         "matched_tokens": fig.matched_tokens if fig else 0, "covered_tokens": fig.covered_tokens if fig else 0,
         "policy": fig.policy if fig else "", "pullable_tokens": fig.pullable_tokens if fig else 0,
         "predicted_pull_ms": fig.predicted_pull_ms if fig else 0.0,
@@ -217,8 +276,11 @@ def kv_body(kv: KvOutcome, timings: dict[str, float]) -> dict[str, Any]:
     }
 
 
-def usage(prompt: int, completion: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def usage(prompt: int, completion: int, kv: KvOutcome) -> dict[str, Any]:
+    """OpenAI's usage; ``cached_tokens``: the prompt tokens not computed this turn (pulled from the decode worker or
+    found in P's own prefix cache), the figure benchmark clients read."""
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": max(prompt - kv.computed_tokens, 0)}}
 
 
 _ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
@@ -255,7 +317,12 @@ def _without_422(openapi):
 
 
 def create_app(runner: TurnRunner, served_model: str, default_max_tokens: int,
-               extra_routes: list | None = None) -> FastAPI:
+               extra_routes: list | None = None, *, tool_call_parser: str = "", reasoning_parser: str = "") -> FastAPI:
+    """``tool_call_parser`` / ``reasoning_parser``: the parsers' names (tool_calls.TOOL_CALL_PARSERS,
+    reasoning.REASONING_PARSERS); "" leaves tool calls (a request with tools is then refused) or reasoning
+    unparsed."""
+    call_tags = TOOL_CALL_PARSERS[tool_call_parser] if tool_call_parser else None
+    think_tags_ = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
     app = FastAPI(title="kvshuttle gateway", version="0.1.0",
                   description="OpenAI-compatible API over P/D-disaggregated vLLM with KV reuse across turns.")
     for route in extra_routes or []:
@@ -288,6 +355,10 @@ def create_app(runner: TurnRunner, served_model: str, default_max_tokens: int,
         return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code,
                             headers=headers)
 
+    @app.exception_handler(FieldError)
+    async def _tool(_: Request, exc: FieldError) -> JSONResponse:
+        return JSONResponse(error_body(400, str(exc), param=exc.param), status_code=400)
+
     @app.exception_handler(TurnError)
     async def _turn(_: Request, exc: TurnError) -> JSONResponse:
         headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s else None
@@ -313,30 +384,77 @@ def create_app(runner: TurnRunner, served_model: str, default_max_tokens: int,
                            temperature=body.temperature, top_p=body.top_p, seed=body.seed, ignore_eos=body.ignore_eos,
                            stop=stop, disable_pull=body.disable_pull, policy=body.policy, **body.sampling(), **prompt)
 
-    async def respond(body: SamplingIn, req: TurnRequest, shape: _Shape):
+    async def respond(body: SamplingIn, req: TurnRequest, shape: _Shape, answer: AnswerShape | None = None):
         turn = await runner.prepare(req)
+        answer = answer or AnswerShape()
+        answer.prompt_text = turn.prompt_text
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_stream(runner, turn, served_model, include_usage, shape),
+            return StreamingResponse(_stream(runner, turn, served_model, include_usage, shape, answer),
                                      media_type="text/event-stream", headers=_stream_headers(turn))
         finished = await _drain(runner, turn)
+        if shape.chat:
+            message, called = answer.message(finished.text)
+            choice = {"index": 0, "message": message, "finish_reason": finish_reason(finished.finish_reason, called)}
+        else:
+            choice = shape.choice(finished.text, finished.finish_reason)
         return JSONResponse({
             "id": turn.id, "object": shape.object, "created": int(time.time()), "model": served_model,
-            "choices": [shape.choice(finished.text, finished.finish_reason, final=True)],
-            "usage": usage(finished.prompt_tokens, len(finished.output_ids)),
+            "choices": [choice], "usage": usage(finished.prompt_tokens, len(finished.output_ids), finished.kv),
             "kvshuttle": kv_body(finished.kv, finished.timings),
         }, headers={**kv_headers(finished.kv), "X-Session-ID": req.session_id})
 
+    def think_tags() -> tuple[str, str] | None:
+        return (think_tags_.start, think_tags_.end) if think_tags_ else None
+
+    def answer_shape(body: ChatCompletionIn) -> tuple[AnswerShape, Constraint | None]:
+        """How the chat's answer is parsed, and the constraint that forces its tool calls (tool_choice required or
+        named); refuses tools the gateway cannot honour."""
+        check_tools(body.tools, body.tool_choice)
+        calls = bool(body.tools) and body.tool_choice != "none"
+        if calls and call_tags is None:
+            raise FieldError("tools", "this gateway parses no tool calls: start it with --tool-call-parser (e.g. "
+                                      "hermes) to use tools, or send tool_choice 'none'")
+        forced = None
+        if calls and body.tool_choice not in (None, "auto"):
+            syntax = CALL_SYNTAX.get(tool_call_parser)
+            if syntax is None:
+                raise FieldError("tool_choice", f"tool_choice 'required' or a named function cannot be forced with "
+                                                f"--tool-call-parser {tool_call_parser} yet (only with "
+                                                f"{', '.join(sorted(CALL_SYNTAX))}); use 'auto'")
+            named = None if body.tool_choice == "required" else body.tool_choice.function.name
+            forced = forced_tool_calls(syntax, [t.template_dict() for t in body.tools], named, think_tags())
+        shape = AnswerShape(reasoning=think_tags_, tools=call_tags if calls else None,
+                            request_tools=[t.template_dict() for t in body.tools] if calls else None,
+                            parallel_tool_calls=body.parallel_tool_calls,
+                            include_reasoning=body.include_reasoning)
+        return shape, forced
+
+    def constraint(body: SamplingIn, forced: Constraint | None, think: tuple[str, str] | None) -> Constraint | None:
+        asked = requested_constraint(body.response_format, body.structured_outputs, think)
+        if asked is not None and forced is not None:
+            raise FieldError("response_format" if body.response_format else "structured_outputs",
+                             "structured output and a forced tool call (tool_choice required or named) exclude each "
+                             "other")
+        return asked or forced
+
     @app.post("/v1/chat/completions", responses=TURN_RESPONSES, openapi_extra=SESSION_HEADER)
     async def chat(body: ChatCompletionIn, request: Request):
-        req = turn_request(body, request, body.max_completion_tokens or body.max_tokens,
-                           messages=[m.plain() for m in body.messages])
-        return await respond(body, req, CHAT)
+        answer, forced = answer_shape(body)
+        check_tool_results(body.messages)
+        messages = [m.plain(f"messages.{i}") for i, m in enumerate(body.messages)]
+        req = turn_request(body, request, body.max_completion_tokens or body.max_tokens, messages=messages,
+                           template_vars=body.template_vars(), constraint=constraint(body, forced, think_tags()))
+        if answer.tools is not None and req.skip_special_tokens:
+            # As vLLM's tool parsers ask: a model whose call tags are special tokens must keep them in the text.
+            req.skip_special_tokens = False
+        return await respond(body, req, CHAT, answer)
 
     @app.post("/v1/completions", responses=TURN_RESPONSES, openapi_extra=SESSION_HEADER)
     async def completions(body: CompletionIn, request: Request):
         prompt = {"prompt_text": body.prompt} if isinstance(body.prompt, str) else {"prompt_ids": body.prompt}
-        return await respond(body, turn_request(body, request, body.max_tokens, **prompt), COMPLETION)
+        return await respond(body, turn_request(body, request, body.max_tokens, constraint=constraint(body, None, None),
+                                                **prompt), COMPLETION)
 
     return app
 
@@ -374,32 +492,45 @@ class _Shape:
     chunk_object: str
     chat: bool
 
-    def choice(self, text: str, finish: str | None, final: bool = False) -> dict[str, Any]:
-        if not self.chat:
-            return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-        if final:
-            return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
-        return {"index": 0, "delta": {"content": text} if text else {}, "finish_reason": finish}
+    def choice(self, text: str, finish: str | None) -> dict[str, Any]:
+        """A completions choice (chat choices come from chat_answer)."""
+        return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
 
 
 CHAT = _Shape("chat.completion", "chat.completion.chunk", chat=True)
 COMPLETION = _Shape("text_completion", "text_completion", chat=False)
 
 
-async def _stream(runner: TurnRunner, turn: PreparedTurn, model: str, include_usage: bool, shape: _Shape):
+async def _stream(runner: TurnRunner, turn: PreparedTurn, model: str, include_usage: bool, shape: _Shape,
+                  answer: AnswerShape):
     base = {"id": turn.id, "object": shape.chunk_object, "created": int(time.time()), "model": model}
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+        return _sse({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+
     if shape.chat:
-        yield _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                         "finish_reason": None}]})
+        yield chunk({"role": "assistant", "content": ""})
     async for event in _events(runner, turn):
         if isinstance(event, TurnError):
             yield _sse(error_body(event.http_status, event.message))
             break
         if isinstance(event, Delta):
-            yield _sse({**base, "choices": [shape.choice(event.text, None)]})
+            if not shape.chat:
+                yield _sse({**base, "choices": [shape.choice(event.text, None)]})
+                continue
+            for delta in answer.deltas(event.text):
+                yield chunk(delta)
         else:
-            yield _sse({**base, "choices": [shape.choice("", event.finish_reason)],
-                        "kvshuttle": kv_body(event.kv, event.timings)})
+            if shape.chat:
+                for delta in answer.finish_deltas():
+                    yield chunk(delta)
+                last = {**base, "choices": [{"index": 0, "delta": {},
+                                             "finish_reason": finish_reason(event.finish_reason,
+                                                                            answer.streamed_calls)}]}
+            else:
+                last = {**base, "choices": [shape.choice("", event.finish_reason)]}
+            yield _sse({**last, "kvshuttle": kv_body(event.kv, event.timings)})
             if include_usage:
-                yield _sse({**base, "choices": [], "usage": usage(event.prompt_tokens, len(event.output_ids))})
+                yield _sse({**base, "choices": [], "usage": usage(event.prompt_tokens, len(event.output_ids),
+                                                                  event.kv)})
     yield _sse("[DONE]")

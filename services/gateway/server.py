@@ -11,6 +11,8 @@ from pathlib import Path
 import grpc
 from google.protobuf.message import Message
 from kvshuttle.control_plane.kv_size import kv_bytes_per_token
+from kvshuttle.control_plane.reasoning import REASONING_PARSERS
+from kvshuttle.control_plane.tool_calls import TOOL_CALL_PARSERS
 from kvshuttle.services.common import metrics
 from kvshuttle.services.common.config import TelemetryConfig, require, setting
 from kvshuttle.services.common.grpc_server import Server, client_channel, service_main
@@ -19,12 +21,14 @@ from kvshuttle.services.common.metrics_http import PATH as METRICS_PATH
 from kvshuttle.services.common.metrics_http import MetricsServer, check_listen, metrics_route
 from kvshuttle.services.common.telemetry import tracing_enabled
 from kvshuttle.services.common.tls import TlsConfig, read_pem
+from kvshuttle.services.gateway.anthropic_api import anthropic_routes
 from kvshuttle.services.gateway.auth import OPEN, KeyRing
 from kvshuttle.services.gateway.grpc_api import GatewayServicer
 from kvshuttle.services.gateway.http_guard import HttpGuard, principal
 from kvshuttle.services.gateway.http_metrics import HttpMetrics
 from kvshuttle.services.gateway.http_tracing import HttpTracing
 from kvshuttle.services.gateway.openai_api import SESSION_ID_PATTERN, create_app
+from kvshuttle.services.gateway.responses_api import add_responses_routes
 from kvshuttle.services.gateway.rest_bridge import (
     DEFAULT_FORWARD_HEADERS,
     BridgeError,
@@ -92,6 +96,12 @@ class GatewayConfig(TelemetryConfig, TlsConfig):
     max_model_len: int = setting(0, "Context length in tokens (0: the model's max_position_embeddings)",
                                  env="KVSHUTTLE_MAX_MODEL_LEN")
     default_max_tokens: int = setting(128, "max_tokens when a request gives none")
+    tool_call_parser: str = setting("", "How the model writes tool calls (vLLM's parser names); empty: requests with "
+                                        "tools are refused unless tool_choice is 'none'",
+                                    choices=["", *TOOL_CALL_PARSERS])
+    reasoning_parser: str = setting("", "How the model marks its reasoning (vLLM's parser names): answers then carry "
+                                        "reasoning_content apart from content; empty: not parsed",
+                                    choices=["", *REASONING_PARSERS])
     engine_timeout_s: float = setting(300.0, "Deadline for each call to a vLLM worker")
     control_timeout_s: float = setting(5.0, "Deadline for each registry/scheduler call")
     prefill_timeout_s: float = setting(120.0, "Deadline for one prefill call; past it the prefill worker counts as "
@@ -103,6 +113,12 @@ class GatewayConfig(TelemetryConfig, TlsConfig):
     first_token_from_prefill: bool = setting(True, "Stream the prefill worker's sampled token as the answer's first "
                                                    "token; the decode worker continues after it (requests with stop "
                                                    "strings always let the decode worker sample it)")
+    response_ttl_s: int = setting(86400, "How long the Responses API keeps a stored response (and so can continue "
+                                         "it with previous_response_id), in seconds")
+    find_sessions: bool = setting(True, "A chat sent without a session id (X-Session-ID / conversation_id) continues "
+                                        "the session whose recorded text its prompt extends, found by content key in "
+                                        "the registry (the answer's X-Session-ID names it), or starts a new one that "
+                                        "the next turn can find; off: such turns are not recorded")
     free_unrecorded_kv: bool = setting(True, "Free a turn's KV on its decode worker right after the answer when "
                                              "nothing records it (no session id, or the registry refused the record):"
                                              " the decode worker would otherwise keep it until its TTL, where no "
@@ -128,6 +144,7 @@ class GatewayConfig(TelemetryConfig, TlsConfig):
         require(bool(self.model_dir), "--model-dir (KVSHUTTLE_MODEL_DIR) is required")
         require(Path(self.model_dir, "tokenizer.json").is_file(), f"no tokenizer.json in {self.model_dir}")
         require(self.default_max_tokens >= 1, "--default-max-tokens must be >= 1")
+        require(1 <= self.response_ttl_s <= 30 * 86400, "--response-ttl-s must be between 1 and 2592000 (30 days)")
         require(self.max_prompt_tokens >= 0, "--max-prompt-tokens must be >= 0")
         require(self.max_body_bytes >= 1024, "--max-body-bytes must be >= 1024")
         require(bool(self.http_tls_cert) == bool(self.http_tls_key), "--http-tls-cert and --http-tls-key go together")
@@ -181,6 +198,7 @@ class GatewayService:
             worker_retries=cfg.worker_retries)
         self.runner.max_prompt_tokens = cfg.max_prompt_tokens
         self.runner.free_unrecorded_kv = cfg.free_unrecorded_kv
+        self.runner.find_sessions = cfg.find_sessions
         self.runner.served_model, self.runner.kv_bytes_per_token = cfg.model_name(), cfg.kv_bytes_per_token()
         servicer = GatewayServicer(self.runner, cfg.model_name(), cfg.default_max_tokens, self.keys)
         self.grpc = Server(cfg.grpc_listen, [SERVICE_NAME],
@@ -202,7 +220,15 @@ class GatewayService:
         self.metrics = MetricsServer(cfg.metrics_listen, registry, name="gateway") if cfg.metrics_listen else None
         if self.metrics is None:  # on the HTTP port, open like /health (no tenant, session or key in any label)
             routes.insert(0, metrics_route(registry))
-        self.app = create_app(self.runner, cfg.model_name(), cfg.default_max_tokens, extra_routes=routes)
+        self.app = create_app(self.runner, cfg.model_name(), cfg.default_max_tokens, extra_routes=routes,
+                              tool_call_parser=cfg.tool_call_parser, reasoning_parser=cfg.reasoning_parser)
+        self.app.include_router(anthropic_routes(self.runner, cfg.model_name(), cfg.default_max_tokens,
+                                                 tool_call_parser=cfg.tool_call_parser,
+                                                 reasoning_parser=cfg.reasoning_parser))
+        add_responses_routes(self.app, self.runner, cfg.model_name(), cfg.default_max_tokens,
+                             tool_call_parser=cfg.tool_call_parser,
+                             call_tags=TOOL_CALL_PARSERS.get(cfg.tool_call_parser),
+                             think_tags=REASONING_PARSERS.get(cfg.reasoning_parser), response_ttl_s=cfg.response_ttl_s)
         install_openapi(self.app, [REGISTRY_SERVICE, SCHEDULER_SERVICE, SERVICE_NAME], constraints=OPENAPI_CONSTRAINTS)
         front: object = HttpGuard(self.app, self.keys, cfg.max_body_bytes,
                                   open_paths=("/health",) if self.metrics else ("/health", METRICS_PATH))

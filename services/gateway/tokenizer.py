@@ -124,6 +124,11 @@ class GatewayTokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     @cached_property
+    def end_markers(self) -> list[str]:
+        """The texts of the EOS tokens: where an answer ends in a recorded text (finding sessions by content)."""
+        return sorted({text for i in self.eos_token_ids if (text := self._tok.id_to_token(i))})
+
+    @cached_property
     def eos_token_ids(self) -> list[int]:
         """The eos token of the tokenizer plus those of generation_config.json / config.json, sorted."""
         ids: set[int] = set()

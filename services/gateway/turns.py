@@ -23,7 +23,8 @@ import grpc
 from kvshuttle.control_plane import kv_params
 from kvshuttle.control_plane import reasons as why
 from kvshuttle.control_plane import session as session_rules
-from kvshuttle.control_plane.continuation import plan_continuation
+from kvshuttle.control_plane.constraints import Constraint
+from kvshuttle.control_plane.continuation import plan_continuation, prefix_keys, text_key
 from kvshuttle.control_plane.lru import BoundedLru
 from kvshuttle.control_plane.prefix import matched_prefix_tokens
 from kvshuttle.control_plane.session import DEFAULT_TENANT
@@ -54,7 +55,7 @@ class TurnError(Exception):
 
 
 class Tokenizer(Protocol):
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any) -> str: ...
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
     def stream_decoder(self, skip_special_tokens: bool = True) -> Callable[[Sequence[int]], str]: ...
@@ -65,6 +66,7 @@ class TurnRequest:
     session_id: str = ""
     tenant: str = DEFAULT_TENANT
     messages: list[dict] | None = None
+    template_vars: dict[str, Any] = field(default_factory=dict)  # for the chat template: tools, chat_template_kwargs
     prompt_text: str | None = None
     prompt_ids: list[int] | None = None
     max_tokens: int = 64
@@ -75,6 +77,8 @@ class TurnRequest:
     stop: list[str] = field(default_factory=list)
     disable_pull: bool = False
     policy: str = ""  # a named scheduler policy ("": the scheduler's default)
+    # How session_id was known (KvReport.session_source): "client", or set by the runner: "found", "new", "".
+    session_source: str = ""
     # vLLM's other sampling parameters (docs/api.md, "Request fields"); the defaults change nothing.
     top_k: int = 0  # 0 or -1: off
     min_p: float = 0.0
@@ -87,6 +91,8 @@ class TurnRequest:
     include_stop_str_in_output: bool = False  # for stop token ids: keep the stopping token's text
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True  # no effect with a fast tokenizer (as in vLLM)
+    # Guided decoding (structured output, forced tool calls): applied by D, which then samples every answer token.
+    constraint: Constraint | None = None
 
     def engine_sampling(self) -> dict[str, Any]:
         """The sampling parameters both workers get (EngineClient.generate's keywords), min_tokens aside."""
@@ -116,6 +122,8 @@ class KvOutcome:
     figures: scheduler_pb2.PlanFigures | None = None
     worker_failures: list[str] = field(default_factory=list)  # workers that failed in this turn, and what followed
     reason_code: str = ""  # ``reason`` as a code of kvshuttle.control_plane.reasons
+    session_source: str = ""  # how the session was known: "client", "found", "new" or "" (TurnRequest's)
+    session_id: str = ""  # the session the turn ran in (the request's, a found one or a new one)
 
 
 @dataclass
@@ -212,6 +220,10 @@ class TurnRunner:
         self.release_unused_handles = True
         self.free_unrecorded_kv = True  # free the KV of turns nothing records (no session id, record refused)
         self.released_handles = 0  # KV handles freed on their decode worker: unused, unrecorded, or ended sessions
+        # Chats sent without a session id continue the session their prompt text extends (FindSession), or start a
+        # new one, recorded under a new id; off: such turns are not recorded (their KV is freed after the answer).
+        self.find_sessions = False
+        self.sessions_found = 0  # turns without a session id that continued a recorded session
 
     def engine(self, worker: common_pb2.Worker) -> EngineClient:
         client = self._engines.get(worker.grpc_address)
@@ -263,19 +275,52 @@ class TurnRunner:
             return list(req.prompt_ids), "", False, {}
         if req.messages is not None:
             try:
-                text = await asyncio.to_thread(self.tokenizer.render_chat, req.messages, True)
+                text = await asyncio.to_thread(self.tokenizer.render_chat, req.messages, True, **req.template_vars)
             except Exception as exc:  # template errors are the caller's input
                 raise TurnError(400, grpc.StatusCode.INVALID_ARGUMENT, f"cannot render chat: {exc}") from None
         else:
             text = req.prompt_text or ""
+        if req.session_id and not req.session_source:
+            req.session_source = "client"
         t = time.perf_counter()
-        prev, known = await self._previous(req, fresh=fresh) if req.session_id else (None, {})
+        if req.session_id:
+            prev, known = await self._previous(req, fresh=fresh)
+        elif self.find_sessions and req.messages is not None:
+            prev, known = await self._find(req, text)
+            if timings is not None:
+                timings["find_ms"] = _ms(t)
+        else:
+            prev, known = None, {}
         if timings is not None:
             timings["session_ms"] = _ms(t)
         cont = plan_continuation(prev.session.text, prev.session.token_ids, text) if prev else plan_continuation(
             "", [], text)
         suffix_ids = await asyncio.to_thread(self.tokenizer.encode, cont.suffix_text, False)
         return [*cont.prefix_ids, *suffix_ids], text, cont.continues, known
+
+    async def _find(self, req: TurnRequest, text: str,
+                    ) -> tuple[registry_pb2.GetSessionResponse | None, dict[str, Any]]:
+        """A chat without a session id: the session whose recorded text ``text`` extends (found by content key), or
+        a new session id. Sets ``req.session_id`` and ``req.session_source``."""
+        markers = getattr(self.tokenizer, "end_markers", None) or []
+        keys = prefix_keys(text, markers) if isinstance(markers, list) else []
+        found = None
+        if keys:
+            try:
+                found = await self.registry.FindSession(registry_pb2.FindSessionRequest(
+                    tenant=req.tenant, text_keys=keys), timeout=self.control_timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.NOT_FOUND:
+                    self.degraded["session_read_failed"] += 1
+                    log.warning("registry unavailable finding a session (%s: %s): starting a new one",
+                                exc.code().name, exc.details())
+        if found is None:
+            req.session_id, req.session_source = f"auto-{uuid.uuid4().hex}", "new"
+            return None, {"session_not_found": True}
+        req.session_id, req.session_source = found.session.session_id, "found"
+        self.sessions_found += 1
+        resp = registry_pb2.GetSessionResponse(session=found.session, expires_in_s=found.expires_in_s)
+        return resp, {"session_snapshot": _without_history(resp)}
 
     # -- phases ----------------------------------------------------------------------------------------------
 
@@ -371,10 +416,11 @@ class TurnRunner:
                         self.degraded["recomputed_store_unavailable"])
         pull = plan.decision == scheduler_pb2.DECISION_PULL
         kv = KvOutcome("pull" if pull else "recompute", plan.reason, prefill_worker_id=plan.prefill.worker_id,
-                       decode_worker_id=plan.decode.worker_id, figures=plan.figures, reason_code=plan.reason_code)
+                       decode_worker_id=plan.decode.worker_id, figures=plan.figures, reason_code=plan.reason_code,
+                       session_source=req.session_source, session_id=req.session_id)
         span.set_attributes({
             "kvshuttle.session": hashed(req.session_id) if req.session_id else "",
-            "kvshuttle.decision": kv.decision, "kvshuttle.reason": plan.reason, "kvshuttle.reason_code": kv.reason_code,
+            "kvshuttle.session_source": req.session_source, "kvshuttle.decision": kv.decision, "kvshuttle.reason": plan.reason, "kvshuttle.reason_code": kv.reason_code,
             "kvshuttle.prompt_tokens": len(prompt_ids), "kvshuttle.continued_ids": continued,
             "kvshuttle.reusable_tokens": plan.figures.reusable_tokens,
             "kvshuttle.prefill_worker": plan.prefill.worker_id, "kvshuttle.decode_worker": plan.decode.worker_id,
@@ -406,7 +452,9 @@ class TurnRunner:
         # Presence/frequency penalties count the answer's tokens, and D's answer would not hold P's token. Either
         # way D samples the first token itself. D's prompt grows by P's token: P's handle must list a block for it
         # (see covers_extra_token).
-        if (self.first_token_from_prefill and not req.stop and not req.penalizes_output and p_final.output_ids
+        # A constraint (grammar) must hold from the answer's first token: D, which applies it, samples that token too.
+        if (self.first_token_from_prefill and not req.stop and not req.penalizes_output and req.constraint is None
+                and p_final.output_ids
                 and kv_params.covers_extra_token(p_final.kv_transfer_params, len(prompt_ids),
                                                  plan.decode.block_size)):
             prepared.first_token, prepared.first_finish = p_final.output_ids[-1], p_final.finish_reason
@@ -685,7 +733,8 @@ class TurnRunner:
                 async for item in self._stream_tokens(
                         engine, f"{turn.id}-d{attempt or ''}", d_prompt, span, max_tokens=d_max_tokens,
                         min_tokens=0 if done_at_first else min(max(req.min_tokens - len(output), 0), d_max_tokens),
-                        stop=req.stop, kv_transfer_params=turn.decode_params, **req.engine_sampling()):
+                        stop=req.stop, kv_transfer_params=turn.decode_params, **req.engine_sampling(),
+                        constraint=(req.constraint.kind, req.constraint.value) if req.constraint else None):
                     if isinstance(item, Final):
                         final = item
                         break
@@ -781,9 +830,11 @@ class TurnRunner:
         log.warning("turn %s: %s", turn.id, failure)
         turn.span.add_event("worker_failed", {"kvshuttle.worker": failed, "error": str(error),
                                               "kvshuttle.generated_tokens": len(output)})
-        if attempt > self.worker_retries:
+        if attempt > self.worker_retries or (turn.request.constraint is not None and output):
+            # A constrained answer cannot go on elsewhere: a new D would start the grammar afresh mid-answer.
+            why_not = "no retries left" if attempt > self.worker_retries else "a constrained answer cannot resume"
             turn.kv.worker_failures.append(failure)
-            raise TurnError(503, grpc.StatusCode.UNAVAILABLE, f"{failure}; no retries left", retry_after_s=1)
+            raise TurnError(503, grpc.StatusCode.UNAVAILABLE, f"{failure}; {why_not}", retry_after_s=1)
         resume_ids = [*turn.prompt_ids, *output]
         scratch = KvOutcome("recompute", "resume after a decode worker failed")
         with trace.use_span(turn.span, end_on_exit=False):
@@ -840,14 +891,15 @@ class TurnRunner:
                 await asyncio.wait_for(asyncio.shield(turn.release), self.control_timeout_s)
         with trace.use_span(turn.span, end_on_exit=False), tracer.start_as_current_span("record") as span:
             raw_answer = await asyncio.to_thread(self.tokenizer.decode, output, False) if turn.prompt_text else ""
+            recorded_text = turn.prompt_text + raw_answer if turn.prompt_text else ""
             key = (req.tenant, req.session_id)
             self._sessions.discard(key)
             try:
                 resp = await self.registry.RecordTurn(registry_pb2.RecordTurnRequest(
                     session_id=req.session_id, tenant=req.tenant, decode_worker_id=turn.plan.decode.worker_id,
                     kv_transfer_params_json=json.dumps(final.kv_transfer_params),
-                    token_ids=[*turn.prompt_ids, *output],
-                    text=turn.prompt_text + raw_answer if turn.prompt_text else ""), timeout=self.control_timeout_s)
+                    token_ids=[*turn.prompt_ids, *output], text=recorded_text,
+                    text_key=text_key(recorded_text) if recorded_text else b""), timeout=self.control_timeout_s)
                 self._sessions.put(key, resp.session, resp.session.ByteSize())
                 turn.span.set_attribute("kvshuttle.turn_index", resp.session.turn)
             except grpc.aio.AioRpcError as exc:

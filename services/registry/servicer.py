@@ -204,6 +204,51 @@ class SessionRegistryServicer(registry_pb2_grpc.SessionRegistryServicer):
         return registry_pb2.ClaimSessionResponse(claimed=result.claimed, reason=result.reason, session=session)
 
     @_unary
+    async def FindSession(self, request, context):
+        request.tenant = request.tenant or rules.DEFAULT_TENANT
+        rules.validate_id("tenant", request.tenant)
+        rules.validate_find(request.text_keys)
+        with tracer.start_as_current_span("registry.find_session") as span:
+            found = await self.store.find_session(request.tenant, list(request.text_keys))
+            span.set_attribute("kvshuttle.found", found is not None)
+        if found is None:
+            raise RpcFailure(grpc.StatusCode.NOT_FOUND, f"no session of tenant {request.tenant!r} has a recorded text "
+                                                        "that the prompt extends")
+        matched, session = found
+        return registry_pb2.FindSessionResponse(session=session, expires_in_s=rules.expires_in(session, self.clock()),
+                                                matched_key=matched)
+
+    @_unary
+    async def PutResponse(self, request, context):
+        request.response.tenant = request.response.tenant or rules.DEFAULT_TENANT
+        rules.validate_stored_response(request.response, request.ttl_s)
+        if not request.response.HasField("created_at"):
+            rules.set_seconds(request.response.created_at, self.clock())
+        return registry_pb2.PutResponseResponse(response=await self.store.put_response(request.response,
+                                                                                        request.ttl_s))
+
+    @_unary
+    async def GetResponse(self, request, context):
+        self._validate_response_ref(request)
+        found = await self.store.get_response(request.tenant, request.response_id)
+        if found is None:
+            raise RpcFailure(grpc.StatusCode.NOT_FOUND, f"no stored response {request.response_id!r} for tenant "
+                                                        f"{request.tenant!r} (unknown, expired or deleted)")
+        return registry_pb2.GetResponseResponse(response=found)
+
+    @_unary
+    async def DeleteResponse(self, request, context):
+        self._validate_response_ref(request)
+        return registry_pb2.DeleteResponseResponse(deleted=await self.store.delete_response(request.tenant,
+                                                                                            request.response_id))
+
+    @staticmethod
+    def _validate_response_ref(request) -> None:
+        rules.validate_id("response_id", request.response_id)
+        request.tenant = request.tenant or rules.DEFAULT_TENANT
+        rules.validate_id("tenant", request.tenant)
+
+    @_unary
     async def DeleteSession(self, request, context):
         self._validate_session_ref(request)
         deleted = await self.store.delete_session(request.tenant, request.session_id)

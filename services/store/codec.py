@@ -19,7 +19,7 @@ import logging
 
 from google.protobuf.message import DecodeError
 from kvshuttle.services.store.keys import CLAIM_SUFFIX
-from kvshuttle.v1 import common_pb2
+from kvshuttle.v1 import common_pb2, registry_pb2
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +117,29 @@ def summary(record: common_pb2.Session) -> bytes:
         if record.HasField(name):
             getattr(out, name).CopyFrom(getattr(record, name))
     return out.SerializeToString()
+
+
+def content_value(session_id: str) -> bytes:
+    """A content-index entry's value: the session id."""
+    return session_id.encode()
+
+
+def content_session_id(value: bytes) -> str:
+    return value.decode(errors="replace")
+
+
+# -- stored responses --------------------------------------------------------------------------------------------
+
+def response_value(response: registry_pb2.StoredResponse) -> bytes:
+    return response.SerializeToString()
+
+
+def parse_response(value: bytes) -> registry_pb2.StoredResponse | None:
+    try:
+        return registry_pb2.StoredResponse.FromString(value)
+    except DecodeError:
+        log.warning("ignoring a stored response that does not parse (%d bytes)", len(value))
+        return None
 
 
 # -- leaders -----------------------------------------------------------------------------------------------------

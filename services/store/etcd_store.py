@@ -37,7 +37,7 @@ from kvshuttle.services.store import codec
 from kvshuttle.services.store.etcd_channel import EtcdAuthError, etcd_channel
 from kvshuttle.services.store.interface import ClaimResult, OpObserver, StoreError, StoreUnavailable, no_op
 from kvshuttle.services.store.keys import Keys, first_segment, session_ref
-from kvshuttle.v1 import common_pb2
+from kvshuttle.v1 import common_pb2, registry_pb2
 
 __all__ = ["ClaimResult", "EtcdStore", "StoreError", "StoreUnavailable", "WorkerEvent", "parse_endpoints"]
 
@@ -363,6 +363,9 @@ class EtcdStore:
                                                                 session.session_id), codec.summary(record),
                                        lease=lease_id)]
                  if record.decode_worker_id else [])
+        if record.text_key:  # FindSession's index; the replaced record's entry goes with its lease (revoked below)
+            index.append(KVService.txn_op_put(self.keys.content(session.tenant, record.text_key),
+                                              codec.content_value(session.session_id), lease=lease_id))
         resp = await self._call("put session", self.kv.txn,
                                 [_mod_revision_is(key, expect_revision)],
                                 [KVService.txn_op_put(key, value, lease=lease_id, prev_kv=True),
@@ -381,6 +384,58 @@ class EtcdStore:
         record.revision = resp.header.revision
         self._recent.put(key, record)
         return record
+
+    async def find_session(self, tenant: str, text_keys: Sequence[bytes]) -> tuple[int, common_pb2.Session] | None:
+        """The record indexed under the first of ``text_keys`` that names a live record of ``tenant`` (whose own
+        text_key is still that key), and that key's position; None when none does. One transaction reads every index
+        entry, then one read gets the record."""
+        if not text_keys:
+            return None
+        resp = await self._call("find session", self.kv.txn, [], [
+            KVService.txn_op_get(self.keys.content(tenant, key)) for key in text_keys], [])
+        for i, (key, answer) in enumerate(zip(text_keys, resp.responses, strict=True)):
+            kvs = answer.response_range.kvs
+            if not kvs:
+                continue
+            session = await self.get_session(tenant, codec.content_session_id(kvs[0].value))
+            if session is not None and session.text_key == key:
+                return i, session
+        return None
+
+    # -- stored responses (the gateway's Responses API) ---------------------------------------------------------
+
+    async def put_response(self, response: registry_pb2.StoredResponse, ttl_s: int) -> registry_pb2.StoredResponse:
+        """Store ``response`` under a new lease of ``ttl_s`` (replacing one with the same id, whose lease is revoked).
+        Returns it with ``expires_at`` set."""
+        lease_id, granted = await self.grant_lease(ttl_s)
+        stored = registry_pb2.StoredResponse()
+        stored.CopyFrom(response)
+        stored.expires_at.FromSeconds(int(time.time()) + granted)
+        key = self.keys.response(response.tenant, response.response_id)
+        try:
+            resp = await self._call("put response", self.kv.put, key, codec.response_value(stored), lease=lease_id,
+                                    prev_kv=True)
+        except BaseException:
+            await self._revoke_quietly(lease_id)
+            raise
+        if resp.HasField("prev_kv") and resp.prev_kv.lease and resp.prev_kv.lease != lease_id:
+            await self._revoke_quietly(resp.prev_kv.lease)
+        return stored
+
+    async def get_response(self, tenant: str, response_id: str) -> registry_pb2.StoredResponse | None:
+        resp = await self._call("get response", self.kv.get, self.keys.response(tenant, response_id))
+        return codec.parse_response(resp.kvs[0].value) if resp.kvs else None
+
+    async def delete_response(self, tenant: str, response_id: str) -> bool:
+        """Delete it and revoke its lease; False when there was none."""
+        resp = await self._call("delete response", self.kv.delete, self.keys.response(tenant, response_id),
+                                prev_kv=True)
+        for lease in {kv.lease for kv in resp.prev_kvs} - {0}:
+            await self._revoke_quietly(lease)
+        return bool(resp.prev_kvs)
+
+    def content_key(self, tenant: str, text_key: bytes) -> str:
+        return self.keys.content(tenant, text_key)
 
     def worker_session_key(self, worker_id: str, tenant: str, session_id: str) -> str:
         return self.keys.worker_session(worker_id, tenant, session_id)

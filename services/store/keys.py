@@ -11,6 +11,9 @@ Under ``prefix`` (default ``/kvshuttle/``; always ends with ``/``)::
     worker-claims/{worker_id}/{tenant}/{session_id}
                                           the claimed revision (text), put by a claim next to the record's claim key,
                                           on the record's lease: with the index, what each decode worker still holds
+    content/{tenant}/{text_key_hex}       the session id whose record's recorded text has this content key
+                                          (Session.text_key), on the record's lease: FindSession's index
+    responses/{tenant}/{response_id}      a stored Responses API response (StoredResponse proto), on its own lease
     leaders/{name}                        the id of the replica that leads ``name`` (e.g. the scheduler replica that
                                           frees decode KV), on that replica's lease
     ping                                  never written: read to check that etcd answers
@@ -100,6 +103,15 @@ class Keys:
 
     def worker_claim(self, worker_id: str, tenant: str, session_id: str) -> str:
         return f"{self.worker_claims_of(worker_id)}{tenant}/{session_id}"
+
+    # -- the content index ----------------------------------------------------------------------------------
+
+    def content(self, tenant: str, text_key: bytes) -> str:
+        """The content-index entry of a recorded text's key (FindSession): its value is the session id."""
+        return f"{self.prefix}content/{tenant}/{text_key.hex()}"
+
+    def response(self, tenant: str, response_id: str) -> str:
+        return f"{self.prefix}responses/{tenant}/{response_id}"
 
     # -- leaders ---------------------------------------------------------------------------------------------
 

@@ -9,8 +9,9 @@ the next turns would wait for blocks that only the TTL frees (minutes). With it:
 - the scheduler frees held handles (by pressure, or to make room for a turn) and shows it in GetStats;
 - an evicted session's next turn recomputes, says why (``kv_freed_pressure``, "KV freed ..."), and answers exactly
   like the same conversation recomputed on a twin session;
-- turns sent with no session id at all (the official ``openai`` client, as applications use it), whose handles
-  nothing records, leave no KV behind either (the gateway frees it after each answer).
+- turns sent with no session id at all (the official ``openai`` client, as applications use it) leave no KV behind
+  either: each starts a session found by content (freed like the others), or, with finding sessions off, nothing
+  records its handle and the gateway frees it after each answer.
 """
 
 from __future__ import annotations
@@ -24,7 +25,15 @@ from kvshuttle.services.devtools.stack import cpu_binds
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from openai import AsyncOpenAI
 
-from tests.support.e2e import EXTRA_STARTUP_TIMEOUT_S, Paused, chat, new_session, user_turn, wait_registered
+from tests.support.e2e import (
+    EXTRA_STARTUP_TIMEOUT_S,
+    Paused,
+    chat,
+    new_session,
+    spawn_gateway,
+    user_turn,
+    wait_registered,
+)
 from tests.support.waits import until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -109,28 +118,44 @@ async def test_sessions_nobody_ends_never_stall_a_small_decode_worker(stack, sma
             assert sum(kv.pulls_lost.values()) >= 1, kv
 
 
-async def test_turns_without_a_session_id_leave_no_kv_behind(stack, small_decode):
-    """What SDK clients send by default: no session id. Nothing records such a turn's handle, so the decode worker
-    would keep its blocks for the TTL where no one can free them; the gateway frees them after the answer."""
-    sdk = AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", timeout=300, max_retries=0)
-    async with httpx.AsyncClient(base_url=stack.base_url, timeout=300) as client:
-        before = await released_handles(client)
-        model = (await sdk.models.list()).data[0].id
-        async with Paused(stack, common_pb2.WORKER_ROLE_DECODE):
-            took = []
-            for i in range(ABANDONED + 4):  # ~4 blocks each: far more than the worker's 40 blocks in all
-                started = time.monotonic()  # the official client, as an application uses it: no session id
-                raw = await sdk.chat.completions.with_raw_response.create(
-                    model=model, messages=[user_turn(i % 12)], max_tokens=8, temperature=0)
-                took.append(time.monotonic() - started)
-                assert raw.parse().choices[0].message.content
-                assert raw.headers["x-kv-decode-worker"] == SMALL
-            print(f"\nturn times without a session id (s): {[round(t, 2) for t in took]}")
-            assert max(took) < NORMAL_TURN_S, took
-        async def all_released() -> bool:  # freed in the background after each answer
-            return await released_handles(client) - before >= len(took)
+@pytest.mark.parametrize("find", [True, False], ids=["found-sessions", "unrecorded"])
+async def test_turns_without_a_session_id_leave_no_kv_behind(stack, small_decode, find):
+    """What SDK clients send by default: no session id. With the gateway finding sessions by content (its default),
+    each such one-turn chat starts a session of its own (a new id) that the KV manager frees under pressure like any
+    other; with that off (a second gateway, --no-find-sessions), nothing records the turn's handle and the gateway
+    frees it after the answer. Either way the small decode worker never stalls."""
+    child, base_url = (None, stack.base_url) if find else await spawn_gateway(stack, "gw-unrecorded",
+                                                                               "--no-find-sessions")
+    sdk = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", timeout=300, max_retries=0)
+    try:
+        async with httpx.AsyncClient(base_url=base_url, timeout=300) as client:
+            before = await released_handles(client)
+            model = (await sdk.models.list()).data[0].id
+            async with Paused(stack, common_pb2.WORKER_ROLE_DECODE):
+                took, sessions = [], set()
+                for i in range(ABANDONED + 4):  # ~4 blocks each: far more than the worker's 40 blocks in all
+                    started = time.monotonic()  # the official client, as an application uses it: no session id
+                    raw = await sdk.chat.completions.with_raw_response.create(
+                        model=model, messages=[user_turn(i % 12)],
+                        max_tokens=8, temperature=0)
+                    took.append(time.monotonic() - started)
+                    assert raw.parse().choices[0].message.content
+                    assert raw.headers["x-kv-decode-worker"] == SMALL
+                    assert raw.headers.get("x-session-source") == ("new" if find else None)
+                    sessions.add(raw.headers["x-session-id"])
+                print(f"\nturn times without a session id (s): {[round(t, 2) for t in took]}")
+                assert max(took) < NORMAL_TURN_S, took
+            if find:  # every chat its own new session
+                assert len(sessions) == len(took) and all(s.startswith("auto-") for s in sessions), sessions
+                return
 
-        await until(all_released, 10, f"the {len(took)} turns' handles to be released", interval_s=0.2)
+            async def all_released() -> bool:  # freed in the background after each answer
+                return await released_handles(client) - before >= len(took)
+
+            await until(all_released, 10, f"the {len(took)} turns' handles to be released", interval_s=0.2)
+    finally:
+        if child is not None:
+            await child.stop()
 
 
 async def released_handles(client: httpx.AsyncClient) -> float:

@@ -114,6 +114,14 @@ async def test_http_needs_a_known_bearer_key_except_for_health(http):
     # Past the key check, a turn gets as far as the scheduler (no prefill worker is registered here).
     resp = await http.post("/v1/chat/completions", json=chat, headers=bearer("acme"))
     assert resp.status_code == 503 and "no live prefill worker" in resp.text, resp.text
+    # Anthropic clients send their key as x-api-key (Authorization, when sent too, wins).
+    message = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    resp = await http.post("/v1/messages", json=message, headers={"x-api-key": KEYS["acme"]})
+    assert resp.status_code == 503 and resp.json()["type"] == "error", resp.text
+    assert_unauthorized(await http.post("/v1/messages", json=message, headers={"x-api-key": "kvs-nope"}),
+                        "invalid API key")
+    assert_unauthorized(await http.post("/v1/messages", json=message, headers={
+        "x-api-key": KEYS["acme"], "Authorization": "Bearer kvs-nope"}), "invalid API key")
 
 
 async def test_grpc_needs_a_known_bearer_key(gateway):

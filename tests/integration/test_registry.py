@@ -478,3 +478,83 @@ async def test_store_fails_over_when_the_leader_dies():
             assert await store.get_worker("w2") is not None
     finally:
         await cluster.astop()
+
+
+async def test_find_session_by_content(stub, decode):
+    """Turns without a session id: a record is indexed under its text's content key; FindSession returns the record
+    whose text the caller's prompt extends (the longest of the given prefixes), per tenant, and only the latest
+    text of a session (its earlier texts' entries go with the replaced records' leases)."""
+    from kvshuttle.control_plane.continuation import prefix_keys, text_key
+
+    sid, end = uid("found"), "<|im_end|>"
+    first = f"<|im_start|>user\nhi{end}\n<|im_start|>assistant\nhello{end}"
+    await stub.RecordTurn(turn(decode, sid, list(range(1, 12)), text=first, text_key=text_key(first)))
+    prompt = first + f"\n<|im_start|>user\nmore{end}\n<|im_start|>assistant\n"
+    keys = prefix_keys(prompt, [end])
+    found = await stub.FindSession(registry_pb2.FindSessionRequest(tenant=TENANT, text_keys=keys))
+    assert found.session.session_id == sid and found.session.text == first and found.expires_in_s > 0
+    assert keys[found.matched_key] == text_key(first)
+    await expect_status(stub.FindSession(registry_pb2.FindSessionRequest(tenant="other", text_keys=keys)),
+                        grpc.StatusCode.NOT_FOUND, "no session")
+
+    second = prompt + f"fine{end}"
+    await stub.RecordTurn(turn(decode, sid, list(range(1, 20)), text=second, text_key=text_key(second)))
+    # The old text no longer finds the session (its record was replaced); the new one does.
+    await until(lambda: _not_found(stub, [text_key(first)]), 10, "the replaced record's index entry to go")
+    newer = await stub.FindSession(registry_pb2.FindSessionRequest(
+        tenant=TENANT, text_keys=prefix_keys(second + "\n<|im_start|>user\nx", [end])))
+    assert newer.session.session_id == sid and newer.session.turn == 2
+
+    for bad, words in [([], "text_keys is required"), ([b"short"], "must be 32 bytes"),
+                       ([text_key(str(i)) for i in range(65)], "at most 64")]:
+        await expect_status(stub.FindSession(registry_pb2.FindSessionRequest(tenant=TENANT, text_keys=bad)),
+                            grpc.StatusCode.INVALID_ARGUMENT, words)
+    await expect_status(stub.RecordTurn(turn(decode, sid, list(range(1, 20)), text=second, text_key=b"x")),
+                        grpc.StatusCode.INVALID_ARGUMENT, "text_key must be 32 bytes")
+
+    # What a lookup costs: 64 candidate keys (the most a prompt sends), one of them indexed.
+    long_prompt = "".join(f"<|im_start|>user\nturn {i}{end}\n<|im_start|>assistant\nanswer {i}{end}\n"
+                          for i in range(40)) + "<|im_start|>assistant\n"
+    recorded = long_prompt[:long_prompt.rindex(end) + len(end)]
+    await stub.RecordTurn(turn(decode, uid("long"), list(range(1, 30)), text=recorded, text_key=text_key(recorded)))
+    many = prefix_keys(long_prompt, [end])
+    assert len(many) == 64
+    took = []
+    for _ in range(50):
+        t = time.perf_counter()
+        hit = await stub.FindSession(registry_pb2.FindSessionRequest(tenant=TENANT, text_keys=many))
+        took.append((time.perf_counter() - t) * 1000)
+        assert hit.session.text == recorded
+    took.sort()
+    print(f"\nFindSession, 64 keys, real etcd: p50 {took[25]:.2f} ms, p90 {took[45]:.2f} ms")
+
+
+async def _not_found(stub, keys) -> bool:
+    try:
+        await stub.FindSession(registry_pb2.FindSessionRequest(tenant=TENANT, text_keys=keys))
+    except grpc.aio.AioRpcError as exc:
+        return exc.code() == grpc.StatusCode.NOT_FOUND
+    return False
+
+
+async def test_stored_responses(stub):
+    """The Responses API's stored responses: put under a lease, read back per tenant, deleted, refused when bad."""
+    rid = uid("resp")
+    body = json.dumps({"response": {"id": rid}, "items": []}).encode()
+    put = await stub.PutResponse(registry_pb2.PutResponseRequest(response=registry_pb2.StoredResponse(
+        response_id=rid, tenant=TENANT, session_id="s-1", body_json=body), ttl_s=600))
+    assert put.response.expires_at.seconds >= int(time.time()) + 590 and put.response.created_at.seconds > 0
+    got = (await stub.GetResponse(registry_pb2.GetResponseRequest(response_id=rid, tenant=TENANT))).response
+    assert got.body_json == body and got.session_id == "s-1"
+    await expect_status(stub.GetResponse(registry_pb2.GetResponseRequest(response_id=rid, tenant="other")),
+                        grpc.StatusCode.NOT_FOUND, "no stored response")
+    assert (await stub.DeleteResponse(registry_pb2.DeleteResponseRequest(response_id=rid, tenant=TENANT))).deleted
+    assert not (await stub.DeleteResponse(registry_pb2.DeleteResponseRequest(response_id=rid, tenant=TENANT))).deleted
+    await expect_status(stub.GetResponse(registry_pb2.GetResponseRequest(response_id=rid, tenant=TENANT)),
+                        grpc.StatusCode.NOT_FOUND, "unknown, expired or deleted")
+    for kwargs, words in [({"ttl_s": 0}, "ttl_s must be between"), ({"ttl_s": 600, "body": b""}, "body_json"),
+                          ({"ttl_s": 600, "rid": "bad id"}, "response_id")]:
+        bad = registry_pb2.StoredResponse(response_id=kwargs.get("rid", rid), tenant=TENANT, session_id="s",
+                                          body_json=kwargs.get("body", body))
+        await expect_status(stub.PutResponse(registry_pb2.PutResponseRequest(response=bad, ttl_s=kwargs["ttl_s"])),
+                            grpc.StatusCode.INVALID_ARGUMENT, words)

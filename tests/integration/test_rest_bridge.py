@@ -224,7 +224,7 @@ async def test_post_body_star_accepts_both_field_name_styles(client):
     body = r.json()
     assert body["id"] == "cmpl-conv-1" and body["text"] == "HI"
     assert body["promptTokenIds"] == [5, 6, 7] and body["tokenIds"] == [7, 8]
-    assert body["usage"] == {"promptTokens": 3, "completionTokens": 4, "totalTokens": 7}
+    assert body["usage"] == {"promptTokens": 3, "completionTokens": 4, "totalTokens": 7, "cachedTokens": 0}
     assert body["kv"]["decision"] == "DECISION_PULL"
     assert body["kv"]["reason"] == "temperature=0.5 stop=['\\n']"
     assert body["finishReason"] == "stop"

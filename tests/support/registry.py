@@ -40,7 +40,7 @@ def turn(worker: common_pb2.Worker, session_id: str, tokens: list[int], covered:
     covered = len(tokens) - 1 if covered is None else covered
     return registry_pb2.RecordTurnRequest(session_id=session_id, tenant=TENANT, decode_worker_id=worker.worker_id,
                                           kv_transfer_params_json=handle(worker, covered), token_ids=tokens,
-                                          text="some text", **kw)
+                                          **{"text": "some text", **kw})
 
 
 async def deregister(stub, worker: common_pb2.Worker) -> None:

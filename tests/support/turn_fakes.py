@@ -1,15 +1,16 @@
-"""Stand-ins for the scheduler, registry, tokenizer and engines around a TurnRunner (the gateway's turn logic), for
-tests/unit/test_turns.py and the gateway metrics tests."""
+"""Stand-ins for the scheduler, registry, tokenizer and engines around a TurnRunner (the gateway's turn logic), and
+whole runners for the HTTP front ends alone (CapturingRunner, AnsweringRunner)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import dataclass, field
 
 import grpc
 from kvshuttle.control_plane import kv_params
 from kvshuttle.services.engine.client import Chunk, EngineClient, EngineError, Final
-from kvshuttle.services.gateway.turns import TurnRequest, TurnRunner
+from kvshuttle.services.gateway.turns import Delta, Finished, KvOutcome, TurnError, TurnRequest, TurnRunner
 from kvshuttle.v1 import common_pb2, registry_pb2, scheduler_pb2
 
 PULL_PARAMS = {"do_remote_decode": True, "remote_block_ids": [[1]], "remote_num_tokens": 3}
@@ -166,3 +167,51 @@ class DownRegistry(Registry):
 
     async def RecordTurn(self, request, timeout=None):
         raise _rpc_error(grpc.StatusCode.UNAVAILABLE)
+
+
+class CapturingRunner:
+    """For the HTTP API alone: takes the turn the API built and stops there (503), keeping the requests."""
+
+    def __init__(self):
+        self.requests: list[TurnRequest] = []
+
+    async def prepare(self, req: TurnRequest):
+        self.requests.append(req)
+        raise TurnError(503, grpc.StatusCode.UNAVAILABLE, "captured")
+
+
+@dataclass
+class AnsweredTurn:
+    """What AnsweringRunner.prepare returns: the PreparedTurn fields the front ends read."""
+
+    request: TurnRequest
+    id: str = "kvs-test"
+    prompt_text: str = "<prompt>"
+    kv: KvOutcome = field(default_factory=lambda: KvOutcome("pull", "pulled", pulled_tokens=30, computed_tokens=10))
+
+
+class AnsweringRunner:
+    """For the HTTP front ends alone: answers every turn with ``answer``, streamed in ``pieces``-character deltas
+    (40 prompt tokens, 10 of them computed; 7 output ids); keeps the requests. The session id of the answer is the
+    request's, or ``new_session`` when it has none."""
+
+    control_timeout_s = 5.0
+
+    def __init__(self, answer: str, pieces: int = 3, finish: str = "stop", registry=None,
+                 new_session: str = "auto-1"):
+        self.answer, self.pieces, self.finish, self.registry = answer, pieces, finish, registry
+        self.new_session = new_session
+        self.requests: list[TurnRequest] = []
+        self.tokenizer = Tokenizer()
+
+    async def prepare(self, req: TurnRequest) -> AnsweredTurn:
+        self.requests.append(req)
+        turn = AnsweredTurn(req)
+        turn.kv.session_id = req.session_id or self.new_session
+        req.session_id = turn.kv.session_id
+        return turn
+
+    async def decode(self, turn: AnsweredTurn):
+        for i in range(0, len(self.answer), self.pieces):
+            yield Delta(self.answer[i:i + self.pieces], [])
+        yield Finished(self.finish, self.answer, list(range(7)), 40, turn.kv, {})

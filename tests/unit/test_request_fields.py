@@ -8,25 +8,12 @@ import httpx
 import pytest
 from kvshuttle.services.gateway.grpc_api import GatewayServicer, unknown_field
 from kvshuttle.services.gateway.openai_api import create_app
-from kvshuttle.services.gateway.turns import TurnError, TurnRequest
+from kvshuttle.services.gateway.turns import TurnError
 from kvshuttle.v1 import gateway_pb2
 
+from tests.support.turn_fakes import CapturingRunner
+
 CHAT = [{"role": "user", "content": "hi"}]
-
-
-class Captured(Exception):
-    pass
-
-
-class CapturingRunner:
-    """Takes the turn the HTTP API built and stops there (with the TurnRunner's own checks)."""
-
-    def __init__(self):
-        self.requests: list[TurnRequest] = []
-
-    async def prepare(self, req: TurnRequest):
-        self.requests.append(req)
-        raise TurnError(503, grpc.StatusCode.UNAVAILABLE, "captured")
 
 
 async def post(path: str, body: dict) -> tuple[httpx.Response, CapturingRunner]:
@@ -37,11 +24,9 @@ async def post(path: str, body: dict) -> tuple[httpx.Response, CapturingRunner]:
 
 
 @pytest.mark.parametrize("extra, named", [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"tools": [], "response_format": {"type": "json_object"}}, "tools, response_format"),
+    ({"prediction": {"type": "content", "content": "x"}, "top_logprobs": 2}, "prediction, top_logprobs"),
     ({"logprobs": True}, "logprobs"),
     ({"logprobs": True, "top_logprobs": 3}, "logprobs, top_logprobs"),
-    ({"tool_choice": "auto"}, "tool_choice"),
     ({"store": True}, "store"),
     ({"metadata": {"a": "b"}}, "metadata"),
     ({"service_tier": "flex"}, "service_tier"),
@@ -71,8 +56,8 @@ async def test_null_or_neutral_values_are_taken_as_absent(extra):
 
 
 @pytest.mark.parametrize("message, named", [
-    ({"role": "assistant", "content": "x", "tool_calls": [{"id": "c", "type": "function"}]}, "tool_calls"),
-    ({"role": "tool", "content": "x", "tool_call_id": "c"}, "tool_call_id"),
+    ({"role": "assistant", "content": "x", "function_call": {"name": "f", "arguments": "{}"}}, "function_call"),
+    ({"role": "tool", "content": "x", "tool_call_id": "c", "is_error": True}, "is_error"),
     ({"role": "user", "content": "x", "weight": 2}, "weight"),
     ({"role": "user", "content": [{"type": "text", "text": "x", "extra": 1}]}, "extra"),
 ])

@@ -48,7 +48,7 @@ class Worker(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., engine_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., nixl_host: _Optional[str] = ..., nixl_port: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_blocks_ttl_s: _Optional[int] = ..., model: _Optional[str] = ..., registered_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., lease_id: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("session_id", "tenant", "decode_worker_id", "kv_transfer_params_json", "covered_tokens", "block_size", "block_hashes", "token_ids", "text", "expires_at", "updated_at", "turn", "claimed", "revision", "prefix_digest", "lease_id", "created_at", "kv_freed")
+    __slots__ = ("session_id", "tenant", "decode_worker_id", "kv_transfer_params_json", "covered_tokens", "block_size", "block_hashes", "token_ids", "text", "expires_at", "updated_at", "turn", "claimed", "revision", "prefix_digest", "lease_id", "created_at", "kv_freed", "text_key")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class Session(_message.Message):
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     KV_FREED_FIELD_NUMBER: _ClassVar[int]
+    TEXT_KEY_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tenant: str
     decode_worker_id: str
@@ -85,4 +86,5 @@ class Session(_message.Message):
     lease_id: int
     created_at: _timestamp_pb2.Timestamp
     kv_freed: str
-    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., kv_transfer_params_json: _Optional[str] = ..., covered_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., turn: _Optional[int] = ..., claimed: _Optional[bool] = ..., revision: _Optional[int] = ..., prefix_digest: _Optional[bytes] = ..., lease_id: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., kv_freed: _Optional[str] = ...) -> None: ...
+    text_key: bytes
+    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., kv_transfer_params_json: _Optional[str] = ..., covered_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., turn: _Optional[int] = ..., claimed: _Optional[bool] = ..., revision: _Optional[int] = ..., prefix_digest: _Optional[bytes] = ..., lease_id: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., kv_freed: _Optional[str] = ..., text_key: _Optional[bytes] = ...) -> None: ...

@@ -112,7 +112,7 @@ class ChatCompleteRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., disable_pull: _Optional[bool] = ..., policy: _Optional[str] = ...) -> None: ...
 
 class KvReport(_message.Message):
-    __slots__ = ("decision", "reason", "pulled_tokens", "computed_tokens", "retried_as_recompute", "prefill_worker_id", "decode_worker_id", "figures", "worker_failures", "reason_code")
+    __slots__ = ("decision", "reason", "pulled_tokens", "computed_tokens", "retried_as_recompute", "prefill_worker_id", "decode_worker_id", "figures", "worker_failures", "reason_code", "session_source", "session_id")
     DECISION_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     PULLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,8 @@ class KvReport(_message.Message):
     FIGURES_FIELD_NUMBER: _ClassVar[int]
     WORKER_FAILURES_FIELD_NUMBER: _ClassVar[int]
     REASON_CODE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     decision: _scheduler_pb2.Decision
     reason: str
     pulled_tokens: int
@@ -133,10 +135,12 @@ class KvReport(_message.Message):
     figures: _scheduler_pb2.PlanFigures
     worker_failures: _containers.RepeatedScalarFieldContainer[str]
     reason_code: str
-    def __init__(self, decision: _Optional[_Union[_scheduler_pb2.Decision, str]] = ..., reason: _Optional[str] = ..., pulled_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., retried_as_recompute: _Optional[bool] = ..., prefill_worker_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., figures: _Optional[_Union[_scheduler_pb2.PlanFigures, _Mapping]] = ..., worker_failures: _Optional[_Iterable[str]] = ..., reason_code: _Optional[str] = ...) -> None: ...
+    session_source: str
+    session_id: str
+    def __init__(self, decision: _Optional[_Union[_scheduler_pb2.Decision, str]] = ..., reason: _Optional[str] = ..., pulled_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., retried_as_recompute: _Optional[bool] = ..., prefill_worker_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., figures: _Optional[_Union[_scheduler_pb2.PlanFigures, _Mapping]] = ..., worker_failures: _Optional[_Iterable[str]] = ..., reason_code: _Optional[str] = ..., session_source: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class TurnTimings(_message.Message):
-    __slots__ = ("plan_ms", "prefill_ms", "ttft_ms", "decode_ms", "record_ms", "total_ms", "prompt_ms", "session_ms")
+    __slots__ = ("plan_ms", "prefill_ms", "ttft_ms", "decode_ms", "record_ms", "total_ms", "prompt_ms", "session_ms", "find_ms")
     PLAN_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +149,7 @@ class TurnTimings(_message.Message):
     TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_MS_FIELD_NUMBER: _ClassVar[int]
     SESSION_MS_FIELD_NUMBER: _ClassVar[int]
+    FIND_MS_FIELD_NUMBER: _ClassVar[int]
     plan_ms: float
     prefill_ms: float
     ttft_ms: float
@@ -153,17 +158,20 @@ class TurnTimings(_message.Message):
     total_ms: float
     prompt_ms: float
     session_ms: float
-    def __init__(self, plan_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., record_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., prompt_ms: _Optional[float] = ..., session_ms: _Optional[float] = ...) -> None: ...
+    find_ms: float
+    def __init__(self, plan_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., record_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., prompt_ms: _Optional[float] = ..., session_ms: _Optional[float] = ..., find_ms: _Optional[float] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens", "cached_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class CompleteResponse(_message.Message):
     __slots__ = ("id", "model", "text", "token_ids", "prompt_token_ids", "finish_reason", "usage", "kv", "timings")

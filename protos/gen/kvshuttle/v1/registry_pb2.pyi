@@ -107,7 +107,7 @@ class GetSessionResponse(_message.Message):
     def __init__(self, session: _Optional[_Union[_common_pb2.Session, _Mapping]] = ..., expires_in_s: _Optional[float] = ...) -> None: ...
 
 class RecordTurnRequest(_message.Message):
-    __slots__ = ("session_id", "tenant", "decode_worker_id", "kv_transfer_params_json", "token_ids", "text", "finished_at")
+    __slots__ = ("session_id", "tenant", "decode_worker_id", "kv_transfer_params_json", "token_ids", "text", "finished_at", "text_key")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +115,7 @@ class RecordTurnRequest(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
+    TEXT_KEY_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tenant: str
     decode_worker_id: str
@@ -122,7 +123,8 @@ class RecordTurnRequest(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finished_at: _timestamp_pb2.Timestamp
-    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., kv_transfer_params_json: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    text_key: bytes
+    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., kv_transfer_params_json: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., text_key: _Optional[bytes] = ...) -> None: ...
 
 class RecordTurnResponse(_message.Message):
     __slots__ = ("session",)
@@ -151,6 +153,82 @@ class ClaimSessionResponse(_message.Message):
     reason: str
     session: _common_pb2.Session
     def __init__(self, claimed: _Optional[bool] = ..., reason: _Optional[str] = ..., session: _Optional[_Union[_common_pb2.Session, _Mapping]] = ...) -> None: ...
+
+class FindSessionRequest(_message.Message):
+    __slots__ = ("tenant", "text_keys")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    TEXT_KEYS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    text_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, tenant: _Optional[str] = ..., text_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class FindSessionResponse(_message.Message):
+    __slots__ = ("session", "expires_in_s", "matched_key")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_KEY_FIELD_NUMBER: _ClassVar[int]
+    session: _common_pb2.Session
+    expires_in_s: float
+    matched_key: int
+    def __init__(self, session: _Optional[_Union[_common_pb2.Session, _Mapping]] = ..., expires_in_s: _Optional[float] = ..., matched_key: _Optional[int] = ...) -> None: ...
+
+class StoredResponse(_message.Message):
+    __slots__ = ("response_id", "tenant", "session_id", "body_json", "created_at", "expires_at")
+    RESPONSE_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    BODY_JSON_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    response_id: str
+    tenant: str
+    session_id: str
+    body_json: bytes
+    created_at: _timestamp_pb2.Timestamp
+    expires_at: _timestamp_pb2.Timestamp
+    def __init__(self, response_id: _Optional[str] = ..., tenant: _Optional[str] = ..., session_id: _Optional[str] = ..., body_json: _Optional[bytes] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class PutResponseRequest(_message.Message):
+    __slots__ = ("response", "ttl_s")
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    response: StoredResponse
+    ttl_s: int
+    def __init__(self, response: _Optional[_Union[StoredResponse, _Mapping]] = ..., ttl_s: _Optional[int] = ...) -> None: ...
+
+class PutResponseResponse(_message.Message):
+    __slots__ = ("response",)
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    response: StoredResponse
+    def __init__(self, response: _Optional[_Union[StoredResponse, _Mapping]] = ...) -> None: ...
+
+class GetResponseRequest(_message.Message):
+    __slots__ = ("response_id", "tenant")
+    RESPONSE_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    response_id: str
+    tenant: str
+    def __init__(self, response_id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class GetResponseResponse(_message.Message):
+    __slots__ = ("response",)
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    response: StoredResponse
+    def __init__(self, response: _Optional[_Union[StoredResponse, _Mapping]] = ...) -> None: ...
+
+class DeleteResponseRequest(_message.Message):
+    __slots__ = ("response_id", "tenant")
+    RESPONSE_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    response_id: str
+    tenant: str
+    def __init__(self, response_id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class DeleteResponseResponse(_message.Message):
+    __slots__ = ("deleted",)
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    deleted: bool
+    def __init__(self, deleted: _Optional[bool] = ...) -> None: ...
 
 class DeleteSessionRequest(_message.Message):
     __slots__ = ("session_id", "tenant")

@@ -75,6 +75,26 @@ class SessionRegistryStub:
                 request_serializer=kvshuttle_dot_v1_dot_registry__pb2.ClaimSessionRequest.SerializeToString,
                 response_deserializer=kvshuttle_dot_v1_dot_registry__pb2.ClaimSessionResponse.FromString,
                 _registered_method=True)
+        self.FindSession = channel.unary_unary(
+                '/kvshuttle.v1.SessionRegistry/FindSession',
+                request_serializer=kvshuttle_dot_v1_dot_registry__pb2.FindSessionRequest.SerializeToString,
+                response_deserializer=kvshuttle_dot_v1_dot_registry__pb2.FindSessionResponse.FromString,
+                _registered_method=True)
+        self.PutResponse = channel.unary_unary(
+                '/kvshuttle.v1.SessionRegistry/PutResponse',
+                request_serializer=kvshuttle_dot_v1_dot_registry__pb2.PutResponseRequest.SerializeToString,
+                response_deserializer=kvshuttle_dot_v1_dot_registry__pb2.PutResponseResponse.FromString,
+                _registered_method=True)
+        self.GetResponse = channel.unary_unary(
+                '/kvshuttle.v1.SessionRegistry/GetResponse',
+                request_serializer=kvshuttle_dot_v1_dot_registry__pb2.GetResponseRequest.SerializeToString,
+                response_deserializer=kvshuttle_dot_v1_dot_registry__pb2.GetResponseResponse.FromString,
+                _registered_method=True)
+        self.DeleteResponse = channel.unary_unary(
+                '/kvshuttle.v1.SessionRegistry/DeleteResponse',
+                request_serializer=kvshuttle_dot_v1_dot_registry__pb2.DeleteResponseRequest.SerializeToString,
+                response_deserializer=kvshuttle_dot_v1_dot_registry__pb2.DeleteResponseResponse.FromString,
+                _registered_method=True)
         self.DeleteSession = channel.unary_unary(
                 '/kvshuttle.v1.SessionRegistry/DeleteSession',
                 request_serializer=kvshuttle_dot_v1_dot_registry__pb2.DeleteSessionRequest.SerializeToString,
@@ -140,6 +160,34 @@ class SessionRegistryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FindSession(self, request, context):
+        """The session whose recorded text the caller's prompt text extends, by content key (turns sent without a session
+        id). NOT_FOUND when no key matches a live record.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutResponse(self, request, context):
+        """Stored Responses API responses (server-held conversations), per tenant, each under its own lease.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetResponse(self, request, context):
+        """NOT_FOUND for an unknown, expired or deleted id, or another tenant's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteResponse(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def DeleteSession(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -188,6 +236,26 @@ def add_SessionRegistryServicer_to_server(servicer, server):
                     servicer.ClaimSession,
                     request_deserializer=kvshuttle_dot_v1_dot_registry__pb2.ClaimSessionRequest.FromString,
                     response_serializer=kvshuttle_dot_v1_dot_registry__pb2.ClaimSessionResponse.SerializeToString,
+            ),
+            'FindSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.FindSession,
+                    request_deserializer=kvshuttle_dot_v1_dot_registry__pb2.FindSessionRequest.FromString,
+                    response_serializer=kvshuttle_dot_v1_dot_registry__pb2.FindSessionResponse.SerializeToString,
+            ),
+            'PutResponse': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutResponse,
+                    request_deserializer=kvshuttle_dot_v1_dot_registry__pb2.PutResponseRequest.FromString,
+                    response_serializer=kvshuttle_dot_v1_dot_registry__pb2.PutResponseResponse.SerializeToString,
+            ),
+            'GetResponse': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetResponse,
+                    request_deserializer=kvshuttle_dot_v1_dot_registry__pb2.GetResponseRequest.FromString,
+                    response_serializer=kvshuttle_dot_v1_dot_registry__pb2.GetResponseResponse.SerializeToString,
+            ),
+            'DeleteResponse': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteResponse,
+                    request_deserializer=kvshuttle_dot_v1_dot_registry__pb2.DeleteResponseRequest.FromString,
+                    response_serializer=kvshuttle_dot_v1_dot_registry__pb2.DeleteResponseResponse.SerializeToString,
             ),
             'DeleteSession': grpc.unary_unary_rpc_method_handler(
                     servicer.DeleteSession,
@@ -412,6 +480,114 @@ class SessionRegistry:
             '/kvshuttle.v1.SessionRegistry/ClaimSession',
             kvshuttle_dot_v1_dot_registry__pb2.ClaimSessionRequest.SerializeToString,
             kvshuttle_dot_v1_dot_registry__pb2.ClaimSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FindSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvshuttle.v1.SessionRegistry/FindSession',
+            kvshuttle_dot_v1_dot_registry__pb2.FindSessionRequest.SerializeToString,
+            kvshuttle_dot_v1_dot_registry__pb2.FindSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutResponse(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvshuttle.v1.SessionRegistry/PutResponse',
+            kvshuttle_dot_v1_dot_registry__pb2.PutResponseRequest.SerializeToString,
+            kvshuttle_dot_v1_dot_registry__pb2.PutResponseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetResponse(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvshuttle.v1.SessionRegistry/GetResponse',
+            kvshuttle_dot_v1_dot_registry__pb2.GetResponseRequest.SerializeToString,
+            kvshuttle_dot_v1_dot_registry__pb2.GetResponseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteResponse(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvshuttle.v1.SessionRegistry/DeleteResponse',
+            kvshuttle_dot_v1_dot_registry__pb2.DeleteResponseRequest.SerializeToString,
+            kvshuttle_dot_v1_dot_registry__pb2.DeleteResponseResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,103 @@
+"""Split a model's answer into reasoning and content at its thinking tags (``--reasoning-parser``).
+
+One state machine serves streaming and non-streaming answers: text is fed as it arrives and comes out as
+``("reasoning" | "content", text)`` pieces, a suffix that may be the start of a tag held back until it is decided.
+Feeding a whole answer at once gives exactly what feeding it in any pieces gives.
+
+The parsers are named as vLLM names them. Each is a think-tag parser; they differ in what an answer that does not
+open with the start tag is:
+
+- ``deepseek_r1``: reasoning until the end tag (R1's template opens the thinking block in the prompt, so its answers
+  often start inside it);
+- ``qwen3``, ``glm45``: content, unless the prompt itself ends inside an open thinking block (a template that opens it,
+  as Qwen3's thinking models do).
+
+An answer cut off inside its reasoning is all reasoning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+REASONING, CONTENT = "reasoning", "content"
+
+
+@dataclass(frozen=True)
+class ThinkTags:
+    """A reasoning parser's rules: its tags, and whether an answer without the start tag begins in reasoning."""
+
+    name: str
+    start: str = "<think>"
+    end: str = "</think>"
+    untagged_is_reasoning: bool = False
+
+    def opens_in_prompt(self, prompt_text: str) -> bool:
+        """True when the prompt ends inside an open thinking block (its last start tag after its last end tag)."""
+        return prompt_text.rfind(self.start) > prompt_text.rfind(self.end)
+
+
+REASONING_PARSERS: dict[str, ThinkTags] = {
+    "deepseek_r1": ThinkTags("deepseek_r1", untagged_is_reasoning=True),
+    "qwen3": ThinkTags("qwen3"),
+    "glm45": ThinkTags("glm45"),
+}
+
+
+def partial_tail(text: str, tag: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag`` (it may become the tag)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ReasoningSplitter:
+    """Incremental reasoning/content split of one answer."""
+
+    def __init__(self, tags: ThinkTags, *, prompt_text: str = ""):
+        self.tags = tags
+        self._held = ""
+        # "start": the answer's first characters decide; "reasoning": inside the block; "content": after it.
+        self._state = REASONING if tags.opens_in_prompt(prompt_text) else "start"
+
+    def feed(self, text: str) -> Iterator[tuple[str, str]]:
+        self._held += text
+        while self._held:
+            if self._state == "start":
+                stripped = self._held.lstrip()
+                if stripped.startswith(self.tags.start):
+                    self._held = stripped[len(self.tags.start):]
+                    self._state = REASONING
+                    continue
+                if not stripped or self.tags.start.startswith(stripped):
+                    return  # may still become the start tag
+                self._state = REASONING if self.tags.untagged_is_reasoning else CONTENT
+                continue
+            if self._state == CONTENT:
+                out, self._held = self._held, ""
+                yield CONTENT, out
+                return
+            at = self._held.find(self.tags.end)
+            if at >= 0:
+                if at:
+                    yield REASONING, self._held[:at]
+                self._held = self._held[at + len(self.tags.end):]
+                self._state = CONTENT
+                continue
+            keep = partial_tail(self._held, self.tags.end)
+            out, self._held = self._held[:len(self._held) - keep], self._held[len(self._held) - keep:]
+            if out:
+                yield REASONING, out
+            return
+
+    def finish(self) -> Iterator[tuple[str, str]]:
+        """The held-back tail, once the answer has ended."""
+        held, self._held = self._held, ""
+        if not held:
+            return
+        if self._state == "start":
+            yield (REASONING if self.tags.untagged_is_reasoning else CONTENT), held
+        else:
+            yield self._state, held
+

@@ -1,0 +1,667 @@
+"""Anthropic's Messages API on the gateway: ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``, the protocol
+Claude-Code-style coding agents speak (the official ``anthropic`` SDK, streaming or not).
+
+A thin translator onto the same turn runner as the OpenAI chat route: the request becomes the chat messages, template
+variables and forced-call constraint the chat route would build for the same conversation (so the prompt, and with it
+the KV reuse across turns, is the same whichever API an agent speaks), and the answer is parsed by the same reasoning
+and tool-call parsers, then spelled as Anthropic's content blocks (``thinking``, ``text``, ``tool_use``).
+
+Translation:
+
+- ``system`` → a system message; assistant ``text`` blocks → its content, ``thinking`` → ``reasoning_content``,
+  ``tool_use`` → ``tool_calls`` (arguments as a dict, as the chat route gives them to the template); a user message's
+  ``tool_result`` blocks → ``tool`` messages (before the message's text, in order; ``is_error`` goes with them to the
+  template, as a message's ``name`` does on the chat route). Text blocks are joined as the chat route joins content
+  parts. ``redacted_thinking`` blocks are accepted and left out (only Anthropic can read them).
+- ``tools`` → OpenAI function tools; ``tool_choice`` ``auto`` / ``any`` (forced calls, as ``required``) / ``tool``
+  (one named call) / ``none`` (tools rendered, calls not parsed); ``disable_parallel_tool_use`` keeps the first call.
+- ``thinking`` ``enabled`` / ``adaptive`` / ``disabled`` → the template variable ``enable_thinking``. ``budget_tokens``
+  cannot be enforced (no way to stop the reasoning early on the workers): it is taken when ``max_tokens`` bounds it
+  anyway (``budget_tokens >= max_tokens - 1``, as Claude Code sends it) and refused, naming it, when smaller.
+- ``cache_control`` (on blocks, tools, or the request) is accepted and ignored: kvshuttle reuses a conversation's KV
+  without being asked (the session's prompt prefix is pulled or found in P's prefix cache).
+- The session is the ``X-Session-ID`` header's; without one, the runner finds the session by the prompt's content.
+
+Answers: ``stop_reason`` ``tool_use`` (a call was parsed), ``max_tokens``, ``stop_sequence`` (the answer's text ends
+with the stop sequence that matched; it is kept in the text, as the chat route keeps it) or ``end_turn``. ``usage``
+follows Anthropic's accounting: ``cache_read_input_tokens`` are the prompt tokens this turn did not compute (pulled or
+cached), ``input_tokens`` the rest, so their sum is the prompt; ``cache_creation_input_tokens`` is 0. The ``X-KV-*``
+headers and a ``kvshuttle`` object (in the streamed ``message_delta``) say what happened to the KV, as on the chat route.
+
+Errors are Anthropic's shape (``{"type": "error", "error": {"type", "message"}}``), also for a bad body (a field this
+gateway does not apply is a 400 naming it, as on the OpenAI routes) and for a turn that fails mid-stream (an ``error``
+event).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from typing import Annotated, Any, Literal
+
+import grpc
+from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
+from kvshuttle.control_plane.answer import AnswerParser, Event
+from kvshuttle.control_plane.constraints import CALL_SYNTAX, Constraint, forced_tool_calls
+from kvshuttle.control_plane.reasoning import REASONING, REASONING_PARSERS
+from kvshuttle.control_plane.tool_calls import TOOL_CALL_PARSERS, ParsedCall
+from kvshuttle.services.gateway.auth import OPEN
+from kvshuttle.services.gateway.chat_tools import (
+    FUNCTION_NAME,
+    MAX_TOOLS,
+    FieldError,
+    FunctionIn,
+    NamedFunction,
+    NamedToolChoice,
+    ToolChoice,
+    ToolIn,
+    check_tools,
+)
+from kvshuttle.services.gateway.http_guard import principal
+from kvshuttle.services.gateway.openai_api import SESSION_HEADER, StrictIn, kv_body, kv_headers
+from kvshuttle.services.gateway.turns import (
+    Delta,
+    Finished,
+    KvOutcome,
+    PreparedTurn,
+    TurnError,
+    TurnRequest,
+    TurnRunner,
+)
+from pydantic import BeforeValidator, Field
+from pydantic_core import PydanticCustomError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+MESSAGES_PATH = "/v1/messages"
+COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
+ANTHROPIC_PATHS = frozenset({MESSAGES_PATH, COUNT_TOKENS_PATH})
+
+# -- the request --------------------------------------------------------------------------------------------------
+
+TEXT_ONLY = frozenset({"image", "document", "search_result"})
+# Blocks of Anthropic's server-side tools (web search, code execution, MCP connector, ...): this gateway runs none.
+SERVER_TOOL_BLOCKS = frozenset({
+    "server_tool_use", "web_search_tool_result", "web_fetch_tool_result", "code_execution_tool_result",
+    "bash_code_execution_tool_result", "text_editor_code_execution_tool_result", "tool_search_tool_result",
+    "mcp_tool_use", "mcp_tool_result", "container_upload"})
+
+
+def _supported_block(value: Any) -> Any:
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind in TEXT_ONLY:
+        raise PydanticCustomError("unsupported_block", "{kind} blocks are not supported: this gateway serves a "
+                                  "text-only model (send the content as text)", {"kind": kind})
+    if kind in SERVER_TOOL_BLOCKS:
+        raise PydanticCustomError("unsupported_block", "{kind} blocks are not supported: this gateway runs no "
+                                  "server tools", {"kind": kind})
+    return value
+
+
+def _as_blocks(value: Any) -> Any:
+    """A string stands for one text block (as Anthropic reads it)."""
+    return [{"type": "text", "text": value}] if isinstance(value, str) else value
+
+
+def _custom_tool(value: Any) -> Any:
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in (None, "custom"):
+        raise PydanticCustomError("unsupported_tool", "server tool {kind} is not supported: this gateway runs no "
+                                  "server tools (declare a client tool: name, description, input_schema)",
+                                  {"kind": repr(kind)})
+    return value
+
+
+class CacheControlIn(StrictIn):
+    """Accepted and ignored: kvshuttle reuses a conversation's KV without being asked."""
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+
+class TextBlockIn(StrictIn):
+    KNOWN = frozenset({"citations"})
+    NEUTRAL = {"citations": ([],)}
+    type: Literal["text"]
+    text: str
+    cache_control: CacheControlIn | None = None
+
+
+TextBlocks = Annotated[list[Annotated[TextBlockIn, BeforeValidator(_supported_block)]],
+                       BeforeValidator(_as_blocks, json_schema_input_type=str | list[TextBlockIn])]
+
+
+class ToolUseBlockIn(StrictIn):
+    KNOWN = frozenset({"caller", "toolset_name"})
+    type: Literal["tool_use"]
+    id: str = Field(min_length=1, max_length=256)
+    name: str = Field(min_length=1, max_length=256)
+    input: dict[str, Any]
+    cache_control: CacheControlIn | None = None
+
+
+class ToolResultBlockIn(StrictIn):
+    KNOWN = frozenset({"toolset_name"})
+    type: Literal["tool_result"]
+    tool_use_id: str = Field(min_length=1, max_length=256)
+    content: TextBlocks = Field(default_factory=list)
+    is_error: bool = False  # given to the chat template with the tool message (a template may render it)
+    cache_control: CacheControlIn | None = None
+
+
+class ThinkingBlockIn(StrictIn):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str = ""  # this gateway signs nothing: its answers carry ""
+
+
+class RedactedThinkingBlockIn(StrictIn):
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+ContentBlock = Annotated[
+    Annotated[TextBlockIn | ToolUseBlockIn | ToolResultBlockIn | ThinkingBlockIn | RedactedThinkingBlockIn,
+              Field(discriminator="type")],
+    BeforeValidator(_supported_block)]
+
+
+class MessageIn(StrictIn):
+    role: Literal["user", "assistant"]
+    content: Annotated[list[ContentBlock], BeforeValidator(_as_blocks, json_schema_input_type=str | list[ContentBlock])]
+
+
+class ToolDefIn(StrictIn):
+    KNOWN = frozenset({"allowed_callers", "defer_loading", "eager_input_streaming", "input_examples"})
+    NEUTRAL = {"defer_loading": (False,), "eager_input_streaming": (False,), "input_examples": ([],)}
+    type: Literal["custom"] | None = None
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    input_schema: dict[str, Any]
+    strict: bool | None = None  # given to the template as the chat route gives a function's `strict`
+    cache_control: CacheControlIn | None = None
+
+    def openai(self) -> ToolIn:
+        return ToolIn(type="function", function=FunctionIn(name=self.name, description=self.description,
+                                                           parameters=self.input_schema, strict=self.strict))
+
+
+class ToolChoiceAutoIn(StrictIn):
+    type: Literal["auto"]
+    disable_parallel_tool_use: bool = False
+
+
+class ToolChoiceAnyIn(StrictIn):
+    type: Literal["any"]
+    disable_parallel_tool_use: bool = False
+
+
+class ToolChoiceToolIn(StrictIn):
+    type: Literal["tool"]
+    name: str = Field(min_length=1, max_length=256)
+    disable_parallel_tool_use: bool = False
+
+
+class ToolChoiceNoneIn(StrictIn):
+    type: Literal["none"]
+
+
+class ThinkingEnabledIn(StrictIn):
+    type: Literal["enabled"]
+    # Taken only where max_tokens already bounds it (budget_tokens >= max_tokens - 1): the gateway cannot stop the
+    # reasoning earlier (a smaller budget is a 400 naming it).
+    budget_tokens: int = Field(ge=1, le=2**31 - 1)
+    display: Literal["summarized"] | None = None
+
+
+class ThinkingAdaptiveIn(StrictIn):
+    type: Literal["adaptive"]
+    display: Literal["summarized"] | None = None
+
+
+class ThinkingDisabledIn(StrictIn):
+    type: Literal["disabled"]
+
+
+class MetadataIn(StrictIn):
+    user_id: str | None = Field(default=None, max_length=256)  # informational: not used
+
+
+class PromptIn(StrictIn):
+    """What makes the prompt: the fields /v1/messages and /v1/messages/count_tokens share."""
+
+    # Fields of Anthropic's API this gateway does not apply: a 400 naming them, unless null.
+    KNOWN = frozenset({"container", "context_management", "mcp_servers", "output_config", "output_format",
+                       "inference_geo", "speed", "diagnostics"})
+    NEUTRAL = {"speed": ("standard",)}
+    model: str = Field(min_length=1, max_length=256)
+    messages: list[MessageIn] = Field(min_length=1)
+    system: TextBlocks | None = None
+    tools: list[Annotated[ToolDefIn, BeforeValidator(_custom_tool)]] | None = Field(default=None,
+                                                                                    max_length=MAX_TOOLS)
+    tool_choice: Annotated[ToolChoiceAutoIn | ToolChoiceAnyIn | ToolChoiceToolIn | ToolChoiceNoneIn,
+                           Field(discriminator="type")] | None = None
+    thinking: Annotated[ThinkingEnabledIn | ThinkingAdaptiveIn | ThinkingDisabledIn,
+                        Field(discriminator="type")] | None = None
+    cache_control: CacheControlIn | None = None  # accepted and ignored, as on blocks
+
+
+class MessagesIn(PromptIn):
+    max_tokens: int = Field(ge=1, le=2**31 - 1)  # required, as in Anthropic's API
+    stop_sequences: list[str] | None = None
+    temperature: float = Field(default=1.0, ge=0.0, le=1.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    stream: bool = False
+    metadata: MetadataIn | None = None
+    service_tier: Literal["auto", "standard_only"] | None = None  # one tier here
+
+
+class CountTokensIn(PromptIn):
+    pass
+
+
+# -- the request as the chat route gives it to the template --------------------------------------------------------
+
+
+def _tool_param(param: str) -> str:
+    """chat_tools' OpenAI field names as Anthropic's."""
+    return param.replace(".function.parameters", ".input_schema").replace(".function.name", ".name")
+
+
+def chat_messages(body: PromptIn) -> list[dict[str, Any]]:
+    """The messages as the chat route gives them to the template (ChatMessageIn.plain()'s shape)."""
+    out: list[dict[str, Any]] = []
+    system = "".join(b.text for b in body.system or [])
+    if system:
+        out.append({"role": "system", "content": system})
+    called: set[str] = set()
+    for i, message in enumerate(body.messages):
+        where = f"messages.{i}"
+        text: list[str] = []
+        if message.role == "assistant":
+            thinking: list[str] = []
+            calls: list[dict[str, Any]] = []
+            for j, block in enumerate(message.content):
+                if block.type == "text":
+                    text.append(block.text)
+                elif block.type == "thinking":
+                    thinking.append(block.thinking)
+                elif block.type == "tool_use":
+                    calls.append({"id": block.id, "type": "function",
+                                  "function": {"name": block.name, "arguments": block.input}})
+                    called.add(block.id)
+                elif block.type == "tool_result":
+                    raise FieldError(f"{where}.content.{j}", "tool_result blocks belong in user messages")
+            assistant: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
+            if calls:
+                assistant["tool_calls"] = calls
+            if thinking:
+                assistant["reasoning_content"] = assistant["reasoning"] = "".join(thinking)
+            out.append(assistant)
+            continue
+        results: list[dict[str, Any]] = []
+        for j, block in enumerate(message.content):
+            if block.type == "text":
+                text.append(block.text)
+            elif block.type == "tool_result":
+                if block.tool_use_id not in called:
+                    raise FieldError(f"{where}.content.{j}.tool_use_id",
+                                     f"tool_use_id {block.tool_use_id!r} answers no tool_use block of an earlier "
+                                     "assistant message")
+                results.append({"role": "tool", "content": "".join(b.text for b in block.content),
+                                "tool_call_id": block.tool_use_id, **({"is_error": True} if block.is_error else {})})
+            else:
+                raise FieldError(f"{where}.content.{j}", f"{block.type} blocks belong in assistant messages")
+        out.extend(results)
+        if text or not results:
+            out.append({"role": "user", "content": "".join(text)})
+    return out
+
+
+def chat_tools(body: PromptIn) -> tuple[list[ToolIn], ToolChoice | None, bool]:
+    """The tools as the chat route's, its ``tool_choice``, and whether parallel calls are kept; checked as the chat
+    route checks them."""
+    tools = [t.openai() for t in body.tools or []]
+    choice = body.tool_choice
+    openai_choice: ToolChoice | None
+    if choice is None:
+        openai_choice = None
+    elif choice.type == "tool":
+        openai_choice = NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
+    else:
+        openai_choice = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+    if choice is not None and choice.type in ("any", "tool") and not tools:
+        raise FieldError("tool_choice", f"tool_choice {choice.type!r} needs tools")
+    try:
+        check_tools(tools, openai_choice)
+    except FieldError as exc:
+        raise FieldError(_tool_param(exc.param), str(exc)) from None
+    return tools, openai_choice, not getattr(choice, "disable_parallel_tool_use", False)
+
+
+def template_vars(body: PromptIn, tools: list[ToolIn]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if tools:  # given to the template even with tool_choice none, as the chat route gives them
+        out["tools"] = [t.template_dict() for t in tools]
+    if body.thinking is not None:
+        out["enable_thinking"] = body.thinking.type != "disabled"
+    return out
+
+
+# -- the answer -----------------------------------------------------------------------------------------------------
+
+
+def tool_use_id() -> str:
+    return f"toolu_{uuid.uuid4().hex[:24]}"
+
+
+class ContentBlocks:
+    """The answer's parser events as Anthropic's content blocks: both the whole ``content`` (``self.content``) and the
+    stream events that build it (``feed`` / ``finish`` return ``(event type, payload)`` pairs), so a stream and a
+    whole answer come out the same. Blocks follow the events' order; a thinking block closes before a text block
+    opens. A text block that would hold only whitespace is left out (it opens at the first non-whitespace text);
+    ``parallel`` false keeps only the first tool call."""
+
+    def __init__(self, parser: AnswerParser, parallel: bool = True, new_id: Callable[[], str] = tool_use_id):
+        self._parser, self._parallel, self._new_id = parser, parallel, new_id
+        self.content: list[dict[str, Any]] = []
+        self.calls = 0
+        self._open: str | None = None  # the type of the open (last) block
+        self._held = ""  # whitespace-only text not yet in a block
+
+    def feed(self, text: str) -> list[tuple[str, dict[str, Any]]]:
+        return self._spell(self._parser.feed(text))
+
+    def finish(self) -> list[tuple[str, dict[str, Any]]]:
+        out = self._spell(self._parser.finish())
+        self._held = ""
+        return [*out, *self._close()]
+
+    def _start(self, block: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        self.content.append(block)
+        self._open = block["type"]
+        return [("content_block_start", {"type": "content_block_start", "index": len(self.content) - 1,
+                                         "content_block": dict(block)})]
+
+    def _delta(self, delta: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        return "content_block_delta", {"type": "content_block_delta", "index": len(self.content) - 1, "delta": delta}
+
+    def _close(self) -> list[tuple[str, dict[str, Any]]]:
+        if self._open is None:
+            return []
+        self._open = None
+        return [("content_block_stop", {"type": "content_block_stop", "index": len(self.content) - 1})]
+
+    def _spell(self, events: Iterator[Event]) -> list[tuple[str, dict[str, Any]]]:
+        out: list[tuple[str, dict[str, Any]]] = []
+        for event in events:
+            if isinstance(event, ParsedCall):
+                if not self._parallel and self.calls:
+                    continue
+                self._held = ""
+                out += self._close()
+                out += self._start({"type": "tool_use", "id": self._new_id(), "name": event.name, "input": {}})
+                out.append(self._delta({"type": "input_json_delta", "partial_json": event.arguments}))
+                self.content[-1]["input"] = json.loads(event.arguments)  # the parsers' arguments: a JSON object
+                out += self._close()
+                self.calls += 1
+            elif event.kind == REASONING:
+                if self._open != "thinking":
+                    self._held = ""
+                    out += self._close()
+                    out += self._start({"type": "thinking", "thinking": "", "signature": ""})
+                self.content[-1]["thinking"] += event.text
+                out.append(self._delta({"type": "thinking_delta", "thinking": event.text}))
+            elif self._open == "text":
+                self.content[-1]["text"] += event.text
+                out.append(self._delta({"type": "text_delta", "text": event.text}))
+            else:
+                self._held += event.text
+                if self._held.strip():
+                    text, self._held = self._held, ""
+                    out += self._close()
+                    out += self._start({"type": "text", "text": ""})
+                    self.content[-1]["text"] = text
+                    out.append(self._delta({"type": "text_delta", "text": text}))
+        return out
+
+
+def stop_reason(finish_reason: str, text: str, stop: list[str], called: bool) -> tuple[str, str | None]:
+    """Anthropic's ``stop_reason`` and ``stop_sequence`` for an answer."""
+    if called:
+        return "tool_use", None
+    if finish_reason == "length":
+        return "max_tokens", None
+    matched = [s for s in stop if s and text.endswith(s)] if finish_reason == "stop" else []
+    if matched:
+        return "stop_sequence", max(matched, key=len)
+    return "end_turn", None
+
+
+def usage(prompt: int, output: int, kv: KvOutcome) -> dict[str, int]:
+    """Anthropic's usage: the prompt split into what this turn computed (``input_tokens``) and what it did not
+    (``cache_read_input_tokens``: pulled from the decode worker or found in P's prefix cache)."""
+    cached = max(prompt - kv.computed_tokens, 0)
+    return {"input_tokens": prompt - cached, "output_tokens": output, "cache_read_input_tokens": cached,
+            "cache_creation_input_tokens": 0}
+
+
+# -- errors ---------------------------------------------------------------------------------------------------------
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 413: "request_too_large", 429: "overloaded_error", 503: "overloaded_error",
+                529: "overloaded_error", 504: "timeout_error"}
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error object for an HTTP status."""
+    kind = _ERROR_TYPES.get(status) or ("invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def anthropic_error(status: int, message: str, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(anthropic_error_body(status, message), status_code=status, headers=dict(headers or {}))
+
+
+def _validation_message(errors: list[dict[str, Any]]) -> str:
+    parts = []
+    for err in errors:
+        where = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        if err.get("type") == "json_invalid":
+            parts.append(f"the body is not valid JSON ({err.get('ctx', {}).get('error', 'invalid')})")
+            continue
+        parts.append(f"{where or 'body'}: {err.get('msg')}")
+    return "; ".join(parts) or "invalid request"
+
+
+class AnthropicRoute(APIRoute):
+    """A route whose every error is Anthropic-shaped: the body's validation (FastAPI's own handler answers in
+    OpenAI's shape), bad tools and history, failed turns."""
+
+    def get_route_handler(self) -> Callable[[Request], Any]:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except RequestValidationError as exc:
+                return anthropic_error(400, _validation_message(list(exc.errors())))
+            except FieldError as exc:
+                return anthropic_error(400, f"{exc.param}: {exc}")
+            except TurnError as exc:
+                return anthropic_error(exc.http_status, exc.message,
+                                       {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s else None)
+            except StarletteHTTPException as exc:
+                return anthropic_error(exc.status_code, str(exc.detail), exc.headers)
+            except Exception:
+                log.exception("%s %s failed", request.method, request.url.path)
+                return anthropic_error(500, "internal error")
+
+        return route
+
+
+_ERROR_SCHEMA = {"type": "object", "required": ["type", "error"], "properties": {
+    "type": {"const": "error"},
+    "error": {"type": "object", "required": ["type", "message"],
+              "properties": {"type": {"type": "string"}, "message": {"type": "string"}}}}}
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"description": text, "content": {"application/json": {"schema": _ERROR_SCHEMA}}}
+    for status, text in [(400, "Invalid request"), (401, "Missing or unknown API key"), (404, "Unknown model"),
+                         (413, "Request body too large"), (429, "Overloaded"), (503, "No worker could serve it"),
+                         (504, "A deadline passed")]}
+MESSAGE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "The message; with `stream: true`, server-sent events (message_start, content blocks, "
+                         "message_delta, message_stop)",
+          "content": {"application/json": {"schema": {"type": "object"}},
+                      "text/event-stream": {"schema": {"type": "string"}}}},
+    **_ERRORS}
+
+
+def _sse(kind: str, payload: dict[str, Any]) -> bytes:
+    return f"event: {kind}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
+
+
+# -- the routes -----------------------------------------------------------------------------------------------------
+
+
+def anthropic_routes(runner: TurnRunner, served_model: str, default_max_tokens: int, *, tool_call_parser: str = "",
+                     reasoning_parser: str = "") -> APIRouter:
+    """The Messages API's routes, for ``app.include_router``. The parsers are create_app's (tool_calls.
+    TOOL_CALL_PARSERS, reasoning.REASONING_PARSERS; "" leaves that part unparsed, and a request with tools is then
+    refused unless tool_choice is none). ``default_max_tokens`` is not used: Anthropic's ``max_tokens`` is required."""
+    del default_max_tokens
+    call_tags = TOOL_CALL_PARSERS[tool_call_parser] if tool_call_parser else None
+    think = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
+    router = APIRouter(route_class=AnthropicRoute, tags=["anthropic"])
+
+    def check_model(body: PromptIn) -> None:
+        if body.model != served_model:
+            raise TurnError(404, grpc.StatusCode.NOT_FOUND,
+                            f"model {body.model!r} not found; this gateway serves {served_model!r}")
+
+    def forced_calls(tools: list[ToolIn], choice: ToolChoice | None) -> Constraint | None:
+        if choice in (None, "auto"):
+            return None
+        syntax = CALL_SYNTAX.get(tool_call_parser)
+        if syntax is None:
+            raise FieldError("tool_choice", f"tool_choice 'any' or 'tool' cannot be forced with --tool-call-parser "
+                                            f"{tool_call_parser} yet (only with {', '.join(sorted(CALL_SYNTAX))}); "
+                                            "use 'auto'")
+        named = None if choice == "required" else choice.function.name
+        return forced_tool_calls(syntax, [t.template_dict() for t in tools], named,
+                                 (think.start, think.end) if think else None)
+
+    @router.post(MESSAGES_PATH, responses=MESSAGE_RESPONSES, openapi_extra=SESSION_HEADER)
+    async def messages(body: MessagesIn, request: Request) -> Response:
+        """Anthropic's Messages API (Claude-Code-style agents): one assistant turn, streamed or whole."""
+        check_model(body)
+        budget = getattr(body.thinking, "budget_tokens", None)
+        if budget is not None and budget < body.max_tokens - 1:
+            raise FieldError("thinking.budget_tokens", f"thinking.budget_tokens {budget} cannot be enforced (the "
+                                                       "workers cannot stop the reasoning early): send max_tokens - 1 "
+                                                       f"({body.max_tokens - 1}), or thinking {{\"type\": "
+                                                       "\"adaptive\"}")
+        tools, choice, parallel = chat_tools(body)
+        messages = chat_messages(body)
+        if body.messages[-1].role == "assistant":
+            raise FieldError(f"messages.{len(body.messages) - 1}", "a final assistant message (prefill) is not "
+                                                                    "supported: end with a user message")
+        calls = bool(tools) and choice != "none"
+        if calls and call_tags is None:
+            raise FieldError("tools", "this gateway parses no tool calls: start it with --tool-call-parser (e.g. "
+                                      "hermes) to use tools, or send tool_choice {\"type\": \"none\"}")
+        stop = list(body.stop_sequences or [])
+        caller = principal(request) or OPEN  # the tenant comes from the API key only (no guard: open gateway)
+        req = TurnRequest(session_id=request.headers.get("x-session-id") or "", tenant=caller.tenant,
+                          messages=messages, template_vars=template_vars(body, tools), max_tokens=body.max_tokens,
+                          temperature=body.temperature, top_p=1.0 if body.top_p is None else body.top_p,
+                          top_k=body.top_k or 0, stop=stop, constraint=forced_calls(tools, choice) if calls else None)
+        if calls:  # as vLLM's tool parsers ask: call tags that are special tokens must stay in the text
+            req.skip_special_tokens = False
+        request_tools = [t.template_dict() for t in tools] or None
+        turn = await runner.prepare(req)
+        blocks = ContentBlocks(AnswerParser(think, call_tags if calls else None, prompt_text=turn.prompt_text,
+                                            request_tools=request_tools), parallel)
+        if body.stream:
+            return StreamingResponse(_stream(runner, turn, served_model, blocks, stop), media_type="text/event-stream",
+                                     headers={**kv_headers(turn.kv), "X-Session-ID": req.session_id,
+                                              "Cache-Control": "no-cache", "request-id": turn.id})
+        finished = await _drain(runner, turn)
+        blocks.feed(finished.text)
+        blocks.finish()
+        reason, sequence = stop_reason(finished.finish_reason, finished.text, stop, bool(blocks.calls))
+        return JSONResponse({
+            "id": f"msg_{turn.id}", "type": "message", "role": "assistant", "model": served_model,
+            "content": blocks.content, "stop_reason": reason, "stop_sequence": sequence,
+            "usage": usage(finished.prompt_tokens, len(finished.output_ids), finished.kv),
+            "kvshuttle": kv_body(finished.kv, finished.timings),
+        }, headers={**kv_headers(finished.kv), "X-Session-ID": req.session_id, "request-id": turn.id})
+
+    @router.post(COUNT_TOKENS_PATH, responses={200: {"description": "The prompt's tokens",
+                                                     "content": {"application/json": {"schema": {
+                                                         "type": "object", "required": ["input_tokens"],
+                                                         "properties": {"input_tokens": {"type": "integer"}}}}}},
+                                               **_ERRORS})
+    async def count_tokens(body: CountTokensIn) -> Response:
+        """The prompt's tokens for the same body, as /v1/messages would render it (no turn runs)."""
+        check_model(body)
+        tools, _, _ = chat_tools(body)
+        messages = chat_messages(body)
+        tokenizer = runner.tokenizer
+        try:
+            text = await asyncio.to_thread(tokenizer.render_chat, messages, True, **template_vars(body, tools))
+        except Exception as exc:  # template errors are the caller's input
+            raise TurnError(400, grpc.StatusCode.INVALID_ARGUMENT, f"cannot render chat: {exc}") from None
+        ids = await asyncio.to_thread(tokenizer.encode, text, False)
+        return JSONResponse({"input_tokens": len(ids)})
+
+    return router
+
+
+async def _drain(runner: TurnRunner, turn: PreparedTurn) -> Finished:
+    finished = None
+    async for event in runner.decode(turn):
+        if isinstance(event, Finished):
+            finished = event
+    if finished is None:
+        raise TurnError(503, grpc.StatusCode.UNAVAILABLE, "decode ended without a result")
+    return finished
+
+
+async def _stream(runner: TurnRunner, turn: PreparedTurn, model: str, blocks: ContentBlocks,
+                  stop: list[str]) -> AsyncIterator[bytes]:
+    yield _sse("message_start", {"type": "message_start", "message": {
+        "id": f"msg_{turn.id}", "type": "message", "role": "assistant", "model": model, "content": [],
+        "stop_reason": None, "stop_sequence": None, "usage": usage(len(turn.prompt_ids), 0, turn.kv)}})
+    finished = False
+    try:
+        async for event in runner.decode(turn):
+            if isinstance(event, Delta):
+                for kind, payload in blocks.feed(event.text):
+                    yield _sse(kind, payload)
+                continue
+            for kind, payload in blocks.finish():
+                yield _sse(kind, payload)
+            reason, sequence = stop_reason(event.finish_reason, event.text, stop, bool(blocks.calls))
+            yield _sse("message_delta", {
+                "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                "usage": usage(event.prompt_tokens, len(event.output_ids), event.kv),
+                "kvshuttle": kv_body(event.kv, event.timings)})
+            yield _sse("message_stop", {"type": "message_stop"})
+            finished = True
+        if not finished:
+            raise TurnError(503, grpc.StatusCode.UNAVAILABLE, "decode ended without a result")
+    except TurnError as exc:
+        log.warning("stream of turn %s failed: %s", turn.id, exc.message)
+        yield _sse("error", anthropic_error_body(exc.http_status, exc.message))
+    except Exception:
+        log.exception("stream of turn %s failed", turn.id)
+        yield _sse("error", anthropic_error_body(500, "internal error"))

@@ -1,0 +1,546 @@
+"""The Responses API with server-held conversations: ``POST /v1/responses``, ``GET`` and ``DELETE
+/v1/responses/{id}``.
+
+A thin translator onto the turn runner, like the chat route: input items (messages, ``function_call``,
+``function_call_output``, ``reasoning``) become chat messages for the template; the answer is parsed into output
+items (reasoning, message, function calls). A stored response (``store``, the default) is kept in the registry
+(tenant-scoped, ``--response-ttl-s``) with the conversation's items and the session its turn ran in. A request with
+``previous_response_id`` continues that conversation *and that session*: the session's record holds the exact token
+ids the decode worker has, so the new prompt continues those ids and pulls them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from kvshuttle.control_plane.answer import AnswerParser, Piece
+from kvshuttle.control_plane.constraints import CALL_SYNTAX, Constraint, forced_tool_calls, json_answer
+from kvshuttle.control_plane.reasoning import REASONING, ThinkTags
+from kvshuttle.control_plane.tool_calls import ParsedCall
+from kvshuttle.services.gateway.auth import OPEN
+from kvshuttle.services.gateway.chat_tools import FUNCTION_NAME, MAX_TOOLS, FieldError, check_schema
+from kvshuttle.services.gateway.http_guard import principal
+from kvshuttle.services.gateway.openai_api import (
+    SESSION_HEADER,
+    SESSION_ID_PATTERN,
+    TURN_RESPONSES,
+    StrictIn,
+    kv_body,
+    kv_headers,
+)
+from kvshuttle.services.gateway.turns import Delta, Finished, PreparedTurn, TurnError, TurnRequest, TurnRunner
+from kvshuttle.v1 import registry_pb2
+from pydantic import Field
+
+RESPONSE_ID = r"^resp_[A-Za-z0-9]{1,64}$"
+
+
+# -- the request -----------------------------------------------------------------------------------------------
+
+class FunctionToolIn(StrictIn):
+    type: Literal["function"]
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def chat_tool(self) -> dict[str, Any]:
+        """The tool as the chat template gets it (the chat route's spelling)."""
+        fn: dict[str, Any] = {"name": self.name, "description": self.description, "parameters": self.parameters}
+        if self.strict is not None:
+            fn["strict"] = self.strict
+        return {"type": "function", "function": fn}
+
+
+class NamedFunctionChoice(StrictIn):
+    type: Literal["function"]
+    name: str
+
+
+class FormatIn(StrictIn):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextIn(StrictIn):
+    KNOWN = frozenset({"verbosity"})
+    NEUTRAL = {"verbosity": ("medium",)}
+    format: FormatIn | None = None
+
+
+class ReasoningIn(StrictIn):
+    """Accepted only when it asks for nothing (its options null): the model's own chat template decides whether it
+    reasons."""
+
+    KNOWN = frozenset({"effort", "summary", "generate_summary"})
+
+
+class ResponsesIn(StrictIn):
+    KNOWN = frozenset({"include", "truncation", "background", "prompt", "prompt_cache_key", "safety_identifier",
+                       "service_tier", "top_logprobs", "conversation", "max_tool_calls", "stream_options",
+                       "context_management", "prompt_cache_retention"})
+    NEUTRAL = {"include": ([],), "truncation": ("disabled",), "background": (False,),
+               "service_tier": ("auto", "default"), "top_logprobs": (0,)}
+    model: str | None = None
+    input: str | list[dict[str, Any]] = Field(min_length=1)
+    instructions: str | None = None
+    tools: list[FunctionToolIn] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
+    parallel_tool_calls: bool = True
+    previous_response_id: str | None = Field(default=None, pattern=RESPONSE_ID)
+    store: bool = True
+    stream: bool = False
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    text: TextIn | None = None
+    reasoning: ReasoningIn | None = None
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    user: str | None = Field(default=None, max_length=256)
+    conversation_id: str | None = Field(default=None, max_length=256, pattern=SESSION_ID_PATTERN)
+
+
+# -- items <-> chat messages ---------------------------------------------------------------------------------------
+
+def _text_of(content: Any, where: str, kinds: tuple[str, ...]) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise FieldError(where, "content must be a string or a list of text parts")
+    out = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in kinds or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise FieldError(f"{where}.{j}", f"content part of type {kind!r} is not supported here (only "
+                                             f"{', '.join(kinds)})")
+        out.append(part["text"])
+    return "".join(out)
+
+
+_ITEM_KEYS = {
+    "message": {"type", "role", "content", "id", "status"},
+    "function_call": {"type", "call_id", "name", "arguments", "id", "status"},
+    "function_call_output": {"type", "call_id", "output", "id", "status"},
+    "reasoning": {"type", "id", "summary", "content", "encrypted_content", "status"},
+}
+
+
+def normalized_items(raw: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The request's input as canonical items (what is stored and rendered); FieldError naming the bad one."""
+    if isinstance(raw, str):
+        return [{"type": "message", "role": "user", "content": raw}]
+    items = []
+    for i, item in enumerate(raw):
+        where = f"input.{i}"
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind not in _ITEM_KEYS:
+            raise FieldError(f"{where}.type", f"input item of type {kind!r} is not supported (only "
+                                              f"{', '.join(_ITEM_KEYS)})")
+        extra = sorted(set(item) - _ITEM_KEYS[kind])
+        if extra:
+            raise FieldError(f"{where}.{extra[0]}", f"unsupported field(s) in a {kind} item: {', '.join(extra)}")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise FieldError(f"{where}.role", f"role must be user, system, developer or assistant, got {role!r}")
+            kinds = ("output_text",) if role == "assistant" else ("input_text",)
+            items.append({"type": "message", "role": role, "content": _text_of(item.get("content"),
+                                                                                f"{where}.content", kinds)})
+        elif kind == "function_call":
+            for name in ("call_id", "name", "arguments"):
+                if not isinstance(item.get(name), str) or (name != "arguments" and not item[name]):
+                    raise FieldError(f"{where}.{name}", f"a function_call item needs {name} as a string")
+            items.append({"type": "function_call", "call_id": item["call_id"], "name": item["name"],
+                          "arguments": item["arguments"]})
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str) or not item["call_id"]:
+                raise FieldError(f"{where}.call_id", "a function_call_output item needs the call_id it answers")
+            items.append({"type": "function_call_output", "call_id": item["call_id"],
+                          "output": _text_of(item.get("output"), f"{where}.output", ("input_text",))})
+        else:
+            if item.get("encrypted_content"):
+                raise FieldError(f"{where}.encrypted_content", "encrypted reasoning is not supported")
+            text = _text_of(item.get("content") or [], f"{where}.content", ("reasoning_text",))
+            summary = _text_of(item.get("summary") or [], f"{where}.summary", ("summary_text",))
+            items.append({"type": "reasoning", "text": text or summary})
+    return items
+
+
+def chat_messages(items: list[dict[str, Any]], instructions: str | None) -> list[dict[str, Any]]:
+    """The conversation's items as the chat template's messages: consecutive reasoning, assistant text and function
+    calls make one assistant message; function outputs are tool messages (each must answer an earlier call)."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
+    turn: dict[str, Any] | None = None
+    called: set[str] = set()
+
+    def flush() -> None:
+        nonlocal turn
+        if turn is not None:
+            messages.append(turn)
+            turn = None
+
+    for i, item in enumerate(items):
+        kind = item["type"]
+        if kind in ("reasoning", "function_call") or (kind == "message" and item["role"] == "assistant"):
+            turn = turn or {"role": "assistant", "content": ""}
+            if kind == "reasoning":
+                turn["reasoning_content"] = turn["reasoning"] = turn.get("reasoning_content", "") + item["text"]
+            elif kind == "message":
+                turn["content"] += item["content"]
+            else:
+                try:
+                    arguments = json.loads(item["arguments"]) if item["arguments"].strip() else {}
+                except ValueError as exc:
+                    raise FieldError(f"input.{i}.arguments", f"arguments are not valid JSON ({exc})") from None
+                if not isinstance(arguments, dict):
+                    raise FieldError(f"input.{i}.arguments", "arguments must be a JSON object")
+                turn.setdefault("tool_calls", []).append(
+                    {"id": item["call_id"], "type": "function",
+                     "function": {"name": item["name"], "arguments": arguments}})
+                called.add(item["call_id"])
+            continue
+        flush()
+        if kind == "function_call_output":
+            if item["call_id"] not in called:
+                raise FieldError("input", f"function_call_output for call_id {item['call_id']!r} answers no earlier "
+                                          "function_call of the conversation")
+            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+        else:
+            messages.append({"role": item["role"], "content": item["content"]})
+    flush()
+    return messages
+
+
+# -- the answer as output items ------------------------------------------------------------------------------------
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+@dataclass
+class OutputBuilder:
+    """Turns the parsed answer's events into output items, and (streaming) into the Responses API's events."""
+
+    parser: AnswerParser
+    parallel_tool_calls: bool = True
+    items: list[dict[str, Any]] = field(default_factory=list)
+    _open: dict[str, Any] | None = None
+    _sequence: int = 0
+    _calls: int = 0
+    _blank: str = ""  # blank answer text held back: a message item only if text (not a call) follows
+
+    def _event(self, kind: str, **body: Any) -> dict[str, Any]:
+        self._sequence += 1
+        return {"type": kind, "sequence_number": self._sequence - 1, **body}
+
+    def start(self, response: dict[str, Any]) -> list[dict[str, Any]]:
+        return [self._event("response.created", response=response),
+                self._event("response.in_progress", response=response)]
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        return self._events(self.parser.feed(text))
+
+    def finish(self) -> list[dict[str, Any]]:
+        out = self._events(self.parser.finish())
+        if self._blank and not self._calls:  # an answer of only blank text: it is the message
+            out += self._text("message", self._blank)
+        out.extend(self._close())
+        return out
+
+    def _close(self) -> list[dict[str, Any]]:
+        item, self._open = self._open, None
+        if item is None:
+            return []
+        index = len(self.items)
+        self.items.append(item)
+        if item["type"] == "reasoning":
+            text = item["content"][0]["text"]
+            return [self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                                content_index=0, text=text),
+                    self._event("response.output_item.done", output_index=index, item=item)]
+        part = item["content"][0]
+        return [self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+                            text=part["text"], logprobs=[]),
+                self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                            part=part),
+                self._event("response.output_item.done", output_index=index, item=item)]
+
+    def _events(self, events) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for event in events:
+            if isinstance(event, ParsedCall):
+                self._blank = ""
+                out.extend(self._close())
+                if self._calls and not self.parallel_tool_calls:
+                    continue
+                self._calls += 1
+                item = {"type": "function_call", "id": _new_id("fc"), "call_id": f"call_{uuid.uuid4().hex[:24]}",
+                        "name": event.name, "arguments": event.arguments, "status": "completed"}
+                index = len(self.items)
+                self.items.append(item)
+                out += [self._event("response.output_item.added", output_index=index,
+                                    item={**item, "arguments": "", "status": "in_progress"}),
+                        self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                    output_index=index, delta=event.arguments),
+                        self._event("response.function_call_arguments.done", item_id=item["id"],
+                                    output_index=index, name=event.name, arguments=event.arguments),
+                        self._event("response.output_item.done", output_index=index, item=item)]
+                continue
+            assert isinstance(event, Piece)
+            if event.kind == REASONING:
+                out += self._text("reasoning", event.text)
+            elif (self._open is None or self._open["type"] != "message") and not (self._blank + event.text).strip():
+                self._blank += event.text  # e.g. the blank line between reasoning and calls: no message item
+            else:
+                text, self._blank = self._blank + event.text, ""
+                out += self._text("message", text)
+        return out
+
+    def _text(self, kind: str, text: str) -> list[dict[str, Any]]:
+        """Reasoning or message text: opens the item (closing another kind first), then a delta event."""
+        out: list[dict[str, Any]] = []
+        if self._open is not None and self._open["type"] != kind:
+            out.extend(self._close())
+        index = len(self.items)
+        if self._open is None:
+            if kind == "reasoning":
+                self._open = {"type": "reasoning", "id": _new_id("rs"), "summary": [],
+                              "content": [{"type": "reasoning_text", "text": ""}]}
+                out.append(self._event("response.output_item.added", output_index=index,
+                                       item={**self._open, "content": []}))
+            else:
+                self._open = {"type": "message", "id": _new_id("msg"), "role": "assistant", "status": "completed",
+                              "content": [{"type": "output_text", "text": "", "annotations": []}]}
+                out += [self._event("response.output_item.added", output_index=index,
+                                    item={**self._open, "status": "in_progress", "content": []}),
+                        self._event("response.content_part.added", item_id=self._open["id"], output_index=index,
+                                    content_index=0, part={"type": "output_text", "text": "", "annotations": []})]
+        self._open["content"][0]["text"] += text
+        name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+        extra = {} if kind == "reasoning" else {"logprobs": []}
+        out.append(self._event(name, item_id=self._open["id"], output_index=index, content_index=0, delta=text,
+                               **extra))
+        return out
+
+
+def stored_items(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Output items as conversation items (what normalized_items gives for them when a client sends them back)."""
+    out = []
+    for item in output:
+        if item["type"] == "reasoning":
+            out.append({"type": "reasoning", "text": item["content"][0]["text"]})
+        elif item["type"] == "message":
+            out.append({"type": "message", "role": "assistant", "content": item["content"][0]["text"]})
+        else:
+            out.append({"type": "function_call", "call_id": item["call_id"], "name": item["name"],
+                        "arguments": item["arguments"]})
+    return out
+
+
+# -- the routes ----------------------------------------------------------------------------------------------------
+
+def add_responses_routes(app: FastAPI, runner: TurnRunner, served_model: str, default_max_tokens: int, *,
+                         tool_call_parser: str = "", call_tags: Any = None, think_tags: ThinkTags | None = None,
+                         response_ttl_s: int = 86400) -> None:
+    """Adds the Responses API to the gateway's app (errors in OpenAI's shape through the app's handlers)."""
+    think = (think_tags.start, think_tags.end) if think_tags else None
+
+    async def load(tenant: str, response_id: str, param: str) -> tuple[registry_pb2.StoredResponse, dict[str, Any]]:
+        if not re.fullmatch(RESPONSE_ID, response_id):
+            raise TurnError(404, grpc.StatusCode.NOT_FOUND, f"response {response_id[:80]!r} not found: not a "
+                                                            "response id")
+        try:
+            found = await runner.registry.GetResponse(registry_pb2.GetResponseRequest(
+                response_id=response_id, tenant=tenant), timeout=runner.control_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                message = f"response {response_id!r} not found (unknown, expired, deleted, or not stored)"
+                if param == "response_id":
+                    raise TurnError(404, exc.code(), message) from None
+                raise FieldError(param, message) from None
+            raise TurnError(503, grpc.StatusCode.UNAVAILABLE, f"session registry unavailable: {exc.details()}",
+                            retry_after_s=1) from None
+        return found.response, json.loads(found.response.body_json)
+
+    def constraint(body: ResponsesIn, calls: bool) -> Constraint | None:
+        fmt = body.text.format if body.text else None
+        wants_json = fmt is not None and fmt.type != "text"
+        forced = calls and body.tool_choice not in (None, "auto")
+        if wants_json and forced:
+            raise FieldError("text.format", "structured output and a forced tool call exclude each other")
+        if wants_json:
+            schema = None
+            if fmt.type == "json_schema":
+                schema = fmt.schema_ if fmt.schema_ is not None else {}
+                check_schema(schema, "text.format.schema", "text.format's schema")
+            return json_answer(schema, think)
+        if not forced:
+            return None
+        syntax = CALL_SYNTAX.get(tool_call_parser)
+        if syntax is None:
+            raise FieldError("tool_choice", f"tool_choice cannot be forced with --tool-call-parser {tool_call_parser}")
+        named = None if body.tool_choice == "required" else body.tool_choice.name
+        if named is not None and named not in {t.name for t in body.tools or []}:
+            raise FieldError("tool_choice", f"tool_choice names {named!r}, which is not among the tools")
+        return forced_tool_calls(syntax, [t.chat_tool() for t in body.tools or []], named, think)
+
+    @app.post("/v1/responses", responses=TURN_RESPONSES, openapi_extra=SESSION_HEADER)
+    async def create(body: ResponsesIn, request: Request):
+        if body.model and body.model != served_model:
+            raise TurnError(404, grpc.StatusCode.NOT_FOUND,
+                            f"model {body.model!r} not found; this gateway serves {served_model!r}")
+        caller = principal(request) or OPEN
+        names = [t.name for t in body.tools or []]
+        if len(set(names)) != len(names):
+            raise FieldError("tools", "two tools have the same name")
+        for i, tool in enumerate(body.tools or []):
+            if tool.parameters is not None:
+                check_schema(tool.parameters, f"tools.{i}.parameters", f"tool {tool.name!r}: parameters")
+        calls = bool(body.tools) and body.tool_choice != "none"
+        if calls and call_tags is None:
+            raise FieldError("tools", "this gateway parses no tool calls: start it with --tool-call-parser (e.g. "
+                                      "hermes) to use tools, or send tool_choice 'none'")
+        history: list[dict[str, Any]] = []
+        session = request.headers.get("x-session-id") or body.conversation_id or ""
+        if body.previous_response_id:
+            stored, previous = await load(caller.tenant, body.previous_response_id, "previous_response_id")
+            history, session = previous["items"], stored.session_id
+        items = [*history, *normalized_items(body.input)]
+        messages = chat_messages(items, body.instructions)
+        req = TurnRequest(session_id=session, tenant=caller.tenant, messages=messages,
+                          session_source="response" if body.previous_response_id else "",
+                          template_vars={"tools": [t.chat_tool() for t in body.tools]} if body.tools else {},
+                          max_tokens=body.max_output_tokens or default_max_tokens, temperature=body.temperature,
+                          top_p=body.top_p, constraint=constraint(body, calls),
+                          skip_special_tokens=not calls)
+        turn = await runner.prepare(req)
+        parser = AnswerParser(think_tags, call_tags if calls else None, prompt_text=turn.prompt_text,
+                              request_tools=[t.chat_tool() for t in body.tools] if calls else None)
+        builder = OutputBuilder(parser, parallel_tool_calls=body.parallel_tool_calls)
+        response = _response(body, turn, served_model)
+
+        async def finished(event: Finished) -> dict[str, Any]:
+            out = {**response, "output": builder.items, **_outcome(event, builder.items, runner),
+                   "kvshuttle": kv_body(event.kv, event.timings)}
+            if body.store:
+                await _store(runner, out, [*items, *stored_items(builder.items)], event.kv.session_id or session,
+                             caller.tenant, response_ttl_s)
+            return out
+
+        if body.stream:
+            return StreamingResponse(_stream(runner, turn, builder, response, finished),
+                                     media_type="text/event-stream", headers=_headers(turn))
+        done = None
+        async for event in runner.decode(turn):
+            if isinstance(event, Delta):
+                builder.feed(event.text)
+            elif isinstance(event, Finished):
+                done = event
+        if done is None:
+            raise TurnError(503, grpc.StatusCode.UNAVAILABLE, "decode ended without a result")
+        builder.finish()
+        return JSONResponse(await finished(done), headers={**kv_headers(done.kv), **_headers(turn)})
+
+    @app.get("/v1/responses/{response_id}", responses={404: TURN_RESPONSES[404]})
+    async def get(response_id: str, request: Request):
+        caller = principal(request) or OPEN
+        _, body = await load(caller.tenant, response_id, "response_id")
+        return JSONResponse(body["response"])
+
+    @app.delete("/v1/responses/{response_id}", responses={404: TURN_RESPONSES[404]})
+    async def delete(response_id: str, request: Request):
+        caller = principal(request) or OPEN
+        if not re.fullmatch(RESPONSE_ID, response_id):
+            raise TurnError(404, grpc.StatusCode.NOT_FOUND, f"response {response_id[:80]!r} not found")
+        try:
+            gone = await runner.registry.DeleteResponse(registry_pb2.DeleteResponseRequest(
+                response_id=response_id, tenant=caller.tenant), timeout=runner.control_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise TurnError(503, grpc.StatusCode.UNAVAILABLE, f"session registry unavailable: {exc.details()}",
+                            retry_after_s=1) from None
+        if not gone.deleted:
+            raise TurnError(404, grpc.StatusCode.NOT_FOUND, f"response {response_id!r} not found")
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+def _headers(turn: PreparedTurn) -> dict[str, str]:
+    return {**kv_headers(turn.kv), "X-Session-ID": turn.request.session_id, "Cache-Control": "no-cache"}
+
+
+def _response(body: ResponsesIn, turn: PreparedTurn, model: str) -> dict[str, Any]:
+    """The response object before its output (what response.created carries)."""
+    fmt = body.text.format.model_dump(by_alias=True, exclude_none=True) if body.text and body.text.format else {
+        "type": "text"}
+    choice = body.tool_choice if isinstance(body.tool_choice, str) or body.tool_choice is None else \
+        body.tool_choice.model_dump()
+    return {"id": f"resp_{turn.id.removeprefix('kvs-')}", "object": "response", "created_at": int(time.time()),
+            "status": "in_progress", "model": model, "output": [], "previous_response_id": body.previous_response_id,
+            "instructions": body.instructions, "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
+            "tool_choice": choice or "auto", "parallel_tool_calls": body.parallel_tool_calls,
+            "temperature": body.temperature, "top_p": body.top_p, "max_output_tokens": body.max_output_tokens,
+            "store": body.store, "text": {"format": fmt}, "reasoning": {"effort": None, "summary": None},
+            "metadata": body.metadata or {}, "user": body.user, "truncation": "disabled", "error": None,
+            "incomplete_details": None, "usage": None}
+
+
+def _outcome(event: Finished, items: list[dict[str, Any]], runner: TurnRunner) -> dict[str, Any]:
+    """Status and usage of a finished turn. Reasoning tokens: the reasoning text re-tokenized (an estimate)."""
+    reasoning = "".join(i["content"][0]["text"] for i in items if i["type"] == "reasoning")
+    reasoning_tokens = len(runner.tokenizer.encode(reasoning)) if reasoning else 0
+    prompt, output = event.prompt_tokens, len(event.output_ids)
+    cut = event.finish_reason == "length"
+    return {"status": "incomplete" if cut else "completed",
+            "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+            "usage": {"input_tokens": prompt,
+                      "input_tokens_details": {"cached_tokens": max(prompt - event.kv.computed_tokens, 0)},
+                      "output_tokens": output, "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens,
+                                                                                                 output)},
+                      "total_tokens": prompt + output}}
+
+
+async def _store(runner: TurnRunner, response: dict[str, Any], items: list[dict[str, Any]], session_id: str,
+                 tenant: str, ttl_s: int) -> None:
+    """Keep the response and the conversation's items (a write that fails shows on the response: its ``store``
+    becomes false and ``kvshuttle.store_error`` says why)."""
+    body = json.dumps({"response": response, "items": items}, ensure_ascii=False).encode()
+    try:
+        await runner.registry.PutResponse(registry_pb2.PutResponseRequest(response=registry_pb2.StoredResponse(
+            response_id=response["id"], tenant=tenant, session_id=session_id, body_json=body), ttl_s=ttl_s),
+            timeout=runner.control_timeout_s)
+    except grpc.aio.AioRpcError as exc:
+        response["store"] = False
+        response["kvshuttle"]["store_error"] = f"{exc.code().name}: {exc.details()}"
+
+
+async def _stream(runner: TurnRunner, turn: PreparedTurn, builder: OutputBuilder, response: dict[str, Any],
+                  finished: Callable[[Finished], Any]) -> AsyncIterator[bytes]:
+    def sse(event: dict[str, Any]) -> bytes:
+        return f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n".encode()
+
+    for event in builder.start(response):
+        yield sse(event)
+    try:
+        async for item in runner.decode(turn):
+            if isinstance(item, Delta):
+                for event in builder.feed(item.text):
+                    yield sse(event)
+            elif isinstance(item, Finished):
+                for event in builder.finish():
+                    yield sse(event)
+                done = await finished(item)
+                kind = "response.completed" if done["status"] == "completed" else "response.incomplete"
+                yield sse(builder._event(kind, response=done))
+    except TurnError as exc:
+        yield sse(builder._event("error", code=str(exc.http_status), message=exc.message, param=None))

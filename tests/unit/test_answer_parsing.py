@@ -1,0 +1,87 @@
+"""Reasoning and tool-call parsing of answers (control_plane.answer): whole answers as vLLM reports them, and
+streams split at every position giving exactly the whole answer's parts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from kvshuttle.control_plane.answer import AnswerParser, ParsedAnswer, Piece, parse_answer
+from kvshuttle.control_plane.reasoning import REASONING_PARSERS
+from kvshuttle.control_plane.tool_calls import TOOL_CALL_PARSERS, ParsedCall
+
+R1, QWEN3 = REASONING_PARSERS["deepseek_r1"], REASONING_PARSERS["qwen3"]
+HERMES = TOOL_CALL_PARSERS["hermes"]
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+CASES = [
+    # (answer, reasoning parser, tool parser, prompt, expected reasoning, content, calls)
+    ("<think>\nhmm\n</think>\n\nIt is 21 °C.", QWEN3, HERMES, "", "\nhmm\n", "\n\nIt is 21 °C.", []),
+    ("<think>\nA.\n</think>\n\n" + CALL, QWEN3, HERMES, "", "\nA.\n", "\n\n",
+     [("get_weather", '{"city": "Paris"}')]),
+    ("Sure." + CALL + "\n" + CALL.replace("Paris", "Oslo"), None, HERMES, "", None, "Sure.",
+     [("get_weather", '{"city": "Paris"}'), ("get_weather", '{"city": "Oslo"}')]),
+    ("no tags at all", QWEN3, HERMES, "", None, "no tags at all", []),
+    ("no tags at all", R1, HERMES, "", "no tags at all", None, []),  # R1: an untagged answer is reasoning
+    ("still thinking", QWEN3, None, "<|im_start|>assistant\n<think>\n", "still thinking", None, []),
+    ("thought</think>answer", R1, None, "", "thought", "answer", []),
+    ("<think>cut off mid-reasoning", QWEN3, None, "", "cut off mid-reasoning", None, []),
+    ("<tool_call>{not json}</tool_call>", None, HERMES, "", None, "<tool_call>{not json}</tool_call>", []),
+    ('<tool_call>\n{"name": "f", "arguments": {"x": "é"}}', None, HERMES, "", None, None, [("f", '{"x": "é"}')]),
+    ('<tool_call>{"name": "f", "arguments": {"x"', None, HERMES, "", None, '<tool_call>{"name": "f", "arguments": {"x"',
+     []),
+    ('<tool_call>{"name": "f"}</tool_call>', None, HERMES, "", None, None, [("f", "{}")]),
+    ("a < b and <tool_ca is text", None, HERMES, "", None, "a < b and <tool_ca is text", []),
+    ("<thin", QWEN3, None, "", None, "<thin", []),
+    ("<think>x</thi", QWEN3, None, "", "x</thi", None, []),
+    ("plain", None, None, "", None, "plain", []),
+]
+
+
+def _whole(expected_calls):
+    return [ParsedCall(i, name, args) for i, (name, args) in enumerate(expected_calls)]
+
+
+@pytest.mark.parametrize("answer,reasoning,tools,prompt,want_reasoning,want_content,want_calls", CASES)
+def test_whole_answers(answer, reasoning, tools, prompt, want_reasoning, want_content, want_calls):
+    got = parse_answer(answer, reasoning, tools, prompt_text=prompt)
+    assert (got.reasoning, got.content, got.tool_calls) == (want_reasoning, want_content, _whole(want_calls))
+
+
+def _streamed(answer: str, cuts: list[int], reasoning, tools, prompt: str) -> tuple[ParsedAnswer, list]:
+    parser = AnswerParser(reasoning, tools, prompt_text=prompt)
+    out, events = ParsedAnswer(), []
+    bounds = [0, *cuts, len(answer)]
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        events.extend(parser.feed(answer[a:b]))
+    events.extend(parser.finish())
+    for event in events:
+        out.add(event)
+    return out, events
+
+
+@pytest.mark.parametrize("answer,reasoning,tools,prompt,want_reasoning,want_content,want_calls", CASES)
+def test_streams_split_anywhere_give_the_whole_answer(answer, reasoning, tools, prompt, want_reasoning, want_content,
+                                                      want_calls):
+    whole = parse_answer(answer, reasoning, tools, prompt_text=prompt)
+    for cut in range(1, len(answer)):  # one split, at every position
+        got, _ = _streamed(answer, [cut], reasoning, tools, prompt)
+        assert (got.reasoning, got.content, got.tool_calls) == (whole.reasoning, whole.content, whole.tool_calls), cut
+    got, events = _streamed(answer, list(range(1, len(answer))), reasoning, tools, prompt)  # one character at a time
+    assert (got.reasoning, got.content, got.tool_calls) == (whole.reasoning, whole.content, whole.tool_calls)
+    assert all(e.text for e in events if isinstance(e, Piece))  # no empty pieces
+
+
+def test_a_partial_tag_is_held_back_until_decided():
+    parser = AnswerParser(QWEN3, HERMES)
+    assert list(parser.feed("<think>a</th")) == [Piece("reasoning", "a")]
+    assert list(parser.feed("ink>b <tool")) == [Piece("content", "b ")]
+    assert list(parser.feed('_call>{"name": "f", "arguments": {}}')) == []
+    assert list(parser.feed("</tool_call>")) == [ParsedCall(0, "f", "{}")]
+    assert parser.called_tools
+
+
+def test_arguments_are_serialised_as_vllm_does():
+    args = {"q": "naïve", "n": [1, 2.5, None], "nested": {"b": True}}
+    got = parse_answer(f"<tool_call>{json.dumps({'name': 'search', 'arguments': args})}</tool_call>", None, HERMES)
+    assert got.tool_calls[0].arguments == json.dumps(args, ensure_ascii=False)
