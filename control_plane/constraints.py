@@ -9,9 +9,8 @@ The constraint is one of vLLM's (``json_schema``, ``json_object``, ``regex``, ``
   arguments held to the tool's parameter schema. An answer in the model's own syntax re-renders to the same text
   when the client echoes it back, so the next turn still continues the exact token ids (vLLM's own required mode
   has the model write a JSON array instead, which the template then renders differently).
-- **A reasoning model** (a reasoning parser is set): the model may think first, so the constraint allows a reasoning
-  block before the answer (``<think>``, any text, ``</think>``, a blank line), as vLLM's reasoning-aware structured
-  output lets it.
+- **A reasoning model** (a reasoning parser is set): :func:`after_reasoning` places the constraint after the reasoning
+  the rendered prompt leaves room for (none when the prompt closed the reasoning block, as vLLM does).
 
 Pure data: the gateway sends the result; the engine compiles it.
 """
@@ -54,38 +53,56 @@ def _parameters(tool: dict[str, Any]) -> dict[str, Any] | bool:
     return params if params is not None else {"type": "object"}
 
 
-def _after_reasoning(fmt: dict[str, Any], think: tuple[str, str] | None) -> dict[str, Any]:
-    """``fmt``, optionally after a reasoning block (``think``: the reasoning parser's start and end tags). Optional:
-    a prompt that has closed the block already (thinking turned off) is answered directly."""
-    if think is None:
-        return fmt
-    start, end = think
-    return {"type": "or", "elements": [
-        {"type": "sequence", "elements": [
-            {"type": "tag", "begin": start, "content": {"type": "any_text"}, "end": end},
-            {"type": "const_string", "value": "\n\n"}, fmt]},
-        fmt]}
-
-
 def _structural_tag(fmt: dict[str, Any]) -> Constraint:
     return Constraint("structural_tag", json.dumps({"type": "structural_tag", "format": fmt}, ensure_ascii=False))
 
 
-def forced_tool_calls(syntax: CallSyntax, tools: list[dict[str, Any]], named: str | None,
-                      think: tuple[str, str] | None = None) -> Constraint:
+def forced_tool_calls(syntax: CallSyntax, tools: list[dict[str, Any]], named: str | None) -> Constraint:
     """``tool_choice`` ``required`` (``named`` None: one or more calls of any of ``tools``) or a named function (exactly
     one call of it)."""
     chosen = [t for t in tools if named is None or t["function"]["name"] == named]
     tags = [{"type": "tag", "begin": syntax.begin + t["function"]["name"] + syntax.middle,
              "content": {"type": "json_schema", "json_schema": _parameters(t)}, "end": syntax.end} for t in chosen]
-    fmt = {"type": "tags_with_separator", "tags": tags, "separator": syntax.separator, "at_least_one": True,
-           "stop_after_first": named is not None}
-    return _structural_tag(_after_reasoning(fmt, think))
+    return _structural_tag({"type": "tags_with_separator", "tags": tags, "separator": syntax.separator,
+                            "at_least_one": True, "stop_after_first": named is not None})
 
 
-def json_answer(schema: dict[str, Any] | None, think: tuple[str, str] | None = None) -> Constraint:
+def json_answer(schema: dict[str, Any] | None) -> Constraint:
     """``response_format`` json_schema (``schema``) or json_object (``schema`` None: any JSON object)."""
-    if think is None:
-        return Constraint("json_object", True) if schema is None else Constraint("json_schema", json.dumps(schema))
-    return _structural_tag(_after_reasoning({"type": "json_schema", "json_schema": schema or {"type": "object"}},
-                                            think))
+    return Constraint("json_object", True) if schema is None else Constraint("json_schema", json.dumps(schema))
+
+
+def _format(constraint: Constraint) -> dict[str, Any] | None:
+    """The constraint as a structural-tag format (None for kinds that are not built here)."""
+    if constraint.kind == "json_schema":
+        return {"type": "json_schema", "json_schema": json.loads(constraint.value)}
+    if constraint.kind == "json_object":
+        return {"type": "json_schema", "json_schema": {"type": "object"}}
+    if constraint.kind == "structural_tag":
+        return json.loads(constraint.value)["format"]
+    return None
+
+
+def after_reasoning(constraint: Constraint, think: tuple[str, str], prompt_text: str) -> Constraint:
+    """``constraint`` placed after the reasoning the prompt leaves room for (``think``: the reasoning parser's start and
+    end tags):
+
+    - the prompt ends with a closed reasoning block (thinking turned off): the constraint as it is, from the first
+      token, as vLLM applies it;
+    - the prompt opened a reasoning block: the model finishes it first (any text, the end tag, a blank line);
+    - otherwise: an optional reasoning block first (vLLM would apply the constraint at once, so a reasoning model could
+      not think before a forced call or a JSON answer).
+
+    Constraints of other kinds (a client's own regex, grammar, choice) are left as given."""
+    fmt = _format(constraint)
+    start, end = think
+    if fmt is None or prompt_text.rstrip().endswith(end):
+        return constraint
+    reasoning_then = [{"type": "const_string", "value": "\n\n"}, fmt]
+    if prompt_text.rfind(start) > prompt_text.rfind(end):  # inside a reasoning block the prompt opened
+        return _structural_tag({"type": "sequence", "elements": [
+            {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": end}, *reasoning_then]})
+    return _structural_tag({"type": "or", "elements": [
+        {"type": "sequence", "elements": [
+            {"type": "tag", "begin": start, "content": {"type": "any_text"}, "end": end}, *reasoning_then]},
+        fmt]})

@@ -67,7 +67,24 @@ class Chunk:
     token_ids: list[int]
     prompt_tokens: int
     cached_tokens: int
-    logprobs: list[float] | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability, and the most likely tokens at its position (``top``: (id, logprob), most
+    likely first; as many as asked for)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def _logprobs(out: Any, ids: Sequence[int]) -> list[TokenLogprob]:
+    """The engine's OutputLogProbs as one TokenLogprob per id."""
+    tops = list(out.top_logprobs)
+    return [TokenLogprob(i, lp, tuple(zip(tops[k].token_ids, tops[k].values, strict=False)) if k < len(tops) else ())
+            for k, (i, lp) in enumerate(zip(ids, out.token_logprobs, strict=False))]
 
 
 @dataclass
@@ -78,7 +95,7 @@ class Final:
     completion_tokens: int
     cached_tokens: int
     kv_transfer_params: dict | None
-    logprobs: list[float] | None = field(default=None, repr=False)
+    logprobs: list[TokenLogprob] | None = field(default=None, repr=False)
 
 
 class EngineError(Exception):
@@ -115,7 +132,7 @@ class EngineClient:
     async def generate(self, request_id: str, prompt_ids: Sequence[int], *, max_tokens: int,
                        temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                        ignore_eos: bool = False, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
-                       kv_transfer_params: dict | None = None, stream: bool = True, logprobs: bool = False,
+                       kv_transfer_params: dict | None = None, stream: bool = True, logprobs: int | None = None,
                        timeout_s: float | None = None, top_k: int = 0, min_p: float = 0.0,
                        presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                        repetition_penalty: float = 1.0, min_tokens: int = 0,
@@ -124,7 +141,8 @@ class EngineClient:
                        constraint: tuple[str, Any] | None = None) -> AsyncIterator[Chunk | Final]:
         """Yield a Chunk per streamed piece (none when ``stream`` is false) and exactly one Final last.
 
-        The sampling keywords are vLLM's (``top_k`` 0: off). ``constraint``: guided decoding, as (SamplingParams'
+        The sampling keywords are vLLM's (``top_k`` 0: off). ``logprobs``: None, or how many of the most likely
+        tokens to report with each sampled token's log-probability (0: the sampled token's only). ``constraint``: guided decoding, as (SamplingParams'
         constraint field, value): ("json_schema" | "regex" | "grammar" | "structural_tag", str), ("json_object", True)
         or ("choice", [str, ...]). The worker detokenizes only to match ``stop`` strings
         (then with ``skip_special_tokens``/``spaces_between_special_tokens``); the caller detokenizes the answer.
@@ -147,8 +165,8 @@ class EngineClient:
                 setattr(sampling, kind, value)
         if seed is not None:
             sampling.seed = seed
-        if logprobs:
-            sampling.logprobs = 0  # the chosen token's logprob only
+        if logprobs is not None:
+            sampling.logprobs = logprobs  # 0: the chosen token's only; N: also the N most likely
         request = vllm_engine_pb2.GenerateRequest(
             request_id=request_id, tokenized=vllm_engine_pb2.TokenizedInput(input_ids=list(prompt_ids)),
             sampling_params=sampling, stream=stream)
@@ -156,7 +174,8 @@ class EngineClient:
             request.kv_transfer_params_json = json.dumps(kv_transfer_params)
         call = self._engine().Generate(request, timeout=timeout_s or self.timeout_s)
         streamed: list[int] = []
-        streamed_logprobs: list[float] = []
+        streamed_logprobs: list[TokenLogprob] = []
+        want = logprobs is not None
         final: Final | None = None
         try:
             async for response in call:
@@ -164,7 +183,7 @@ class EngineClient:
                 if kind == "chunk":
                     c = response.chunk
                     ids = list(c.token_ids)
-                    lps = list(c.output_logprobs.token_logprobs) if logprobs else None
+                    lps = _logprobs(c.output_logprobs, ids) if want else None
                     streamed.extend(ids)
                     streamed_logprobs.extend(lps or ())
                     yield Chunk(ids, c.prompt_tokens, c.cached_tokens, lps)
@@ -177,7 +196,7 @@ class EngineClient:
                         ids, lps = streamed, (streamed_logprobs if logprobs else None)
                     else:
                         ids = list(c.output_ids)
-                        lps = list(c.output_logprobs.token_logprobs) if logprobs else None
+                        lps = _logprobs(c.output_logprobs, ids) if want else None
                     # A streamed complete's completion_tokens counts its own (last) ids only, like output_ids.
                     final = Final(ids, c.finish_reason, c.prompt_tokens, len(ids) if stream else c.completion_tokens,
                                   c.cached_tokens, params, lps)

@@ -11,8 +11,8 @@ Translation:
 - ``system`` → a system message; assistant ``text`` blocks → its content, ``thinking`` → ``reasoning_content``,
   ``tool_use`` → ``tool_calls`` (arguments as a dict, as the chat route gives them to the template); a user message's
   ``tool_result`` blocks → ``tool`` messages (before the message's text, in order; ``is_error`` goes with them to the
-  template, as a message's ``name`` does on the chat route). Text blocks are joined as the chat route joins content
-  parts. ``redacted_thinking`` blocks are accepted and left out (only Anthropic can read them).
+  template, as a message's ``name`` does on the chat route). Text blocks are joined with a newline, as the chat route
+  (and vLLM) join content parts. ``redacted_thinking`` blocks are accepted and left out (only Anthropic can read them).
 - ``tools`` → OpenAI function tools; ``tool_choice`` ``auto`` / ``any`` (forced calls, as ``required``) / ``tool``
   (one named call) / ``none`` (tools rendered, calls not parsed); ``disable_parallel_tool_use`` keeps the first call.
 - ``thinking`` ``enabled`` / ``adaptive`` / ``disabled`` → the template variable ``enable_thinking``. ``budget_tokens``
@@ -96,6 +96,8 @@ SERVER_TOOL_BLOCKS = frozenset({
 
 def _supported_block(value: Any) -> Any:
     kind = value.get("type") if isinstance(value, dict) else None
+    if not isinstance(kind, str):
+        return value  # the block's own validation names what is wrong
     if kind in TEXT_ONLY:
         raise PydanticCustomError("unsupported_block", "{kind} blocks are not supported: this gateway serves a "
                                   "text-only model (send the content as text)", {"kind": kind})
@@ -279,7 +281,7 @@ def _tool_param(param: str) -> str:
 def chat_messages(body: PromptIn) -> list[dict[str, Any]]:
     """The messages as the chat route gives them to the template (ChatMessageIn.plain()'s shape)."""
     out: list[dict[str, Any]] = []
-    system = "".join(b.text for b in body.system or [])
+    system = "\n".join(b.text for b in body.system or [])
     if system:
         out.append({"role": "system", "content": system})
     called: set[str] = set()
@@ -300,7 +302,7 @@ def chat_messages(body: PromptIn) -> list[dict[str, Any]]:
                     called.add(block.id)
                 elif block.type == "tool_result":
                     raise FieldError(f"{where}.content.{j}", "tool_result blocks belong in user messages")
-            assistant: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
+            assistant: dict[str, Any] = {"role": "assistant", "content": "\n".join(text)}
             if calls:
                 assistant["tool_calls"] = calls
             if thinking:
@@ -316,13 +318,13 @@ def chat_messages(body: PromptIn) -> list[dict[str, Any]]:
                     raise FieldError(f"{where}.content.{j}.tool_use_id",
                                      f"tool_use_id {block.tool_use_id!r} answers no tool_use block of an earlier "
                                      "assistant message")
-                results.append({"role": "tool", "content": "".join(b.text for b in block.content),
+                results.append({"role": "tool", "content": "\n".join(b.text for b in block.content),
                                 "tool_call_id": block.tool_use_id, **({"is_error": True} if block.is_error else {})})
             else:
                 raise FieldError(f"{where}.content.{j}", f"{block.type} blocks belong in assistant messages")
         out.extend(results)
         if text or not results:
-            out.append({"role": "user", "content": "".join(text)})
+            out.append({"role": "user", "content": "\n".join(text)})
     return out
 
 
@@ -556,8 +558,7 @@ def anthropic_routes(runner: TurnRunner, served_model: str, default_max_tokens: 
                                             f"{tool_call_parser} yet (only with {', '.join(sorted(CALL_SYNTAX))}); "
                                             "use 'auto'")
         named = None if choice == "required" else choice.function.name
-        return forced_tool_calls(syntax, [t.template_dict() for t in tools], named,
-                                 (think.start, think.end) if think else None)
+        return forced_tool_calls(syntax, [t.template_dict() for t in tools], named)
 
     @router.post(MESSAGES_PATH, responses=MESSAGE_RESPONSES, openapi_extra=SESSION_HEADER)
     async def messages(body: MessagesIn, request: Request) -> Response:
@@ -583,7 +584,8 @@ def anthropic_routes(runner: TurnRunner, served_model: str, default_max_tokens: 
         req = TurnRequest(session_id=request.headers.get("x-session-id") or "", tenant=caller.tenant,
                           messages=messages, template_vars=template_vars(body, tools), max_tokens=body.max_tokens,
                           temperature=body.temperature, top_p=1.0 if body.top_p is None else body.top_p,
-                          top_k=body.top_k or 0, stop=stop, constraint=forced_calls(tools, choice) if calls else None)
+                          top_k=body.top_k or 0, stop=stop, constraint=forced_calls(tools, choice) if calls else None,
+                          reasoning_tags=(think.start, think.end) if think else None)
         if calls:  # as vLLM's tool parsers ask: call tags that are special tokens must stay in the text
             req.skip_special_tokens = False
         request_tools = [t.template_dict() for t in tools] or None

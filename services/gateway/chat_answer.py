@@ -38,6 +38,7 @@ class AnswerShape:
     new_id: Callable[[], str] = tool_call_id
     _parser: AnswerParser | None = field(default=None, init=False, repr=False)
     _ids: dict[int, str] = field(default_factory=dict, init=False, repr=False)
+    _blank: str | None = field(default="", init=False, repr=False)  # leading blank content held (None: none left)
 
     @property
     def plain(self) -> bool:
@@ -70,7 +71,13 @@ class AnswerShape:
 
     def finish_deltas(self) -> list[dict[str, Any]]:
         """The deltas of what the parser held back, once the answer has ended."""
-        return [] if self.plain else self._spell(self._stream_parser().finish())
+        if self.plain:
+            return []
+        out = self._spell(self._stream_parser().finish())
+        if self._blank and not self._ids:  # blank content and no call: it is the content
+            out.append({"content": self._blank})
+        self._blank = None
+        return out
 
     def _spell(self, events) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -78,9 +85,20 @@ class AnswerShape:
             if not self._kept(event):
                 continue
             if isinstance(event, Piece):
-                out.append({"reasoning_content": event.text, "reasoning": event.text} if event.kind == REASONING
-                           else {"content": event.text})
+                if event.kind == REASONING:
+                    out.append({"reasoning_content": event.text, "reasoning": event.text})
+                    continue
+                text = event.text
+                if self.tools is not None and self._blank is not None:
+                    # Leading blank content (the blank line after the reasoning) is no content when calls follow,
+                    # as vLLM reports it: held until text or the answer's end says which.
+                    if not (self._blank + text).strip():
+                        self._blank += text
+                        continue
+                    text, self._blank = self._blank + text, None
+                out.append({"content": text})
                 continue
+            self._blank = None
             out.append({"tool_calls": [{"index": event.index, "id": self._call_id(event.index), "type": "function",
                                         "function": {"name": event.name, "arguments": ""}}]})
             out.append({"tool_calls": [{"index": event.index, "function": {"arguments": event.arguments}}]})
@@ -102,7 +120,10 @@ class AnswerShape:
         for event in [*parser.feed(text), *parser.finish()]:
             if self._kept(event):
                 parsed.add(event)
-        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        content = parsed.content
+        if parsed.tool_calls and content is not None and not content.strip():
+            content = None  # only the blank line before the calls (as vLLM reports it)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
         if parsed.reasoning is not None:
             message["reasoning_content"] = message["reasoning"] = parsed.reasoning
         if parsed.tool_calls:

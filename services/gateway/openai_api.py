@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from kvshuttle.control_plane.constraints import CALL_SYNTAX, Constraint, forced_tool_calls
 from kvshuttle.control_plane.reasoning import REASONING_PARSERS
 from kvshuttle.control_plane.tool_calls import TOOL_CALL_PARSERS
+from kvshuttle.services.engine.client import TokenLogprob
 from kvshuttle.services.gateway.auth import OPEN
 from kvshuttle.services.gateway.chat_answer import AnswerShape, finish_reason
 from kvshuttle.services.gateway.chat_tools import (
@@ -38,6 +39,7 @@ from kvshuttle.services.gateway.chat_tools import (
     template_tool_calls,
 )
 from kvshuttle.services.gateway.http_guard import principal
+from kvshuttle.services.gateway.logprob_format import Spell, chat_content, completion_logprobs, speller
 from kvshuttle.services.gateway.structured_output import (
     ResponseFormatIn,
     StructuredOutputsIn,
@@ -116,7 +118,7 @@ class ChatMessageIn(StrictIn):
 
     def plain(self, where: str = "message") -> dict[str, Any]:
         """The message as the chat template gets it (content parts joined, tool call arguments as dicts)."""
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content or [])
         out: dict[str, Any] = {"role": self.role, "content": content}
         if self.name is not None:
             out["name"] = self.name
@@ -151,15 +153,14 @@ BIAS = Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]
 class SamplingIn(StrictIn):
     # Fields of OpenAI's and vLLM's APIs this gateway does not apply: a 400 naming them, unless null (or neutral).
     KNOWN = frozenset({
-        "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "logprobs",
-        "top_logprobs", "audio", "modalities", "prediction", "web_search_options", "store", "metadata",
+        "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "top_logprobs", "audio", "modalities", "prediction", "web_search_options", "store", "metadata",
         "service_tier", "reasoning_effort", "verbosity", "prompt_cache_key", "safety_identifier", "echo", "best_of",
         "suffix", "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words", "prompt_logprobs",
         "truncate_prompt_tokens", "guided_json", "guided_regex", "guided_choice",
         "guided_grammar", "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
         "add_special_tokens", "documents", "priority", "request_id", "return_tokens_as_token_ids", "cache_salt",
         "mm_processor_kwargs", "vllm_xargs", "include_reasoning"})
-    NEUTRAL = {"logprobs": (False,), "top_logprobs": (0,), "store": (False,), "echo": (False,), "best_of": (1,),
+    NEUTRAL = {"top_logprobs": (0,), "store": (False,), "echo": (False,), "best_of": (1,),
                "service_tier": ("auto", "default"), "modalities": (["text"],), "parallel_tool_calls": (True, False),
                "use_beam_search": (False,)}
     model: str | None = None
@@ -191,6 +192,8 @@ class SamplingIn(StrictIn):
     user: str | None = Field(default=None, max_length=256)  # informational (OpenAI's end-user id): not used
     # Ignored by design: only the scheduler decides what P pulls (a router's kv_transfer_params would be wrong here).
     kv_transfer_params: dict | None = None
+    # vLLM's: the prompt's token ids (top level) and each choice's answer ids, as the workers saw them.
+    return_token_ids: bool | None = None
     # Structured output (guided decoding on D): OpenAI's response_format, or vLLM's structured_outputs.
     response_format: ResponseFormatIn | None = None
     structured_outputs: StructuredOutputsIn | None = None
@@ -212,9 +215,14 @@ class SamplingIn(StrictIn):
 RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "documents", "add_generation_prompt", "conversation"})
 
 
+MAX_LOGPROBS = 20  # the most likely tokens a request may ask for at each position (OpenAI's limit)
+
+
 class ChatCompletionIn(SamplingIn):
     messages: list[ChatMessageIn] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # needs logprobs: true
     tools: list[ToolIn] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -234,9 +242,20 @@ class ChatCompletionIn(SamplingIn):
 
 
 class CompletionIn(SamplingIn):
-    NEUTRAL = {**SamplingIn.NEUTRAL, "logprobs": (False,)}  # an int here: 0 asks for the chosen token's logprob
+    # The sampled token's logprob, and this many of the most likely (0: none).
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # Constraints on each member, so that the OpenAPI document shows them too (on the union it showed none).
     prompt: Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+def logprobs_of(body: SamplingIn) -> int | None:
+    """The turn's logprobs setting: None, or how many most-likely tokens to report (chat: top_logprobs, which needs
+    logprobs true; completions: logprobs, an int)."""
+    if isinstance(body, ChatCompletionIn):
+        if body.top_logprobs and not body.logprobs:
+            raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
+        return (body.top_logprobs or 0) if body.logprobs else None
+    return getattr(body, "logprobs", None)
 
 
 def error_body(status: int, message: str, kind: str | None = None, code: str | None = None,
@@ -382,26 +401,34 @@ def create_app(runner: TurnRunner, served_model: str, default_max_tokens: int,
         caller = principal(request) or OPEN  # the tenant comes from the API key only (no guard: open gateway)
         return TurnRequest(session_id=session, tenant=caller.tenant, max_tokens=max_tokens or default_max_tokens,
                            temperature=body.temperature, top_p=body.top_p, seed=body.seed, ignore_eos=body.ignore_eos,
-                           stop=stop, disable_pull=body.disable_pull, policy=body.policy, **body.sampling(), **prompt)
+                           stop=stop, disable_pull=body.disable_pull, policy=body.policy, logprobs=logprobs_of(body),
+                           **body.sampling(), **prompt)
 
     async def respond(body: SamplingIn, req: TurnRequest, shape: _Shape, answer: AnswerShape | None = None):
         turn = await runner.prepare(req)
         answer = answer or AnswerShape()
         answer.prompt_text = turn.prompt_text
+        lps = _Logprobs(speller(runner.tokenizer), runner.hidden_token_ids(req)) if req.logprobs is not None else None
+        ids = bool(body.return_token_ids)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_stream(runner, turn, served_model, include_usage, shape, answer),
+            return StreamingResponse(_stream(runner, turn, served_model, include_usage, shape, answer, lps, ids),
                                      media_type="text/event-stream", headers=_stream_headers(turn))
         finished = await _drain(runner, turn)
         if shape.chat:
             message, called = answer.message(finished.text)
-            choice = {"index": 0, "message": message, "finish_reason": finish_reason(finished.finish_reason, called)}
+            choice = {"index": 0, "message": message, "finish_reason": finish_reason(finished.finish_reason, called),
+                      "logprobs": lps.chat(finished.logprobs) if lps else None}
         else:
-            choice = shape.choice(finished.text, finished.finish_reason)
+            choice = shape.choice(finished.text, finished.finish_reason,
+                                  lps.completion(finished.logprobs) if lps else None)
+        token_ids = {"prompt_token_ids": list(turn.prompt_ids)} if ids else {}
+        if ids:
+            choice["token_ids"] = list(finished.output_ids)
         return JSONResponse({
             "id": turn.id, "object": shape.object, "created": int(time.time()), "model": served_model,
             "choices": [choice], "usage": usage(finished.prompt_tokens, len(finished.output_ids), finished.kv),
-            "kvshuttle": kv_body(finished.kv, finished.timings),
+            **token_ids, "kvshuttle": kv_body(finished.kv, finished.timings),
         }, headers={**kv_headers(finished.kv), "X-Session-ID": req.session_id})
 
     def think_tags() -> tuple[str, str] | None:
@@ -423,15 +450,15 @@ def create_app(runner: TurnRunner, served_model: str, default_max_tokens: int,
                                                 f"--tool-call-parser {tool_call_parser} yet (only with "
                                                 f"{', '.join(sorted(CALL_SYNTAX))}); use 'auto'")
             named = None if body.tool_choice == "required" else body.tool_choice.function.name
-            forced = forced_tool_calls(syntax, [t.template_dict() for t in body.tools], named, think_tags())
+            forced = forced_tool_calls(syntax, [t.template_dict() for t in body.tools], named)
         shape = AnswerShape(reasoning=think_tags_, tools=call_tags if calls else None,
                             request_tools=[t.template_dict() for t in body.tools] if calls else None,
                             parallel_tool_calls=body.parallel_tool_calls,
                             include_reasoning=body.include_reasoning)
         return shape, forced
 
-    def constraint(body: SamplingIn, forced: Constraint | None, think: tuple[str, str] | None) -> Constraint | None:
-        asked = requested_constraint(body.response_format, body.structured_outputs, think)
+    def constraint(body: SamplingIn, forced: Constraint | None) -> Constraint | None:
+        asked = requested_constraint(body.response_format, body.structured_outputs)
         if asked is not None and forced is not None:
             raise FieldError("response_format" if body.response_format else "structured_outputs",
                              "structured output and a forced tool call (tool_choice required or named) exclude each "
@@ -444,7 +471,9 @@ def create_app(runner: TurnRunner, served_model: str, default_max_tokens: int,
         check_tool_results(body.messages)
         messages = [m.plain(f"messages.{i}") for i, m in enumerate(body.messages)]
         req = turn_request(body, request, body.max_completion_tokens or body.max_tokens, messages=messages,
-                           template_vars=body.template_vars(), constraint=constraint(body, forced, think_tags()))
+                           template_vars=body.template_vars(), constraint=constraint(body, forced))
+        if req.constraint is not None and (forced is not None or body.response_format is not None):
+            req.reasoning_tags = think_tags()  # the gateway's own constraint: placed after the prompt's reasoning
         if answer.tools is not None and req.skip_special_tokens:
             # As vLLM's tool parsers ask: a model whose call tags are special tokens must keep them in the text.
             req.skip_special_tokens = False
@@ -453,7 +482,7 @@ def create_app(runner: TurnRunner, served_model: str, default_max_tokens: int,
     @app.post("/v1/completions", responses=TURN_RESPONSES, openapi_extra=SESSION_HEADER)
     async def completions(body: CompletionIn, request: Request):
         prompt = {"prompt_text": body.prompt} if isinstance(body.prompt, str) else {"prompt_ids": body.prompt}
-        return await respond(body, turn_request(body, request, body.max_tokens, constraint=constraint(body, None, None),
+        return await respond(body, turn_request(body, request, body.max_tokens, constraint=constraint(body, None),
                                                 **prompt), COMPLETION)
 
     return app
@@ -492,9 +521,26 @@ class _Shape:
     chunk_object: str
     chat: bool
 
-    def choice(self, text: str, finish: str | None) -> dict[str, Any]:
+    def choice(self, text: str, finish: str | None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         """A completions choice (chat choices come from chat_answer)."""
-        return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        return {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
+
+
+@dataclass
+class _Logprobs:
+    """A turn's logprobs in OpenAI's shapes; ``offset``: where the next completions token starts in the text."""
+
+    spell: Spell
+    hidden: set[int]
+    offset: int = 0
+
+    def chat(self, lps: list[TokenLogprob] | None) -> dict[str, Any]:
+        return {"content": chat_content(lps or [], self.spell, self.hidden), "refusal": None}
+
+    def completion(self, lps: list[TokenLogprob] | None) -> dict[str, Any]:
+        out = completion_logprobs(lps or [], self.spell, self.hidden, self.offset)
+        self.offset += sum(len(t) for t in out["tokens"])
+        return out
 
 
 CHAT = _Shape("chat.completion", "chat.completion.chunk", chat=True)
@@ -502,24 +548,39 @@ COMPLETION = _Shape("text_completion", "text_completion", chat=False)
 
 
 async def _stream(runner: TurnRunner, turn: PreparedTurn, model: str, include_usage: bool, shape: _Shape,
-                  answer: AnswerShape):
+                  answer: AnswerShape, lps: _Logprobs | None = None, ids: bool = False):
+    """``ids`` (vLLM's return_token_ids): the first chunk carries the prompt's ids, each chunk its tokens' ids."""
     base = {"id": turn.id, "object": shape.chunk_object, "created": int(time.time()), "model": model}
 
-    def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
-        return _sse({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+    def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: dict[str, Any] | None = None,
+              token_ids: list[int] | None = None) -> bytes:
+        return _sse({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
+                                          **({"logprobs": logprobs} if logprobs else {}),
+                                          **({"token_ids": token_ids} if ids and token_ids is not None else {})}]})
 
     if shape.chat:
-        yield chunk({"role": "assistant", "content": ""})
+        first = {"role": "assistant", "content": ""}
+        yield _sse({**base, "choices": [{"index": 0, "delta": first, "finish_reason": None}],
+                    **({"prompt_token_ids": list(turn.prompt_ids)} if ids else {})})
+    sent_prompt = False
     async for event in _events(runner, turn):
         if isinstance(event, TurnError):
             yield _sse(error_body(event.http_status, event.message))
             break
         if isinstance(event, Delta):
             if not shape.chat:
-                yield _sse({**base, "choices": [shape.choice(event.text, None)]})
+                choice = shape.choice(event.text, None, lps.completion(event.logprobs) if lps else None)
+                yield _sse({**base, "choices": [{**choice, **({"token_ids": event.token_ids} if ids else {})}],
+                            **({"prompt_token_ids": list(turn.prompt_ids)} if ids and not sent_prompt else {})})
+                sent_prompt = True
                 continue
-            for delta in answer.deltas(event.text):
-                yield chunk(delta)
+            # The delta's token logprobs and ids go with its first chunk (on an empty delta when the parser holds the
+            # text).
+            logprobs = lps.chat(event.logprobs) if lps and event.logprobs else None
+            token_ids = list(event.token_ids) if ids else None
+            for delta in answer.deltas(event.text) or ([{}] if logprobs or token_ids else []):
+                yield chunk(delta, logprobs=logprobs, token_ids=token_ids)
+                logprobs, token_ids = None, []
         else:
             if shape.chat:
                 for delta in answer.finish_deltas():

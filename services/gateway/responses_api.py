@@ -27,7 +27,7 @@ from kvshuttle.control_plane.constraints import CALL_SYNTAX, Constraint, forced_
 from kvshuttle.control_plane.reasoning import REASONING, ThinkTags
 from kvshuttle.control_plane.tool_calls import ParsedCall
 from kvshuttle.services.gateway.auth import OPEN
-from kvshuttle.services.gateway.chat_tools import FUNCTION_NAME, MAX_TOOLS, FieldError, check_schema
+from kvshuttle.services.gateway.chat_tools import MAX_TOOLS, FieldError, FunctionIn, check_schema
 from kvshuttle.services.gateway.http_guard import principal
 from kvshuttle.services.gateway.openai_api import (
     SESSION_HEADER,
@@ -46,19 +46,14 @@ RESPONSE_ID = r"^resp_[A-Za-z0-9]{1,64}$"
 
 # -- the request -----------------------------------------------------------------------------------------------
 
-class FunctionToolIn(StrictIn):
+class FunctionToolIn(FunctionIn):
+    """A Responses API function tool: the chat route's function definition, flat, with its type."""
+
     type: Literal["function"]
-    name: str = Field(pattern=FUNCTION_NAME)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
 
     def chat_tool(self) -> dict[str, Any]:
         """The tool as the chat template gets it (the chat route's spelling)."""
-        fn: dict[str, Any] = {"name": self.name, "description": self.description, "parameters": self.parameters}
-        if self.strict is not None:
-            fn["strict"] = self.strict
-        return {"type": "function", "function": fn}
+        return {"type": "function", "function": self.template_dict()}
 
 
 class NamedFunctionChoice(StrictIn):
@@ -126,7 +121,7 @@ def _text_of(content: Any, where: str, kinds: tuple[str, ...]) -> str:
             raise FieldError(f"{where}.{j}", f"content part of type {kind!r} is not supported here (only "
                                              f"{', '.join(kinds)})")
         out.append(part["text"])
-    return "".join(out)
+    return "\n".join(out)
 
 
 _ITEM_KEYS = {
@@ -145,7 +140,7 @@ def normalized_items(raw: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     for i, item in enumerate(raw):
         where = f"input.{i}"
         kind = item.get("type", "message" if "role" in item else None)
-        if kind not in _ITEM_KEYS:
+        if not isinstance(kind, str) or kind not in _ITEM_KEYS:
             raise FieldError(f"{where}.type", f"input item of type {kind!r} is not supported (only "
                                               f"{', '.join(_ITEM_KEYS)})")
         extra = sorted(set(item) - _ITEM_KEYS[kind])
@@ -385,7 +380,7 @@ def add_responses_routes(app: FastAPI, runner: TurnRunner, served_model: str, de
             if fmt.type == "json_schema":
                 schema = fmt.schema_ if fmt.schema_ is not None else {}
                 check_schema(schema, "text.format.schema", "text.format's schema")
-            return json_answer(schema, think)
+            return json_answer(schema)
         if not forced:
             return None
         syntax = CALL_SYNTAX.get(tool_call_parser)
@@ -394,7 +389,7 @@ def add_responses_routes(app: FastAPI, runner: TurnRunner, served_model: str, de
         named = None if body.tool_choice == "required" else body.tool_choice.name
         if named is not None and named not in {t.name for t in body.tools or []}:
             raise FieldError("tool_choice", f"tool_choice names {named!r}, which is not among the tools")
-        return forced_tool_calls(syntax, [t.chat_tool() for t in body.tools or []], named, think)
+        return forced_tool_calls(syntax, [t.chat_tool() for t in body.tools or []], named)
 
     @app.post("/v1/responses", responses=TURN_RESPONSES, openapi_extra=SESSION_HEADER)
     async def create(body: ResponsesIn, request: Request):
@@ -423,7 +418,7 @@ def add_responses_routes(app: FastAPI, runner: TurnRunner, served_model: str, de
                           session_source="response" if body.previous_response_id else "",
                           template_vars={"tools": [t.chat_tool() for t in body.tools]} if body.tools else {},
                           max_tokens=body.max_output_tokens or default_max_tokens, temperature=body.temperature,
-                          top_p=body.top_p, constraint=constraint(body, calls),
+                          top_p=body.top_p, constraint=constraint(body, calls), reasoning_tags=think,
                           skip_special_tokens=not calls)
         turn = await runner.prepare(req)
         parser = AnswerParser(think_tags, call_tags if calls else None, prompt_text=turn.prompt_text,

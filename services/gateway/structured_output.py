@@ -61,10 +61,9 @@ class StructuredOutputsIn(_Strict):
         return self
 
 
-def requested_constraint(response_format: ResponseFormatIn | None, structured: StructuredOutputsIn | None,
-                         think: tuple[str, str] | None) -> Constraint | None:
-    """The constraint ``response_format`` or ``structured_outputs`` asks for (``think``: the reasoning block's tags
-    when the model reasons first; they apply to ``response_format`` only: a vLLM constraint is taken as given)."""
+def requested_constraint(response_format: ResponseFormatIn | None,
+                         structured: StructuredOutputsIn | None) -> Constraint | None:
+    """The constraint ``response_format`` or ``structured_outputs`` asks for."""
     wants_json = response_format is not None and response_format.type != "text"
     if wants_json and structured is not None:
         raise FieldError("structured_outputs", "give either response_format (JSON) or structured_outputs, not both")
@@ -73,7 +72,7 @@ def requested_constraint(response_format: ResponseFormatIn | None, structured: S
         if response_format.type == "json_schema":
             schema = schema if schema is not None else {}
             check_schema(schema, "response_format.json_schema.schema", "response_format's schema")
-        return json_answer(schema if response_format.type == "json_schema" else None, think)
+        return json_answer(schema if response_format.type == "json_schema" else None)
     if structured is None:
         return None
     if structured.json_ is not None:

@@ -8,7 +8,7 @@ Rendering follows transformers' chat-template environment (sandboxed, ``trim_blo
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -19,7 +19,6 @@ from jinja2 import nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
-from tokenizers.decoders import DecodeStream
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
@@ -105,16 +104,6 @@ class GatewayTokenizer:
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
-
-    def stream_decoder(self, skip_special_tokens: bool = True) -> Callable[[Sequence[int]], str]:
-        """Incremental detokenizer: feed new ids, get the new text (O(1) per token; a partial character is held
-        back until it completes)."""
-        stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-
-        def step(ids: Sequence[int]) -> str:
-            return "".join(piece for i in ids if (piece := stream.step(self._tok, i)))
-
-        return step
 
     def token_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)

@@ -15,7 +15,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -23,14 +23,15 @@ import grpc
 from kvshuttle.control_plane import kv_params
 from kvshuttle.control_plane import reasons as why
 from kvshuttle.control_plane import session as session_rules
-from kvshuttle.control_plane.constraints import Constraint
+from kvshuttle.control_plane.constraints import Constraint, after_reasoning
 from kvshuttle.control_plane.continuation import plan_continuation, prefix_keys, text_key
 from kvshuttle.control_plane.lru import BoundedLru
 from kvshuttle.control_plane.prefix import matched_prefix_tokens
 from kvshuttle.control_plane.session import DEFAULT_TENANT
 from kvshuttle.services.common import metrics
 from kvshuttle.services.common.telemetry import hashed
-from kvshuttle.services.engine.client import EngineClient, EngineError, Final
+from kvshuttle.services.engine.client import EngineClient, EngineError, Final, TokenLogprob
+from kvshuttle.services.gateway.detokenizer import IncrementalText
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from opentelemetry import trace
 
@@ -58,7 +59,6 @@ class Tokenizer(Protocol):
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any) -> str: ...
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
-    def stream_decoder(self, skip_special_tokens: bool = True) -> Callable[[Sequence[int]], str]: ...
 
 
 @dataclass
@@ -93,6 +93,10 @@ class TurnRequest:
     spaces_between_special_tokens: bool = True  # no effect with a fast tokenizer (as in vLLM)
     # Guided decoding (structured output, forced tool calls): applied by D, which then samples every answer token.
     constraint: Constraint | None = None
+    # The reasoning parser's (start, end) tags when the constraint is the gateway's own (JSON answer, forced calls):
+    # once the prompt is rendered, the constraint is placed after the reasoning it leaves room for.
+    reasoning_tags: tuple[str, str] | None = None
+    logprobs: int | None = None  # None: none; 0: each sampled token's; N: also the N most likely at each position
 
     def engine_sampling(self) -> dict[str, Any]:
         """The sampling parameters both workers get (EngineClient.generate's keywords), min_tokens aside."""
@@ -101,7 +105,7 @@ class TurnRequest:
                 "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
                 "stop_token_ids": self.stop_token_ids, "logit_bias": self.logit_bias,
                 "skip_special_tokens": self.skip_special_tokens,
-                "spaces_between_special_tokens": self.spaces_between_special_tokens}
+                "spaces_between_special_tokens": self.spaces_between_special_tokens, "logprobs": self.logprobs}
 
     @property
     def penalizes_output(self) -> bool:
@@ -144,6 +148,7 @@ class PreparedTurn:
     # prompt plus this token, whose KV D computes itself, and the client gets it without waiting for D.
     first_token: int | None = None
     first_finish: str = ""  # P's finish reason for that token ("stop": it ended the answer)
+    first_logprob: TokenLogprob | None = None  # P's log-probability of that token (requests that ask)
     excluded: list[str] = field(default_factory=list)  # workers that failed in this turn: never planned on again
     release: asyncio.Task | None = None  # freeing the session's previous, unused KV handle on its decode worker
 
@@ -152,6 +157,7 @@ class PreparedTurn:
 class Delta:
     text: str
     token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for logprobs
 
 
 @dataclass
@@ -162,6 +168,7 @@ class Finished:
     prompt_tokens: int
     kv: KvOutcome
     timings: dict[str, float]
+    logprobs: list[TokenLogprob] | None = None  # one per output id, when the request asked for logprobs
 
 
 def _without_history(resp: registry_pb2.GetSessionResponse) -> registry_pb2.GetSessionResponse:
@@ -410,6 +417,9 @@ class TurnRunner:
         if plan.decision == scheduler_pb2.DECISION_PULL:  # the claim consumed the record we hold
             self._sessions.discard((req.tenant, req.session_id))
         timings["plan_ms"] = _ms(t)
+        if req.constraint is not None and req.reasoning_tags is not None and prompt_text:
+            req.constraint = after_reasoning(req.constraint, req.reasoning_tags, prompt_text)
+            req.reasoning_tags = None  # placed
         if plan.decision != scheduler_pb2.DECISION_PULL and plan.reason.startswith(session_rules.STORE_UNAVAILABLE):
             self.degraded["recomputed_store_unavailable"] += 1
             log.warning("turn %s recomputes without the session store: %s (%d such turns)", turn_id, plan.reason,
@@ -458,6 +468,7 @@ class TurnRunner:
                 and kv_params.covers_extra_token(p_final.kv_transfer_params, len(prompt_ids),
                                                  plan.decode.block_size)):
             prepared.first_token, prepared.first_finish = p_final.output_ids[-1], p_final.finish_reason
+            prepared.first_logprob = p_final.logprobs[-1] if p_final.logprobs else None
         return prepared
 
     def _release_unused_handle(self, turn_id: str, plan: scheduler_pb2.PlanTurnResponse,
@@ -695,13 +706,14 @@ class TurnRunner:
         req, timings = turn.request, turn.timings
         engine = self.engine(turn.plan.decode)
         output: list[int] = []
+        output_lps: list[TokenLogprob] = []  # parallel to output (requests that ask for logprobs)
         pending: list[int] = []  # ids not yet sent in a Delta (held back while they end in a partial character)
-        sent: list[str] = []  # text pieces already streamed
-        stream_decoder = self.tokenizer.stream_decoder(req.skip_special_tokens)
-        stoppers = self._stop_token_ids(req)
+        pending_lps: list[TokenLogprob] = []
+        detok = IncrementalText(self.tokenizer, req.skip_special_tokens)
+        stoppers = self.hidden_token_ids(req)
 
         def detokenize(ids: Sequence[int]) -> str:
-            return stream_decoder([i for i in ids if i not in stoppers])
+            return detok.add([i for i in ids if i not in stoppers])
 
         final: Final | None = None
         t = time.perf_counter()
@@ -714,13 +726,15 @@ class TurnRunner:
                 done_at_first = "stop" if turn.first_finish == "stop" else "length"
                 d_max_tokens = 1
             output.append(first)
+            first_lps = [turn.first_logprob] if turn.first_logprob else []
+            output_lps.extend(first_lps)
             timings["ttft_ms"] = _ms(turn.started)
             piece = detokenize([first])
             if piece:
-                yield Delta(piece, [first])
-                sent.append(piece)
+                yield Delta(piece, [first], first_lps or None)
             else:
                 pending.append(first)
+                pending_lps.extend(first_lps)
         attempt, before = 0, len(output)
         while True:
             engine = self.engine(turn.plan.decode)
@@ -744,12 +758,13 @@ class TurnRunner:
                         timings["ttft_ms"] = _ms(turn.started)
                     output.extend(item.token_ids)
                     pending.extend(item.token_ids)
+                    output_lps.extend(item.logprobs or ())
+                    pending_lps.extend(item.logprobs or ())
                     piece = detokenize(item.token_ids)
                     if not piece:
                         continue
-                    yield Delta(piece, pending)
-                    sent.append(piece)
-                    pending = []
+                    yield Delta(piece, pending, pending_lps or None)
+                    pending, pending_lps = [], []
                 break
             except EngineError as exc:
                 span.record_exception(exc)
@@ -774,23 +789,38 @@ class TurnRunner:
         timings["decode_ms"] = _ms(t)
         if final is None:
             raise TurnError(503, grpc.StatusCode.UNAVAILABLE, "decode stream ended without a final message")
+        late = ""
         if done_at_first:
             final = dataclasses.replace(final, finish_reason=done_at_first)
         elif final.output_ids and len(final.output_ids) > len(output) - before:
-            output = [*output[:before], *final.output_ids]  # non-streaming engines report everything at the end
-        text = self.tokenizer.decode([i for i in output if i not in stoppers], req.skip_special_tokens)
-        streamed = "".join(sent)
-        if pending or len(text) > len(streamed):  # a held-back tail (e.g. an unfinished character)
-            yield Delta(text[len(streamed):] if text.startswith(streamed) else "", pending)
+            fed = len(output)  # non-streaming engines report everything at the end
+            output = [*output[:before], *final.output_ids]
+            output_lps = [*output_lps[:before], *(final.logprobs or ())]
+            pending, pending_lps = [*pending, *output[fed:]], [*pending_lps, *output_lps[fed:]]
+            late = detokenize(output[fed:])
+        tail = late + detok.finish()  # what came at the end, and what was held back (e.g. an unfinished character)
+        if pending or tail:
+            yield Delta(tail, pending, pending_lps or None)
+        # One text for the stream, the whole answer and the record: the concatenation of the pieces.
+        text = detok.text
         timings.setdefault("ttft_ms", _ms(turn.started))
 
         t = time.perf_counter()
-        await self._record(turn, output, final)
+        await self._record(turn, output, final, text, stoppers)
         timings["record_ms"] = _ms(t)
         timings["total_ms"] = _ms(turn.started)
-        yield Finished(final.finish_reason, text, output, len(turn.prompt_ids), turn.kv, timings)
+        yield Finished(final.finish_reason, text, output, len(turn.prompt_ids), turn.kv, timings,
+                       output_lps if req.logprobs is not None else None)
 
-    def _stop_token_ids(self, req: TurnRequest) -> set[int]:
+    def _end_marker(self, output: list[int], hidden: set[int] | frozenset[int]) -> str:
+        """The text of the answer's last token when it is an EOS token left out of the answer's text."""
+        eos = getattr(self.tokenizer, "eos_token_ids", None)
+        last = output[-1] if output else None
+        if last is None or last not in hidden or not isinstance(eos, list) or last not in eos:
+            return ""
+        return self.tokenizer.decode([last], False)
+
+    def hidden_token_ids(self, req: TurnRequest) -> set[int]:
         """Token ids whose text is left out of the answer, as vLLM leaves out the token that stopped it: stop token
         ids, and EOS unless ignored (none with include_stop_str_in_output). Such a token can only be the answer's
         last (min_tokens keeps them from being sampled earlier), so every one in the output is left out."""
@@ -878,7 +908,13 @@ class TurnRunner:
         self._reports.add(task)
         task.add_done_callback(self._reports.discard)
 
-    async def _record(self, turn: PreparedTurn, output: list[int], final: Final) -> None:
+    async def _record(self, turn: PreparedTurn, output: list[int], final: Final, answer: str = "",
+                      hidden: set[int] | frozenset[int] = frozenset()) -> None:
+        """Record the turn's handle and exact ids, with the text they stand for *as the client received it*: the
+        prompt's text, the answer's text (``answer``: special tokens skipped if the request skipped them, hidden
+        stop tokens left out), and the end-of-turn marker's text when the answer ended with one (the chat template
+        writes it after the echoed answer). A client that echoes the answer back then renders a prompt that starts
+        with this text, and the next turn continues the exact ids (special tokens included)."""
         req = turn.request
         if not req.session_id:
             self._free_unrecorded(turn, output, final)
@@ -890,8 +926,7 @@ class TurnRunner:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(turn.release), self.control_timeout_s)
         with trace.use_span(turn.span, end_on_exit=False), tracer.start_as_current_span("record") as span:
-            raw_answer = await asyncio.to_thread(self.tokenizer.decode, output, False) if turn.prompt_text else ""
-            recorded_text = turn.prompt_text + raw_answer if turn.prompt_text else ""
+            recorded_text = (turn.prompt_text + answer + self._end_marker(output, hidden)) if turn.prompt_text else ""
             key = (req.tenant, req.session_id)
             self._sessions.discard(key)
             try:

@@ -51,8 +51,8 @@ async def test_openai_client_streams_and_pulls_on_the_second_turn(stack):
 
 @pytest.mark.parametrize("fields, named", [
     ({"tools": [{"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"logprobs": True, "top_logprobs": 2}, "logprobs"),
+    ({"functions": [{"name": "now", "parameters": {"type": "object"}}]}, "functions"),
+    ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
 ])
 async def test_openai_fields_the_gateway_does_not_apply_are_a_400_naming_them(stack, fields, named):
     client = openai_client(stack)
@@ -246,3 +246,72 @@ async def test_the_demo_conversation_runs_on_the_stack(stack, capsys):
     assert "answers identical with and without pulls: yes" in out
     assert re.search(r"^metrics \(http://\S+/metrics\): turns pull \d+, recompute \d+; prompt tokens \d+ = pulled "
                      r"\d+ \(\d+%\) \+ cached \d+ \+ computed \d+$", out, re.M), out
+
+
+async def test_logprobs_come_from_prefill_and_decode_alike(stack):
+    """Greedy answers with logprobs: every token (P samples the first, D the rest) is the most likely at its
+    position, the streamed entries are the whole answer's, and completions get the legacy lists."""
+    client = openai_client(stack)
+    model = (await client.models.list()).data[0].id
+    messages = [SYSTEM, user_turn(5)]
+    whole = await client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0,
+                                                 logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    content = whole.choices[0].logprobs.content
+    assert len(content) == 8
+    if not any("\ufffd" in e.token for e in content):  # a byte of a longer character spells as U+FFFD alone
+        assert "".join(e.token for e in content) == whole.choices[0].message.content
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
+        assert entry.logprob == pytest.approx(max(t.logprob for t in entry.top_logprobs), abs=1e-4), entry
+    stream = await client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0,
+                                                  logprobs=True, top_logprobs=3, stream=True,
+                                                  extra_body={"ignore_eos": True})
+    streamed = [e async for chunk in stream for c in chunk.choices for e in (c.logprobs.content if c.logprobs else [])]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-3)
+    legacy = (await client.completions.create(model=model, prompt="def main():", max_tokens=4, temperature=0,
+                                              logprobs=2, extra_body={"ignore_eos": True})).choices[0]
+    assert len(legacy.logprobs.tokens) == 4 and legacy.logprobs.text_offset[0] == 0
+    assert all(len(t) == 2 for t in legacy.logprobs.top_logprobs)
+
+
+async def test_what_the_client_received_is_what_was_recorded(stack):
+    """An answer with special tokens (skipped in its text) and bytes that are no character (U+FFFD) in it, streamed:
+    the client echoes back exactly what it was streamed, the non-streamed answer is the same text, and the next turn
+    continues the recorded ids (special tokens included) and pulls all of them."""
+    client = openai_client(stack)
+    model = (await client.models.list()).data[0].id
+    tok = GatewayTokenizer(stack.model_dir)
+    special, rocket = tok.token_id("<|endoftext|>"), tok.encode("🚀")
+    messages = [SYSTEM, user_turn(6)]
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=300) as http:
+        # Two tokens pushed far above the rest: greedy picks between them by the model's own logits, a mix whose
+        # exact shape depends on the weights, so the first offset that mixes both is used.
+        for offset in (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, -0.25, -0.5, -1.0, -2.0):
+            bias = {str(special): 100, str(rocket[1]): 100 + offset}
+            probe = (await http.post("/v1/chat/completions", json={
+                "messages": messages, "max_tokens": 12, "temperature": 0, "logit_bias": bias, "ignore_eos": True,
+                "return_token_ids": True})).json()
+            ids = probe["choices"][0]["token_ids"]
+            if special in ids and rocket[1] in ids:
+                break
+        else:
+            pytest.fail(f"no bias offset mixed the two tokens (last answer ids {ids})")
+    args = dict(model=model, messages=messages, max_tokens=12, temperature=0, logit_bias=bias,
+                extra_body={"ignore_eos": True})
+    session = new_session("echo")
+    stream = await client.chat.completions.create(**args, stream=True, extra_headers={"X-Session-ID": session})
+    streamed = "".join([c.delta.content or "" async for chunk in stream for c in chunk.choices])
+    whole = await client.chat.completions.create(**args, extra_headers={"X-Session-ID": new_session("echo-twin")})
+    assert whole.choices[0].message.content == streamed and "<|endoftext|>" not in streamed
+    assert "\ufffd" in streamed  # bytes that are no character
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=30) as http:
+        record = (await http.get(f"/v1/sessions/{session}")).json()["session"]
+    assert special in record["tokenIds"][-12:], "the record holds the special token (skipped in the text)"
+    messages += [{"role": "assistant", "content": streamed}, {"role": "user", "content": "And then?"}]
+    raw = await client.chat.completions.with_raw_response.create(model=model, messages=messages, max_tokens=4,
+                                                                 temperature=0,
+                                                                 extra_headers={"X-Session-ID": session})
+    kv = raw.parse().model_extra["kvshuttle"]
+    assert raw.headers["x-kv-decision"] == "pull", kv["reason"]
+    assert kv["matched_tokens"] == kv["covered_tokens"] == int(record["coveredTokens"]), kv

@@ -54,6 +54,8 @@ EXPECTED_OPERATIONS = {
     "GET /v1/sessions/{session_id}", "DELETE /v1/sessions/{session_id}", "POST /v1/sessions/{session_id}/end",
     "POST /v1/gateway/completions",
     "POST /v1/gateway/chat/completions",
+    "POST /v1/responses", "GET /v1/responses/{response_id}", "DELETE /v1/responses/{response_id}",
+    "POST /v1/messages", "POST /v1/messages/count_tokens",
 }
 
 

@@ -56,6 +56,12 @@ async def chat(client: httpx.AsyncClient, session: str, messages: list[dict], *,
     return resp
 
 
+def tokens(usage: dict) -> tuple[int, int, int]:
+    """A response's token counts (not ``prompt_tokens_details.cached_tokens``, which says how the prompt was served:
+    a pull and a recompute of the same turn differ there)."""
+    return usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]
+
+
 def user_turn(n: int) -> dict:
     """A long-ish user message (tool output) so the history spans several KV blocks."""
     source = inspect.getsource(textwrap)

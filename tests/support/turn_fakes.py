@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import grpc
 from kvshuttle.control_plane import kv_params
-from kvshuttle.services.engine.client import Chunk, EngineClient, EngineError, Final
+from kvshuttle.services.engine.client import Chunk, EngineClient, EngineError, Final, TokenLogprob
 from kvshuttle.services.gateway.turns import Delta, Finished, KvOutcome, TurnError, TurnRequest, TurnRunner
 from kvshuttle.v1 import common_pb2, registry_pb2, scheduler_pb2
 
@@ -30,9 +30,6 @@ class Tokenizer:
 
     def decode(self, ids, skip_special_tokens=True):
         return "".join(chr(i) for i in ids)
-
-    def stream_decoder(self, skip_special_tokens=True):
-        return self.decode
 
 
 BLOCK = 4  # the fake decode worker's KV block size
@@ -187,6 +184,7 @@ class AnsweredTurn:
     request: TurnRequest
     id: str = "kvs-test"
     prompt_text: str = "<prompt>"
+    prompt_ids: list[int] = field(default_factory=lambda: [5, 6, 7])
     kv: KvOutcome = field(default_factory=lambda: KvOutcome("pull", "pulled", pulled_tokens=30, computed_tokens=10))
 
 
@@ -211,7 +209,20 @@ class AnsweringRunner:
         req.session_id = turn.kv.session_id
         return turn
 
+    def hidden_token_ids(self, req: TurnRequest) -> set[int]:
+        return set()
+
+    @staticmethod
+    def logprob(position: int, char: str, top: int) -> TokenLogprob:
+        """The stand-in's logprob of the answer's ``position``-th character (token id = code point)."""
+        value = -0.25 * position
+        return TokenLogprob(ord(char), value, ((ord(char), value), (ord("?"), value - 1.0))[:top])
+
     async def decode(self, turn: AnsweredTurn):
+        """Token ids are the answer's code points; with logprobs asked for, each token gets ``logprob``'s."""
+        top = turn.request.logprobs
+        lps = [self.logprob(i, c, top) for i, c in enumerate(self.answer)] if top is not None else None
         for i in range(0, len(self.answer), self.pieces):
-            yield Delta(self.answer[i:i + self.pieces], [])
-        yield Finished(self.finish, self.answer, list(range(7)), 40, turn.kv, {})
+            piece = self.answer[i:i + self.pieces]
+            yield Delta(piece, [ord(c) for c in piece], lps[i:i + self.pieces] if lps else None)
+        yield Finished(self.finish, self.answer, [ord(c) for c in self.answer], 40, turn.kv, {}, lps)

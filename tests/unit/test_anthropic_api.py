@@ -194,8 +194,9 @@ async def test_thinking_and_tool_choice_become_template_variables_and_constraint
     assert forced.template_vars["enable_thinking"] is True and named_req.template_vars["enable_thinking"] is False
     assert "enable_thinking" not in none.template_vars and none.template_vars["tools"]
     assert forced.constraint.kind == "structural_tag"
-    assert not json.loads(forced.constraint.value)["format"]["elements"][1]["stop_after_first"]
-    assert json.loads(named_req.constraint.value)["format"]["elements"][1]["stop_after_first"]
+    assert not json.loads(forced.constraint.value)["format"]["stop_after_first"]
+    assert json.loads(named_req.constraint.value)["format"]["stop_after_first"]
+    assert forced.reasoning_tags == ("<think>", "</think>")  # placed after the prompt's reasoning by the runner
     assert none.constraint is None and none.skip_special_tokens
 
 
@@ -261,6 +262,7 @@ BAD = [
     ({**BASE, "thinking": {"type": "enabled", "budget_tokens": 1024, "display": "omitted"}}, 400,
      "invalid_request_error", "thinking.enabled.display"),
     ({**BASE, "temperature": 1.5}, 400, "invalid_request_error", "temperature"),
+    ({**BASE, "system": [{"text": "", "type": {}}]}, 400, "invalid_request_error", "system"),  # found by fuzzing
     ({**BASE, "max_tokens": 4096, "thinking": {"type": "enabled", "budget_tokens": 1024}}, 400,
      "invalid_request_error", "thinking.budget_tokens: thinking.budget_tokens 1024 cannot be enforced"),
     ({**BASE, "model": "claude-opus-4"}, 404, "not_found_error", "model 'claude-opus-4' not found"),

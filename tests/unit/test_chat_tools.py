@@ -62,7 +62,7 @@ async def test_a_tool_call_with_reasoning_as_the_openai_client_reads_it():
     assert call.id.startswith("chatcmpl-tool-") and call.type == "function"
     assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
     assert choice.message.model_extra["reasoning_content"] == "\nParis, then.\n"
-    assert choice.message.content == "\n\n"  # the text before the call, as vLLM's hermes parser reports it
+    assert choice.message.content is None  # only the blank line before the call: no content, as vLLM reports it
     assert resp.usage.prompt_tokens_details.cached_tokens == 30  # 40 prompt tokens, 10 computed
 
 
@@ -90,7 +90,7 @@ async def test_a_streamed_answer_gives_what_the_whole_answer_gives(pieces):
                 finish = choice.finish_reason or finish
     assert finish == whole.finish_reason == "tool_calls"
     assert reasoning == whole.message.model_extra["reasoning_content"]
-    assert content == whole.message.content
+    assert (content or None) == whole.message.content
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [
         (tc.function.name, tc.function.arguments) for tc in whole.message.tool_calls]
     assert usage.prompt_tokens_details.cached_tokens == 30
@@ -205,11 +205,17 @@ async def _constraint(extra: dict, **parsers):
     return runner.requests[0].constraint
 
 
+async def _request(extra: dict, **parsers):
+    runner = AnsweringRunner("ok")
+    async with client(runner, **parsers) as http:
+        await http.post("/v1/chat/completions", json={"messages": ASK, **extra})
+    return runner.requests[0]
+
+
 async def test_forced_tool_calls_and_structured_output_become_the_turns_constraint():
     required = await _constraint({"tools": [TOOL], "tool_choice": "required"})
-    fmt = json.loads(required.value)["format"]
-    assert required.kind == "structural_tag" and fmt["type"] == "or"  # reasoning first, or not (qwen3 parser)
-    calls = fmt["elements"][1]
+    calls = json.loads(required.value)["format"]
+    assert required.kind == "structural_tag" and calls["type"] == "tags_with_separator"
     assert calls["tags"][0]["begin"] == '<tool_call>\n{"name": "get_weather", "arguments": '
     assert calls["separator"] == "\n" and calls["at_least_one"] and not calls["stop_after_first"]
     named = await _constraint({"tools": [TOOL], "tool_choice": {"type": "function",
@@ -226,6 +232,12 @@ async def test_forced_tool_calls_and_structured_output_become_the_turns_constrai
     assert (await _constraint({"structured_outputs": {"regex": "[0-9]+"}})).value == "[0-9]+"
     assert (await _constraint({"structured_outputs": {"choice": ["yes", "no"]}})).value == ["yes", "no"]
     assert (await _constraint({"response_format": {"type": "text"}})) is None
+    # The gateway's own constraints go after the reasoning the rendered prompt leaves room for (the runner places
+    # them: control_plane.constraints.after_reasoning); a client's structured_outputs constraint is taken as given.
+    assert (await _request({"tools": [TOOL], "tool_choice": "required"})).reasoning_tags == ("<think>", "</think>")
+    assert (await _request({"response_format": {"type": "json_object"}})).reasoning_tags == ("<think>", "</think>")
+    assert (await _request({"structured_outputs": {"regex": "a"}})).reasoning_tags is None
+    assert (await _request({"tools": [TOOL], "tool_choice": "required"}, reasoning_parser="")).reasoning_tags is None
 
 
 async def test_a_forced_call_is_parsed_into_tool_calls():

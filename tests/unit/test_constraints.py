@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from kvshuttle.control_plane.constraints import CALL_SYNTAX, forced_tool_calls, json_answer
+from kvshuttle.control_plane.constraints import CALL_SYNTAX, Constraint, after_reasoning, forced_tool_calls, json_answer
 from kvshuttle.workers import agent_script as script
 
 THINK = ("<think>", "</think>")
@@ -51,6 +51,15 @@ def without_reasoning(text: str) -> str:
     return text[text.index("</think>\n\n") + len("</think>\n\n"):]
 
 
+OPEN = "<|im_start|>assistant\n"  # the model may reason first
+CLOSED = "<|im_start|>assistant\n<think>\n\n</think>\n\n"  # thinking turned off in the prompt
+INSIDE = "<|im_start|>assistant\n<think>\n"  # the prompt opened the reasoning block
+
+
+def placed(constraint, prompt: str):
+    return after_reasoning(constraint, THINK, prompt)
+
+
 @pytest.fixture(scope="module")
 def results():
     tools = [*script.TOOLS, OTHER_TOOL]
@@ -58,15 +67,19 @@ def results():
     call_time = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
     bad_args = '<tool_call>\n{"name": "get_weather", "arguments": {"town": "Paris"}}\n</tool_call>'
     schema = {"type": "object", "properties": {"temperature_c": {"type": "integer"}}, "required": ["temperature_c"]}
+    required, named = forced_tool_calls(HERMES, tools, None), forced_tool_calls(HERMES, tools, "get_weather")
     return accepted([
-        (forced_tool_calls(HERMES, tools, None, THINK),
+        (placed(required, OPEN),
          [one, two, without_reasoning(one), call_time, answer, bad_args, one + "\n" + call_time]),
-        (forced_tool_calls(HERMES, tools, "get_weather", THINK), [one, two, call_time, without_reasoning(one)]),
-        (forced_tool_calls(HERMES, tools, None, None), [one, without_reasoning(two)]),
-        (json_answer(schema, THINK), ['<think>\nhot\n</think>\n\n{"temperature_c": 21}', '{"temperature_c": 21}',
-                                      '{"temperature_c": "warm"}', "It is 21."]),
-        (json_answer(schema, None), ['{"temperature_c": 21}', '<think>\nx\n</think>\n\n{"temperature_c": 21}']),
-        (json_answer(None, THINK), ['{"a": [1, {"b": null}]}', '<think>\nx\n</think>\n\n{}', "[1]"]),
+        (placed(named, OPEN), [one, two, call_time, without_reasoning(one)]),
+        (placed(required, CLOSED), [one, without_reasoning(two)]),
+        (placed(json_answer(schema), OPEN), ['<think>\nhot\n</think>\n\n{"temperature_c": 21}',
+                                             '{"temperature_c": 21}', '{"temperature_c": "warm"}', "It is 21."]),
+        (placed(json_answer(schema), CLOSED), ['{"temperature_c": 21}',
+                                               '<think>\nx\n</think>\n\n{"temperature_c": 21}']),
+        (placed(json_answer(None), OPEN), ['{"a": [1, {"b": null}]}', '<think>\nx\n</think>\n\n{}', "[1]"]),
+        (placed(json_answer(schema), INSIDE), ['still thinking\n</think>\n\n{"temperature_c": 4}',
+                                               '{"temperature_c": 4}']),
     ])
 
 
@@ -80,14 +93,20 @@ def test_a_named_function_forces_exactly_one_call_of_it(results):
     assert results[1] == [True, False, False, True]
 
 
-def test_without_a_reasoning_parser_the_calls_start_at_once(results):
+def test_a_prompt_that_closed_the_reasoning_gets_the_constraint_at_once_as_vllm_applies_it(results):
     assert results[2] == [False, True]
+    assert results[4] == [True, False]
+    schema = json_answer({"type": "object"})
+    assert placed(schema, CLOSED) == schema and placed(schema, CLOSED + "  \n") == schema
 
 
 def test_json_answers_follow_the_schema_after_optional_reasoning(results):
     assert results[3] == [True, True, False, False]
-    assert results[4] == [True, False]
     assert results[5] == [True, True, False]  # json_object: any object, not an array
+
+
+def test_inside_a_reasoning_block_the_model_finishes_it_first(results):
+    assert results[6] == [True, False]
 
 
 def test_the_constraint_kinds():
@@ -96,3 +115,5 @@ def test_the_constraint_kinds():
     assert json.loads(json_answer({"type": "object"}).value) == {"type": "object"}
     forced = forced_tool_calls(HERMES, script.TOOLS, None)
     assert forced.kind == "structural_tag" and json.loads(forced.value)["type"] == "structural_tag"
+    regex = Constraint("regex", "[0-9]+")
+    assert placed(regex, OPEN) == regex  # a client's own constraint is taken as given

@@ -24,9 +24,8 @@ async def post(path: str, body: dict) -> tuple[httpx.Response, CapturingRunner]:
 
 
 @pytest.mark.parametrize("extra, named", [
-    ({"prediction": {"type": "content", "content": "x"}, "top_logprobs": 2}, "prediction, top_logprobs"),
-    ({"logprobs": True}, "logprobs"),
-    ({"logprobs": True, "top_logprobs": 3}, "logprobs, top_logprobs"),
+    ({"prediction": {"type": "content", "content": "x"}, "web_search_options": {}},
+     "prediction, web_search_options"),
     ({"store": True}, "store"),
     ({"metadata": {"a": "b"}}, "metadata"),
     ({"service_tier": "flex"}, "service_tier"),
@@ -112,7 +111,7 @@ async def test_out_of_range_sampling_fields_are_a_400_naming_them(extra, named):
 
 
 async def test_completions_refuses_its_own_unapplied_fields():
-    for extra, named in [({"logprobs": 0}, "logprobs"), ({"echo": True}, "echo"), ({"best_of": 2}, "best_of"),
+    for extra, named in [({"logprobs": 21}, "logprobs"), ({"echo": True}, "echo"), ({"best_of": 2}, "best_of"),
                          ({"suffix": "x"}, "suffix")]:
         resp, runner = await post("/v1/completions", {"prompt": "x", **extra})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == named, resp.text
@@ -163,3 +162,9 @@ def test_a_grpc_field_this_gateway_does_not_know_is_a_400():
     assert unknown_field(msg) == "messages[0]#100"
     assert unknown_field(gateway_pb2.CompleteRequest(prompt="x", sampling=gateway_pb2.SamplingOptions(
         logit_bias={1: 2.0}))) is None
+
+
+async def test_text_parts_are_joined_with_a_newline_as_vllm_joins_them():
+    parts = [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]
+    resp, runner = await post("/v1/chat/completions", {"messages": [{"role": "user", "content": parts}]})
+    assert resp.status_code == 503 and runner.requests[0].messages == [{"role": "user", "content": "first\nsecond"}]

@@ -503,16 +503,12 @@ async def test_skip_special_tokens_reaches_the_detokenizer():
             seen.append(skip_special_tokens)
             return super().decode(ids)
 
-        def stream_decoder(self, skip_special_tokens=True):
-            seen.append(skip_special_tokens)
-            return lambda ids: "".join(chr(i) for i in ids)
-
     for skip in (True, False):
         seen.clear()
         r, _, _ = runner(scheduler_pb2.DECISION_RECOMPUTE, Engine())
         r.tokenizer = Recording()
         await run(r, TurnRequest(prompt_text="hi", max_tokens=2, skip_special_tokens=skip))
-        assert seen[:2] == [skip, skip]  # the stream decoder and the answer's text (a record decodes raw)
+        assert seen and set(seen) == {skip}  # every decoding of the answer's text
 
 
 def test_the_turn_span_carries_the_genai_sampling_attributes():

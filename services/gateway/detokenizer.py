@@ -1,0 +1,52 @@
+"""The answer's text, one piece per new token, such that the pieces a stream sends, the whole answer's text and the text
+the session records are the same string.
+
+Decoding token by token cannot just decode each id alone: a character may span several byte-level tokens, and a
+tokenizer may merge or space tokens differently in context. So each step decodes a short window (from a few tokens
+back) and sends what it adds to the window's earlier text, holding back text that ends in an unfinished character
+(U+FFFD) until the next token completes it, as vLLM's incremental detokenizer does. The answer's text is the
+concatenation of the pieces (plus what ``finish`` flushes): a client that echoes back what it was streamed echoes
+the recorded text, and its next turn continues the recorded token ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+REPLACEMENT = "\ufffd"
+WINDOW = 6  # tokens decoded before the first new one: enough for a character split over byte-level tokens
+
+
+class IncrementalText:
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True):
+        self._decode = tokenizer.decode
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix = 0  # where the window starts
+        self._read = 0  # ids whose text has been sent
+        self.text = ""
+
+    def _window(self, end: int) -> str:
+        return self._decode(self._ids[self._prefix:end], self._skip)
+
+    def add(self, ids: Sequence[int]) -> str:
+        """The text that ``ids`` add (possibly "" while a character is unfinished)."""
+        self._ids.extend(ids)
+        before = self._window(self._read)
+        now = self._window(len(self._ids))
+        if len(now) <= len(before) or now.endswith(REPLACEMENT) or not now.startswith(before):
+            return ""
+        piece = now[len(before):]
+        self._read = len(self._ids)
+        self._prefix = max(0, self._read - WINDOW)
+        self.text += piece
+        return piece
+
+    def finish(self) -> str:
+        """What is still held back (an unfinished character comes out as U+FFFD), once the answer has ended."""
+        before, now = self._window(self._read), self._window(len(self._ids))
+        piece = now[len(before):] if now.startswith(before) else ""
+        self._read = len(self._ids)
+        self.text += piece
+        return piece
