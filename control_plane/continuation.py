@@ -11,6 +11,8 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvshuttle.control_plane.session import MAX_FIND_KEYS
+
 
 @dataclass(frozen=True)
 class Continuation:
@@ -44,7 +46,7 @@ def text_key(text: str) -> bytes:
     return hashlib.sha256(text.encode()).digest()
 
 
-def prefix_keys(text: str, markers: Sequence[str], limit: int = 64) -> list[bytes]:
+def prefix_keys(text: str, markers: Sequence[str], limit: int = MAX_FIND_KEYS) -> list[bytes]:
     """Content keys of the prefixes of ``text`` that end just before or just after a marker, longest first (at most
     ``limit``; the whole text and the empty prefix are not candidates). One pass over the text."""
     cuts: set[int] = set()

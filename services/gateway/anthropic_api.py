@@ -64,10 +64,9 @@ from kvshuttle.services.gateway.chat_tools import (
     check_tools,
 )
 from kvshuttle.services.gateway.http_guard import principal
-from kvshuttle.services.gateway.openai_api import SESSION_HEADER, StrictIn, kv_body, kv_headers
+from kvshuttle.services.gateway.openai_api import SESSION_HEADER, StrictIn, drain, kv_body, kv_headers
 from kvshuttle.services.gateway.turns import (
     Delta,
-    Finished,
     KvOutcome,
     PreparedTurn,
     TurnError,
@@ -596,7 +595,7 @@ def anthropic_routes(runner: TurnRunner, served_model: str, default_max_tokens: 
             return StreamingResponse(_stream(runner, turn, served_model, blocks, stop), media_type="text/event-stream",
                                      headers={**kv_headers(turn.kv), "X-Session-ID": req.session_id,
                                               "Cache-Control": "no-cache", "request-id": turn.id})
-        finished = await _drain(runner, turn)
+        finished = await drain(runner, turn)
         blocks.feed(finished.text)
         blocks.finish()
         reason, sequence = stop_reason(finished.finish_reason, finished.text, stop, bool(blocks.calls))
@@ -626,16 +625,6 @@ def anthropic_routes(runner: TurnRunner, served_model: str, default_max_tokens: 
         return JSONResponse({"input_tokens": len(ids)})
 
     return router
-
-
-async def _drain(runner: TurnRunner, turn: PreparedTurn) -> Finished:
-    finished = None
-    async for event in runner.decode(turn):
-        if isinstance(event, Finished):
-            finished = event
-    if finished is None:
-        raise TurnError(503, grpc.StatusCode.UNAVAILABLE, "decode ended without a result")
-    return finished
 
 
 async def _stream(runner: TurnRunner, turn: PreparedTurn, model: str, blocks: ContentBlocks,

@@ -414,7 +414,7 @@ def create_app(runner: TurnRunner, served_model: str, default_max_tokens: int,
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_stream(runner, turn, served_model, include_usage, shape, answer, lps, ids),
                                      media_type="text/event-stream", headers=_stream_headers(turn))
-        finished = await _drain(runner, turn)
+        finished = await drain(runner, turn)
         if shape.chat:
             message, called = answer.message(finished.text)
             choice = {"index": 0, "message": message, "finish_reason": finish_reason(finished.finish_reason, called),
@@ -492,7 +492,8 @@ def _stream_headers(turn: PreparedTurn) -> dict[str, str]:
     return {**kv_headers(turn.kv), "X-Session-ID": turn.request.session_id, "Cache-Control": "no-cache"}
 
 
-async def _drain(runner: TurnRunner, turn: PreparedTurn) -> Finished:
+async def drain(runner: TurnRunner, turn: PreparedTurn) -> Finished:
+    """Run a prepared turn to its end (the whole answer, not streamed): its summary."""
     async for event in runner.decode(turn):
         if isinstance(event, Finished):
             return event

@@ -34,6 +34,7 @@ from kvshuttle.services.gateway.openai_api import (
     SESSION_ID_PATTERN,
     TURN_RESPONSES,
     StrictIn,
+    drain,
     kv_body,
     kv_headers,
 )
@@ -437,14 +438,8 @@ def add_responses_routes(app: FastAPI, runner: TurnRunner, served_model: str, de
         if body.stream:
             return StreamingResponse(_stream(runner, turn, builder, response, finished),
                                      media_type="text/event-stream", headers=_headers(turn))
-        done = None
-        async for event in runner.decode(turn):
-            if isinstance(event, Delta):
-                builder.feed(event.text)
-            elif isinstance(event, Finished):
-                done = event
-        if done is None:
-            raise TurnError(503, grpc.StatusCode.UNAVAILABLE, "decode ended without a result")
+        done = await drain(runner, turn)
+        builder.feed(done.text)  # the parsers give a whole answer what they give it streamed
         builder.finish()
         return JSONResponse(await finished(done), headers={**kv_headers(done.kv), **_headers(turn)})
 
