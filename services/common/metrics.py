@@ -483,9 +483,8 @@ def _instrumented(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethod
     seconds = GRPC_SECONDS.labels(service, name)
     handled: dict[Any, Any] = {}
 
-    def done(context, exc: BaseException | None, started: float) -> None:
+    def count(code: grpc.StatusCode, started: float) -> None:
         seconds.observe(time.perf_counter() - started)
-        code = _status(context, exc)
         child = handled.get(code)
         if child is None:
             child = handled[code] = GRPC_HANDLED.labels(service, name, code.name)
@@ -494,25 +493,24 @@ def _instrumented(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethod
     def wrap(inner):
         if inspect.isasyncgenfunction(inner):
             async def stream(request, context):
-                started, exc = time.perf_counter(), None
+                counted = _Counted(context, count)
                 try:
-                    async for item in inner(request, context):
+                    async for item in inner(request, counted):
                         yield item
                 except BaseException as e:
-                    exc = e
+                    counted.done(e)
                     raise
-                finally:
-                    done(context, exc, started)
+                counted.done(None)
             return stream
         if inspect.iscoroutinefunction(inner):
             async def call(request, context):
-                started = time.perf_counter()
+                counted = _Counted(context, count)
                 try:
-                    response = await inner(request, context)
+                    response = await inner(request, counted)
                 except BaseException as exc:
-                    done(context, exc, started)
+                    counted.done(exc)
                     raise
-                done(context, None, started)
+                counted.done(None)
                 return response
             return call
         return inner  # a synchronous handler: left as it is
@@ -522,6 +520,34 @@ def _instrumented(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethod
         if inner is not None:
             return handler._replace(**{kind: wrap(inner)})
     return handler
+
+
+class _Counted:
+    """The servicer context, counting the call before its status reaches the client.
+
+    ``context.abort`` sends the status and only then raises; counting after the raise would let a client see its
+    error before the call is counted (a scrape right after could miss it). Everything but ``abort`` is the context's.
+    """
+
+    __slots__ = ("_context", "_count", "_started", "_done")
+
+    def __init__(self, context, count) -> None:
+        self._context, self._count, self._started, self._done = context, count, time.perf_counter(), False
+
+    def __getattr__(self, attr):
+        return getattr(self._context, attr)
+
+    async def abort(self, code, details="", trailing_metadata=()):
+        if not self._done:
+            self._done = True
+            self._count(code if isinstance(code, grpc.StatusCode) else _CODES.get(int(code), grpc.StatusCode.UNKNOWN),
+                        self._started)
+        await self._context.abort(code, details, trailing_metadata)
+
+    def done(self, exc: BaseException | None) -> None:
+        if not self._done:
+            self._done = True
+            self._count(_status(self._context, exc), self._started)
 
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}

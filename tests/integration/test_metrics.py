@@ -316,9 +316,18 @@ async def test_the_gateway_serves_metrics_on_its_http_port_or_its_own(etcd, mode
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await gateway_pb2_grpc.GatewayStub(channel).Complete(gateway_pb2.CompleteRequest(prompt="hi"))
                 assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            resp = await client.get("/metrics")
-            assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
-            after = parse(resp.text)
+
+            async def scraped():
+                # the server counts a call once its handler has returned, which can be just after the client got
+                # its status: wait for that, rather than scrape once
+                resp = await client.get("/metrics")
+                assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
+                after = parse(resp.text)
+                counted = delta(before, after, "kvshuttle_grpc_server_handled_total", service="kvshuttle.v1.Gateway",
+                                method="Complete", code="UNAUTHENTICATED")
+                return (resp, after) if counted else None
+
+            resp, after = await until(scraped, timeout_s=5, what="the refused gRPC call to be counted")
             assert "/metrics" not in (await client.get("/openapi.json", headers=bearer("acme"))).text
         assert delta(before, after, "kvshuttle_turn_failures_total", kind="bad_request") == 1
         assert delta(before, after, "kvshuttle_grpc_server_handled_total", service="kvshuttle.v1.Gateway",
