@@ -68,7 +68,7 @@ from kvshuttle.services.gateway.openai_api import SESSION_HEADER, StrictIn, drai
 from kvshuttle.services.gateway.turns import (
     Delta,
     KvOutcome,
-    PreparedTurn,
+    TurnContext,
     TurnError,
     TurnRequest,
     TurnRunner,
@@ -627,7 +627,7 @@ def anthropic_routes(runner: TurnRunner, served_model: str, default_max_tokens: 
     return router
 
 
-async def _stream(runner: TurnRunner, turn: PreparedTurn, model: str, blocks: ContentBlocks,
+async def _stream(runner: TurnRunner, turn: TurnContext, model: str, blocks: ContentBlocks,
                   stop: list[str]) -> AsyncIterator[bytes]:
     yield _sse("message_start", {"type": "message_start", "message": {
         "id": f"msg_{turn.id}", "type": "message", "role": "assistant", "model": model, "content": [],

@@ -10,7 +10,7 @@ from kvshuttle.services.gateway.turns import (
     Delta,
     Finished,
     KvOutcome,
-    PreparedTurn,
+    TurnContext,
     TurnError,
     TurnRequest,
     TurnRunner,
@@ -127,7 +127,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return self._request(msg, messages=[{"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
                                             for m in msg.messages])
 
-    async def _prepare(self, req: TurnRequest, context) -> PreparedTurn:
+    async def _prepare(self, req: TurnRequest, context) -> TurnContext:
         turn = await self.runner.prepare(req)
         await context.send_initial_metadata((
             ("x-kv-decision", turn.kv.decision),

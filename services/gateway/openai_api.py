@@ -49,7 +49,7 @@ from kvshuttle.services.gateway.turns import (
     Delta,
     Finished,
     KvOutcome,
-    PreparedTurn,
+    TurnContext,
     TurnError,
     TurnRequest,
     TurnRunner,
@@ -488,11 +488,11 @@ def create_app(runner: TurnRunner, served_model: str, default_max_tokens: int,
     return app
 
 
-def _stream_headers(turn: PreparedTurn) -> dict[str, str]:
+def _stream_headers(turn: TurnContext) -> dict[str, str]:
     return {**kv_headers(turn.kv), "X-Session-ID": turn.request.session_id, "Cache-Control": "no-cache"}
 
 
-async def drain(runner: TurnRunner, turn: PreparedTurn) -> Finished:
+async def drain(runner: TurnRunner, turn: TurnContext) -> Finished:
     """Run a prepared turn to its end (the whole answer, not streamed): its summary."""
     async for event in runner.decode(turn):
         if isinstance(event, Finished):
@@ -505,7 +505,7 @@ def _sse(payload: dict[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-async def _events(runner: TurnRunner, turn: PreparedTurn) -> AsyncIterator[Delta | Finished | TurnError]:
+async def _events(runner: TurnRunner, turn: TurnContext) -> AsyncIterator[Delta | Finished | TurnError]:
     try:
         async for event in runner.decode(turn):
             yield event
@@ -548,7 +548,7 @@ CHAT = _Shape("chat.completion", "chat.completion.chunk", chat=True)
 COMPLETION = _Shape("text_completion", "text_completion", chat=False)
 
 
-async def _stream(runner: TurnRunner, turn: PreparedTurn, model: str, include_usage: bool, shape: _Shape,
+async def _stream(runner: TurnRunner, turn: TurnContext, model: str, include_usage: bool, shape: _Shape,
                   answer: AnswerShape, lps: _Logprobs | None = None, ids: bool = False):
     """``ids`` (vLLM's return_token_ids): the first chunk carries the prompt's ids, each chunk its tokens' ids."""
     base = {"id": turn.id, "object": shape.chunk_object, "created": int(time.time()), "model": model}

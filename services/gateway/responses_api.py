@@ -38,7 +38,7 @@ from kvshuttle.services.gateway.openai_api import (
     kv_body,
     kv_headers,
 )
-from kvshuttle.services.gateway.turns import Delta, Finished, PreparedTurn, TurnError, TurnRequest, TurnRunner
+from kvshuttle.services.gateway.turns import Delta, Finished, TurnContext, TurnError, TurnRequest, TurnRunner
 from kvshuttle.v1 import registry_pb2
 from pydantic import Field
 
@@ -465,11 +465,11 @@ def add_responses_routes(app: FastAPI, runner: TurnRunner, served_model: str, de
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 
-def _headers(turn: PreparedTurn) -> dict[str, str]:
+def _headers(turn: TurnContext) -> dict[str, str]:
     return {**kv_headers(turn.kv), "X-Session-ID": turn.request.session_id, "Cache-Control": "no-cache"}
 
 
-def _response(body: ResponsesIn, turn: PreparedTurn, model: str) -> dict[str, Any]:
+def _response(body: ResponsesIn, turn: TurnContext, model: str) -> dict[str, Any]:
     """The response object before its output (what response.created carries)."""
     fmt = body.text.format.model_dump(by_alias=True, exclude_none=True) if body.text and body.text.format else {
         "type": "text"}
@@ -514,7 +514,7 @@ async def _store(runner: TurnRunner, response: dict[str, Any], items: list[dict[
         response["kvshuttle"]["store_error"] = f"{exc.code().name}: {exc.details()}"
 
 
-async def _stream(runner: TurnRunner, turn: PreparedTurn, builder: OutputBuilder, response: dict[str, Any],
+async def _stream(runner: TurnRunner, turn: TurnContext, builder: OutputBuilder, response: dict[str, Any],
                   finished: Callable[[Finished], Any]) -> AsyncIterator[bytes]:
     def sse(event: dict[str, Any]) -> bytes:
         return f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n".encode()

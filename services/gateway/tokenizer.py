@@ -2,12 +2,15 @@
 
 Rendering follows transformers' chat-template environment (sandboxed, ``trim_blocks``/``lstrip_blocks``,
 ``raise_exception``, ``strftime_now``, a ``tojson`` that keeps non-ASCII, the special tokens as variables, and the
-``{% generation %}`` block) so prompts match what the model was trained to see.
+``{% generation %}`` block) so prompts match what the model was trained to see. The sandbox takes shortcuts for the
+lookups chat templates make most (``message.role``, ``content.strip``, ``loop.first``) that give the same results as
+its general path (tests/unit/test_tokenizer_render.py compares the two).
 """
 
 from __future__ import annotations
 
 import json
+import types
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from functools import cached_property
@@ -17,6 +20,7 @@ from typing import Any
 import jinja2
 from jinja2 import nodes
 from jinja2.ext import Extension
+from jinja2.runtime import Context, LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
@@ -51,6 +55,53 @@ class _GenerationBlock(Extension):
         return nodes.Scope(body, lineno=lineno)
 
 
+# Names that ``getattr`` finds on a plain dict (its own and object's attributes): any other name is a key lookup.
+_DICT_ATTRIBUTES = frozenset(name for cls in dict.__mro__ for name in vars(cls))
+# The str methods the sandbox allows as they are: public ones, except format/format_map (which it wraps).
+_PLAIN_STR_METHODS = frozenset(name for name in vars(str) if not name.startswith("_")) - {"format", "format_map"}
+# The loop variable's public attributes (``loop.first``, ``loop.nextitem``, ...), all safe for the sandbox.
+_LOOP_ATTRIBUTES = frozenset(name for name in vars(LoopContext) if not name.startswith("_"))
+
+
+class _ChatTemplateEnvironment(ImmutableSandboxedEnvironment):
+    """transformers' sandbox, with fast paths for what chat templates do most that give the same results.
+
+    Chat templates read dict keys as attributes (``message.role``): the sandbox first tries ``getattr`` on the dict,
+    which raises AttributeError (slow), then indexes it. For a plain ``dict`` and a name that is no dict attribute
+    that ``getattr`` must fail, so the key is looked up at once. ``str`` methods such as ``strip`` are allowed by the
+    sandbox unchanged (only format/format_map are wrapped), and calling them needs no context; so are the public
+    attributes of ``loop`` (its items still pass the format wrapper). Everything else (other types, dict attributes
+    such as ``items``, underscore names, format) takes the sandbox's own path.
+    """
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        cls = type(obj)
+        if cls is dict and attribute not in _DICT_ATTRIBUTES:
+            try:
+                return obj[attribute]
+            except (TypeError, LookupError):
+                return self.undefined(obj=obj, name=attribute)
+        if cls is str and attribute in _PLAIN_STR_METHODS:
+            return getattr(obj, attribute)
+        if cls is LoopContext and attribute in _LOOP_ATTRIBUTES:
+            try:
+                value = getattr(obj, attribute)
+            except AttributeError:
+                return super().getattr(obj, attribute)
+            wrapped = self.wrap_str_format(value)  # previtem/nextitem are items of any kind
+            return value if wrapped is None else wrapped
+        return super().getattr(obj, attribute)
+
+    # Named as in jinja2 (``__self``...), so that the template's keyword arguments cannot clash with them.
+    def call(__self, __context: Context, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+        if type(__obj) is types.BuiltinMethodType and type(__obj.__self__) is str \
+                and __obj.__name__ in _PLAIN_STR_METHODS:
+            kwargs.pop("_block_vars", None)
+            kwargs.pop("_loop_vars", None)
+            return __obj(*args, **kwargs)
+        return super().call(__context, __obj, *args, **kwargs)
+
+
 def _token_text(value: Any) -> str | None:
     if isinstance(value, Mapping):
         return value.get("content")
@@ -76,8 +127,8 @@ class GatewayTokenizer:
         if not template:
             raise ValueError(f"{root}: no chat template")
         self.chat_template: str = template
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                           extensions=[_GenerationBlock, "jinja2.ext.loopcontrols"])
+        env = _ChatTemplateEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                       extensions=[_GenerationBlock, "jinja2.ext.loopcontrols"])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now

@@ -28,7 +28,7 @@ class JsonTokenizer:
 
 @dataclass
 class AnsweredTurn:
-    """The PreparedTurn fields the front ends read."""
+    """The TurnContext fields the front ends read."""
 
     request: TurnRequest
     id: str = "kvs-test"

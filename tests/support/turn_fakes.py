@@ -179,7 +179,7 @@ class CapturingRunner:
 
 @dataclass
 class AnsweredTurn:
-    """What AnsweringRunner.prepare returns: the PreparedTurn fields the front ends read."""
+    """What AnsweringRunner.prepare returns: the TurnContext fields the front ends read."""
 
     request: TurnRequest
     id: str = "kvs-test"

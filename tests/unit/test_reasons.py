@@ -118,6 +118,6 @@ def test_the_scheduler_and_gateway_codes_are_only_those_of_the_vocabulary():
     assert used, "no module names a reason code"
     assert {getattr(reasons, name) for name in used} <= reasons.VOCABULARY
     # the gateway's own codes are used where it overrides the scheduler's decision
-    turns = (root / "services/gateway/turns.py").read_text()
+    turns = "".join(path.read_text() for path in (root / "services/gateway/turns").glob("*.py"))
     assert "why.PULL_FAILED" in turns and "why.WORKER_FAILED" in turns
     assert json.dumps(sorted(reasons.VOCABULARY))  # plain strings

@@ -11,7 +11,8 @@ import grpc
 import pytest
 from kvshuttle.control_plane import kv_params
 from kvshuttle.services.engine.client import EngineError, Final
-from kvshuttle.services.gateway.turns import Delta, Finished, TurnError, TurnRequest, TurnRunner
+from kvshuttle.services.gateway.turns import Delta, Finished, TurnContext, TurnError, TurnRequest, TurnRunner
+from kvshuttle.services.gateway.turns import record as record_stage
 from kvshuttle.v1 import common_pb2, registry_pb2, scheduler_pb2
 
 from tests.support.turn_fakes import (
@@ -393,7 +394,8 @@ async def test_a_recompute_frees_the_previous_unused_handle_on_its_decode_worker
     r._engines = {"p:1": p, "d:1": Engine()}
     known = {"session_snapshot": registry_pb2.GetSessionResponse(session=registry.session, expires_in_s=300)}
     plan = await scheduler.PlanTurn(scheduler_pb2.PlanTurnRequest(session_id="s", prompt_token_ids=prompt_ids))
-    task = r._release_unused_handle("t1", plan, known, prompt_ids, TurnRequest(session_id="s"))
+    ctx = TurnContext("t1", TurnRequest(session_id="s"), 0.0, prompt_ids=prompt_ids, known_session=known, plan=plan)
+    task = record_stage.release_unused_handle(r, ctx)  # the record stage alone, on a context built by hand
     if case in ("first block differs", "pulled"):
         assert task is None and not registry.claims
         return
@@ -512,10 +514,10 @@ async def test_skip_special_tokens_reaches_the_detokenizer():
 
 
 def test_the_turn_span_carries_the_genai_sampling_attributes():
-    from kvshuttle.services.gateway.turns import _request_attributes
-    attrs = _request_attributes(TurnRequest(prompt_text="x", top_k=5, presence_penalty=0.5, frequency_penalty=-1.0,
+    from kvshuttle.services.gateway.turns.spans import request_attributes
+    attrs = request_attributes(TurnRequest(prompt_text="x", top_k=5, presence_penalty=0.5, frequency_penalty=-1.0,
                                             stop=["\n"]), "m")
     assert attrs["gen_ai.request.top_k"] == 5.0 and attrs["gen_ai.request.presence_penalty"] == 0.5
     assert attrs["gen_ai.request.frequency_penalty"] == -1.0 and attrs["gen_ai.request.stop_sequences"] == ["\n"]
-    plain = _request_attributes(TurnRequest(prompt_text="x"), "m")
+    plain = request_attributes(TurnRequest(prompt_text="x"), "m")
     assert not any(k in plain for k in ("gen_ai.request.top_k", "gen_ai.request.presence_penalty"))

@@ -1,0 +1,113 @@
+"""The one object a turn's stages pass along (TurnContext), what the turn reports (KvOutcome, Delta, Finished), and
+its errors."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import grpc
+from kvshuttle.services.engine.client import EngineError, Final, TokenLogprob
+from kvshuttle.v1 import scheduler_pb2
+
+if TYPE_CHECKING:
+    from kvshuttle.services.gateway.turns.request import TurnRequest
+
+
+class TurnError(Exception):
+    """A turn that cannot run; carries both an HTTP status and a gRPC code for the two front ends."""
+
+    def __init__(self, http_status: int, code: grpc.StatusCode, message: str, retry_after_s: int | None = None):
+        super().__init__(message)
+        self.http_status, self.code, self.message, self.retry_after_s = http_status, code, message, retry_after_s
+
+
+class WorkerDown(Exception):
+    """A worker failed a call (unreachable, crashed, timed out, engine dead): the turn goes on elsewhere."""
+
+    def __init__(self, worker_id: str, error: EngineError):
+        super().__init__(f"{worker_id}: {error}")
+        self.worker_id, self.error = worker_id, error
+
+
+class Tokenizer(Protocol):
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any) -> str: ...
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+
+@dataclass
+class KvOutcome:
+    decision: str
+    reason: str
+    pulled_tokens: int = 0
+    computed_tokens: int = 0
+    retried_as_recompute: bool = False
+    prefill_worker_id: str = ""
+    decode_worker_id: str = ""
+    figures: scheduler_pb2.PlanFigures | None = None
+    worker_failures: list[str] = field(default_factory=list)  # workers that failed in this turn, and what followed
+    reason_code: str = ""  # ``reason`` as a code of kvshuttle.control_plane.reasons
+    session_source: str = ""  # how the session was known: "client", "found", "new" or "" (TurnRequest's)
+    session_id: str = ""  # the session the turn ran in (the request's, a found one or a new one)
+
+
+@dataclass
+class TurnContext:
+    """One turn as its stages fill it in: the prompt stage sets the prompt and the session it continues, the plan
+    stage the plan and the KV outcome, the prefill stage P's answer (the handle for D, perhaps the first token). What
+    the front ends get from ``TurnRunner.prepare``: decoding it on D (then recording it) is what remains."""
+
+    id: str
+    request: TurnRequest
+    started: float
+    span: Any = None
+    timings: dict[str, float] = field(default_factory=dict)
+    # prompt stage
+    prompt_ids: list[int] = field(default_factory=list)
+    prompt_text: str = ""  # the text the ids stand for ('' for raw ids)
+    continued: bool = False  # the ids continue the session's recorded ids
+    known_session: dict[str, Any] = field(default_factory=dict)  # PlanTurnRequest's known-session fields
+    # plan stage
+    plan: scheduler_pb2.PlanTurnResponse = field(default_factory=scheduler_pb2.PlanTurnResponse)
+    kv: KvOutcome = field(default_factory=lambda: KvOutcome("", ""))
+    # prefill stage
+    decode_params: dict[str, Any] | None = None  # kv_transfer_params for D, from P's answer
+    # The answer's first token as P sampled it (None: D samples it). D then continues after it: its prompt is the
+    # prompt plus this token, whose KV D computes itself, and the client gets it without waiting for D.
+    first_token: int | None = None
+    first_finish: str = ""  # P's finish reason for that token ("stop": it ended the answer)
+    first_logprob: TokenLogprob | None = None  # P's log-probability of that token (requests that ask)
+    excluded: list[str] = field(default_factory=list)  # workers that failed in this turn: never planned on again
+    release: asyncio.Task | None = None  # freeing the session's previous, unused KV handle on its decode worker
+    # decode stage
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # parallel to output_ids (requests that ask)
+    text: str = ""  # the answer's text, as the client received it
+    hidden: set[int] = field(default_factory=set)  # token ids left out of the text (stop ids, EOS)
+    final: Final | None = None  # D's final message (its handle is what the record stage records)
+
+
+@dataclass
+class Delta:
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for logprobs
+
+
+@dataclass
+class Finished:
+    finish_reason: str
+    text: str
+    output_ids: list[int]
+    prompt_tokens: int
+    kv: KvOutcome
+    timings: dict[str, float]
+    logprobs: list[TokenLogprob] | None = None  # one per output id, when the request asked for logprobs
+
+
+def elapsed_ms(since: float) -> float:
+    return round((time.perf_counter() - since) * 1000, 3)

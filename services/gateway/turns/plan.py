@@ -1,0 +1,81 @@
+"""Stage 2, the plan: the scheduler picks P and D and decides pull or recompute (from the session snapshot the
+prompt stage read, which it checks against its own view); a stale snapshot sends the turn back to the prompt stage
+once."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import grpc
+from kvshuttle.control_plane import session as session_rules
+from kvshuttle.control_plane.constraints import after_reasoning
+from kvshuttle.services.common.telemetry import hashed
+from kvshuttle.services.gateway.turns import prompt
+from kvshuttle.services.gateway.turns.context import KvOutcome, TurnContext, TurnError, elapsed_ms
+from kvshuttle.services.gateway.turns.request import TurnRequest
+from kvshuttle.services.gateway.turns.spans import predicted_ttft, tracer
+from kvshuttle.v1 import scheduler_pb2
+
+if TYPE_CHECKING:
+    from kvshuttle.services.gateway.turns.runner import TurnRunner
+
+log = logging.getLogger(__name__)
+
+
+async def run(rt: TurnRunner, ctx: TurnContext) -> None:
+    """Sets ``ctx.plan`` and ``ctx.kv``; places the request's constraint after the reasoning the prompt leaves room
+    for (the rendered prompt is known now)."""
+    req = ctx.request
+    t = time.perf_counter()
+    plan = await ask(rt, req, ctx.prompt_ids, ctx.known_session)
+    if plan.figures.snapshot_stale:  # our copy of the record is out of date: read it, build the prompt again
+        rt.forget_record(req.tenant, req.session_id)
+        await prompt.build(rt, ctx, fresh=True)
+        rt.check_length(req, ctx.prompt_ids)
+        plan = await ask(rt, req, ctx.prompt_ids, ctx.known_session)
+    if plan.decision == scheduler_pb2.DECISION_PULL:  # the claim consumed the record we hold
+        rt.forget_record(req.tenant, req.session_id)
+    ctx.timings["plan_ms"] = elapsed_ms(t)
+    if req.constraint is not None and req.reasoning_tags is not None and ctx.prompt_text:
+        req.constraint = after_reasoning(req.constraint, req.reasoning_tags, ctx.prompt_text)
+        req.reasoning_tags = None  # placed
+    if plan.decision != scheduler_pb2.DECISION_PULL and plan.reason.startswith(session_rules.STORE_UNAVAILABLE):
+        rt.degraded["recomputed_store_unavailable"] += 1
+        log.warning("turn %s recomputes without the session store: %s (%d such turns)", ctx.id, plan.reason,
+                    rt.degraded["recomputed_store_unavailable"])
+    pull = plan.decision == scheduler_pb2.DECISION_PULL
+    ctx.plan = plan
+    ctx.kv = KvOutcome("pull" if pull else "recompute", plan.reason, prefill_worker_id=plan.prefill.worker_id,
+                       decode_worker_id=plan.decode.worker_id, figures=plan.figures, reason_code=plan.reason_code,
+                       session_source=req.session_source, session_id=req.session_id)
+    ctx.span.set_attributes({
+        "kvshuttle.session": hashed(req.session_id) if req.session_id else "",
+        "kvshuttle.session_source": req.session_source, "kvshuttle.decision": ctx.kv.decision,
+        "kvshuttle.reason": plan.reason, "kvshuttle.reason_code": ctx.kv.reason_code,
+        "kvshuttle.prompt_tokens": len(ctx.prompt_ids), "kvshuttle.continued_ids": ctx.continued,
+        "kvshuttle.reusable_tokens": plan.figures.reusable_tokens,
+        "kvshuttle.prefill_worker": plan.prefill.worker_id, "kvshuttle.decode_worker": plan.decode.worker_id,
+        "kvshuttle.policy": plan.figures.policy, **predicted_ttft(plan),
+    })
+
+
+async def ask(rt: TurnRunner, req: TurnRequest, prompt_ids: list[int], known_session: dict, *,
+              exclude: Sequence[str] = ()) -> scheduler_pb2.PlanTurnResponse:
+    """The scheduler's plan. With ``exclude`` (workers that failed in this turn) it is a re-plan: the session's
+    handle is not used (the failed attempt claimed it) and those workers are not chosen."""
+    with tracer.start_as_current_span("plan"):
+        try:
+            return await rt.scheduler.PlanTurn(scheduler_pb2.PlanTurnRequest(
+                session_id=req.session_id, tenant=req.tenant, prompt_token_ids=prompt_ids,
+                disable_pull=req.disable_pull or bool(exclude), policy=req.policy,
+                exclude_worker_ids=list(exclude), max_tokens=req.max_tokens, **known_session),
+                timeout=rt.control_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise TurnError(400, exc.code(), exc.details() or "invalid request") from None
+            what = "scheduler" if exc.code() != grpc.StatusCode.UNAVAILABLE or not exclude else "no worker left"
+            raise TurnError(503, grpc.StatusCode.UNAVAILABLE,
+                            f"{what}: {exc.details() or exc.code().name}", retry_after_s=1) from None

@@ -1,0 +1,159 @@
+"""Stage 5, the record: the registry keeps D's handle and the exact ids (with the text they stand for) for the next
+turn. And the KV nothing will read is freed on its decode worker: a session's previous handle when this turn
+recomputed, and the handle of a turn nothing records."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import grpc
+from kvshuttle.control_plane import kv_params
+from kvshuttle.control_plane import session as session_rules
+from kvshuttle.control_plane.continuation import text_key
+from kvshuttle.control_plane.prefix import matched_prefix_tokens
+from kvshuttle.services.engine.client import EngineError, Final
+from kvshuttle.services.gateway.turns.context import TurnContext
+from kvshuttle.services.gateway.turns.spans import release_span, tracer
+from kvshuttle.v1 import common_pb2, registry_pb2, scheduler_pb2
+from opentelemetry import trace
+
+if TYPE_CHECKING:
+    from kvshuttle.services.gateway.turns.runner import TurnRunner
+
+log = logging.getLogger(__name__)
+
+
+async def run(rt: TurnRunner, ctx: TurnContext) -> None:
+    """Record the turn's handle and exact ids, with the text they stand for *as the client received it*: the
+    prompt's text, the answer's text (special tokens skipped if the request skipped them, hidden stop tokens left
+    out), and the end-of-turn marker's text when the answer ended with one (the chat template writes it after the
+    echoed answer). A client that echoes the answer back then renders a prompt that starts with this text, and the
+    next turn continues the exact ids (special tokens included). Timing: ``record_ms``."""
+    t = time.perf_counter()
+    try:
+        await _record(rt, ctx)
+    finally:
+        ctx.timings["record_ms"] = round((time.perf_counter() - t) * 1000, 3)
+
+
+async def _record(rt: TurnRunner, ctx: TurnContext) -> None:
+    req, final, output = ctx.request, ctx.final, ctx.output_ids
+    assert final is not None, "the decode stage ends with D's final message"
+    if not req.session_id:
+        free_unrecorded(rt, ctx)
+        return
+    if not final.kv_transfer_params:
+        log.warning("decode worker returned no KV handle for turn %s: nothing to record", ctx.id)
+        return
+    if ctx.release is not None:  # it claims the old record: before this turn replaces it
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(ctx.release), rt.control_timeout_s)
+    with trace.use_span(ctx.span, end_on_exit=False), tracer.start_as_current_span("record") as span:
+        recorded_text = (ctx.prompt_text + ctx.text + end_marker(rt, output, ctx.hidden)) if ctx.prompt_text else ""
+        rt.forget_record(req.tenant, req.session_id)
+        try:
+            resp = await rt.registry.RecordTurn(registry_pb2.RecordTurnRequest(
+                session_id=req.session_id, tenant=req.tenant, decode_worker_id=ctx.plan.decode.worker_id,
+                kv_transfer_params_json=json.dumps(final.kv_transfer_params),
+                token_ids=[*ctx.prompt_ids, *output], text=recorded_text,
+                text_key=text_key(recorded_text) if recorded_text else b""), timeout=rt.control_timeout_s)
+            rt.keep_record(req.tenant, req.session_id, resp.session)
+            ctx.span.set_attribute("kvshuttle.turn_index", resp.session.turn)
+        except grpc.aio.AioRpcError as exc:
+            # The answer is fine; only the next turn loses its pull.
+            span.set_attribute("error.type", exc.code().name)
+            span.set_status(trace.StatusCode.ERROR, f"RecordTurn failed: {exc.code().name}")
+            rt.degraded["record_failed"] += 1
+            log.warning("could not record turn %s (%s: %s): the next turn cannot pull it (%d unrecorded turns)",
+                        ctx.id, exc.code().name, exc.details(), rt.degraded["record_failed"])
+            free_unrecorded(rt, ctx)
+
+
+def end_marker(rt: TurnRunner, output: list[int], hidden: set[int] | frozenset[int]) -> str:
+    """The text of the answer's last token when it is an EOS token left out of the answer's text."""
+    eos = getattr(rt.tokenizer, "eos_token_ids", None)
+    last = output[-1] if output else None
+    if last is None or last not in hidden or not isinstance(eos, list) or last not in eos:
+        return ""
+    return rt.tokenizer.decode([last], False)
+
+
+def free_unrecorded(rt: TurnRunner, ctx: TurnContext) -> None:
+    """A turn whose handle nothing records (no session id, or the registry could not take it) would leave its
+    decode worker holding the blocks until its TTL, where no turn can pull them and the scheduler cannot find
+    them (clients that send no session id would fill it): free them now, in the background (a one-block read
+    on the turn's prefill worker)."""
+    final: Final | None = ctx.final
+    if not rt.free_unrecorded_kv or final is None or not final.kv_transfer_params:
+        return
+    try:
+        params, prompt = kv_params.free_read(kv_params.parse_handle(final.kv_transfer_params),
+                                             [*ctx.prompt_ids, *ctx.output_ids], ctx.plan.decode.block_size)
+    except kv_params.HandleError as exc:
+        log.debug("turn %s: its KV handle cannot be freed (%s)", ctx.id, exc)
+        return
+
+    async def free() -> None:
+        try:
+            if await rt.engine(ctx.plan.prefill).read_to_free(f"{ctx.id}-free", prompt, params,
+                                                              timeout_s=rt.prefill_timeout_s):
+                rt.released_handles += 1
+        except EngineError as exc:
+            log.debug("turn %s: could not free its unrecorded KV handle: %s", ctx.id, exc)
+
+    rt.background(free())
+
+
+def release_unused_handle(rt: TurnRunner, ctx: TurnContext) -> asyncio.Task | None:
+    """A turn that recomputed leaves the session's previous KV handle unread, and its decode worker would keep
+    those blocks until its TTL (``decoder_kv_blocks_ttl``, minutes): under steady load that fills D's KV cache
+    and new turns wait for blocks. Free them: claim the handle (so no other turn can be reading it), then have
+    this turn's P read its first block, whose tokens the prompt provably repeats (P usually has that block in its
+    own cache just now, and then only notifies D); D frees all of a handle's blocks after any read.
+
+    Runs in the background; the record is written only after it (the claim is at the old record's revision)."""
+    req, plan = ctx.request, ctx.plan
+    snapshot = ctx.known_session.get("session_snapshot")
+    if (plan.decision == scheduler_pb2.DECISION_PULL or snapshot is None or not rt.release_unused_handles
+            or req.disable_pull):  # a forced recompute (benchmarks, comparisons) leaves the session's KV alone
+        return None
+    record = snapshot.session
+    n = min(record.covered_tokens, record.block_size)
+    if not plan.figures.source_worker_alive or not session_rules.freeable(record, len(ctx.prompt_ids), time.time()):
+        return None
+    try:
+        if matched_prefix_tokens(list(record.block_hashes), record.covered_tokens, record.block_size,
+                                 ctx.prompt_ids[:n]) < n:
+            return None  # the prompt's first block differs: P must not take D's KV for it
+    except ValueError:
+        return None
+    return asyncio.create_task(release_span(free_handle(
+        rt, f"{ctx.id}-release", record, plan.prefill, ctx.prompt_ids, req.tenant, req.session_id)))
+
+
+async def free_handle(rt: TurnRunner, request_id: str, record: common_pb2.Session, prefill: common_pb2.Worker,
+                      ids: Sequence[int], tenant: str, session_id: str) -> bool:
+    """Claim ``record``'s handle, then have ``prefill`` read its first block (from ``ids``, tokens that repeat
+    the handle's: kv_params.free_read, EngineClient.read_to_free); D then frees all of the handle's blocks. Best
+    effort: False when not freed."""
+    try:
+        params, prompt = kv_params.free_read(kv_params.parse_handle(record.kv_transfer_params_json), ids,
+                                             record.block_size)
+        claim = await rt.registry.ClaimSession(registry_pb2.ClaimSessionRequest(
+            session_id=session_id, tenant=tenant, revision=record.revision), timeout=rt.control_timeout_s)
+        if not claim.claimed:
+            return False  # a concurrent turn took it (and reads it), or the record changed
+        if not await rt.engine(prefill).read_to_free(request_id, prompt, params, timeout_s=rt.prefill_timeout_s):
+            log.debug("%s: freeing a KV handle failed at the prefill worker", request_id)
+            return False
+    except (grpc.aio.AioRpcError, EngineError, kv_params.HandleError) as exc:
+        log.debug("%s: could not free a KV handle: %s", request_id, exc)
+        return False
+    rt.released_handles += 1
+    return True

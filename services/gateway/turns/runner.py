@@ -1,0 +1,239 @@
+"""The turn runner: one turn through the disaggregated pair as a chain of stages over one TurnContext.
+
+    prompt (prompt.py)   render the chat, find the session, exact prompt ids
+    plan (plan.py)       the scheduler's choice of P and D, pull or recompute
+    prefill (prefill.py) P pulls or computes the prompt's KV; D's kv_transfer_params
+    decode (decode.py)   D's tokens as text deltas
+    record (record.py)   the registry keeps D's handle and the exact ids for the next turn
+
+``prepare`` runs the first three (a front end can still refuse or shape the answer then), ``decode`` the last
+two. Each stage is a module-level ``run(runner, ctx)``: it reads what earlier stages put in the context and adds
+its own part, so it can be tested alone with a context built by hand. What the answer *means* (reasoning, tool
+calls) is control_plane.answer's, applied by the front ends to the text deltas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
+
+import grpc
+from kvshuttle.control_plane import session as session_rules
+from kvshuttle.control_plane.lru import BoundedLru
+from kvshuttle.services.common import metrics
+from kvshuttle.services.engine.client import EngineClient
+from kvshuttle.services.gateway.turns import decode as decoding
+from kvshuttle.services.gateway.turns import plan as planning
+from kvshuttle.services.gateway.turns import prefill as prefilling
+from kvshuttle.services.gateway.turns import prompt as prompting
+from kvshuttle.services.gateway.turns import record as recording
+from kvshuttle.services.gateway.turns.context import Delta, Finished, Tokenizer, TurnContext, TurnError, elapsed_ms
+from kvshuttle.services.gateway.turns.request import TurnRequest, check_length, validate
+from kvshuttle.services.gateway.turns.spans import (
+    finished_attributes,
+    record_failure,
+    release_span,
+    request_attributes,
+    tracer,
+)
+from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from opentelemetry import trace
+
+log = logging.getLogger(__name__)
+
+# TurnRunner.degraded: session reads that failed, turns that recomputed because the registry/etcd was unreachable,
+# and turns whose record could not be written (their next turn cannot pull them).
+DEGRADED_KINDS = ("session_read_failed", "recomputed_store_unavailable", "record_failed")
+
+
+class TurnRunner:
+    """What the stages share: the tokenizer, the registry and scheduler stubs, the engine clients, the limits, this
+    gateway's copies of the records it wrote, and its counters."""
+
+    max_prompt_tokens = 0  # the gateway's limit on a prompt's tokens (0: only the context length limits it)
+    served_model = ""  # the model's name for clients (trace attributes)
+    kv_bytes_per_token = 0  # an estimate of one token's KV in bytes (trace attributes; 0: unknown)
+
+    def __init__(self, tokenizer: Tokenizer, registry: registry_pb2_grpc.SessionRegistryStub,
+                 scheduler: scheduler_pb2_grpc.TransferSchedulerStub, *, max_model_len: int,
+                 engine_timeout_s: float = 120.0, control_timeout_s: float = 5.0, session_cache_bytes: int = 64 << 20,
+                 first_token_from_prefill: bool = True, prefill_timeout_s: float = 120.0,
+                 decode_stall_timeout_s: float = 120.0, worker_retries: int = 2):
+        """``prefill_timeout_s`` bounds one prefill call, ``decode_stall_timeout_s`` the wait for each of D's
+        tokens (the first included): past them the worker counts as failed. ``worker_retries``: how many failed
+        workers one turn may move away from (to another worker of the same role) before it fails with a 503."""
+        self.tokenizer = tokenizer
+        self.registry = registry
+        self.scheduler = scheduler
+        self.max_model_len = max_model_len
+        self.engine_timeout_s = engine_timeout_s
+        self.control_timeout_s = control_timeout_s
+        self.first_token_from_prefill = first_token_from_prefill
+        self.prefill_timeout_s = prefill_timeout_s
+        self.decode_stall_timeout_s = decode_stall_timeout_s
+        self.worker_retries = worker_retries
+        self._engines: dict[str, EngineClient] = {}
+        # The records this gateway wrote (RecordTurn's answer, with its revision): the next turn of a session that
+        # stays on this gateway needs no registry read. A record another gateway changed since makes the scheduler
+        # report the snapshot stale (its claim is at our revision), and the turn reads the record and plans again.
+        self._sessions: BoundedLru[common_pb2.Session] = BoundedLru(session_cache_bytes)
+        self._reports: set[asyncio.Task] = set()  # background work in flight (kept so it is not collected)
+        # Turns served without the session store (registry/etcd unreachable), by kind; GET /health shows them, and
+        # /metrics (metrics_state).
+        self.degraded: dict[str, int] = dict.fromkeys(DEGRADED_KINDS, 0)
+        self.release_unused_handles = True
+        self.free_unrecorded_kv = True  # free the KV of turns nothing records (no session id, record refused)
+        self.released_handles = 0  # KV handles freed on their decode worker: unused, unrecorded, or ended sessions
+        # Chats sent without a session id continue the session their prompt text extends (FindSession), or start a
+        # new one, recorded under a new id; off: such turns are not recorded (their KV is freed after the answer).
+        self.find_sessions = False
+        self.sessions_found = 0  # turns without a session id that continued a recorded session
+
+    # -- what the stages share -------------------------------------------------------------------------------
+
+    def engine(self, worker: common_pb2.Worker) -> EngineClient:
+        client = self._engines.get(worker.grpc_address)
+        if client is None:
+            client = self._engines[worker.grpc_address] = EngineClient(worker.grpc_address,
+                                                                       timeout_s=self.engine_timeout_s)
+        return client
+
+    def own_record(self, tenant: str, session_id: str) -> common_pb2.Session | None:
+        return self._sessions.get((tenant, session_id))
+
+    def keep_record(self, tenant: str, session_id: str, record: common_pb2.Session) -> None:
+        self._sessions.put((tenant, session_id), record, record.ByteSize())
+
+    def forget_record(self, tenant: str, session_id: str) -> None:
+        self._sessions.discard((tenant, session_id))
+
+    def background(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` off the turn's path (outcome reports, freeing KV), keeping a reference until it ends."""
+        task = asyncio.create_task(work)
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
+
+    def validate(self, req: TurnRequest) -> None:
+        """Checks shared by the HTTP and gRPC front ends (types are already checked by each)."""
+        vocab = getattr(self.tokenizer, "vocab_size", None)
+        validate(req, max_model_len=self.max_model_len, vocab=vocab if isinstance(vocab, int) else None)
+
+    def check_length(self, req: TurnRequest, prompt_ids: list[int]) -> None:
+        check_length(req, prompt_ids, max_prompt_tokens=self.max_prompt_tokens, max_model_len=self.max_model_len)
+
+    def hidden_token_ids(self, req: TurnRequest) -> set[int]:
+        return decoding.hidden_token_ids(self, req)
+
+    async def close(self) -> None:
+        for client in self._engines.values():
+            await client.close()
+
+    def metrics_state(self) -> metrics.GatewayState:
+        """This runner's counts for the gateway's /metrics (registered with ``metrics.GATEWAY_STATE``)."""
+        return metrics.GatewayState(degraded=dict(self.degraded), released_handles=self.released_handles)
+
+    # -- the turn --------------------------------------------------------------------------------------------
+
+    async def prepare(self, req: TurnRequest) -> TurnContext:
+        """The prompt, plan and prefill stages: a turn whose prompt is prefilled on P."""
+        ctx = TurnContext(f"kvs-{uuid.uuid4().hex[:24]}", req, time.perf_counter())
+        ctx.span = tracer.start_span("kvshuttle.turn", attributes=request_attributes(req, self.served_model))
+        try:
+            with trace.use_span(ctx.span, end_on_exit=False, record_exception=False, set_status_on_exception=False):
+                self.validate(req)
+                t = time.perf_counter()
+                await prompting.build(self, ctx)
+                ctx.timings["prompt_ms"] = elapsed_ms(t)
+                if req.session_id:
+                    snapshot = ctx.known_session.get("session_snapshot")
+                    ctx.span.set_attribute("kvshuttle.turn_index", snapshot.session.turn + 1 if snapshot else 1)
+                self.check_length(req, ctx.prompt_ids)
+                await planning.run(self, ctx)
+                await prefilling.run(self, ctx)
+                ctx.release = recording.release_unused_handle(self, ctx)
+                return ctx
+        except BaseException as exc:
+            record_failure(ctx.span, exc)
+            ctx.span.end()
+            metrics.turn_failed(exc)
+            raise
+
+    async def decode(self, turn: TurnContext) -> AsyncIterator[Delta | Finished]:
+        """The decode and record stages: stream D's tokens as text deltas, record the session, then yield the
+        summary.
+
+        The consumer may resume this generator from another task (HTTP streaming), so no span is made current
+        across a ``yield``; child spans name their parent explicitly.
+        """
+        answered = False
+        try:
+            async for delta in decoding.run(self, turn):
+                yield delta
+            assert turn.final is not None
+            await recording.run(self, turn)
+            turn.timings["total_ms"] = elapsed_ms(turn.started)
+            req = turn.request
+            event = Finished(turn.final.finish_reason, turn.text, turn.output_ids, len(turn.prompt_ids), turn.kv,
+                             turn.timings, turn.output_logprobs if req.logprobs is not None else None)
+            # the turn is done (a consumer may close this generator later)
+            turn.span.set_attributes(finished_attributes(turn, event, self.served_model))
+            turn.span.end()
+            answered = True
+            metrics.turn_answered(event, self.kv_bytes_per_token)
+            yield event
+        except BaseException as exc:
+            if turn.span.is_recording():
+                record_failure(turn.span, exc)
+            if not answered:
+                metrics.turn_failed(exc)
+            raise
+        finally:
+            if turn.span.is_recording():
+                turn.span.end()
+
+    async def run(self, req: TurnRequest) -> tuple[TurnContext, Finished]:
+        turn = await self.prepare(req)
+        finished = None
+        async for event in self.decode(turn):
+            if isinstance(event, Finished):
+                finished = event
+        assert finished is not None
+        return turn, finished
+
+    async def end_session(self, tenant: str, session_id: str) -> tuple[bool, bool]:
+        """Free the session's KV on its decode worker (when it has a usable handle), then delete its record.
+        Returns (record deleted, KV freed)."""
+        try:
+            session_rules.validate_id("session_id", session_id)
+        except session_rules.InvalidArgument as exc:
+            raise TurnError(400, grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        self.forget_record(tenant, session_id)
+        released = False
+        try:
+            record = (await self.registry.GetSession(registry_pb2.GetSessionRequest(
+                session_id=session_id, tenant=tenant), timeout=self.control_timeout_s)).session
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                return False, False
+            raise TurnError(503, grpc.StatusCode.UNAVAILABLE, f"session registry unavailable: {exc.details()}",
+                            retry_after_s=1) from None
+        if session_rules.freeable(record, len(record.token_ids), time.time()):
+            first_block = list(record.token_ids[:record.block_size + 1])
+            try:  # any live prefill worker will do: ask the scheduler for one
+                plan = await self.scheduler.PlanTurn(scheduler_pb2.PlanTurnRequest(
+                    tenant=tenant, prompt_token_ids=first_block, disable_pull=True), timeout=self.control_timeout_s)
+                released = await release_span(recording.free_handle(
+                    self, f"end-{uuid.uuid4().hex[:16]}", record, plan.prefill, record.token_ids, tenant, session_id))
+            except grpc.aio.AioRpcError as exc:
+                log.debug("ending a session: no prefill worker to free its KV (%s)", exc.code().name)
+        try:
+            deleted = await self.registry.DeleteSession(registry_pb2.DeleteSessionRequest(
+                session_id=session_id, tenant=tenant), timeout=self.control_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise TurnError(503, grpc.StatusCode.UNAVAILABLE, f"session registry unavailable: {exc.details()}",
+                            retry_after_s=1) from None
+        return deleted.deleted, released
