@@ -3,6 +3,9 @@
 The reasoning parser (reasoning.py) runs first; its content goes through the tool-call parser (tool_calls.py).
 Streaming and whole answers take the same path, so the pieces a stream sends concatenate to what the whole answer
 reports (tests/unit/test_answer_parsing.py splits answers at every position to check it).
+
+Harmony (``openai``, gpt-oss) writes reasoning and calls in one syntax: when either parser is Harmony's, one
+harmony.HarmonyParser parses the answer, the part whose parser is not set passed on as content as written.
 """
 
 from __future__ import annotations
@@ -10,8 +13,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from kvshuttle.control_plane.reasoning import CONTENT, REASONING, ReasoningSplitter, ThinkTags
-from kvshuttle.control_plane.tool_calls import ParsedCall, ToolCallParserFactory, Tools
+from kvshuttle.control_plane.harmony import HarmonyEvent, HarmonyParser
+from kvshuttle.control_plane.reasoning import CONTENT, REASONING, Harmony, ReasoningRules, ReasoningSplitter
+from kvshuttle.control_plane.tool_calls import HarmonyCalls, ParsedCall, ToolCallParserFactory, Tools
 
 
 @dataclass(frozen=True)
@@ -25,22 +29,43 @@ class Piece:
 Event = Piece | ParsedCall
 
 
+def keeps_special_tokens(reasoning: ReasoningRules | None, tools: ToolCallParserFactory | None) -> bool:
+    """Whether these parsers need the answer's text with the model's special tokens kept (decoded with
+    ``skip_special_tokens=False``, whether or not the request has tools): Harmony's markers are special tokens."""
+    return bool(getattr(reasoning, "keeps_special_tokens", False) or getattr(tools, "keeps_special_tokens", False))
+
+
 class AnswerParser:
     """Parses one answer. ``reasoning``/``tools``: the reasoning parser's rules and the tool-call parser's factory
-    (tool_calls.TOOL_CALL_PARSERS; None: that part is not parsed); ``request_tools``: the request's tools, which some
-    tool-call parsers read (the schema types of the arguments)."""
+    (reasoning.REASONING_PARSERS, tool_calls.TOOL_CALL_PARSERS; None: that part is not parsed); ``request_tools``:
+    the request's tools, which some tool-call parsers read (the schema types of the arguments). Harmony's parsers
+    (``openai_gptoss`` / ``openai``) go together or alone: with another family's, ValueError."""
 
-    def __init__(self, reasoning: ThinkTags | None = None, tools: ToolCallParserFactory | None = None, *,
+    def __init__(self, reasoning: ReasoningRules | None = None, tools: ToolCallParserFactory | None = None, *,
                  prompt_text: str = "", request_tools: Tools = None):
+        self._reasoning = self._tools = self._harmony = None
+        harmony_reasoning, harmony_calls = isinstance(reasoning, Harmony), tools is HarmonyCalls
+        if harmony_reasoning or harmony_calls:
+            if (reasoning is not None and not harmony_reasoning) or (tools is not None and not harmony_calls):
+                raise ValueError("the openai (Harmony) reasoning and tool-call parsers go together, or alone")
+            self._harmony = HarmonyParser(request_tools, reasoning=harmony_reasoning, calls=harmony_calls,
+                                          prompt_text=prompt_text)
+            return
         self._reasoning = ReasoningSplitter(reasoning, prompt_text=prompt_text) if reasoning else None
         self._tools = tools(request_tools) if tools else None
 
     def feed(self, text: str) -> Iterator[Event]:
+        if self._harmony is not None:
+            yield from _events(self._harmony.feed(text))
+            return
         pieces = self._reasoning.feed(text) if self._reasoning else [(CONTENT, text)]
         yield from self._content(pieces, final=False)
 
     def finish(self) -> Iterator[Event]:
         """What was held back, once the answer has ended."""
+        if self._harmony is not None:
+            yield from _events(self._harmony.finish())
+            return
         pieces = self._reasoning.finish() if self._reasoning else []
         yield from self._content(pieces, final=True)
 
@@ -58,7 +83,14 @@ class AnswerParser:
 
     @property
     def called_tools(self) -> bool:
+        if self._harmony is not None:
+            return bool(self._harmony.calls)
         return bool(self._tools and self._tools.calls)
+
+
+def _events(events: Iterable[HarmonyEvent]) -> Iterator[Event]:
+    for event in events:
+        yield event if isinstance(event, ParsedCall) else Piece(*event)
 
 
 @dataclass
@@ -76,7 +108,7 @@ class ParsedAnswer:
             self.content = (self.content or "") + event.text
 
 
-def parse_answer(text: str, reasoning: ThinkTags | None = None, tools: ToolCallParserFactory | None = None, *,
+def parse_answer(text: str, reasoning: ReasoningRules | None = None, tools: ToolCallParserFactory | None = None, *,
                  prompt_text: str = "", request_tools: Tools = None) -> ParsedAnswer:
     """A whole answer, parsed."""
     parser = AnswerParser(reasoning, tools, prompt_text=prompt_text, request_tools=request_tools)

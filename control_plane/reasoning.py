@@ -13,12 +13,18 @@ open with the start tag is:
   as Qwen3's thinking models do).
 
 An answer cut off inside its reasoning is all reasoning.
+
+``openai_gptoss`` (gpt-oss; also ``openai``, the name of its tool-call parser) is no think-tag parser: its Harmony
+format carries reasoning and tool calls in one syntax of messages on channels, so its rules are :class:`Harmony`,
+which answer.AnswerParser parses with control_plane/harmony.py (reasoning and calls at once) instead of a
+:class:`ReasoningSplitter`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import ClassVar
 
 REASONING, CONTENT = "reasoning", "content"
 
@@ -31,16 +37,31 @@ class ThinkTags:
     start: str = "<think>"
     end: str = "</think>"
     untagged_is_reasoning: bool = False
+    keeps_special_tokens: ClassVar[bool] = False  # its tags are text: the answer may be decoded without special tokens
 
     def opens_in_prompt(self, prompt_text: str) -> bool:
         """True when the prompt ends inside an open thinking block (its last start tag after its last end tag)."""
         return prompt_text.rfind(self.start) > prompt_text.rfind(self.end)
 
 
-REASONING_PARSERS: dict[str, ThinkTags] = {
+@dataclass(frozen=True)
+class Harmony:
+    """The ``openai_gptoss`` reasoning parser's rules: gpt-oss's Harmony format, whose ``analysis`` channel's messages
+    are the reasoning (control_plane/harmony.py). Its markers (``<|channel|>``, ``<|message|>``, ...) are special
+    tokens, so the answer must be decoded keeping them (``skip_special_tokens=False``)."""
+
+    name: str
+    keeps_special_tokens: ClassVar[bool] = True
+
+
+ReasoningRules = ThinkTags | Harmony
+
+REASONING_PARSERS: dict[str, ReasoningRules] = {
     "deepseek_r1": ThinkTags("deepseek_r1", untagged_is_reasoning=True),
     "qwen3": ThinkTags("qwen3"),
     "glm45": ThinkTags("glm45"),
+    "openai_gptoss": Harmony("openai_gptoss"),
+    "openai": Harmony("openai"),  # kvshuttle's alias: the name of Harmony's tool-call parser
 }
 
 

@@ -44,6 +44,10 @@ The families:
   content (vLLM skips the entry), and every marker's array counts (vLLM reads the first). The v11 form's arguments are
   the JSON object's text as written, typed by schema.
 
+``openai`` (gpt-oss's Harmony format): messages to ``functions.NAME`` are calls; Harmony writes reasoning and calls in
+  one syntax, so answer.AnswerParser parses both with control_plane/harmony.py (which says where it differs from vLLM);
+  :class:`HarmonyCalls` is that parser's tool-call half, for use on its own.
+
 ``deepseek_v3`` (DeepSeek-V3, R1): ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json
   \\n{...}\\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>``; arguments are the text in the fence as written (which
   must be a JSON object here; vLLM passes on any text, and takes only one-line arguments).
@@ -803,6 +807,38 @@ class DeepSeekV3Parser(_Calls):
         return (name, args) if isinstance(value, dict) else None
 
 
+# -- openai (Harmony) ------------------------------------------------------------------------------------------------
+
+
+class HarmonyCalls:
+    """``openai``: gpt-oss's Harmony messages (control_plane/harmony.py), as a tool-call parser: content and calls,
+    analysis messages passed on as content as written. answer.AnswerParser does not run this one: it parses Harmony
+    answers with harmony.HarmonyParser, reasoning included when the reasoning parser is Harmony's too. The markers
+    are special tokens: the answer must be decoded keeping them."""
+
+    keeps_special_tokens = True
+
+    def __init__(self, tools: Tools = None):
+        from kvshuttle.control_plane.harmony import HarmonyParser  # harmony.py imports this module
+
+        self._parser = HarmonyParser(tools, reasoning=False)
+
+    @property
+    def calls(self) -> int:
+        return self._parser.calls
+
+    def feed(self, text: str) -> Iterator[Item]:
+        yield from self._items(self._parser.feed(text))
+
+    def finish(self) -> Iterator[Item]:
+        yield from self._items(self._parser.finish())
+
+    @staticmethod
+    def _items(events) -> Iterator[Item]:
+        for event in events:
+            yield event if isinstance(event, ParsedCall) else event[1]
+
+
 TOOL_CALL_PARSERS: dict[str, ToolCallParserFactory] = {
     "hermes": HermesParser,
     "qwen3_json": HermesParser,  # vLLM's alias
@@ -814,4 +850,5 @@ TOOL_CALL_PARSERS: dict[str, ToolCallParserFactory] = {
     "llama4_json": Llama3JsonParser,
     "mistral": MistralParser,
     "deepseek_v3": DeepSeekV3Parser,
+    "openai": HarmonyCalls,
 }

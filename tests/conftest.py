@@ -60,6 +60,14 @@ def agent_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tools_model_dir() -> Path:
+    """The tiny-tools test model (the tiny model with a chat template for tools and tool calls: what `kvshuttle bench`
+    runs), built once into ``var/models/tiny-tools`` (``KVSHUTTLE_TEST_TOOLS_MODEL_DIR`` overrides it); skipped or
+    failed like ``model_dir``."""
+    return _built_model("tiny-tools", REPO / "var" / "models" / "tiny-tools", "KVSHUTTLE_TEST_TOOLS_MODEL_DIR")
+
+
+@pytest.fixture(scope="session")
 def etcd() -> Iterator[str]:
     """A real etcd on loopback for the whole session (data under /dev/shm); yields its endpoints (``127.0.0.1:PORT``).
 

@@ -5,6 +5,11 @@ library's top-level sources (sorted file order); the weights are drawn N(0, 0.05
 that greedy decoding rarely meets ties) and saved as float32 safetensors. A stamp file records a hash of the recipe
 (variant settings, builder version, training text): a directory whose stamp and files match is not rebuilt.
 
+The "tiny-tools" variant is the tiny model (the same tokenizer, config and weights, byte for byte) with the agent
+variant's chat template, which renders tools, hermes ``<tool_call>`` calls and tool results: what ``kvshuttle bench``
+runs, whose conversations carry tool calls (the plain tiny template, which the tests' exact prompts rely on, renders
+none of them).
+
 The "agent" variant is a smaller Llama that really calls tools: its tokenizer adds Qwen's ``<tool_call>``/``<think>``
 tokens (not special) and a Qwen-style template (workers/agent_script.py), and its weights are then trained on CPU,
 deterministically (one thread, full-batch AdamW), until greedy decoding reproduces every assistant step of the
@@ -43,15 +48,18 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+_TINY = dict(num_hidden_layers=4, hidden_size=256, intermediate_size=704, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=64)
 VARIANTS = {
-    "tiny": dict(num_hidden_layers=4, hidden_size=256, intermediate_size=704, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=64),
+    "tiny": _TINY,
+    "tiny-tools": _TINY,
     "medium": dict(num_hidden_layers=8, hidden_size=512, intermediate_size=1408, num_attention_heads=8,
                    num_key_value_heads=4, head_dim=64),
     "agent": dict(num_hidden_layers=2, hidden_size=128, intermediate_size=352, num_attention_heads=2,
                   num_key_value_heads=2, head_dim=64),
 }
 AGENT = "agent"
+TINY_TOOLS = "tiny-tools"  # tiny's tokenizer and weights, the agent's chat template (tools, tool calls)
 AGENT_VERSION = 1  # bump when the agent's build (tokenizer additions, training code) changes
 AGENT_CHAT_TEMPLATE = agent_script.AGENT_CHAT_TEMPLATE
 AGENT_ADDED_TOKENS = list(agent_script.ADDED_TOKENS)
@@ -74,6 +82,8 @@ def recipe(variant: str, files: list[Path]) -> dict:
     rec = {"version": RECIPE_VERSION, "variant": variant, "arch": VARIANTS[variant], "seed": SEED,
            "init_std": INIT_STD, "vocab_size": VOCAB_SIZE, "special_tokens": SPECIAL_TOKENS,
            "chat_template": CHAT_TEMPLATE, "corpus_sha256": text_hash.hexdigest()}
+    if variant == TINY_TOOLS:
+        rec.update(chat_template=AGENT_CHAT_TEMPLATE)
     if variant == AGENT:
         script = Path(agent_script.__file__).read_bytes()
         rec.update(chat_template=AGENT_CHAT_TEMPLATE, agent_version=AGENT_VERSION, added_tokens=AGENT_ADDED_TOKENS,
@@ -250,6 +260,8 @@ def build_model(out_dir: str | os.PathLike, variant: str = "tiny", *, force: boo
     try:
         if variant == AGENT:
             _train_tokenizer(files, tmp, AGENT_CHAT_TEMPLATE, AGENT_ADDED_TOKENS)
+        elif variant == TINY_TOOLS:
+            _train_tokenizer(files, tmp, AGENT_CHAT_TEMPLATE)
         else:
             _train_tokenizer(files, tmp)
         from transformers import PreTrainedTokenizerFast

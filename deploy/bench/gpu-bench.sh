@@ -4,6 +4,9 @@
 #
 #   MODEL_DIR=/models/Qwen3-8B GPUS=0,1,2 deploy/bench/gpu-bench.sh [more kvshuttle bench flags]
 #
+# The conversations carry tool calls (forced in hermes syntax): the model's chat template must render tools and
+# hermes <tool_call> calls (Qwen 2.5 / Qwen3 do; the bench checks it before starting). Add --call-arguments model to
+# let the model write the calls' arguments (default: empty arguments, which a random test model needs).
 # Needs: Python >= 3.11, Debian/Ubuntu (etcd-server from apt), 3 GPUs, the model on local disk (no hub access
 # needed). Results land in var/bench/<timestamp>/ (results.json, samples.jsonl, report.txt, ttft.png).
 # Untested by CI (no GPU there): the CPU run of the same command is what the test suite covers.

@@ -26,6 +26,7 @@ from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 log = logging.getLogger("kvshuttle.stack")
 REPO = Path(__file__).resolve().parent.parent
+MODEL_VARIANTS = ("tiny", "tiny-tools", "medium", "agent")  # workers/model_builder.py's VARIANTS
 
 
 @dataclasses.dataclass
@@ -36,9 +37,10 @@ class StackConfig(TelemetryConfig):
     work_dir: str = setting("var/stack", "Logs and worker caches go here")
     model_dir: str = setting("var/models/tiny", "Model directory; built with make-model if missing",
                              env="KVSHUTTLE_MODEL_DIR")
-    model_variant: str = setting("tiny", "Variant to build when the model is missing ('agent': a small model trained "
-                                         "to call tools and reason; run it with the hermes and qwen3 parsers)",
-                                 choices=("tiny", "medium", "agent"))
+    model_variant: str = setting("tiny", "Variant to build when the model is missing ('tiny-tools': tiny with a chat "
+                                         "template that renders tools and hermes tool calls; 'agent': a small model "
+                                         "trained to call tools and reason; run it with the hermes and qwen3 parsers)",
+                                 choices=MODEL_VARIANTS)
     tool_call_parser: str = setting("", "The gateway's --tool-call-parser (e.g. hermes for the agent model)")
     reasoning_parser: str = setting("", "The gateway's --reasoning-parser (e.g. qwen3 for the agent model)")
     http_port: int = setting(8000, "Gateway HTTP port (0: any free port)")

@@ -39,7 +39,7 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import Annotated, Any, Literal
 
 import grpc
@@ -47,10 +47,10 @@ from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
-from kvshuttle.control_plane.answer import AnswerParser, Event
+from kvshuttle.control_plane.answer import Event
 from kvshuttle.control_plane.constraints import CALL_SYNTAX, Constraint, forced_tool_calls
-from kvshuttle.control_plane.reasoning import REASONING, REASONING_PARSERS
-from kvshuttle.control_plane.tool_calls import TOOL_CALL_PARSERS, ParsedCall
+from kvshuttle.control_plane.reasoning import REASONING
+from kvshuttle.control_plane.tool_calls import ParsedCall
 from kvshuttle.services.gateway.auth import OPEN
 from kvshuttle.services.gateway.chat_tools import (
     FUNCTION_NAME,
@@ -73,6 +73,7 @@ from kvshuttle.services.gateway.turns import (
     TurnRequest,
     TurnRunner,
 )
+from kvshuttle.services.gateway.turns.parse import Parsers
 from pydantic import BeforeValidator, Field
 from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -371,18 +372,20 @@ class ContentBlocks:
     opens. A text block that would hold only whitespace is left out (it opens at the first non-whitespace text);
     ``parallel`` false keeps only the first tool call."""
 
-    def __init__(self, parser: AnswerParser, parallel: bool = True, new_id: Callable[[], str] = tool_use_id):
-        self._parser, self._parallel, self._new_id = parser, parallel, new_id
+    def __init__(self, parallel: bool = True, new_id: Callable[[], str] = tool_use_id):
+        self._parallel, self._new_id = parallel, new_id
         self.content: list[dict[str, Any]] = []
         self.calls = 0
         self._open: str | None = None  # the type of the open (last) block
         self._held = ""  # whitespace-only text not yet in a block
 
-    def feed(self, text: str) -> list[tuple[str, dict[str, Any]]]:
-        return self._spell(self._parser.feed(text))
+    def feed(self, events: Iterable[Event]) -> list[tuple[str, dict[str, Any]]]:
+        """The stream events for the answer events of the next piece of text (the turn's parse stage)."""
+        return self._spell(events)
 
-    def finish(self) -> list[tuple[str, dict[str, Any]]]:
-        out = self._spell(self._parser.finish())
+    def finish(self, events: Iterable[Event] = ()) -> list[tuple[str, dict[str, Any]]]:
+        """The stream events for what the parser held back (``events``), once the answer has ended."""
+        out = self._spell(events)
         self._held = ""
         return [*out, *self._close()]
 
@@ -401,7 +404,7 @@ class ContentBlocks:
         self._open = None
         return [("content_block_stop", {"type": "content_block_stop", "index": len(self.content) - 1})]
 
-    def _spell(self, events: Iterator[Event]) -> list[tuple[str, dict[str, Any]]]:
+    def _spell(self, events: Iterable[Event]) -> list[tuple[str, dict[str, Any]]]:
         out: list[tuple[str, dict[str, Any]]] = []
         for event in events:
             if isinstance(event, ParsedCall):
@@ -539,8 +542,8 @@ def anthropic_routes(runner: TurnRunner, served_model: str, default_max_tokens: 
     TOOL_CALL_PARSERS, reasoning.REASONING_PARSERS; "" leaves that part unparsed, and a request with tools is then
     refused unless tool_choice is none). ``default_max_tokens`` is not used: Anthropic's ``max_tokens`` is required."""
     del default_max_tokens
-    call_tags = TOOL_CALL_PARSERS[tool_call_parser] if tool_call_parser else None
-    think = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
+    parsers = Parsers(tool_call_parser, reasoning_parser)
+    call_tags = parsers.tools
     router = APIRouter(route_class=AnthropicRoute, tags=["anthropic"])
 
     def check_model(body: PromptIn) -> None:
@@ -584,19 +587,18 @@ def anthropic_routes(runner: TurnRunner, served_model: str, default_max_tokens: 
                           messages=messages, template_vars=template_vars(body, tools), max_tokens=body.max_tokens,
                           temperature=body.temperature, top_p=1.0 if body.top_p is None else body.top_p,
                           top_k=body.top_k or 0, stop=stop, constraint=forced_calls(tools, choice) if calls else None,
-                          reasoning_tags=(think.start, think.end) if think else None)
-        if calls:  # as vLLM's tool parsers ask: call tags that are special tokens must stay in the text
-            req.skip_special_tokens = False
-        request_tools = [t.template_dict() for t in tools] or None
+                          reasoning_tags=parsers.think_tags,
+                          parsing=parsers.parsing(calls, [t.template_dict() for t in tools] or None))
+        if calls or parsers.keeps_special_tokens:  # as vLLM's tool parsers ask: call tags (Harmony's channel
+            req.skip_special_tokens = False  # markers) that are special tokens must stay in the text
         turn = await runner.prepare(req)
-        blocks = ContentBlocks(AnswerParser(think, call_tags if calls else None, prompt_text=turn.prompt_text,
-                                            request_tools=request_tools), parallel)
+        blocks = ContentBlocks(parallel)
         if body.stream:
             return StreamingResponse(_stream(runner, turn, served_model, blocks, stop), media_type="text/event-stream",
                                      headers={**kv_headers(turn.kv), "X-Session-ID": req.session_id,
                                               "Cache-Control": "no-cache", "request-id": turn.id})
         finished = await drain(runner, turn)
-        blocks.feed(finished.text)
+        blocks.feed(finished.answer_events)
         blocks.finish()
         reason, sequence = stop_reason(finished.finish_reason, finished.text, stop, bool(blocks.calls))
         return JSONResponse({
@@ -636,10 +638,10 @@ async def _stream(runner: TurnRunner, turn: TurnContext, model: str, blocks: Con
     try:
         async for event in runner.decode(turn):
             if isinstance(event, Delta):
-                for kind, payload in blocks.feed(event.text):
+                for kind, payload in blocks.feed(event.events):
                     yield _sse(kind, payload)
                 continue
-            for kind, payload in blocks.finish():
+            for kind, payload in blocks.finish(event.events):
                 yield _sse(kind, payload)
             reason, sequence = stop_reason(event.finish_reason, event.text, stop, bool(blocks.calls))
             yield _sse("message_delta", {

@@ -1,6 +1,7 @@
 """A chat answer in OpenAI's shape: reasoning, content and tool calls, as one message or as stream deltas.
 
-The parsing itself is pure (kvshuttle.control_plane.answer); this module only spells its events the way OpenAI's
+The parsing itself is pure (kvshuttle.control_plane.answer), run by the turn's parse stage; this module only spells
+its events the way OpenAI's
 and vLLM's servers do: ``reasoning_content`` (and vLLM's newer ``reasoning``), ``content``, and ``tool_calls``
 (streamed as the call's index, id and name first, then its arguments), with ``finish_reason: "tool_calls"`` when
 the answer called a tool.
@@ -9,13 +10,13 @@ the answer called a tool.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvshuttle.control_plane.answer import AnswerParser, Event, ParsedAnswer, Piece
-from kvshuttle.control_plane.reasoning import REASONING, ThinkTags
-from kvshuttle.control_plane.tool_calls import ParsedCall, ToolCallParserFactory, Tools
+from kvshuttle.control_plane.answer import Event, ParsedAnswer, Piece
+from kvshuttle.control_plane.reasoning import REASONING
+from kvshuttle.control_plane.tool_calls import ParsedCall
 
 
 def tool_call_id() -> str:
@@ -25,31 +26,17 @@ def tool_call_id() -> str:
 
 @dataclass
 class AnswerShape:
-    """How one request's answer is parsed and spelled. ``tools``: None when tool calls are not parsed
-    (no tools, or ``tool_choice: "none"``); ``request_tools``: the request's tools (OpenAI's dicts), which some
-    tool-call parsers read; ``include_reasoning``: false drops the reasoning (vLLM's field)."""
+    """How one request's answer events (the turn's parse stage) are spelled. ``parsed``: the answer is parsed
+    (reasoning or tools; otherwise its text is its content); ``calls``: tool calls are parsed (tools sent, and
+    ``tool_choice`` is not ``"none"``); ``include_reasoning``: false drops the reasoning (vLLM's field)."""
 
-    reasoning: ThinkTags | None = None
-    tools: ToolCallParserFactory | None = None
-    request_tools: Tools = None
-    prompt_text: str = ""
+    parsed: bool = False
+    calls: bool = False
     parallel_tool_calls: bool = True
     include_reasoning: bool = True
     new_id: Callable[[], str] = tool_call_id
-    _parser: AnswerParser | None = field(default=None, init=False, repr=False)
     _ids: dict[int, str] = field(default_factory=dict, init=False, repr=False)
     _blank: str | None = field(default="", init=False, repr=False)  # leading blank content held (None: none left)
-
-    @property
-    def plain(self) -> bool:
-        """Nothing to parse: the answer's text is its content."""
-        return self.reasoning is None and self.tools is None
-
-    def _stream_parser(self) -> AnswerParser:
-        if self._parser is None:
-            self._parser = AnswerParser(self.reasoning, self.tools, prompt_text=self.prompt_text,
-                                        request_tools=self.request_tools)
-        return self._parser
 
     def _kept(self, event: Event) -> bool:
         if isinstance(event, ParsedCall):
@@ -63,23 +50,19 @@ class AnswerShape:
 
     # -- streaming ------------------------------------------------------------------------------------------
 
-    def deltas(self, text: str) -> list[dict[str, Any]]:
-        """The stream deltas for the next piece of answer text."""
-        if self.plain:
-            return [{"content": text}] if text else []
-        return self._spell(self._stream_parser().feed(text))
+    def deltas(self, events: Iterable[Event]) -> list[dict[str, Any]]:
+        """The stream deltas for the events of the next piece of answer text."""
+        return self._spell(events)
 
-    def finish_deltas(self) -> list[dict[str, Any]]:
-        """The deltas of what the parser held back, once the answer has ended."""
-        if self.plain:
-            return []
-        out = self._spell(self._stream_parser().finish())
+    def finish_deltas(self, events: Iterable[Event] = ()) -> list[dict[str, Any]]:
+        """The deltas of what the parser held back (``events``), once the answer has ended."""
+        out = self._spell(events)
         if self._blank and not self._ids:  # blank content and no call: it is the content
             out.append({"content": self._blank})
         self._blank = None
         return out
 
-    def _spell(self, events) -> list[dict[str, Any]]:
+    def _spell(self, events: Iterable[Event]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         for event in events:
             if not self._kept(event):
@@ -89,7 +72,7 @@ class AnswerShape:
                     out.append({"reasoning_content": event.text, "reasoning": event.text})
                     continue
                 text = event.text
-                if self.tools is not None and self._blank is not None:
+                if self.calls and self._blank is not None:
                     # Leading blank content (the blank line after the reasoning) is no content when calls follow,
                     # as vLLM reports it: held until text or the answer's end says which.
                     if not (self._blank + text).strip():
@@ -110,14 +93,13 @@ class AnswerShape:
 
     # -- whole answers --------------------------------------------------------------------------------------
 
-    def message(self, text: str) -> tuple[dict[str, Any], bool]:
-        """The assistant message for a whole answer, and whether it called a tool."""
-        if self.plain:
+    def message(self, text: str, events: Iterable[Event]) -> tuple[dict[str, Any], bool]:
+        """The assistant message for a whole answer (``text``, and ``events``: all its events), and whether it
+        called a tool."""
+        if not self.parsed:
             return {"role": "assistant", "content": text}, False
-        parser = AnswerParser(self.reasoning, self.tools, prompt_text=self.prompt_text,
-                              request_tools=self.request_tools)
         parsed = ParsedAnswer()
-        for event in [*parser.feed(text), *parser.finish()]:
+        for event in events:
             if self._kept(event):
                 parsed.add(event)
         content = parsed.content

@@ -23,8 +23,6 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from kvshuttle.control_plane.constraints import CALL_SYNTAX, Constraint, forced_tool_calls
-from kvshuttle.control_plane.reasoning import REASONING_PARSERS
-from kvshuttle.control_plane.tool_calls import TOOL_CALL_PARSERS
 from kvshuttle.services.engine.client import TokenLogprob
 from kvshuttle.services.gateway.auth import OPEN
 from kvshuttle.services.gateway.chat_answer import AnswerShape, finish_reason
@@ -46,6 +44,7 @@ from kvshuttle.services.gateway.structured_output import (
     requested_constraint,
 )
 from kvshuttle.services.gateway.turns import (
+    AnswerParsing,
     Delta,
     Finished,
     KvOutcome,
@@ -54,6 +53,7 @@ from kvshuttle.services.gateway.turns import (
     TurnRequest,
     TurnRunner,
 )
+from kvshuttle.services.gateway.turns.parse import Parsers
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -340,8 +340,8 @@ def create_app(runner: TurnRunner, served_model: str, default_max_tokens: int,
     """``tool_call_parser`` / ``reasoning_parser``: the parsers' names (tool_calls.TOOL_CALL_PARSERS,
     reasoning.REASONING_PARSERS); "" leaves tool calls (a request with tools is then refused) or reasoning
     unparsed."""
-    call_tags = TOOL_CALL_PARSERS[tool_call_parser] if tool_call_parser else None
-    think_tags_ = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
+    parsers = Parsers(tool_call_parser, reasoning_parser)
+    call_tags = parsers.tools
     app = FastAPI(title="kvshuttle gateway", version="0.1.0",
                   description="OpenAI-compatible API over P/D-disaggregated vLLM with KV reuse across turns.")
     for route in extra_routes or []:
@@ -407,7 +407,6 @@ def create_app(runner: TurnRunner, served_model: str, default_max_tokens: int,
     async def respond(body: SamplingIn, req: TurnRequest, shape: _Shape, answer: AnswerShape | None = None):
         turn = await runner.prepare(req)
         answer = answer or AnswerShape()
-        answer.prompt_text = turn.prompt_text
         lps = _Logprobs(speller(runner.tokenizer), runner.hidden_token_ids(req)) if req.logprobs is not None else None
         ids = bool(body.return_token_ids)
         if body.stream:
@@ -416,7 +415,7 @@ def create_app(runner: TurnRunner, served_model: str, default_max_tokens: int,
                                      media_type="text/event-stream", headers=_stream_headers(turn))
         finished = await drain(runner, turn)
         if shape.chat:
-            message, called = answer.message(finished.text)
+            message, called = answer.message(finished.text, finished.answer_events)
             choice = {"index": 0, "message": message, "finish_reason": finish_reason(finished.finish_reason, called),
                       "logprobs": lps.chat(finished.logprobs) if lps else None}
         else:
@@ -431,12 +430,9 @@ def create_app(runner: TurnRunner, served_model: str, default_max_tokens: int,
             **token_ids, "kvshuttle": kv_body(finished.kv, finished.timings),
         }, headers={**kv_headers(finished.kv), "X-Session-ID": req.session_id})
 
-    def think_tags() -> tuple[str, str] | None:
-        return (think_tags_.start, think_tags_.end) if think_tags_ else None
-
-    def answer_shape(body: ChatCompletionIn) -> tuple[AnswerShape, Constraint | None]:
-        """How the chat's answer is parsed, and the constraint that forces its tool calls (tool_choice required or
-        named); refuses tools the gateway cannot honour."""
+    def answer_shape(body: ChatCompletionIn) -> tuple[AnswerShape, AnswerParsing, Constraint | None]:
+        """How the chat's answer is parsed and spelled, and the constraint that forces its tool calls (tool_choice
+        required or named); refuses tools the gateway cannot honour."""
         check_tools(body.tools, body.tool_choice)
         calls = bool(body.tools) and body.tool_choice != "none"
         if calls and call_tags is None:
@@ -451,14 +447,17 @@ def create_app(runner: TurnRunner, served_model: str, default_max_tokens: int,
                                                 f"{', '.join(sorted(CALL_SYNTAX))}); use 'auto'")
             named = None if body.tool_choice == "required" else body.tool_choice.function.name
             forced = forced_tool_calls(syntax, [t.template_dict() for t in body.tools], named)
-        shape = AnswerShape(reasoning=think_tags_, tools=call_tags if calls else None,
-                            request_tools=[t.template_dict() for t in body.tools] if calls else None,
-                            parallel_tool_calls=body.parallel_tool_calls,
-                            include_reasoning=body.include_reasoning)
-        return shape, forced
+        parsing = parsers.parsing(calls, [t.template_dict() for t in body.tools] if calls else None)
+        shape = AnswerShape(parsed=parsers.reasoning is not None or calls, calls=calls,
+                            parallel_tool_calls=body.parallel_tool_calls, include_reasoning=body.include_reasoning)
+        return shape, parsing, forced
 
     def constraint(body: SamplingIn, forced: Constraint | None) -> Constraint | None:
         asked = requested_constraint(body.response_format, body.structured_outputs)
+        if asked is not None and not parsers.constrains:
+            raise FieldError("response_format" if body.response_format else "structured_outputs",
+                             f"structured output cannot be applied to answers in the {tool_call_parser or reasoning_parser} "
+                             "parser's format yet (gpt-oss's Harmony channels): leave it out")
         if asked is not None and forced is not None:
             raise FieldError("response_format" if body.response_format else "structured_outputs",
                              "structured output and a forced tool call (tool_choice required or named) exclude each "
@@ -467,15 +466,16 @@ def create_app(runner: TurnRunner, served_model: str, default_max_tokens: int,
 
     @app.post("/v1/chat/completions", responses=TURN_RESPONSES, openapi_extra=SESSION_HEADER)
     async def chat(body: ChatCompletionIn, request: Request):
-        answer, forced = answer_shape(body)
+        answer, parsing, forced = answer_shape(body)
         check_tool_results(body.messages)
         messages = [m.plain(f"messages.{i}") for i, m in enumerate(body.messages)]
         req = turn_request(body, request, body.max_completion_tokens or body.max_tokens, messages=messages,
-                           template_vars=body.template_vars(), constraint=constraint(body, forced))
+                           template_vars=body.template_vars(), constraint=constraint(body, forced), parsing=parsing)
         if req.constraint is not None and (forced is not None or body.response_format is not None):
-            req.reasoning_tags = think_tags()  # the gateway's own constraint: placed after the prompt's reasoning
-        if answer.tools is not None and req.skip_special_tokens:
-            # As vLLM's tool parsers ask: a model whose call tags are special tokens must keep them in the text.
+            req.reasoning_tags = parsers.think_tags  # the gateway's own constraint: after the prompt's reasoning
+        if (answer.calls or parsers.keeps_special_tokens) and req.skip_special_tokens:
+            # As vLLM's tool parsers ask: a model whose call tags are special tokens must keep them in the text
+            # (Harmony's channel markers too, tools or not).
             req.skip_special_tokens = False
         return await respond(body, req, CHAT, answer)
 
@@ -579,12 +579,12 @@ async def _stream(runner: TurnRunner, turn: TurnContext, model: str, include_usa
             # text).
             logprobs = lps.chat(event.logprobs) if lps and event.logprobs else None
             token_ids = list(event.token_ids) if ids else None
-            for delta in answer.deltas(event.text) or ([{}] if logprobs or token_ids else []):
+            for delta in answer.deltas(event.events) or ([{}] if logprobs or token_ids else []):
                 yield chunk(delta, logprobs=logprobs, token_ids=token_ids)
                 logprobs, token_ids = None, []
         else:
             if shape.chat:
-                for delta in answer.finish_deltas():
+                for delta in answer.finish_deltas(event.events):
                     yield chunk(delta)
                 last = {**base, "choices": [{"index": 0, "delta": {},
                                              "finish_reason": finish_reason(event.finish_reason,

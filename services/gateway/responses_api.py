@@ -15,16 +15,16 @@ import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from kvshuttle.control_plane.answer import AnswerParser, Piece
+from kvshuttle.control_plane.answer import Event, Piece
 from kvshuttle.control_plane.constraints import CALL_SYNTAX, Constraint, forced_tool_calls, json_answer
-from kvshuttle.control_plane.reasoning import REASONING, ThinkTags
+from kvshuttle.control_plane.reasoning import REASONING
 from kvshuttle.control_plane.tool_calls import ParsedCall
 from kvshuttle.services.gateway.auth import OPEN
 from kvshuttle.services.gateway.chat_tools import MAX_TOOLS, FieldError, FunctionIn, check_schema
@@ -38,7 +38,15 @@ from kvshuttle.services.gateway.openai_api import (
     kv_body,
     kv_headers,
 )
-from kvshuttle.services.gateway.turns import Delta, Finished, TurnContext, TurnError, TurnRequest, TurnRunner
+from kvshuttle.services.gateway.turns import (
+    Delta,
+    Finished,
+    TurnContext,
+    TurnError,
+    TurnRequest,
+    TurnRunner,
+)
+from kvshuttle.services.gateway.turns.parse import Parsers
 from kvshuttle.v1 import registry_pb2
 from pydantic import Field
 
@@ -229,7 +237,6 @@ def _new_id(prefix: str) -> str:
 class OutputBuilder:
     """Turns the parsed answer's events into output items, and (streaming) into the Responses API's events."""
 
-    parser: AnswerParser
     parallel_tool_calls: bool = True
     items: list[dict[str, Any]] = field(default_factory=list)
     _open: dict[str, Any] | None = None
@@ -245,11 +252,13 @@ class OutputBuilder:
         return [self._event("response.created", response=response),
                 self._event("response.in_progress", response=response)]
 
-    def feed(self, text: str) -> list[dict[str, Any]]:
-        return self._events(self.parser.feed(text))
+    def feed(self, events: Iterable[Event]) -> list[dict[str, Any]]:
+        """The stream events for the answer events of the next piece of text (the turn's parse stage)."""
+        return self._events(events)
 
-    def finish(self) -> list[dict[str, Any]]:
-        out = self._events(self.parser.finish())
+    def finish(self, events: Iterable[Event] = ()) -> list[dict[str, Any]]:
+        """The stream events for what the parser held back (``events``), once the answer has ended."""
+        out = self._events(events)
         if self._blank and not self._calls:  # an answer of only blank text: it is the message
             out += self._text("message", self._blank)
         out.extend(self._close())
@@ -348,10 +357,11 @@ def stored_items(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
 # -- the routes ----------------------------------------------------------------------------------------------------
 
 def add_responses_routes(app: FastAPI, runner: TurnRunner, served_model: str, default_max_tokens: int, *,
-                         tool_call_parser: str = "", call_tags: Any = None, think_tags: ThinkTags | None = None,
-                         response_ttl_s: int = 86400) -> None:
-    """Adds the Responses API to the gateway's app (errors in OpenAI's shape through the app's handlers)."""
-    think = (think_tags.start, think_tags.end) if think_tags else None
+                         tool_call_parser: str = "", reasoning_parser: str = "", response_ttl_s: int = 86400) -> None:
+    """Adds the Responses API to the gateway's app (errors in OpenAI's shape through the app's handlers). The parsers
+    are create_app's."""
+    parsers = Parsers(tool_call_parser, reasoning_parser)
+    call_tags = parsers.tools
 
     async def load(tenant: str, response_id: str, param: str) -> tuple[registry_pb2.StoredResponse, dict[str, Any]]:
         if not re.fullmatch(RESPONSE_ID, response_id):
@@ -376,6 +386,10 @@ def add_responses_routes(app: FastAPI, runner: TurnRunner, served_model: str, de
         forced = calls and body.tool_choice not in (None, "auto")
         if wants_json and forced:
             raise FieldError("text.format", "structured output and a forced tool call exclude each other")
+        if wants_json and not parsers.constrains:
+            raise FieldError("text.format", f"structured output cannot be applied to answers in the "
+                                            f"{tool_call_parser or reasoning_parser} parser's format yet (gpt-oss's "
+                                            "Harmony channels): leave it out")
         if wants_json:
             schema = None
             if fmt.type == "json_schema":
@@ -419,12 +433,11 @@ def add_responses_routes(app: FastAPI, runner: TurnRunner, served_model: str, de
                           session_source="response" if body.previous_response_id else "",
                           template_vars={"tools": [t.chat_tool() for t in body.tools]} if body.tools else {},
                           max_tokens=body.max_output_tokens or default_max_tokens, temperature=body.temperature,
-                          top_p=body.top_p, constraint=constraint(body, calls), reasoning_tags=think,
-                          skip_special_tokens=not calls)
+                          top_p=body.top_p, constraint=constraint(body, calls), reasoning_tags=parsers.think_tags,
+                          skip_special_tokens=not (calls or parsers.keeps_special_tokens),
+                          parsing=parsers.parsing(calls, [t.chat_tool() for t in body.tools] if calls else None))
         turn = await runner.prepare(req)
-        parser = AnswerParser(think_tags, call_tags if calls else None, prompt_text=turn.prompt_text,
-                              request_tools=[t.chat_tool() for t in body.tools] if calls else None)
-        builder = OutputBuilder(parser, parallel_tool_calls=body.parallel_tool_calls)
+        builder = OutputBuilder(parallel_tool_calls=body.parallel_tool_calls)
         response = _response(body, turn, served_model)
 
         async def finished(event: Finished) -> dict[str, Any]:
@@ -439,7 +452,7 @@ def add_responses_routes(app: FastAPI, runner: TurnRunner, served_model: str, de
             return StreamingResponse(_stream(runner, turn, builder, response, finished),
                                      media_type="text/event-stream", headers=_headers(turn))
         done = await drain(runner, turn)
-        builder.feed(done.text)  # the parsers give a whole answer what they give it streamed
+        builder.feed(done.answer_events)  # the events a stream would have carried, in order
         builder.finish()
         return JSONResponse(await finished(done), headers={**kv_headers(done.kv), **_headers(turn)})
 
@@ -524,10 +537,10 @@ async def _stream(runner: TurnRunner, turn: TurnContext, builder: OutputBuilder,
     try:
         async for item in runner.decode(turn):
             if isinstance(item, Delta):
-                for event in builder.feed(item.text):
+                for event in builder.feed(item.events):
                     yield sse(event)
             elif isinstance(item, Finished):
-                for event in builder.finish():
+                for event in builder.finish(item.events):
                     yield sse(event)
                 done = await finished(item)
                 kind = "response.completed" if done["status"] == "completed" else "response.incomplete"

@@ -39,6 +39,7 @@ from kvshuttle.services.gateway.rest_bridge import (
 )
 from kvshuttle.services.gateway.tokenizer import GatewayTokenizer
 from kvshuttle.services.gateway.turns import TurnRunner
+from kvshuttle.services.gateway.turns.parse import Parsers
 from kvshuttle.v1 import gateway_pb2_grpc, registry_pb2_grpc, scheduler_pb2_grpc
 from starlette.requests import Request
 
@@ -161,6 +162,8 @@ class GatewayConfig(TelemetryConfig, TlsConfig):
         require(min(self.engine_timeout_s, self.control_timeout_s, self.prefill_timeout_s,
                     self.decode_stall_timeout_s) > 0, "timeouts must be > 0")
         require(self.worker_retries >= 0, "--worker-retries must be >= 0")
+        problem = Parsers(self.tool_call_parser, self.reasoning_parser).problem()
+        require(problem is None, problem or "")
 
     def key_ring(self) -> KeyRing:
         return KeyRing.load(self.api_keys_file) if self.api_keys_file else KeyRing()
@@ -226,9 +229,8 @@ class GatewayService:
                                                  tool_call_parser=cfg.tool_call_parser,
                                                  reasoning_parser=cfg.reasoning_parser))
         add_responses_routes(self.app, self.runner, cfg.model_name(), cfg.default_max_tokens,
-                             tool_call_parser=cfg.tool_call_parser,
-                             call_tags=TOOL_CALL_PARSERS.get(cfg.tool_call_parser),
-                             think_tags=REASONING_PARSERS.get(cfg.reasoning_parser), response_ttl_s=cfg.response_ttl_s)
+                             tool_call_parser=cfg.tool_call_parser, reasoning_parser=cfg.reasoning_parser,
+                             response_ttl_s=cfg.response_ttl_s)
         install_openapi(self.app, [REGISTRY_SERVICE, SCHEDULER_SERVICE, SERVICE_NAME], constraints=OPENAPI_CONSTRAINTS)
         front: object = HttpGuard(self.app, self.keys, cfg.max_body_bytes,
                                   open_paths=("/health",) if self.metrics else ("/health", METRICS_PATH))

@@ -7,7 +7,6 @@ import json
 
 import pytest
 from kvshuttle.services.common.config import from_namespace
-from kvshuttle.services.devtools.bench.ideal_worker import IdealWorker
 from kvshuttle.services.devtools.bench.multiturn import BenchConfig, run_bench
 from kvshuttle.services.devtools.bench.policy_sweep import (
     ALWAYS_PULL,
@@ -22,26 +21,27 @@ pytestmark = pytest.mark.e2e
 MODES = ("pull", "recompute", "ideal", "direct")
 
 
-async def test_bench_measures_every_mode_and_writes_results(stack, tmp_path, capsys):
+async def test_bench_replays_agent_conversations_in_every_mode_and_writes_results(tools_model_dir, tmp_path, capsys,
+                                                                                  monkeypatch):
+    """`kvshuttle bench` as the command runs it: its own stack (the tiny-tools model, the gateway with the hermes
+    parser) and ideal worker, and agentic conversations whose every turn but the last forces a tool call that the next
+    turn answers with a tool message. Every mode sees the same prompts, every later turn pulls."""
+    monkeypatch.setenv("KVSHUTTLE_SCHEDULER_POLICY", "threshold")  # the bench's scheduler: pulls at any length
     cfg = from_namespace(BenchConfig, environ={
-        "KVSHUTTLE_BENCH_GATEWAY_URL": stack.base_url, "KVSHUTTLE_MODEL_DIR": str(stack.model_dir),
+        "KVSHUTTLE_MODEL_DIR": str(tools_model_dir), "KVSHUTTLE_BENCH_WORK_DIR": str(tmp_path / "stack"),
         "KVSHUTTLE_BENCH_OUT_DIR": str(tmp_path / "results"), "KVSHUTTLE_BENCH_CONVERSATIONS": "2",
         "KVSHUTTLE_BENCH_CONCURRENCY": "2", "KVSHUTTLE_BENCH_MAX_HISTORY_TOKENS": "1400",
         "KVSHUTTLE_BENCH_SYSTEM_TOKENS": "300", "KVSHUTTLE_BENCH_TURN_TOKENS_MIN": "150",
         "KVSHUTTLE_BENCH_TURN_TOKENS_MAX": "250", "KVSHUTTLE_BENCH_MAX_TOKENS": "6",
         "KVSHUTTLE_BENCH_PROGRESS": "false", "KVSHUTTLE_BENCH_BUCKETS": "0,500,1000",
-        "KVSHUTTLE_STACK_MAX_MODEL_LEN": "4096",
+        "KVSHUTTLE_BENCH_MAX_MODEL_LEN": "4096",
     })
-    ideal = IdealWorker(cfg, tmp_path / "ideal")
-    try:
-        await ideal.start(300)
-        cfg.ideal_address = ideal.address
-        assert await run_bench(cfg) == 0
-    finally:
-        await ideal.stop()
+    assert (cfg.tool_call_parser, cfg.reasoning_parser) == ("hermes", "")
+    assert await run_bench(cfg) == 0
 
     printed = capsys.readouterr().out
     assert "TTFT (ms) by history length" in printed and "Control-plane overhead" in printed
+    assert "forced tool calls" in printed
     (run_dir,) = (tmp_path / "results").iterdir()
     assert {p.name for p in run_dir.iterdir()} >= {"results.json", "samples.jsonl", "ttft.png", "report.txt"}
     assert (run_dir / "ttft.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -50,13 +50,17 @@ async def test_bench_measures_every_mode_and_writes_results(stack, tmp_path, cap
 
     turns = {(s["conversation"], s["turn"]) for s in samples}
     assert len(turns) >= 4  # two conversations of two or more turns
+    assert report["meta"]["tool_calls"] == len(turns) - 2  # every turn but each conversation's last
     for mode in MODES:  # every turn measured in every mode, with real numbers
         mine = [s for s in samples if s["mode"] == mode]
         assert {(s["conversation"], s["turn"]) for s in mine} == turns, mode
         assert all(s["ttft_ms"] > 0 and s["latency_ms"] >= s["ttft_ms"] and s["prompt_tokens"] > 0
                    and s["output_tokens"] > 0 for s in mine), mine
+    for key in turns:  # the same prompt in every mode: same messages, tools, echoed calls
+        assert len({s["prompt_tokens"] for s in samples if (s["conversation"], s["turn"]) == key}) == 1, key
     later = [s for s in samples if s["turn"] > 1]
     assert all(s["decision"] == "pull" and s["pulled_tokens"] > 0 for s in later if s["mode"] in ("pull", "direct"))
+    assert all(s["pulled_tokens"] == s["history_tokens"] - 1 for s in later if s["mode"] in ("pull", "direct"))
     assert all(s["decision"] == "recompute" and s["pulled_tokens"] == 0 for s in later if s["mode"] == "recompute")
     assert report["answers_agree"]["agree"] == report["answers_agree"]["compared"] == len(turns)
 
@@ -70,7 +74,8 @@ async def test_bench_measures_every_mode_and_writes_results(stack, tmp_path, cap
 
 
 async def test_bench_replays_a_conversation_file(stack, tmp_path):
-    """vLLM's multi-turn benchmark format: the user turns are replayed, assistant lengths cap max_tokens."""
+    """vLLM's multi-turn benchmark format: the user turns are replayed, assistant lengths cap max_tokens. Plain chats
+    (no tools) run on any gateway: here the shared stack (the tiny model, no tool-call parser)."""
     convs = [{"id": f"c{i}", "messages": [
         {"role": "system", "content": f"You review code, conversation {i}."},
         {"role": "user", "content": "def add(a, b):\n    return a + b\n" * 40 + "Review this."},
@@ -102,7 +107,7 @@ async def test_policy_sweep_prices_every_policy_on_the_same_turns(stack, tmp_pat
         "KVSHUTTLE_SWEEP_GATEWAY_URL": stack.base_url, "KVSHUTTLE_SWEEP_SCHEDULER_ADDRESS": stack.scheduler_address,
         "KVSHUTTLE_MODEL_DIR": str(stack.model_dir), "KVSHUTTLE_SWEEP_OUT_DIR": str(tmp_path / "results"),
         "KVSHUTTLE_SWEEP_PER_CLASS": "1", "KVSHUTTLE_SWEEP_MAX_TURNS": "2", "KVSHUTTLE_SWEEP_MAX_TOKENS": "6",
-        "KVSHUTTLE_SWEEP_MAX_HISTORY_TOKENS": "2500", "KVSHUTTLE_SWEEP_PREFILL_CACHE": "warm",
+        "KVSHUTTLE_SWEEP_MAX_HISTORY_TOKENS": "2800", "KVSHUTTLE_SWEEP_PREFILL_CACHE": "warm",
         "KVSHUTTLE_SWEEP_PROGRESS": "false",
     })
     assert await run_sweep(cfg) == 0

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import grpc
 from kvshuttle.services.gateway.turns import Delta, Finished, KvOutcome, TurnError, TurnRequest
+from kvshuttle.services.gateway.turns.parse import AnswerEvents
 
 PROMPT_TOKENS, COMPUTED_TOKENS, OUTPUT_IDS = 40, 10, list(range(7))
 
@@ -53,8 +54,13 @@ class AnsweringRunner:
         return AnsweredTurn(req)
 
     async def decode(self, turn: AnsweredTurn):
+        """The deltas carry the events of the real parse stage (the request's parsing)."""
+        answer = AnswerEvents(turn.request.parsing, turn.prompt_text)
         for n, i in enumerate(range(0, len(self.answer), self.pieces)):
             if n == self.fail_after:
                 raise TurnError(503, grpc.StatusCode.UNAVAILABLE, "the decode worker went away")
-            yield Delta(self.answer[i:i + self.pieces], [])
-        yield Finished(self.finish, self.answer, list(OUTPUT_IDS), PROMPT_TOKENS, turn.kv, {})
+            piece = self.answer[i:i + self.pieces]
+            yield Delta(piece, [], events=answer.feed(piece))
+        held = answer.finish()
+        yield Finished(self.finish, self.answer, list(OUTPUT_IDS), PROMPT_TOKENS, turn.kv, {}, None, held,
+                       answer.events)

@@ -11,6 +11,7 @@ import grpc
 from kvshuttle.control_plane import kv_params
 from kvshuttle.services.engine.client import Chunk, EngineClient, EngineError, Final, TokenLogprob
 from kvshuttle.services.gateway.turns import Delta, Finished, KvOutcome, TurnError, TurnRequest, TurnRunner
+from kvshuttle.services.gateway.turns.parse import AnswerEvents
 from kvshuttle.v1 import common_pb2, registry_pb2, scheduler_pb2
 
 PULL_PARAMS = {"do_remote_decode": True, "remote_block_ids": [[1]], "remote_num_tokens": 3}
@@ -222,7 +223,10 @@ class AnsweringRunner:
         """Token ids are the answer's code points; with logprobs asked for, each token gets ``logprob``'s."""
         top = turn.request.logprobs
         lps = [self.logprob(i, c, top) for i, c in enumerate(self.answer)] if top is not None else None
+        answer = AnswerEvents(turn.request.parsing, turn.prompt_text)  # the real parse stage
         for i in range(0, len(self.answer), self.pieces):
             piece = self.answer[i:i + self.pieces]
-            yield Delta(piece, [ord(c) for c in piece], lps[i:i + self.pieces] if lps else None)
-        yield Finished(self.finish, self.answer, [ord(c) for c in self.answer], 40, turn.kv, {}, lps)
+            yield Delta(piece, [ord(c) for c in piece], lps[i:i + self.pieces] if lps else None, answer.feed(piece))
+        held = answer.finish()
+        yield Finished(self.finish, self.answer, [ord(c) for c in self.answer], 40, turn.kv, {}, lps, held,
+                       answer.events)

@@ -81,7 +81,7 @@ async def test_cancelling_the_iterator_cancels_the_rpc(client, server):
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
-    await until(lambda: "slow-c" in server.engine.cancelled, 1.0, "the server to see the RPC cancelled")
+    await until(lambda: "slow-c" in server.engine.cancelled, 10.0, "the server to see the RPC cancelled")
 
 
 async def test_closing_the_iterator_cancels_the_rpc(client, server):

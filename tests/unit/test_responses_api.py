@@ -11,8 +11,6 @@ import grpc
 import httpx
 import openai
 import pytest
-from kvshuttle.control_plane.reasoning import REASONING_PARSERS
-from kvshuttle.control_plane.tool_calls import TOOL_CALL_PARSERS
 from kvshuttle.services.gateway.openai_api import create_app
 from kvshuttle.services.gateway.responses_api import add_responses_routes
 
@@ -51,8 +49,7 @@ class Registry:
 
 def sdk(runner) -> openai.AsyncOpenAI:
     app = create_app(runner, "agent", 16, tool_call_parser="hermes", reasoning_parser="qwen3")
-    add_responses_routes(app, runner, "agent", 16, tool_call_parser="hermes", call_tags=TOOL_CALL_PARSERS["hermes"],
-                         think_tags=REASONING_PARSERS["qwen3"])
+    add_responses_routes(app, runner, "agent", 16, tool_call_parser="hermes", reasoning_parser="qwen3")
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
     return openai.AsyncOpenAI(api_key="none", base_url="http://gw/v1", http_client=http)
 

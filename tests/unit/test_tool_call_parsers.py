@@ -15,6 +15,7 @@ from kvshuttle.control_plane.answer import AnswerParser, ParsedAnswer, Piece, pa
 from kvshuttle.control_plane.reasoning import REASONING_PARSERS
 from kvshuttle.control_plane.tool_calls import TOOL_CALL_PARSERS, ParsedCall, schema_types, typed
 from kvshuttle.services.gateway.chat_answer import AnswerShape
+from kvshuttle.services.gateway.turns.parse import AnswerEvents, AnswerParsing
 
 from tests.support import vllm_reference
 
@@ -240,7 +241,8 @@ IDS = [c.id for c in CASES]
 
 
 def test_every_family_is_tested():
-    assert {c.parser for c in CASES} | {"qwen3_json", "qwen3_xml", "glm47", "llama4_json"} == set(TOOL_CALL_PARSERS)
+    aliases, harmony = {"qwen3_json", "qwen3_xml", "glm47", "llama4_json"}, {"openai"}  # test_harmony_parser.py
+    assert {c.parser for c in CASES} | aliases | harmony == set(TOOL_CALL_PARSERS)
 
 
 def _got(parsed: ParsedAnswer) -> tuple[str | None, list[tuple[str, str]]]:
@@ -337,11 +339,15 @@ def test_reasoning_then_calls():
 
 def test_the_gateway_types_arguments_by_the_requests_tools():
     text = "Looking.\n" + GLM_WEATHER
-    whole = AnswerShape(tools=TOOL_CALL_PARSERS["glm45"], request_tools=TOOLS, new_id=lambda: "call-1")
-    assert whole.message(text) == ({"role": "assistant", "content": "Looking.", "tool_calls": [
+    parsing = AnswerParsing(tools=TOOL_CALL_PARSERS["glm45"], request_tools=TOOLS)
+    whole, events = AnswerShape(parsed=True, calls=True, new_id=lambda: "call-1"), AnswerEvents(parsing, "")
+    events.feed(text)
+    events.finish()
+    assert whole.message(text, events.events) == ({"role": "assistant", "content": "Looking.", "tool_calls": [
         {"id": "call-1", "type": "function", "function": {"name": "get_weather", "arguments": WEATHER}}]}, True)
-    stream = AnswerShape(tools=TOOL_CALL_PARSERS["glm45"], request_tools=TOOLS, new_id=lambda: "call-1")
-    deltas = [d for i in range(0, len(text), 5) for d in stream.deltas(text[i:i + 5])] + stream.finish_deltas()
+    stream, events = AnswerShape(parsed=True, calls=True, new_id=lambda: "call-1"), AnswerEvents(parsing, "")
+    deltas = [d for i in range(0, len(text), 5) for d in stream.deltas(events.feed(text[i:i + 5]))]
+    deltas += stream.finish_deltas(events.finish())
     assert "".join(d.get("content", "") for d in deltas) == "Looking."
     assert [d["tool_calls"][0]["function"] for d in deltas if "tool_calls" in d] == [
         {"name": "get_weather", "arguments": ""}, {"arguments": WEATHER}]

@@ -7,13 +7,16 @@ import json
 
 import grpc
 from kvshuttle.control_plane import kv_params
+from kvshuttle.control_plane.answer import Piece
 from kvshuttle.control_plane.constraints import json_answer
-from kvshuttle.services.gateway.turns import TurnContext, TurnRequest, TurnRunner
+from kvshuttle.control_plane.reasoning import CONTENT, REASONING, REASONING_PARSERS
+from kvshuttle.services.gateway.turns import AnswerParsing, TurnContext, TurnRequest, TurnRunner
 from kvshuttle.services.gateway.turns import decode as decode_stage
 from kvshuttle.services.gateway.turns import plan as plan_stage
 from kvshuttle.services.gateway.turns import prefill as prefill_stage
 from kvshuttle.services.gateway.turns import prompt as prompt_stage
 from kvshuttle.services.gateway.turns import record as record_stage
+from kvshuttle.services.gateway.turns.parse import AnswerEvents
 from kvshuttle.services.gateway.turns.spans import tracer
 from kvshuttle.v1 import common_pb2, scheduler_pb2
 
@@ -135,3 +138,21 @@ async def test_the_record_stage_records_what_the_client_received_plus_the_end_ma
     assert recorded.text == "<user>ahi!" and list(recorded.token_ids) == ids("<user>ahi!")
     assert recorded.decode_worker_id == "d" and len(recorded.text_key) == 32
     assert r.own_record("default", "s").revision == 11 and "record_ms" in ctx.timings
+
+
+async def test_the_parse_stage_puts_the_answer_s_meaning_on_each_delta_and_the_whole_on_the_summary():
+    d = Engine(answer="<think>hm</think>hi there")
+    r, _, _ = runner(decode=d)
+    req = TurnRequest(prompt_ids=[1, 2], parsing=AnswerParsing(reasoning=REASONING_PARSERS["qwen3"]))
+    plan = scheduler_pb2.PlanTurnResponse(decode=common_pb2.Worker(worker_id="d", grpc_address="d:1"))
+    ctx = context(req, prompt_ids=[1, 2], plan=plan, decode_params={"h": 1})
+    events = [e async for e in r.decode(ctx)]
+    *deltas, finished = events
+    streamed = [piece for delta in deltas for piece in delta.events] + finished.events
+    assert streamed == finished.answer_events
+    assert [(p.kind, p.text) for p in streamed if p.text] and "".join(
+        p.text for p in streamed if p.kind == REASONING) == "hm"
+    assert "".join(p.text for p in streamed if p.kind == CONTENT) == "hi there"
+    # without parsing, the text is the content
+    plain = AnswerEvents(None, "")
+    assert plain.feed("a<think>") == [Piece(CONTENT, "a<think>")] and plain.finish() == [] and plain.events

@@ -9,6 +9,12 @@ The modes (see ``services/devtools/bench/lanes.py``): ``pull`` and ``recompute``
 latter with pulls disabled per request); ``ideal`` runs the same conversation on one worker with prefix caching;
 ``direct`` is a minimal P→D client without registry or scheduler, the baseline for the control plane's own cost.
 
+The conversations are agentic (``services/devtools/bench/workload.py``): every request carries the session's tools,
+every turn but the last ends with a tool call that ``tool_choice`` forces (the test models call no tools on their
+own), and the next turn answers it with ``tool`` messages. So the stack runs the gateway with ``--tool-call-parser
+hermes`` and, by default, the ``tiny-tools`` test model (the tiny model with a chat template that renders tools and
+hermes calls); a model given with ``--model-dir`` needs such a template too (Qwen 2.5/3 have one).
+
 P's own prefix cache: with ``--prefill-cache cold`` (default) the prefill workers run without prefix caching, as a
 busy prefill fleet effectively does: a session's history is never in P's cache, so a turn either pulls it or
 recomputes it. ``warm`` leaves vLLM's default (P keeps what it computed; pulls then fetch only what P lacks).
@@ -33,8 +39,13 @@ from kvshuttle.services.devtools.bench import lanes as lanes_mod
 from kvshuttle.services.devtools.bench.overhead import DIRECT, control_plane_overhead, format_overhead
 from kvshuttle.services.devtools.bench.report import build_report, format_table, write_outputs
 from kvshuttle.services.devtools.bench.samples import IDEAL, PULL, RECOMPUTE, TurnSample
-from kvshuttle.services.devtools.bench.workload import Conversation, agentic_conversations, load_conversations
-from kvshuttle.services.devtools.stack import Stack, StackConfig
+from kvshuttle.services.devtools.bench.workload import (
+    CALL_MIN_TOKENS,
+    Conversation,
+    agentic_conversations,
+    load_conversations,
+)
+from kvshuttle.services.devtools.stack import MODEL_VARIANTS, Stack, StackConfig
 
 log = logging.getLogger("kvshuttle.bench")
 ALL_MODES = (PULL, RECOMPUTE, IDEAL, DIRECT)
@@ -55,13 +66,19 @@ class BenchConfig(StackConfig):
     concurrency: int = setting(1, "Conversations in flight at once (each runs its modes turn by turn)")
     seed: int = setting(0, "Workload seed")
     max_history_tokens: int = setting(6000, "Grow each conversation up to about this many tokens (GPU: 24000+)")
-    system_tokens: int = setting(1000, "System prompt size (tokens, estimated)")
-    turn_tokens_min: int = setting(150, "Smallest tool result per turn (tokens, estimated)")
-    turn_tokens_max: int = setting(600, "Largest tool result per turn (tokens, estimated)")
+    system_tokens: int = setting(1000, "System prompt size, the tool definitions included (tokens, estimated)")
+    turn_tokens_min: int = setting(150, "Smallest turn: the tool result, or the first turn's task, plus any user "
+                                        "text (tokens, estimated)")
+    turn_tokens_max: int = setting(600, "Largest turn (tokens, estimated)")
     max_turns: int = setting(64, "At most this many turns per conversation")
-    max_tokens: int = setting(32, "Tokens generated per turn (conversation files: at most this)")
-    conversation_file: str = setting("", "Replay these conversations (OpenAI messages JSON, vLLM multi-turn format) "
-                                         "instead of generating them")
+    max_tokens: int = setting(32, f"Tokens generated per turn (conversation files: at most this); a forced tool "
+                                  f"call may take up to {CALL_MIN_TOKENS} (it ends where the call ends)")
+    call_arguments: str = setting("empty", "Arguments of the forced tool calls: empty (a logit bias on { and } closes "
+                                           "them at once: the only call a random test model writes whose echo renders "
+                                           "back exactly) or model (the model writes them: for real models)",
+                                  choices=("empty", "model"))
+    conversation_file: str = setting("", "Replay these conversations (OpenAI messages JSON, vLLM multi-turn format; "
+                                         "tool calls and tool messages too) instead of generating them")
     buckets: str = setting("0,1000,2000,3000,4500,6000", "History-length bucket edges in tokens")
     headline_min_history: int = setting(3000, "The headline ratios cover turns with at least this much history")
     prefill_cache: str = setting("cold", "P's own prefix cache: cold (P runs without one: every turn pulls or "
@@ -70,7 +87,17 @@ class BenchConfig(StackConfig):
     out_dir: str = setting("var/bench", "Results go to <out-dir>/<timestamp>/")
     progress: bool = setting(True, "Show a progress bar")
     turn_timeout_s: float = setting(600.0, "Deadline of one turn")
-    # Stack settings with other defaults for a benchmark run.
+    # Stack settings with other defaults for a benchmark run (a model whose chat template renders tools and tool
+    # calls, and the parser that reads them).
+    model_dir: str = setting("var/models/tiny-tools", "Model directory; built with make-model if missing (its chat "
+                                                      "template must render tools and hermes tool calls)",
+                             env="KVSHUTTLE_MODEL_DIR")
+    model_variant: str = setting("tiny-tools", "Variant to build when the model is missing (tiny-tools: the tiny "
+                                               "model with a chat template for tools)", choices=MODEL_VARIANTS)
+    tool_call_parser: str = setting("hermes", "The gateway's --tool-call-parser: the bench forces its tool calls in "
+                                              "hermes syntax", choices=("hermes",))
+    reasoning_parser: str = setting("", "The gateway's --reasoning-parser: none for the bench (its forced tool calls "
+                                        "start at the answer's first token, as in the direct and ideal modes)")
     work_dir: str = setting("var/bench/stack", "Logs and worker caches of the stack the benchmark starts")
     http_port: int = setting(0, "Gateway HTTP port of the started stack (0: any free port)")
     grpc_port: int = setting(0, "Gateway gRPC port of the started stack (0: any free port)")
@@ -100,6 +127,9 @@ class BenchConfig(StackConfig):
         require(bool(edges) and edges == sorted(set(edges)), "--buckets must be increasing integers, e.g. 0,1000,2000")
         require(not self.conversation_file or Path(self.conversation_file).is_file(),
                 f"--conversation-file {self.conversation_file!r} does not exist")
+        require(bool(self.gateway_url) or not self.reasoning_parser,
+                "the bench forces tool calls from the answer's first token, as its direct and ideal modes do: run "
+                "the stack without --reasoning-parser")
 
 
 def workload(cfg: BenchConfig) -> list[Conversation]:
@@ -125,7 +155,7 @@ async def drive(conversations: list[Conversation], make_lanes, modes: list[str],
     from tqdm import tqdm
 
     out = Outcome([], {}, [])
-    bar = tqdm(total=sum(len(c.user_turns) for c in conversations) * len(modes), unit="turn", disable=not progress,
+    bar = tqdm(total=sum(len(c.turns) for c in conversations) * len(modes), unit="turn", disable=not progress,
                desc="bench", dynamic_ncols=True)
     gate = asyncio.Semaphore(concurrency)
 
@@ -133,10 +163,10 @@ async def drive(conversations: list[Conversation], make_lanes, modes: list[str],
         async with gate:
             lanes = make_lanes(conv)
             try:
-                for t, (user, max_tokens) in enumerate(zip(conv.user_turns, conv.max_tokens, strict=True)):
+                for t, turn in enumerate(conv.turns):
                     shift = (t + index) % len(modes)
                     for mode in modes[shift:] + modes[:shift]:
-                        sample = await asyncio.wait_for(lanes[mode].turn(user, max_tokens), turn_timeout_s)
+                        sample = await asyncio.wait_for(lanes[mode].turn(turn), turn_timeout_s)
                         out.samples.append(sample)
                         if mode == PULL:
                             out.timings[(conv.id, sample.turn)] = lanes[mode].last_timings
@@ -190,6 +220,16 @@ async def run_bench(cfg: BenchConfig) -> int:
         jobs = []
         if stack is not None:
             await stack.ensure_model()
+        model_dir = stack.model_dir if stack is not None else Path(cfg.model_dir)
+        tokenizer = await asyncio.to_thread(GatewayTokenizer, model_dir)
+        tools = next((c.tools for c in conversations if c.tools), None)
+        if tools:
+            try:
+                lanes_mod.check_template(tokenizer, tools)
+            except ValueError as exc:
+                raise SystemExit(f"kvshuttle bench: {exc}") from None
+        call_bias = lanes_mod.forced_call_bias(tokenizer) if cfg.call_arguments == "empty" else {}
+        if stack is not None:
             jobs.append(stack.start())
         if IDEAL in modes and not cfg.ideal_address:
             if stack is None:
@@ -198,8 +238,6 @@ async def run_bench(cfg: BenchConfig) -> int:
             jobs.append(ideal.start(cfg.startup_timeout_s))
         await asyncio.gather(*jobs)
         base_url = stack.base_url if stack is not None else cfg.gateway_url.rstrip("/")
-        model_dir = stack.model_dir if stack is not None else Path(cfg.model_dir)
-        tokenizer = await asyncio.to_thread(GatewayTokenizer, model_dir)
         async with httpx.AsyncClient(base_url=base_url, timeout=cfg.turn_timeout_s,
                                      limits=httpx.Limits(max_connections=4 * cfg.concurrency + 4)) as client:
             p_info, d_info = await _workers(client)
@@ -212,19 +250,29 @@ async def run_bench(cfg: BenchConfig) -> int:
                 made = {}
                 for mode in modes:
                     if mode in (PULL, RECOMPUTE):
-                        made[mode] = lanes_mod.GatewayLane(client, mode, conv.id, conv.system, run_id)
+                        made[mode] = lanes_mod.GatewayLane(client, mode, conv.id, conv.system, run_id,
+                                                           tools=conv.tools, call_bias=call_bias)
                     elif mode == IDEAL:
-                        made[mode] = lanes_mod.IdealLane(ideal_engine, tokenizer, conv.id, conv.system)
+                        made[mode] = lanes_mod.IdealLane(ideal_engine, tokenizer, conv.id, conv.system, conv.tools,
+                                                         call_bias)
                     else:
                         made[mode] = lanes_mod.DirectLane(p_engine, d_engine, block_size, tokenizer, conv.id,
-                                                          conv.system)
+                                                          conv.system, conv.tools, call_bias)
                 return made
 
+            calls = lanes_mod.forced_calls(conversations)
+            if calls:
+                t = time.perf_counter()
+                await lanes_mod.warm_up_forced_calls(calls, call_bias, client=client, engine=ideal_engine,
+                                                     tokenizer=tokenizer)
+                log.info("forced tool calls (%d grammars) warmed up on D%s in %.1f s", len(calls),
+                         " and the ideal worker" if ideal_engine else "", time.perf_counter() - t)
             if stack is not None:
                 counters_before = await asyncio.to_thread(stack.prefill_prompt_tokens_by_source)
             print(f"kvshuttle bench: {len(conversations)} conversations, "
-                  f"{sum(len(c.user_turns) for c in conversations)} turns in all, each in {', '.join(modes)}; "
-                  f"concurrency {cfg.concurrency}; gateway {base_url}", flush=True)
+                  f"{sum(len(c.turns) for c in conversations)} turns in all "
+                  f"({sum(1 for c in conversations for t in c.turns if t.call)} forced tool calls), each in "
+                  f"{', '.join(modes)}; concurrency {cfg.concurrency}; gateway {base_url}", flush=True)
             outcome = await drive(conversations, make_lanes, modes, concurrency=cfg.concurrency,
                                   progress=cfg.progress, turn_timeout_s=cfg.turn_timeout_s)
             counters = {}
@@ -246,6 +294,7 @@ async def run_bench(cfg: BenchConfig) -> int:
         "concurrency": cfg.concurrency, "seed": cfg.seed, "workload": cfg.conversation_file or "agentic",
         "max_history_tokens": cfg.max_history_tokens, "max_tokens": cfg.max_tokens,
         "prefill_cache": cfg.prefill_cache, "model": str(cfg.model_dir), "dtype": cfg.dtype,
+        "tool_calls": sum(1 for c in conversations for t in c.turns if t.call), "call_arguments": cfg.call_arguments,
         "machine": {"cpus": os.cpu_count(), "platform": os.uname().sysname + " " + os.uname().machine},
         "headline_min_history": cfg.headline_min_history, "failures": outcome.failures,
     }

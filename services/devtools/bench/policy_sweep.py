@@ -48,7 +48,7 @@ from kvshuttle.services.common.config import load, require, setting
 from kvshuttle.services.devtools.bench import lanes as lanes_mod
 from kvshuttle.services.devtools.bench.multiturn import NO_PREFIX_CACHING, drive
 from kvshuttle.services.devtools.bench.samples import TurnSample
-from kvshuttle.services.devtools.bench.workload import Conversation, agentic_conversations
+from kvshuttle.services.devtools.bench.workload import Conversation, Turn, agentic_conversations
 from kvshuttle.services.devtools.stack import Stack, StackConfig
 
 log = logging.getLogger("kvshuttle.bench.policies")
@@ -127,7 +127,8 @@ def sweep_workload(cfg: PolicySweepConfig) -> list[Conversation]:
                                           max_history_tokens=cfg.max_history_tokens, system_tokens=system,
                                           turn_tokens=turn_tokens, max_tokens=cfg.max_tokens,
                                           max_turns=cfg.max_turns):
-            out.append(dataclasses.replace(conv, id=f"sweep{k}-{conv.id}"))
+            # Plain chats (tool results as user text): the sweep's stack runs no tool-call parser.
+            out.append(dataclasses.replace(conv.plain(), id=f"sweep{k}-{conv.id}"))
     return out
 
 
@@ -254,8 +255,8 @@ class _RecordingLane:
     def __init__(self, lane: lanes_mod.GatewayLane, reports: list[dict[str, Any]]):
         self.lane, self.reports = lane, reports
 
-    async def turn(self, user_text: str, max_tokens: int) -> TurnSample:
-        sample = await self.lane.turn(user_text, max_tokens)
+    async def turn(self, turn: Turn) -> TurnSample:
+        sample = await self.lane.turn(turn)
         kv = {k: v for k, v in self.lane.last_kv.items() if k != "timings_ms"}
         self.reports.append({"mode": sample.mode, "conversation": sample.conversation, "turn": sample.turn,
                              "prefill_ms": self.lane.last_timings.get("prefill_ms"), **kv})
@@ -333,7 +334,7 @@ async def _run_sweep(cfg: PolicySweepConfig) -> int:
                 return made
 
             print(f"kvshuttle bench-policies: {len(conversations)} conversations, "
-                  f"{sum(len(c.user_turns) for c in conversations)} turns each in {', '.join(lanes)}", flush=True)
+                  f"{sum(len(c.turns) for c in conversations)} turns each in {', '.join(lanes)}", flush=True)
             outcome = await drive(conversations, make_lanes, lanes, concurrency=1, progress=cfg.progress,
                                   turn_timeout_s=cfg.turn_timeout_s)
         scheduler = stack.scheduler_address if stack is not None else cfg.scheduler_address

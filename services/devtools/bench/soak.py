@@ -88,10 +88,11 @@ class Soak:
         self.memory: list[dict] = []  # {"t": s, "<service>": MiB, ...}
         self.kv: list[dict] = []  # {"t": s, "<decode worker>": {"usage": fraction, "held_sessions": n, ...}}
         self.started = 0.0
-        self.conversations = agentic_conversations(
+        # Plain chats (tool results as user text): the soak's stack runs no tool-call parser.
+        self.conversations = [c.plain() for c in agentic_conversations(
             count=max(64, cfg.sessions * 4), seed=cfg.seed, max_history_tokens=cfg.max_history_tokens,
             system_tokens=min(400, cfg.max_history_tokens // 4), turn_tokens=(cfg.turn_tokens_min, cfg.turn_tokens_max),
-            max_tokens=cfg.answer_tokens)
+            max_tokens=cfg.answer_tokens)]
 
     async def run(self) -> dict:
         self.started = time.monotonic()
@@ -118,7 +119,7 @@ class Soak:
             n += self.cfg.sessions
             session = f"soak-{index}-{uuid.uuid4().hex[:8]}"
             messages = [{"role": "system", "content": conversation.system}] if conversation.system else []
-            for turn, user in enumerate(conversation.user_turns):
+            for turn, user in enumerate(t.user for t in conversation.turns):
                 if time.monotonic() >= stop_at:
                     break
                 messages.append({"role": "user", "content": user})

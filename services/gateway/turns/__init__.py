@@ -1,5 +1,5 @@
 """One conversation turn through the disaggregated pair, as a chain of stages over one TurnContext: prompt → plan
-→ prefill on P → decode on D → record (runner.py says what each does).
+→ prefill on P → decode on D → parse → record (runner.py says what each does).
 
 Data flows one way: the request becomes exact prompt ids (continuing the session's recorded ids when the chat
 extends them), the scheduler's plan says which workers and which kv_transfer_params, P's answer carries the params
@@ -15,8 +15,9 @@ from kvshuttle.services.gateway.turns.context import (
     TurnError,
     WorkerDown,
 )
+from kvshuttle.services.gateway.turns.parse import AnswerParsing
 from kvshuttle.services.gateway.turns.request import TurnRequest
 from kvshuttle.services.gateway.turns.runner import DEGRADED_KINDS, TurnRunner
 
-__all__ = ["DEGRADED_KINDS", "Delta", "Finished", "KvOutcome", "Tokenizer", "TurnContext", "TurnError",
+__all__ = ["DEGRADED_KINDS", "AnswerParsing", "Delta", "Finished", "KvOutcome", "Tokenizer", "TurnContext", "TurnError",
            "TurnRequest", "TurnRunner", "WorkerDown"]

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
+from kvshuttle.control_plane.answer import Event
 from kvshuttle.services.engine.client import EngineError, Final, TokenLogprob
 from kvshuttle.v1 import scheduler_pb2
 
@@ -96,6 +97,7 @@ class Delta:
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for logprobs
+    events: list[Event] = field(default_factory=list)  # what the text means (parse stage): reasoning, content, calls
 
 
 @dataclass
@@ -107,6 +109,8 @@ class Finished:
     kv: KvOutcome
     timings: dict[str, float]
     logprobs: list[TokenLogprob] | None = None  # one per output id, when the request asked for logprobs
+    events: list[Event] = field(default_factory=list)  # what the parser held back until the answer ended
+    answer_events: list[Event] = field(default_factory=list)  # every event of the answer, in order (whole answers)
 
 
 def elapsed_ms(since: float) -> float:

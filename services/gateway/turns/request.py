@@ -10,6 +10,7 @@ import grpc
 from kvshuttle.control_plane.constraints import Constraint
 from kvshuttle.control_plane.session import DEFAULT_TENANT
 from kvshuttle.services.gateway.turns.context import TurnError
+from kvshuttle.services.gateway.turns.parse import AnswerParsing
 
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 32, 512
 MAX_STOP_TOKEN_IDS, MAX_LOGIT_BIAS = 1024, 1024  # bounds on a request's lists (vLLM has none; they cost every step)
@@ -52,6 +53,7 @@ class TurnRequest:
     # once the prompt is rendered, the constraint is placed after the reasoning it leaves room for.
     reasoning_tags: tuple[str, str] | None = None
     logprobs: int | None = None  # None: none; 0: each sampled token's; N: also the N most likely at each position
+    parsing: AnswerParsing | None = None  # how the answer is parsed (None: its text is its content)
 
     def engine_sampling(self) -> dict[str, Any]:
         """The sampling parameters both workers get (EngineClient.generate's keywords), min_tokens aside."""

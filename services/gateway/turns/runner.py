@@ -4,12 +4,13 @@
     plan (plan.py)       the scheduler's choice of P and D, pull or recompute
     prefill (prefill.py) P pulls or computes the prompt's KV; D's kv_transfer_params
     decode (decode.py)   D's tokens as text deltas
+    parse (parse.py)     what the deltas mean: reasoning, content, tool calls (events on each delta)
     record (record.py)   the registry keeps D's handle and the exact ids for the next turn
 
-``prepare`` runs the first three (a front end can still refuse or shape the answer then), ``decode`` the last
-two. Each stage is a module-level ``run(runner, ctx)``: it reads what earlier stages put in the context and adds
-its own part, so it can be tested alone with a context built by hand. What the answer *means* (reasoning, tool
-calls) is control_plane.answer's, applied by the front ends to the text deltas.
+``prepare`` runs the first three (a front end can still refuse or shape the answer then), ``decode`` the rest.
+Each stage reads what earlier stages put in the context and adds its own part, so it can be tested alone with a
+context built by hand. The three front ends (openai_api, anthropic_api, responses_api) translate their request
+into a TurnRequest and spell the events in their API's shape.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from kvshuttle.services.gateway.turns import prefill as prefilling
 from kvshuttle.services.gateway.turns import prompt as prompting
 from kvshuttle.services.gateway.turns import record as recording
 from kvshuttle.services.gateway.turns.context import Delta, Finished, Tokenizer, TurnContext, TurnError, elapsed_ms
+from kvshuttle.services.gateway.turns.parse import AnswerEvents
 from kvshuttle.services.gateway.turns.request import TurnRequest, check_length, validate
 from kvshuttle.services.gateway.turns.spans import (
     finished_attributes,
@@ -170,15 +172,19 @@ class TurnRunner:
         across a ``yield``; child spans name their parent explicitly.
         """
         answered = False
+        answer = AnswerEvents(turn.request.parsing, turn.prompt_text)
         try:
             async for delta in decoding.run(self, turn):
+                delta.events = answer.feed(delta.text)
                 yield delta
             assert turn.final is not None
+            held = answer.finish()
             await recording.run(self, turn)
             turn.timings["total_ms"] = elapsed_ms(turn.started)
             req = turn.request
             event = Finished(turn.final.finish_reason, turn.text, turn.output_ids, len(turn.prompt_ids), turn.kv,
-                             turn.timings, turn.output_logprobs if req.logprobs is not None else None)
+                             turn.timings, turn.output_logprobs if req.logprobs is not None else None, held,
+                             answer.events)
             # the turn is done (a consumer may close this generator later)
             turn.span.set_attributes(finished_attributes(turn, event, self.served_model))
             turn.span.end()
