@@ -80,6 +80,36 @@ DESCRIPTIONS: dict[str, str] = {
 }
 
 
+# What became of a turn's record (its KV handle and exact ids, for the next turn to pull): KvReport.record, the
+# ``kvshuttle.record`` body field, the X-KV-Record header and ``kvshuttle_turn_records_total{outcome}``. Anything but
+# ``recorded`` and ``unrecorded`` means the next turn cannot pull this one: never only a log line.
+RECORDED = "recorded"  # the registry holds the turn's record
+UNRECORDED = "unrecorded"  # no session to record (a chat without an id while finding sessions is off): KV freed
+RECORD_REFUSED = "record_refused"  # the registry refused the record (INVALID_ARGUMENT: e.g. over its size limit)
+RECORD_UNAVAILABLE = "record_unavailable"  # the registry or etcd could not be reached (UNAVAILABLE, DEADLINE_EXCEEDED)
+RECORD_ERROR = "record_error"  # the registry failed the write otherwise
+NO_HANDLE = "no_handle"  # the decode worker returned no KV handle: nothing to record
+RECORD_OUTCOMES = (RECORDED, UNRECORDED, RECORD_REFUSED, RECORD_UNAVAILABLE, RECORD_ERROR, NO_HANDLE)
+RECORD_DESCRIPTIONS: dict[str, str] = {
+    RECORDED: "the registry holds the turn's record: its next turn can pull",
+    UNRECORDED: "no session to record (a chat without a session id while `--find-sessions` is off); its KV was freed",
+    RECORD_REFUSED: "the registry refused the record (INVALID_ARGUMENT, e.g. over its size limit): the next turn "
+                    "recomputes",
+    RECORD_UNAVAILABLE: "the registry or etcd could not be reached to write the record: the next turn recomputes",
+    RECORD_ERROR: "the registry failed the write otherwise: the next turn recomputes",
+    NO_HANDLE: "the decode worker returned no KV handle, so there was nothing to record: the next turn recomputes",
+}
+
+
+def record_outcome(grpc_code: str) -> str:
+    """The record outcome of a RecordTurn that failed with this gRPC status code (its name)."""
+    if grpc_code == "INVALID_ARGUMENT":
+        return RECORD_REFUSED
+    if grpc_code in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
+        return RECORD_UNAVAILABLE
+    return RECORD_ERROR
+
+
 def known(code: str) -> str:
     """``code`` when it is in the vocabulary, else ``unknown`` (metrics labels must stay bounded)."""
     return code if code in VOCABULARY else UNKNOWN

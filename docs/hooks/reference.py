@@ -293,6 +293,14 @@ def reasons_page() -> str:
     order = [*reasons.PULL_CODES, *reasons.RECOMPUTE_CODES, reasons.UNKNOWN]
     out += table(["Code", "Decision", "Meaning"],
                  [[code(c), decision(c), cell(reasons.DESCRIPTIONS[c])] for c in order])
+    out += ["", "## Record outcomes", "",
+            "What became of a turn's record (its KV handle and exact ids, which the next turn pulls): `record` in the "
+            "gateway's `KvReport`, `kvshuttle.record` (with `record_error`) in HTTP bodies (a stream's last chunk), "
+            "the `X-KV-Record` header of whole answers, and the `outcome` label of `kvshuttle_turn_records_total`. "
+            "Any outcome but `recorded` and `unrecorded` means the next turn recomputes; the chart's "
+            "`KvshuttleTurnsNotRecorded` alert fires on them.", ""]
+    out += table(["Outcome", "Meaning"], [[code(c), cell(reasons.RECORD_DESCRIPTIONS[c])]
+                                          for c in reasons.RECORD_OUTCOMES])
     return "\n".join(out)
 
 

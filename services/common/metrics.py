@@ -63,6 +63,9 @@ TURNS = Counter("kvshuttle_turns", "Turns answered, by the KV decision they ran 
 TURN_SESSIONS = Counter("kvshuttle_turn_sessions", "Answered turns by how their session was known: client (the request "
                         "named it), response (previous_response_id), found (no session id; the prompt text extends a recorded session's), new (no "
                         "session id and none found: a new session), none (not recorded)", ["source"], registry=None)
+TURN_RECORDS = Counter("kvshuttle_turn_records", "Answered turns by what became of their record (KV handle + exact ids "
+                       "for the next turn): recorded, unrecorded (no session), or record_refused, record_unavailable, "
+                       "record_error, no_handle (the next turn cannot pull it)", ["outcome"], registry=None)
 TURN_TOKENS = Counter("kvshuttle_turn_tokens", "Tokens of answered turns: prompt = pulled (from D over NIXL) + "
                       "cached (P's own prefix cache) + computed (by P); generated = answer tokens", ["kind"],
                       registry=None)
@@ -138,6 +141,9 @@ def turn_answered(finished: Any, kv_bytes_per_token: int = 0) -> None:
     decision = _decision(kv.decision)
     TURNS.labels(decision, reasons.known(kv.reason_code)).inc()
     TURN_SESSIONS.labels(getattr(kv, "session_source", "") or "none").inc()
+    record = getattr(kv, "record", "")
+    if record:
+        TURN_RECORDS.labels(record if record in reasons.RECORD_OUTCOMES else reasons.UNKNOWN).inc()
     TTFT.labels(decision, kv.figures.policy if kv.figures is not None else "").observe(
         timings.get("ttft_ms", 0.0) / 1000)
     TURN_DURATION.labels(decision).observe(timings.get("total_ms", 0.0) / 1000)
@@ -398,7 +404,7 @@ WORKER_STATE: StateCollector[WorkerState] = StateCollector(_worker_families, _re
 # -- groups and endpoints ------------------------------------------------------------------------------------------
 
 GROUPS: dict[str, tuple[Collector, ...]] = {
-    "gateway": (TURNS, TURN_SESSIONS, TURN_TOKENS, KV_PULLED_BYTES, TTFT, TURN_DURATION, TURN_FAILURES, HTTP_REQUESTS,
+    "gateway": (TURNS, TURN_SESSIONS, TURN_RECORDS, TURN_TOKENS, KV_PULLED_BYTES, TTFT, TURN_DURATION, TURN_FAILURES, HTTP_REQUESTS,
                 WORKER_FAILURES, GATEWAY_STATE),
     "scheduler": (PLANS, PLAN_SECONDS, KV_PULLS_LOST, SCHEDULER_STATE),
     "registry": (LIVE_WORKERS, LIVE_SESSIONS, SESSIONS_DROPPED),

@@ -25,7 +25,8 @@ def kv_report(kv: KvOutcome) -> gateway_pb2.KvReport:
         decision=_DECISIONS[kv.decision], reason=kv.reason, reason_code=kv.reason_code, pulled_tokens=kv.pulled_tokens,
         computed_tokens=kv.computed_tokens, retried_as_recompute=kv.retried_as_recompute,
         prefill_worker_id=kv.prefill_worker_id, decode_worker_id=kv.decode_worker_id, figures=kv.figures,
-        worker_failures=kv.worker_failures, session_source=kv.session_source, session_id=kv.session_id)
+        worker_failures=kv.worker_failures, session_source=kv.session_source, session_id=kv.session_id,
+        record=kv.record, record_error=kv.record_error)
 
 
 def turn_timings(t: dict[str, float]) -> gateway_pb2.TurnTimings:

@@ -277,6 +277,7 @@ def kv_headers(kv: KvOutcome) -> dict[str, str]:
         "X-KV-Prefill-Worker": kv.prefill_worker_id,
         "X-KV-Decode-Worker": kv.decode_worker_id,
         **({"X-Session-Source": kv.session_source} if kv.session_source else {}),
+        **({"X-KV-Record": kv.record} if kv.record else {}),  # known once answered (not on a stream's headers)
     }
 
 
@@ -291,6 +292,7 @@ def kv_body(kv: KvOutcome, timings: dict[str, float]) -> dict[str, Any]:
         "predicted_pull_ms": fig.predicted_pull_ms if fig else 0.0,
         "predicted_recompute_ms": fig.predicted_recompute_ms if fig else 0.0,
         "worker_choice": fig.worker_choice if fig else "", "worker_failures": kv.worker_failures,
+        "record": kv.record, **({"record_error": kv.record_error} if kv.record_error else {}),
         "timings_ms": timings,
     }
 

@@ -472,6 +472,26 @@ def test_metrics_are_scraped_where_they_are_served():
         "--metrics-listen" not in " ".join(c["args"]) for _, c in kvshuttle_containers(off))
 
 
+def test_the_alert_rules_watch_metrics_the_gateway_serves():
+    """metrics.prometheusRule.enabled renders a PrometheusRule whose alerts read metrics of kvshuttle's catalogue, by
+    label values those metrics take (a renamed metric or outcome would leave the alert silent for ever)."""
+    from kvshuttle.control_plane import reasons
+    from kvshuttle.services.common import metrics
+
+    assert not objects(rendered("gpu-1p1d"), "PrometheusRule")  # off by default
+    docs = rendered("gpu-1p1d", "--set", "metrics.prometheusRule.enabled=true", "--set",
+                    "metrics.prometheusRule.for=2m")
+    rule = objects(docs, "PrometheusRule")[f"{RELEASE}-kvshuttle-alerts"]
+    (alert,) = rule["spec"]["groups"][0]["rules"]
+    assert alert["alert"] == "KvshuttleTurnsNotRecorded" and alert["for"] == "2m"
+    names = {m.name for m in metrics.CATALOGUE}
+    used = set(re.findall(r"\b(kvshuttle_[a-z_]+)\b", alert["expr"]))
+    assert used and used <= names, used - names
+    assert set(re.findall(r'outcome!~"([a-z_|]+)"', alert["expr"])[0].split("|")) == {reasons.RECORDED,
+                                                                                    reasons.UNRECORDED}
+    assert "{{ $labels.outcome }}" in alert["annotations"]["summary"]
+
+
 def test_helm_test_pod_runs_the_smoke_test_against_the_gateway_service():
     """`helm test` runs `kvshuttle smoke-test` at the gateway Service's HTTP port, with the test key when the gateway
     needs one; with keys but no test key there is no test pod (it could only fail)."""

@@ -34,6 +34,7 @@ async def test_openai_client_streams_and_pulls_on_the_second_turn(stack):
                                                  extra_headers={"X-Session-ID": session})
     answer = first.choices[0].message.content
     assert first.usage.completion_tokens == 12 and answer
+    assert first.model_extra["kvshuttle"]["record"] == "recorded"  # what the next turn pulls
     messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "And then?"}]
     raw = await client.chat.completions.with_raw_response.create(
         model=model, messages=messages, max_tokens=12, temperature=0, stream=True,
@@ -116,6 +117,7 @@ async def test_grpc_gateway_unary_and_stream(stack):
         stub = gateway_pb2_grpc.GatewayStub(channel)
         first = await stub.ChatComplete(request)
         assert first.kv.decision == scheduler_pb2.DECISION_RECOMPUTE and len(first.token_ids) == 8
+        assert (first.kv.record, first.kv.record_error) == ("recorded", "")
         request.messages.add(role="assistant", content=first.message.content)
         request.messages.add(role="user", content="Go on.")
         call = stub.ChatCompleteStream(request)
@@ -124,6 +126,7 @@ async def test_grpc_gateway_unary_and_stream(stack):
     assert metadata["x-kv-decision"] == "pull"
     assert events[0].WhichOneof("event") == "started" and events[0].started.kv.decision == scheduler_pb2.DECISION_PULL
     assert events[-1].WhichOneof("event") == "finished" and events[-1].finished.usage.completion_tokens == 8
+    assert events[-1].finished.kv.record == "recorded" and not events[0].started.kv.record  # known at the end
     streamed = [t for e in events if e.WhichOneof("event") == "delta" for t in e.delta.token_ids]
     assert len(streamed) == 8
     assert events[-1].finished.kv.pulled_tokens >= len(first.prompt_token_ids) // 128 * 128 > 0

@@ -99,17 +99,31 @@ async def scheduler_sees(scheduler: scheduler_pb2_grpc.TransferSchedulerStub, wo
     return any(check(row) for row in stats.loads if row.worker_id == worker_id)
 
 
-async def plan_prefill_ids(scheduler: scheduler_pb2_grpc.TransferSchedulerStub, n: int, spacing_s: float
-                           ) -> list[str]:
-    picks = []
+async def plan_prefill_ids(scheduler: scheduler_pb2_grpc.TransferSchedulerStub, n: int, spacing_s: float,
+                           seen: str = "") -> list[str]:
+    """``n`` plans' prefill workers. ``seen``: each plan waits until the scheduler's load view has that worker
+    reachable (on 2 loaded cores a vLLM worker's GetLoads can miss its deadline twice in a row; the scheduler then
+    rightly avoids it, and the plan says nothing about load-awareness)."""
+    picks, waited = [], 0
     for i in range(n):
+        if seen and not await scheduler_sees(scheduler, seen, lambda row: row.reachable):
+            waited += 1
+            await until(lambda: scheduler_sees(scheduler, seen, lambda row: row.reachable), 30,
+                        f"the scheduler to see {seen} reachable again")
         resp = await scheduler.PlanTurn(scheduler_pb2.PlanTurnRequest(prompt_token_ids=[11, 12, 13, 14 + i]),
                                         timeout=10.0)
         assert resp.decision == scheduler_pb2.DECISION_RECOMPUTE
         picks.append(resp.prefill.worker_id)
+        if seen and resp.prefill.worker_id != seen:  # the scheduler's view when it did not pick ``seen``
+            stats = await scheduler.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5.0)
+            print(f"  plan {i} went to {resp.prefill.worker_id} ({resp.figures.worker_choice}); loads: "
+                  + "; ".join(f"{r.worker_id} reachable={r.reachable} running={r.running} waiting={r.waiting} "
+                              f"pending={r.pending} age={r.age_s:.2f}s" for r in stats.loads), flush=True)
         if i == 0:  # the scheduler's own account of its choice, where it gives one
             print(f"  first plan: {getattr(resp.figures, 'worker_choice', '') or resp.prefill.worker_id}", flush=True)
         await asyncio.sleep(spacing_s)
+    if waited:
+        print(f"  waited {waited} time(s) for the scheduler to see {seen} reachable", flush=True)
     return picks
 
 
@@ -167,7 +181,7 @@ async def test_busy_prefill_worker_is_avoided(stack):
         # the scheduler's load monitor (a sample every 0.5 s) sees the busy worker's load
         await until(lambda: scheduler_sees(scheduler, busy_id, lambda row: row.running + row.waiting > 0), 10,
                     f"the scheduler to see {busy_id} busy")
-        busy_picks = await plan_prefill_ids(scheduler, PLANS, spacing_s=0.25)
+        busy_picks = await plan_prefill_ids(scheduler, PLANS, spacing_s=0.25, seen=idle_id)
         counts = collections.Counter(busy_picks)
         print(f"plans while {busy_id} is busy: {dict(counts)}; GetLoads after: "
               f"{summary(await probe.get_loads())}", flush=True)

@@ -126,10 +126,10 @@ class Scheduler:
             figures=scheduler_pb2.PlanFigures(reusable_tokens=3 if pull else 0))
 
 
-def _rpc_error(code):
+def _rpc_error(code, details: str = "x"):
     class Err(grpc.aio.AioRpcError):
         def __init__(self):
-            super().__init__(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details="x")
+            super().__init__(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
     return Err()
 
 
@@ -165,6 +165,14 @@ class DownRegistry(Registry):
 
     async def RecordTurn(self, request, timeout=None):
         raise _rpc_error(grpc.StatusCode.UNAVAILABLE)
+
+
+class RefusingRegistry(Registry):
+    """A registry that refuses every record, as the real one refuses a record over its size limit."""
+
+    async def RecordTurn(self, request, timeout=None):
+        raise _rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "the session record would be 1400001 bytes; the registry "
+                                                           "takes at most 1400000")
 
 
 class CapturingRunner:

@@ -13,12 +13,10 @@ picks the Mistral tokenizer generation (``legacy``: no ``[ARGS]`` token, so vLLM
 
 from __future__ import annotations
 
-import json
 import subprocess
-import sys
 from pathlib import Path
 
-VENV_PYTHON = Path(sys.executable)
+from tests.support import child_reference
 
 SPECIAL_TOKENS = {
     "hermes": ["<tool_call>", "</tool_call>"],
@@ -62,34 +60,14 @@ def _run(case: dict) -> dict:
             "calls": [[c.function.name, c.function.arguments] for c in info.tool_calls] if info.tools_called else []}
 
 
-def main() -> None:
-    import logging
-
-    logging.disable(logging.CRITICAL)  # vLLM logs every call it cannot parse, with a traceback
-    out = []
-    for case in json.loads(Path(sys.argv[1]).read_text(encoding="utf-8")):
-        try:
-            out.append(_run(case))
-        except Exception as exc:  # noqa: BLE001 - reported to the test, which names the case
-            out.append({"error": f"{type(exc).__name__}: {exc}"})
-    Path(sys.argv[2]).write_text(json.dumps(out), encoding="utf-8")
-
-
 def start(cases: list[dict], workdir: Path) -> subprocess.Popen:
-    """Start vLLM on ``cases`` in a subprocess (importing vLLM takes seconds); :func:`results` collects them."""
-    cases_path, results_path = workdir / "vllm_reference_cases.json", workdir / "vllm_reference_results.json"
-    cases_path.write_text(json.dumps(cases), encoding="utf-8")
-    return subprocess.Popen([str(VENV_PYTHON), __file__, str(cases_path), str(results_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    """Start vLLM on ``cases`` in a subprocess (tests/support/child_reference.py); :func:`results` collects them."""
+    return child_reference.start("tests.support.vllm_reference", cases, workdir, "vllm_reference")
 
 
 def results(proc: subprocess.Popen, timeout: float = 120) -> list[dict]:
-    output, _ = proc.communicate(timeout=timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"vLLM reference run failed ({proc.returncode}):\n"
-                           f"{output.decode('utf-8', 'replace')[-4000:]}")
-    return json.loads(Path(proc.args[3]).read_text(encoding="utf-8"))
+    return child_reference.results(proc, timeout, "vLLM reference")
 
 
 if __name__ == "__main__":
-    main()
+    child_reference.serve(_run)

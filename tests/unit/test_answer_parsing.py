@@ -10,6 +10,8 @@ from kvshuttle.control_plane.answer import AnswerParser, ParsedAnswer, Piece, pa
 from kvshuttle.control_plane.reasoning import REASONING_PARSERS
 from kvshuttle.control_plane.tool_calls import TOOL_CALL_PARSERS, ParsedCall
 
+from tests.support.streaming import streamed
+
 R1, QWEN3 = REASONING_PARSERS["deepseek_r1"], REASONING_PARSERS["qwen3"]
 HERMES = TOOL_CALL_PARSERS["hermes"]
 
@@ -49,15 +51,7 @@ def test_whole_answers(answer, reasoning, tools, prompt, want_reasoning, want_co
 
 
 def _streamed(answer: str, cuts: list[int], reasoning, tools, prompt: str) -> tuple[ParsedAnswer, list]:
-    parser = AnswerParser(reasoning, tools, prompt_text=prompt)
-    out, events = ParsedAnswer(), []
-    bounds = [0, *cuts, len(answer)]
-    for a, b in zip(bounds, bounds[1:], strict=False):
-        events.extend(parser.feed(answer[a:b]))
-    events.extend(parser.finish())
-    for event in events:
-        out.add(event)
-    return out, events
+    return streamed(AnswerParser(reasoning, tools, prompt_text=prompt), answer, cuts)
 
 
 @pytest.mark.parametrize("answer,reasoning,tools,prompt,want_reasoning,want_content,want_calls", CASES)

@@ -13,7 +13,17 @@ from kvshuttle.v1 import scheduler_pb2
 from prometheus_client import generate_latest
 
 from tests.support.metrics import delta, parse
-from tests.support.turn_fakes import DownRegistry, Engine, Registry, Scheduler, Tokenizer, resume_runner, run, runner
+from tests.support.turn_fakes import (
+    DownRegistry,
+    Engine,
+    RefusingRegistry,
+    Registry,
+    Scheduler,
+    Tokenizer,
+    resume_runner,
+    run,
+    runner,
+)
 
 GATEWAY = metrics.registry_for("gateway")
 
@@ -173,6 +183,18 @@ async def test_degraded_turns_and_released_handles_are_read_from_the_runner():
     assert delta(before, after, "kvshuttle_degraded_turns_total", kind="session_read_failed") == 1
     assert delta(before, after, "kvshuttle_degraded_turns_total", kind="record_failed") == 1
     assert delta(before, after, "kvshuttle_kv_handles_released_total") == 2
+
+
+async def test_a_record_the_registry_refuses_shows_on_the_turn_and_in_its_metric():
+    r, _, _ = runner(scheduler_pb2.DECISION_RECOMPUTE, Engine(), registry=RefusingRegistry())
+    before = scrape()
+    _, events = await run(r, TurnRequest(session_id="s", prompt_text="hello", max_tokens=2))
+    recorded, _ = await run(r, TurnRequest(prompt_text="hello", max_tokens=2))  # no session: nothing to record
+    after = scrape()
+    assert events[-1].kv.record == "record_refused" and "at most" in events[-1].kv.record_error
+    assert recorded.kv.record == "unrecorded" and not recorded.kv.record_error
+    assert delta(before, after, "kvshuttle_turn_records_total", outcome="record_refused") == 1
+    assert delta(before, after, "kvshuttle_turn_records_total", outcome="unrecorded") == 1
 
 
 def test_the_gateway_endpoint_serves_only_the_gateway_s_metrics():

@@ -17,6 +17,7 @@ from kvshuttle.control_plane.reasoning import REASONING_PARSERS, Harmony
 from kvshuttle.control_plane.tool_calls import TOOL_CALL_PARSERS, ParsedCall
 
 from tests.support import harmony_reference
+from tests.support.streaming import streamed
 
 HARMONY, CALLS = REASONING_PARSERS["openai_gptoss"], TOOL_CALL_PARSERS["openai"]
 PARSERS = {"both": (HARMONY, CALLS), "reasoning": (HARMONY, None), "tools": (None, CALLS)}
@@ -158,15 +159,7 @@ def _whole(case: Case) -> ParsedAnswer:
 
 
 def _streamed(case: Case, cuts: list[int]) -> tuple[ParsedAnswer, list]:
-    parser = AnswerParser(*PARSERS[case.parsers], prompt_text=case.prompt)
-    out, events = ParsedAnswer(), []
-    bounds = [0, *cuts, len(case.text)]
-    for a, b in zip(bounds, bounds[1:], strict=False):
-        events.extend(parser.feed(case.text[a:b]))
-    events.extend(parser.finish())
-    for event in events:
-        out.add(event)
-    return out, events
+    return streamed(AnswerParser(*PARSERS[case.parsers], prompt_text=case.prompt), case.text, cuts)
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)

@@ -116,8 +116,17 @@ def test_the_scheduler_and_gateway_codes_are_only_those_of_the_vocabulary():
     for path in [*root.glob("control_plane/*.py"), *root.glob("services/**/*.py")]:
         used |= set(re.findall(r"\bwhy\.([A-Z_]+)\b", path.read_text()))
     assert used, "no module names a reason code"
-    assert {getattr(reasons, name) for name in used} <= reasons.VOCABULARY
+    assert {getattr(reasons, name) for name in used} <= reasons.VOCABULARY | set(reasons.RECORD_OUTCOMES)
     # the gateway's own codes are used where it overrides the scheduler's decision
     turns = "".join(path.read_text() for path in (root / "services/gateway/turns").glob("*.py"))
     assert "why.PULL_FAILED" in turns and "why.WORKER_FAILED" in turns
     assert json.dumps(sorted(reasons.VOCABULARY))  # plain strings
+
+
+def test_record_outcomes_are_described_and_failed_writes_are_never_recorded():
+    assert set(reasons.RECORD_DESCRIPTIONS) == set(reasons.RECORD_OUTCOMES)
+    assert not set(reasons.RECORD_OUTCOMES) & reasons.VOCABULARY  # another label: the decision's codes stay apart
+    assert reasons.record_outcome("INVALID_ARGUMENT") == reasons.RECORD_REFUSED
+    assert {reasons.record_outcome(c) for c in ("UNAVAILABLE", "DEADLINE_EXCEEDED")} == {reasons.RECORD_UNAVAILABLE}
+    assert {reasons.record_outcome(c) for c in ("INTERNAL", "FAILED_PRECONDITION", "UNKNOWN")} == {
+        reasons.RECORD_ERROR}

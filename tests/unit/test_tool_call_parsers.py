@@ -18,6 +18,7 @@ from kvshuttle.services.gateway.chat_answer import AnswerShape
 from kvshuttle.services.gateway.turns.parse import AnswerEvents, AnswerParsing
 
 from tests.support import vllm_reference
+from tests.support.streaming import streamed
 
 
 def tool(name: str, properties: dict) -> dict:
@@ -258,15 +259,7 @@ def test_whole_answers(case: Case):
 
 
 def _streamed(case: Case, cuts: list[int]) -> tuple[ParsedAnswer, list]:
-    parser = AnswerParser(None, TOOL_CALL_PARSERS[case.parser], request_tools=case.tools)
-    out, events = ParsedAnswer(), []
-    bounds = [0, *cuts, len(case.text)]
-    for a, b in zip(bounds, bounds[1:], strict=False):
-        events.extend(parser.feed(case.text[a:b]))
-    events.extend(parser.finish())
-    for event in events:
-        out.add(event)
-    return out, events
+    return streamed(AnswerParser(None, TOOL_CALL_PARSERS[case.parser], request_tools=case.tools), case.text, cuts)
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)

@@ -54,6 +54,8 @@ class KvOutcome:
     reason_code: str = ""  # ``reason`` as a code of kvshuttle.control_plane.reasons
     session_source: str = ""  # how the session was known: "client", "found", "new" or "" (TurnRequest's)
     session_id: str = ""  # the session the turn ran in (the request's, a found one or a new one)
+    record: str = ""  # what became of the turn's record: reasons.RECORD_OUTCOMES ("" until the record stage ran)
+    record_error: str = ""  # why the record could not be written (record_refused, _unavailable, _error, no_handle)
 
 
 @dataclass

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 from kvshuttle.control_plane import kv_params
+from kvshuttle.control_plane import reasons as why
 from kvshuttle.control_plane import session as session_rules
 from kvshuttle.control_plane.continuation import text_key
 from kvshuttle.control_plane.prefix import matched_prefix_tokens
@@ -46,10 +47,12 @@ async def _record(rt: TurnRunner, ctx: TurnContext) -> None:
     req, final, output = ctx.request, ctx.final, ctx.output_ids
     assert final is not None, "the decode stage ends with D's final message"
     if not req.session_id:
+        ctx.kv.record = why.UNRECORDED
         free_unrecorded(rt, ctx)
         return
     if not final.kv_transfer_params:
         log.warning("decode worker returned no KV handle for turn %s: nothing to record", ctx.id)
+        ctx.kv.record, ctx.kv.record_error = why.NO_HANDLE, "the decode worker returned no KV handle"
         return
     if ctx.release is not None:  # it claims the old record: before this turn replaces it
         with contextlib.suppress(TimeoutError):
@@ -65,8 +68,12 @@ async def _record(rt: TurnRunner, ctx: TurnContext) -> None:
                 text_key=text_key(recorded_text) if recorded_text else b""), timeout=rt.control_timeout_s)
             rt.keep_record(req.tenant, req.session_id, resp.session)
             ctx.span.set_attribute("kvshuttle.turn_index", resp.session.turn)
+            ctx.kv.record = why.RECORDED
         except grpc.aio.AioRpcError as exc:
-            # The answer is fine; only the next turn loses its pull.
+            # The answer is fine; only the next turn loses its pull: the turn says so (body, header, KvReport,
+            # metric), not only this log.
+            ctx.kv.record = why.record_outcome(exc.code().name)
+            ctx.kv.record_error = f"{exc.code().name}: {exc.details()}"
             span.set_attribute("error.type", exc.code().name)
             span.set_status(trace.StatusCode.ERROR, f"RecordTurn failed: {exc.code().name}")
             rt.degraded["record_failed"] += 1

@@ -112,7 +112,7 @@ class ChatCompleteRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., disable_pull: _Optional[bool] = ..., policy: _Optional[str] = ...) -> None: ...
 
 class KvReport(_message.Message):
-    __slots__ = ("decision", "reason", "pulled_tokens", "computed_tokens", "retried_as_recompute", "prefill_worker_id", "decode_worker_id", "figures", "worker_failures", "reason_code", "session_source", "session_id")
+    __slots__ = ("decision", "reason", "pulled_tokens", "computed_tokens", "retried_as_recompute", "prefill_worker_id", "decode_worker_id", "figures", "worker_failures", "reason_code", "session_source", "session_id", "record", "record_error")
     DECISION_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     PULLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +125,8 @@ class KvReport(_message.Message):
     REASON_CODE_FIELD_NUMBER: _ClassVar[int]
     SESSION_SOURCE_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    RECORD_FIELD_NUMBER: _ClassVar[int]
+    RECORD_ERROR_FIELD_NUMBER: _ClassVar[int]
     decision: _scheduler_pb2.Decision
     reason: str
     pulled_tokens: int
@@ -137,7 +139,9 @@ class KvReport(_message.Message):
     reason_code: str
     session_source: str
     session_id: str
-    def __init__(self, decision: _Optional[_Union[_scheduler_pb2.Decision, str]] = ..., reason: _Optional[str] = ..., pulled_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., retried_as_recompute: _Optional[bool] = ..., prefill_worker_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., figures: _Optional[_Union[_scheduler_pb2.PlanFigures, _Mapping]] = ..., worker_failures: _Optional[_Iterable[str]] = ..., reason_code: _Optional[str] = ..., session_source: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
+    record: str
+    record_error: str
+    def __init__(self, decision: _Optional[_Union[_scheduler_pb2.Decision, str]] = ..., reason: _Optional[str] = ..., pulled_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., retried_as_recompute: _Optional[bool] = ..., prefill_worker_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., figures: _Optional[_Union[_scheduler_pb2.PlanFigures, _Mapping]] = ..., worker_failures: _Optional[_Iterable[str]] = ..., reason_code: _Optional[str] = ..., session_source: _Optional[str] = ..., session_id: _Optional[str] = ..., record: _Optional[str] = ..., record_error: _Optional[str] = ...) -> None: ...
 
 class TurnTimings(_message.Message):
     __slots__ = ("plan_ms", "prefill_ms", "ttft_ms", "decode_ms", "record_ms", "total_ms", "prompt_ms", "session_ms", "find_ms")
