@@ -500,12 +500,17 @@ def _instrumented(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethod
         if inspect.isasyncgenfunction(inner):
             async def stream(request, context):
                 counted = _Counted(context, count)
+                responses = inner(request, counted)
                 try:
-                    async for item in inner(request, counted):
+                    async for item in responses:
                         yield item
                 except BaseException as e:
                     counted.done(e)
                     raise
+                finally:
+                    # Closed early (the client cancelled, the server stopped): close the handler's generator now,
+                    # so its own cleanup runs at once rather than whenever it is collected.
+                    await responses.aclose()
                 counted.done(None)
             return stream
         if inspect.iscoroutinefunction(inner):

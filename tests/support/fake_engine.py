@@ -54,7 +54,7 @@ class FakeEngine(vllm_engine_pb2_grpc.VllmEngineServicer):
             yield vllm_engine_pb2.GenerateResponse(complete=vllm_engine_pb2.GenerateComplete(
                 output_ids=last, finish_reason="length", prompt_tokens=len(prompt), completion_tokens=len(last),
                 cached_tokens=3, kv_transfer_params_json=json.dumps(reply)))
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):  # cancelled while awaiting, or closed at a yield
             self.cancelled.append(rid)
             raise
 
