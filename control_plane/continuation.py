@@ -26,10 +26,12 @@ class Continuation:
         return bool(self.prefix_ids)
 
 
-def plan_continuation(prev_text: str, prev_ids: Sequence[int], new_text: str) -> Continuation:
-    """Splice onto the previous ids when ``new_text`` extends ``prev_text``; else start from scratch."""
-    if prev_text and prev_ids and new_text.startswith(prev_text):
-        return Continuation(tuple(prev_ids), new_text[len(prev_text):])
+def plan_continuation(prev_chars: int, prev_key: bytes, prev_ids: Sequence[int], new_text: str) -> Continuation:
+    """Splice onto the previous ids when ``new_text`` extends the previous text, known by its length in characters
+    and its content key (``text_key``: the record keeps no text); else start from scratch."""
+    if (prev_chars and prev_key and prev_ids and len(new_text) >= prev_chars
+            and text_key(new_text[:prev_chars]) == prev_key):
+        return Continuation(tuple(prev_ids), new_text[prev_chars:])
     return Continuation((), new_text)
 
 

@@ -1,7 +1,7 @@
 """Pull or recompute: the per-turn decision, as pure code.
 
 The scheduler adapts it to gRPC; a simulator can call it directly. A PULL is only ever planned when the new
-prompt provably extends the handle's tokens (hash chain), the handle is unexpired, unclaimed and its decode worker
+prompt provably extends the handle's tokens (prefix digests), the handle is unexpired, unclaimed and its decode worker
 alive, and enough tokens are reusable to be worth a transfer.
 """
 
@@ -39,12 +39,13 @@ class HandleView:
     kv_transfer_params_json: str
     covered_tokens: int
     block_size: int
-    block_hashes: Sequence[bytes]
     expires_in_s: float
     claimed: bool
     source_alive: bool
-    # One hash of the covered tokens (Session.prefix_digest; empty: walk the chain)
+    # One hash of the covered tokens (Session.prefix_digest), and (tokens, digest) of shorter prefixes
+    # (Session.checkpoints): control_plane/prefix.py
     prefix_digest: bytes = b""
+    checkpoints: Sequence[tuple[int, bytes]] = ()
     # Why the scheduler freed the handle's KV before this turn (Session.kv_freed: "idle", "pressure", "room")
     kv_freed: str = ""
 
@@ -103,12 +104,11 @@ def decide(prompt: Sequence[int], handle: HandleView | None, policy: PullPolicy,
                                       f"({handle.expires_in_s:.1f}s left)")
     if not handle.source_alive:
         return recompute(why.DECODE_WORKER_UNAVAILABLE, "the decode worker holding the KV is not alive")
-    if (handle.block_size <= 0 or handle.covered_tokens < 0
-            or len(handle.block_hashes) != -(-handle.covered_tokens // handle.block_size)):
+    if handle.block_size <= 0 or handle.covered_tokens <= 0 or not handle.prefix_digest:
         return recompute(why.INCONSISTENT_RECORD,
-                         "the session record is inconsistent (block size, covered tokens and hash chain disagree)")
-    matched = matched_prefix_tokens(handle.block_hashes, handle.covered_tokens, handle.block_size, prompt,
-                                    handle.prefix_digest)
+                         "the session record is inconsistent (no block size, covered tokens or prefix digest)")
+    matched = matched_prefix_tokens(handle.covered_tokens, handle.block_size, prompt, handle.prefix_digest,
+                                    handle.checkpoints)
     reusable = reusable_tokens(matched, handle.covered_tokens, n, handle.block_size)
     if reusable < policy.pull_threshold_tokens:
         if matched < min(handle.covered_tokens, n):

@@ -1,79 +1,91 @@
-"""Token-block hash chains: prove that a new prompt extends the tokens a KV handle covers, token for token.
+"""Prefix digests: prove that a new prompt extends the tokens a KV handle covers, token for token.
 
-A chain over `tokens[:covered]` in `block_size` chunks: ``h[i] = H(h[i-1] || chunk_i)``. The last chunk may be
-partial (vLLM's handle covers `remote_num_tokens`, rarely a block multiple). Because each hash folds in all earlier
-ones, equal ``h[i]`` means equal tokens up to the end of chunk ``i``.
+A session record keeps one digest of its history's first ``covered`` ids (``prefix_digest``) and a bounded list of
+*checkpoints*: digests of shorter prefixes, at the turn boundaries (where a re-tokenized or edited history usually
+starts to differ), thinned so the list never outgrows ``MAX_CHECKPOINTS`` however long the session gets. The record
+therefore stays the same size at 1k or 1M tokens (the ids themselves live in the history store).
 
-A record also carries one digest of all of ``tokens[:covered]`` (same hash, its own personalization, so a digest is
-never mistaken for a chain link): the usual prompt extends the whole covered history, and one hash over it proves
-that at once; the chain is walked only when the digest differs, to find the last matching block.
+A digest of ``n`` ids hashes their int32 little-endian bytes (blake2b, its own personalization). All the digests a
+record or a check needs come from one pass over the ids (the hash state is copied at each length), so checking a
+prompt costs one hash of it, not one per block. A prompt that extends all covered ids matches ``prefix_digest``;
+otherwise the longest checkpoint it matches proves its first ``tokens`` ids, of which whole blocks may be pulled.
 """
 
 from __future__ import annotations
 
 import hashlib
-import struct
+import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 HASH_BYTES = 16
-_SEED = b"kvshuttle/v1/block-chain"
-_DIGEST_PERSON = b"kvshuttle/prefix"  # blake2b personalization (16 bytes at most)
+MAX_CHECKPOINTS = 32
+_PERSON = b"kvshuttle/prefix"  # blake2b personalization (16 bytes at most)
+_SWAP = sys.byteorder != "little"
 
 
-def _chunk_bytes(tokens: Sequence[int]) -> bytes:
-    return array("i", tokens).tobytes()
+def ids_bytes(tokens: Sequence[int] | bytes, n: int | None = None) -> bytes:
+    """The first ``n`` (default: all) ids as int32 little-endian bytes (``bytes`` input is taken as such)."""
+    if isinstance(tokens, bytes | bytearray | memoryview):
+        return bytes(tokens if n is None else tokens[: 4 * n])
+    arr = array("i", tokens if n is None or n >= len(tokens) else tokens[:n])
+    if _SWAP:
+        arr.byteswap()
+    return arr.tobytes()
 
 
-def block_hash_chain(tokens: Sequence[int], covered: int, block_size: int) -> list[bytes]:
-    """Hashes of ``tokens[:covered]`` chunked by ``block_size``; the last chunk may be partial."""
-    if block_size <= 0:
-        raise ValueError("block_size must be positive")
-    if covered < 0 or covered > len(tokens):
-        raise ValueError(f"covered={covered} outside 0..{len(tokens)}")
-    chain: list[bytes] = []
-    prev = hashlib.blake2b(_SEED, digest_size=HASH_BYTES).digest()
-    for start in range(0, covered, block_size):
-        chunk = tokens[start : min(start + block_size, covered)]
-        prev = hashlib.blake2b(prev + _chunk_bytes(chunk), digest_size=HASH_BYTES).digest()
-        chain.append(prev)
-    return chain
+def prefix_digests(tokens: Sequence[int] | bytes, lengths: Iterable[int]) -> dict[int, bytes]:
+    """Digests of the first ``n`` ids of ``tokens`` for each ``n`` in ``lengths`` (each within 1..len), one pass."""
+    wanted = sorted(set(lengths))
+    if not wanted:
+        return {}
+    data = memoryview(ids_bytes(tokens, wanted[-1]))
+    if wanted[0] <= 0 or 4 * wanted[-1] > len(data):
+        raise ValueError(f"prefix lengths must be within 1..{len(data) // 4}, got {wanted[0]}..{wanted[-1]}")
+    hasher, done, out = hashlib.blake2b(digest_size=HASH_BYTES, person=_PERSON), 0, {}
+    for n in wanted:
+        hasher.update(data[4 * done : 4 * n])
+        done = n
+        out[n] = hasher.copy().digest()
+    return out
 
 
-def prefix_digest(tokens: Sequence[int], covered: int) -> bytes:
-    """One hash of ``tokens[:covered]`` (``b""`` for none): equal digests mean equal covered tokens."""
-    if covered < 0 or covered > len(tokens):
-        raise ValueError(f"covered={covered} outside 0..{len(tokens)}")
-    if covered == 0:
-        return b""
-    data = struct.pack(f"<{covered}i", *tokens[:covered])  # int32 little-endian; faster than array for a list
-    return hashlib.blake2b(covered.to_bytes(8, "little") + data, digest_size=HASH_BYTES,
-                           person=_DIGEST_PERSON).digest()
+def prefix_digest(tokens: Sequence[int] | bytes, covered: int) -> bytes:
+    """One hash of the first ``covered`` ids (``b""`` for none): equal digests mean equal ids."""
+    if covered < 0 or 4 * covered > (len(tokens) if isinstance(tokens, bytes) else 4 * len(tokens)):
+        raise ValueError(f"covered={covered} outside the ids given")
+    return prefix_digests(tokens, [covered])[covered] if covered else b""
 
 
-def matched_prefix_tokens(
-    chain: Sequence[bytes], covered: int, block_size: int, prompt: Sequence[int], digest: bytes = b""
-) -> int:
-    """How many leading tokens of ``prompt`` provably equal the covered tokens.
+def checkpoint_lengths(previous: Iterable[int], boundary: int, covered: int,
+                       limit: int = MAX_CHECKPOINTS) -> list[int]:
+    """The prefix lengths a new record keeps checkpoints at: ``previous`` ones (still valid only when the new
+    history continues the old one: the caller passes none otherwise) plus ``boundary`` (where this turn's ids
+    began), each below ``covered``; then thinned to ``limit``: while too many, the length closest to its lower
+    neighbour goes (the newest is kept), so old turns end up sparse and recent ones dense."""
+    lengths = sorted({n for n in (*previous, boundary) if 0 < n < covered})
+    while len(lengths) > limit:
+        gaps = [lengths[i] - (lengths[i - 1] if i else 0) for i in range(len(lengths) - 1)]
+        del lengths[gaps.index(min(gaps))]
+    return lengths
 
-    Returns ``covered`` when every chunk matches (the prompt extends the covered tokens, or equals them), otherwise
-    the length of the whole blocks that match. A partial last chunk counts only when it matches in full. With the
-    record's ``digest`` (``prefix_digest`` of the covered tokens) a prompt that extends them all is confirmed with
-    one hash; without it, or when it differs, the chain decides.
+
+def matched_prefix_tokens(covered: int, block_size: int, prompt: Sequence[int], digest: bytes,
+                          checkpoints: Sequence[tuple[int, bytes]] = ()) -> int:
+    """How many leading ids of ``prompt`` provably equal the handle's.
+
+    ``covered`` when the prompt extends (or equals) all covered ids (its digest matches ``digest``); otherwise the
+    whole blocks within the longest checkpoint ``(tokens, digest)`` it matches; 0 when none matches.
     """
-    if len(chain) != -(-covered // block_size):
-        raise ValueError("chain length does not fit covered tokens and block size")
-    if digest and covered and len(prompt) >= covered and prefix_digest(prompt, covered) == digest:
+    if block_size <= 0 or covered <= 0 or not digest:
+        return 0
+    lengths = [n for n, _ in checkpoints if 0 < n < covered and n <= len(prompt)]
+    if covered <= len(prompt):
+        lengths.append(covered)
+    if not lengths:
+        return 0
+    got = prefix_digests(prompt, lengths)
+    if got.get(covered) == digest:
         return covered
-    usable = min(covered, len(prompt))
-    prev = hashlib.blake2b(_SEED, digest_size=HASH_BYTES).digest()
-    matched = 0
-    for i, start in enumerate(range(0, covered, block_size)):
-        end = min(start + block_size, covered)
-        if end > usable:
-            break
-        prev = hashlib.blake2b(prev + _chunk_bytes(prompt[start:end]), digest_size=HASH_BYTES).digest()
-        if prev != chain[i]:
-            break
-        matched = end
-    return matched
+    proven = max((n for n, d in checkpoints if got.get(n) == d), default=0)
+    return proven // block_size * block_size

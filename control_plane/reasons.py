@@ -20,7 +20,7 @@ NO_RECORD = "no_record"  # no recorded KV for the session (first turn, another t
 HANDLE_USED = "handle_used"  # the record's KV handle was already claimed by another turn
 EXPIRED = "expired"  # the handle has expired or expires within the expiry guard
 DECODE_WORKER_UNAVAILABLE = "decode_worker_unavailable"  # the KV's decode worker is gone, elsewhere or not answering
-INCONSISTENT_RECORD = "inconsistent_record"  # block size, covered tokens and hash chain disagree
+INCONSISTENT_RECORD = "inconsistent_record"  # no block size, covered tokens or prefix digest
 DIVERGED = "diverged"  # the prompt diverges from the recorded tokens before enough whole blocks
 BELOW_THRESHOLD = "below_threshold"  # the prompt extends the record, but too few tokens are reusable
 HANDLE_UNUSABLE = "handle_unusable"  # the recorded kv_transfer_params cannot be turned into a pull
@@ -63,7 +63,7 @@ DESCRIPTIONS: dict[str, str] = {
     EXPIRED: "the handle expired or expires within `--expiry-guard-s`",
     DECODE_WORKER_UNAVAILABLE: "the decode worker holding the KV is gone, registered elsewhere, excluded or not "
                                "answering",
-    INCONSISTENT_RECORD: "block size, covered tokens and hash chain of the record disagree",
+    INCONSISTENT_RECORD: "the record lacks a block size, covered tokens or a prefix digest",
     DIVERGED: "the prompt diverges from the recorded tokens before enough whole blocks",
     BELOW_THRESHOLD: "the prompt extends the record, but too few tokens are reusable",
     HANDLE_UNUSABLE: "the recorded `kv_transfer_params` cannot be turned into a pull",

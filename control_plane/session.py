@@ -6,6 +6,7 @@ something wrong; ``FailedPrecondition`` means the request is fine but the system
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from kvshuttle.control_plane.kv_eviction import MIN_LEFT_S
 from kvshuttle.control_plane.kv_eviction import REASONS as FREE_REASONS
 from kvshuttle.control_plane.kv_params import HandleError, blocks_for, parse_handle
-from kvshuttle.control_plane.prefix import block_hash_chain, prefix_digest
+from kvshuttle.control_plane.prefix import HASH_BYTES, MAX_CHECKPOINTS, ids_bytes, prefix_digest
 from kvshuttle.v1 import common_pb2, registry_pb2
 
 MAX_ID_LEN = 256
@@ -22,6 +23,10 @@ _ID_RE = re.compile(r"[A-Za-z0-9._:@=+-]+")
 # rather than the record vanishing while a turn plans with it. Claims check expires_at, never the lease.
 LEASE_GRACE_S = 2
 MAX_LEASE_TTL_S = 24 * 3600
+# A session's ids stay in the history store this long after its record's lease would end.
+HISTORY_GRACE_S = 60
+# A KV handle longer than this is kept in the history store, not in etcd's record (Session.handle_digest).
+HANDLE_INLINE_BYTES = 1024
 # etcd refuses requests over --max-request-bytes (1.5 MiB by default); stay well below with the key and framing.
 MAX_RECORD_BYTES = 1_400_000
 TOKEN_ID_MAX = 2**31 - 1
@@ -105,8 +110,8 @@ FREE_MIN_LEFT_S = MIN_LEFT_S  # a handle closer to its expiry is left to expire 
 
 def freeable(session: common_pb2.Session, tokens: int, now: float) -> bool:
     """Whether the record's handle can be freed by reading its first block (or all of it, when it covers less)
-    from a prompt of ``tokens`` tokens that repeats them (kv_params.free_read): an unclaimed handle,
-    far enough from its expiry."""
+    from a prompt of ``tokens`` tokens that repeats them (kv_params.free_read; the record's ``head_token_ids`` are
+    such tokens): an unclaimed handle, far enough from its expiry."""
     bs = session.block_size
     return (bool(session.kv_transfer_params_json) and not session.claimed and bs > 0 and session.covered_tokens > 0
             and tokens > min(session.covered_tokens, bs) and expires_in(session, now) >= FREE_MIN_LEFT_S)
@@ -119,10 +124,15 @@ def lease_ttl_for(expires_at: float, now: float) -> int:
 
 @dataclass(frozen=True)
 class SessionPlan:
-    """A Session record to store, and the TTL of the lease to attach it to."""
+    """A Session record to store, the TTL of the lease to attach it to, and the history store's part: the ids to
+    write at ``history_start`` of lineage ``session.history_generation``, and the lineage this record replaces (to
+    drop once the record is stored), if any."""
 
     session: common_pb2.Session
     lease_ttl_s: int
+    history_start: int = 0
+    history_ids: bytes = b""
+    replaces_generation: int = 0
 
 
 RESPONSE_TTL_RANGE_S = (1, 30 * 86400)  # how long a stored response may be kept
@@ -160,33 +170,46 @@ def validate_find(text_keys) -> None:
 
 
 def build_session(req: registry_pb2.RecordTurnRequest, worker: common_pb2.Worker | None, *, now: float,
-                  margin_s: float, previous: common_pb2.Session | None = None) -> SessionPlan:
+                  margin_s: float, previous: common_pb2.Session | None = None,
+                  new_generation: int | None = None, handle_inline_bytes: int = HANDLE_INLINE_BYTES) -> SessionPlan:
     """The Session record for a finished turn on ``worker`` (the decode worker, looked up by the caller).
 
-    covered_tokens is the handle's ``remote_num_tokens``; block hashes chain ``token_ids[:covered]`` in the decode
-    worker's block size, and prefix_digest hashes them in one piece. The handle expires at
-    ``finished_at + kv_blocks_ttl_s - margin_s``; a ``finished_at`` in the future (clock skew) counts as now, so skew
-    never lengthens a handle's life.
+    covered_tokens is the handle's ``remote_num_tokens``. The ids are the request's ``token_ids`` after the first
+    ``base_tokens`` of ``previous``'s history (which must then be at turn ``base_turn`` with exactly that many ids):
+    the record keeps their digests, count and first block, never the ids (the plan says where they go in the
+    history store, and so does the handle when it is longer than ``handle_inline_bytes``: the record then carries its
+    ``handle_digest``). The handle expires at ``finished_at + kv_blocks_ttl_s - margin_s``; a ``finished_at`` in the
+    future (clock skew) counts as now, so skew never lengthens a handle's life. ``new_generation``: the lineage a
+    whole history starts (default: from ``now``).
     """
     validate_id("session_id", req.session_id)
     validate_id("tenant", req.tenant)
     validate_id("decode_worker_id", req.decode_worker_id)
-    if not req.token_ids:
+    base, ids = req.base_tokens, req.token_ids
+    if base < 0:
+        raise InvalidArgument(f"base_tokens must not be negative, got {base}")
+    if not base and not ids:
         raise InvalidArgument("token_ids is required: the exact ids the decode worker holds")
-    if any(t < 0 for t in req.token_ids):
+    if ids and min(ids) < 0:
         raise InvalidArgument("token_ids must not be negative")
     if not req.kv_transfer_params_json:
         raise InvalidArgument("kv_transfer_params_json is required")
-    if req.text_key and len(req.text_key) != TEXT_KEY_BYTES:
-        raise InvalidArgument(f"text_key must be {TEXT_KEY_BYTES} bytes (SHA-256 of the text), got {len(req.text_key)}")
+    _validate_text(req)
     try:
         handle = parse_handle(req.kv_transfer_params_json)
     except HandleError as exc:
         raise InvalidArgument(f"kv_transfer_params_json: {exc}") from None
-    covered = handle.num_tokens
-    if covered > len(req.token_ids):
-        raise InvalidArgument(f"the handle covers {covered} tokens (remote_num_tokens) but only "
-                              f"{len(req.token_ids)} token_ids were given")
+    covered, total = handle.num_tokens, base + len(ids)
+    if covered > total:
+        raise InvalidArgument(f"the handle covers {covered} tokens (remote_num_tokens) but the history holds only "
+                              f"{total} ids ({base} recorded + {len(ids)} given)")
+    digest, checkpoints = _digests(req, covered)
+    if base and (previous is None or previous.turn != req.base_turn or previous.history_tokens != base
+                 or not previous.history_generation):
+        have = (f"at turn {previous.turn} with {previous.history_tokens} ids" if previous is not None
+                else "absent")
+        raise FailedPrecondition(f"the session's recorded history changed (the record is {have}, not at turn "
+                                 f"{req.base_turn} with {base} ids): send the whole history (base_tokens 0)")
     if worker is None:
         raise FailedPrecondition(f"decode worker {req.decode_worker_id!r} is not registered")
     if worker.role != common_pb2.WORKER_ROLE_DECODE:
@@ -209,26 +232,84 @@ def build_session(req: registry_pb2.RecordTurnRequest, worker: common_pb2.Worker
         raise FailedPrecondition(f"the handle has already expired: finished {now - finished:.1f}s ago, decode KV "
                                  f"TTL {worker.kv_blocks_ttl_s}s minus {margin_s:g}s margin")
 
+    head_len = worker.block_size + 1
+    if base:
+        generation, head = previous.history_generation, list(previous.head_token_ids)
+        if len(head) == base:
+            head.extend(ids[: head_len - base])
+    else:
+        generation = new_generation if new_generation is not None else int(now * 1_000_000)
+        head = ids[:head_len]
     session = common_pb2.Session(
         session_id=req.session_id, tenant=req.tenant, decode_worker_id=req.decode_worker_id,
         kv_transfer_params_json=req.kv_transfer_params_json, covered_tokens=covered,
-        block_size=worker.block_size,
-        block_hashes=block_hash_chain(req.token_ids, covered, worker.block_size),
-        prefix_digest=prefix_digest(req.token_ids, covered),
-        token_ids=req.token_ids, text=req.text, text_key=req.text_key,
+        block_size=worker.block_size, prefix_digest=digest, checkpoints=checkpoints,
+        history_tokens=total, history_generation=generation, head_token_ids=head[:head_len],
+        text_key=req.text_key or (_text_key(req.text) if req.text else b""),
+        text_chars=len(req.text) if req.text else req.text_chars,
         turn=(previous.turn if previous is not None else 0) + 1, claimed=False,
     )
+    if len(req.kv_transfer_params_json.encode()) > handle_inline_bytes:
+        session.handle_digest = handle_digest(req.kv_transfer_params_json)
     set_seconds(session.expires_at, expires_at)
     set_seconds(session.updated_at, now)
     if previous is not None and (previous.HasField("created_at") or previous.HasField("updated_at")):
         session.created_at.CopyFrom(previous.created_at if previous.HasField("created_at") else previous.updated_at)
     else:
         set_seconds(session.created_at, now)
-    size = session.ByteSize()
+    size = session.ByteSize() - (len(req.kv_transfer_params_json.encode()) if session.handle_digest else 0)
     if size > MAX_RECORD_BYTES:
         raise InvalidArgument(f"the session record would be {size} bytes; the store takes at most "
-                              f"{MAX_RECORD_BYTES} (shorten the conversation or its text)")
-    return SessionPlan(session, lease_ttl_for(expires_at, now))
+                              f"{MAX_RECORD_BYTES} (its KV handle lists too many blocks)")
+    replaced = (previous.history_generation if previous is not None and previous.history_generation
+                and previous.history_generation != generation else 0)
+    return SessionPlan(session, lease_ttl_for(expires_at, now), history_start=base, history_ids=ids_bytes(ids),
+                       replaces_generation=replaced)
+
+
+def handle_digest(handle_json: str) -> bytes:
+    """The digest a record names an out-of-record handle by (Session.handle_digest)."""
+    return hashlib.blake2b(handle_json.encode(), digest_size=16, person=b"kvshuttle/handle").digest()
+
+
+def _text_key(text: str) -> bytes:
+    return hashlib.sha256(text.encode()).digest()  # continuation.text_key (which imports this module)
+
+
+def _validate_text(req: registry_pb2.RecordTurnRequest) -> None:
+    if req.text_key and len(req.text_key) != TEXT_KEY_BYTES:
+        raise InvalidArgument(f"text_key must be {TEXT_KEY_BYTES} bytes (SHA-256 of the text), got {len(req.text_key)}")
+    if req.text_chars < 0:
+        raise InvalidArgument(f"text_chars must not be negative, got {req.text_chars}")
+    if req.text and req.text_chars and req.text_chars != len(req.text):
+        raise InvalidArgument(f"text_chars is {req.text_chars} but text has {len(req.text)} characters")
+    if req.text_chars and not req.text and not req.text_key:
+        raise InvalidArgument("text_key is required with text_chars: the text is kept only as its key")
+
+
+def _digests(req: registry_pb2.RecordTurnRequest, covered: int) -> tuple[bytes, list[common_pb2.PrefixCheckpoint]]:
+    """The record's prefix digest and checkpoints: the caller's (checked for shape), or computed from the ids when
+    the request holds the whole history and sends none."""
+    if not req.prefix_digest:
+        if req.base_tokens:
+            raise InvalidArgument("prefix_digest is required with base_tokens > 0 (the digest of the whole history's "
+                                  "first covered ids)")
+        if req.checkpoints:
+            raise InvalidArgument("checkpoints need a prefix_digest")
+        return prefix_digest(req.token_ids, covered), []
+    if len(req.prefix_digest) != HASH_BYTES:
+        raise InvalidArgument(f"prefix_digest must be {HASH_BYTES} bytes, got {len(req.prefix_digest)}")
+    if len(req.checkpoints) > MAX_CHECKPOINTS:
+        raise InvalidArgument(f"at most {MAX_CHECKPOINTS} checkpoints are allowed, got {len(req.checkpoints)}")
+    last = 0
+    for i, cp in enumerate(req.checkpoints):
+        if not last < cp.tokens < covered:
+            raise InvalidArgument(f"checkpoints[{i}].tokens must increase and stay within 1..{covered - 1} (below "
+                                  f"the covered tokens), got {cp.tokens}")
+        if len(cp.digest) != HASH_BYTES:
+            raise InvalidArgument(f"checkpoints[{i}].digest must be {HASH_BYTES} bytes, got {len(cp.digest)}")
+        last = cp.tokens
+    return req.prefix_digest, list(req.checkpoints)
 
 
 def claim_refusal(session: common_pb2.Session | None, revision: int, now: float) -> str | None:

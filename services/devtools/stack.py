@@ -191,13 +191,20 @@ class Stack:
         log.info("etcd (%d member%s) on %s", self.cfg.etcd_members, "s" * (self.cfg.etcd_members > 1),
                  self.etcd.endpoints)
 
+        # The sessions' exact ids: an SQLite file next to the logs (etcd starts empty, so does the file).
+        history = self.work / "registry" / "history.db"
+        for stale in history.parent.glob("history.db*"):
+            stale.unlink()
+        # Every KV handle goes there too (--handle-inline-bytes 0), as long sessions' handles do in any deployment:
+        # the local stack and its tests take the path they take.
         registry = await self._spawn("registry", "registry", "--listen", self.registry_address,
+                                     "--history-store", f"sqlite:{history}", "--handle-inline-bytes", "0",
                                      "--expiry-margin-s", str(self.cfg.expiry_margin_s),
                                      "--metrics-listen", _host_port(self.metrics["registry"]))
         await self._wait_grpc(registry, self.registry_address, deadline)
         # The scheduler claims KV handles in etcd itself (the registry's store code), one hop less per plan.
         scheduler = await self._spawn("scheduler", "scheduler", "--listen", self.scheduler_address,
-                                      "--etcd-endpoints", self.etcd.endpoints,
+                                      "--etcd-endpoints", self.etcd.endpoints, "--history-store", f"sqlite:{history}",
                                       "--metrics-listen", _host_port(self.metrics["scheduler"]), env=self.scheduler_env)
         gateway = await self._spawn("gateway", "gateway", "--grpc-listen", self.gateway_grpc,
                                     "--http-listen", self.gateway_http, "--max-model-len",

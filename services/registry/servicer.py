@@ -8,6 +8,7 @@ answered INTERNAL.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
@@ -19,6 +20,7 @@ import grpc.aio
 from kvshuttle.control_plane import session as rules
 from kvshuttle.services.common.telemetry import hashed
 from kvshuttle.services.store.etcd_store import EtcdStore, StoreError, StoreUnavailable
+from kvshuttle.services.store.history import HistoryStore, HistoryUnavailable, bytes_to_ids
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 from opentelemetry import trace
 
@@ -50,6 +52,8 @@ def _unary(method):
             failure = (grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except StoreUnavailable as exc:
             failure = (grpc.StatusCode.UNAVAILABLE, f"session store unavailable: {exc}")
+        except HistoryUnavailable as exc:
+            failure = (grpc.StatusCode.UNAVAILABLE, f"history store unavailable: {exc}")
         except StoreError as exc:
             log.error("%s: store error: %s", method.__name__, exc)
             failure = (grpc.StatusCode.INTERNAL, f"session store error: {exc}")
@@ -61,9 +65,13 @@ def _unary(method):
 
 
 class SessionRegistryServicer(registry_pb2_grpc.SessionRegistryServicer):
-    def __init__(self, store: EtcdStore, *, default_lease_ttl_s: int = 10, expiry_margin_s: float = 30.0,
-                 clock: Callable[[], float] = time.time):
+    def __init__(self, store: EtcdStore, history: HistoryStore, *, default_lease_ttl_s: int = 10,
+                 expiry_margin_s: float = 30.0, clock: Callable[[], float] = time.time,
+                 handle_inline_bytes: int = rules.HANDLE_INLINE_BYTES):
         self.store = store
+        self.history = history
+        self.handle_inline_bytes = handle_inline_bytes
+        self._cleanups: set[asyncio.Task] = set()
         self.default_lease_ttl_s = default_lease_ttl_s
         self.expiry_margin_s = expiry_margin_s
         self.clock = clock
@@ -158,7 +166,25 @@ class SessionRegistryServicer(registry_pb2_grpc.SessionRegistryServicer):
         if found is None:
             raise RpcFailure(grpc.StatusCode.NOT_FOUND,  # no id in messages: they end up in traces
                              f"no session with this id for tenant {request.tenant!r}")
-        return registry_pb2.GetSessionResponse(session=found, expires_in_s=rules.expires_in(found, self.clock()))
+        missing = await self._with_history(found) if request.include_token_ids else ""
+        return registry_pb2.GetSessionResponse(session=found, expires_in_s=rules.expires_in(found, self.clock()),
+                                               history_missing=missing)
+
+    async def _with_history(self, session: common_pb2.Session) -> str:
+        """Fill ``session.token_ids`` from the history store; '' when done, else why not (the caller then tokenizes
+        the text again; the prefix digests still prove what may be pulled)."""
+        if not session.history_generation or not session.history_tokens:
+            return "the record names no history (written before the history store)"
+        try:
+            data = await self.history.read(session.tenant, session.session_id, session.history_generation,
+                                           session.history_tokens)
+        except HistoryUnavailable as exc:
+            log.warning("history store unavailable reading a session's ids: %s", exc)
+            return f"history store unavailable: {exc}"
+        if data is None:
+            return "the history store no longer holds the session's ids"
+        session.token_ids.extend(bytes_to_ids(data))
+        return ""
 
     @_unary
     async def RecordTurn(self, request, context):
@@ -167,25 +193,66 @@ class SessionRegistryServicer(registry_pb2_grpc.SessionRegistryServicer):
             self._validate_session_ref(request)
             rules.validate_id("decode_worker_id", request.decode_worker_id)
             for _ in range(_RECORD_ATTEMPTS):
-                previous = await self.store.get_session(request.tenant, request.session_id)
+                previous = await self.store.get_session(request.tenant, request.session_id, with_handle=False)
                 worker = await self.store.get_worker(request.decode_worker_id)
                 plan = rules.build_session(request, worker, now=self.clock(), margin_s=self.expiry_margin_s,
-                                           previous=previous)
+                                           previous=previous, handle_inline_bytes=self.handle_inline_bytes)
+                # The ids first: a record never names ids the history store does not hold. Ids written for a
+                # record that then loses its race are replaced by the next write at the same place, or expire.
+                record = plan.session
+                handle = ((record.handle_digest, record.kv_transfer_params_json.encode()) if record.handle_digest
+                          else None)
+                await self.history.append(record.tenant, record.session_id, record.history_generation,
+                                          plan.history_start, plan.history_ids,
+                                          plan.lease_ttl_s + rules.HISTORY_GRACE_S, handle=handle)
                 lease_id, _ = await self.store.grant_lease(plan.lease_ttl_s)
                 try:
-                    stored = await self.store.put_session(plan.session, lease_id,
-                                                          expect_revision=previous.revision if previous else 0)
+                    stored = await self.store.put_session(record, lease_id,
+                                                          expect_revision=previous.revision if previous else 0,
+                                                          replaced_lease=previous.lease_id if previous else 0)
                 except BaseException:
                     with contextlib.suppress(StoreError):
                         await self.store.revoke_lease(lease_id)
                     raise
                 if stored is not None:
+                    # What the new record replaced goes off the turn's path (it would expire anyway).
+                    if plan.replaces_generation:
+                        self._later(self._drop_history(record.tenant, record.session_id, plan.replaces_generation))
+                    elif previous is not None and previous.handle_digest not in (b"", record.handle_digest):
+                        self._later(self._drop_handle(previous))
                     span.set_attribute("kvshuttle.covered_tokens", stored.covered_tokens)
+                    if stored.handle_digest:  # the caller has it: do not send it back
+                        stored.kv_transfer_params_json = ""
                     return registry_pb2.RecordTurnResponse(session=stored)
                 with contextlib.suppress(StoreError):  # lost a race with another RecordTurn: read again
                     await self.store.revoke_lease(lease_id)
             raise RpcFailure(grpc.StatusCode.ABORTED,
                              "the session kept changing while recording the turn; retry")
+
+    def _later(self, work) -> None:
+        task = asyncio.create_task(work)
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
+
+    async def drain(self) -> None:
+        """Wait for the background clean-ups (tests, shutdown)."""
+        while self._cleanups:
+            await asyncio.gather(*self._cleanups, return_exceptions=True)
+
+    async def _drop_handle(self, replaced: common_pb2.Session) -> None:
+        """The replaced record's out-of-record handle (best effort: it expires with its lineage)."""
+        try:
+            await self.history.drop_handle(replaced.tenant, replaced.session_id, replaced.history_generation,
+                                           replaced.handle_digest)
+        except HistoryUnavailable as exc:
+            log.warning("could not drop a replaced KV handle (it expires with its history): %s", exc)
+
+    async def _drop_history(self, tenant: str, session_id: str, generation: int) -> None:
+        """Best effort: a lineage left behind expires with its TTL."""
+        try:
+            await self.history.drop(tenant, session_id, generation)
+        except HistoryUnavailable as exc:
+            log.warning("could not drop a replaced history (it expires with its TTL): %s", exc)
 
     @_unary
     async def ClaimSession(self, request, context):
@@ -195,13 +262,7 @@ class SessionRegistryServicer(registry_pb2_grpc.SessionRegistryServicer):
         rules.validate_free_reason(request.free_reason)
         result = await self.store.claim_session(request.tenant, request.session_id, request.revision,
                                                 now=self.clock(), free_reason=request.free_reason)
-        session = result.session
-        if session is not None:  # the claimer needs the handle and the hash chain, not the history itself
-            session = common_pb2.Session()
-            session.CopyFrom(result.session)
-            session.ClearField("token_ids")
-            session.ClearField("text")
-        return registry_pb2.ClaimSessionResponse(claimed=result.claimed, reason=result.reason, session=session)
+        return registry_pb2.ClaimSessionResponse(claimed=result.claimed, reason=result.reason, session=result.session)
 
     @_unary
     async def FindSession(self, request, context):
@@ -215,8 +276,9 @@ class SessionRegistryServicer(registry_pb2_grpc.SessionRegistryServicer):
             raise RpcFailure(grpc.StatusCode.NOT_FOUND, f"no session of tenant {request.tenant!r} has a recorded text "
                                                         "that the prompt extends")
         matched, session = found
+        missing = await self._with_history(session) if request.include_token_ids else ""
         return registry_pb2.FindSessionResponse(session=session, expires_in_s=rules.expires_in(session, self.clock()),
-                                                matched_key=matched)
+                                                matched_key=matched, history_missing=missing)
 
     @_unary
     async def PutResponse(self, request, context):
@@ -251,7 +313,10 @@ class SessionRegistryServicer(registry_pb2_grpc.SessionRegistryServicer):
     @_unary
     async def DeleteSession(self, request, context):
         self._validate_session_ref(request)
+        record = await self.store.get_session(request.tenant, request.session_id, with_handle=False)
         deleted = await self.store.delete_session(request.tenant, request.session_id)
+        if record is not None and record.history_generation:
+            await self._drop_history(request.tenant, request.session_id, record.history_generation)
         return registry_pb2.DeleteSessionResponse(deleted=deleted)
 
     @staticmethod

@@ -23,6 +23,7 @@ from typing import Protocol
 
 import grpc
 from kvshuttle.control_plane import session as session_rules
+from kvshuttle.services.store.history import HistoryStore
 from kvshuttle.services.store.interface import ClaimStore, StoreError, StoreUnavailable
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
@@ -101,15 +102,22 @@ class EtcdClaims:
 
     via = "etcd"
 
-    def __init__(self, store: ClaimStore, clock: Callable[[], float] = time.time):
+    def __init__(self, store: ClaimStore, clock: Callable[[], float] = time.time, history: HistoryStore | None = None):
+        """``history``: the registry's history store, which ``store`` reads out-of-record handles from (opened and
+        closed here)."""
         self._store = store
         self._clock = clock
+        self._history = history
 
     async def start(self) -> None:
+        if self._history is not None:
+            await self._history.connect()
         await self._store.connect()
 
     async def close(self) -> None:
         await self._store.close()
+        if self._history is not None:
+            await self._history.close()
 
     async def get_session(self, tenant: str, session_id: str) -> tuple[common_pb2.Session, float] | None:
         tenant = _checked(tenant, session_id)

@@ -294,10 +294,10 @@ class KvManager:
             return False
         record, _ = found
         if (record.revision != held.revision or record.decode_worker_id != worker.worker_id
-                or not session_rules.freeable(record, len(record.token_ids), self.clock())):
+                or not session_rules.freeable(record, len(record.head_token_ids), self.clock())):
             return False  # a new turn, a claim, a move, or too close to its expiry: leave it
         params, prompt = kv_params.free_read(kv_params.parse_handle(record.kv_transfer_params_json),
-                                             record.token_ids, record.block_size)
+                                             record.head_token_ids, record.block_size)
         prefill = self._prefill_worker()
         if prefill is None:
             raise EngineError(None, "no live prefill worker to read the handle")

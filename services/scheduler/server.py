@@ -29,6 +29,7 @@ from kvshuttle.services.scheduler.load_monitor import LoadMonitor
 from kvshuttle.services.scheduler.servicer import TransferSchedulerServicer
 from kvshuttle.services.scheduler.worker_view import WorkerView
 from kvshuttle.services.store.etcd_store import EtcdStore, parse_endpoints
+from kvshuttle.services.store.history_url import check_history_url, open_history_store
 from kvshuttle.v1 import common_pb2, registry_pb2_grpc, scheduler_pb2_grpc
 
 SERVICE_NAME = "kvshuttle.v1.TransferScheduler"
@@ -48,6 +49,10 @@ class SchedulerConfig(TelemetryConfig, TlsConfig, EtcdSecurityConfig):
                                       "per plan); empty: through the registry", env="KVSHUTTLE_ETCD_ENDPOINTS")
     key_prefix: str = setting("/kvshuttle/", "The registry's etcd key prefix (with --etcd-endpoints)",
                               env="KVSHUTTLE_REGISTRY_KEY_PREFIX")
+    history_store: str = setting("", "The registry's history store (with --etcd-endpoints): where records keep KV "
+                                     "handles too long for etcd (sqlite:PATH on the registry's machine, or its Redis "
+                                     "URL); empty: such handles cannot be read, and those sessions recompute",
+                                 env="KVSHUTTLE_HISTORY_STORE")
     policy: str = setting("cost", "Default pull-vs-recompute policy: cost (pull unless the learned cost model "
                                   "predicts recomputing faster) or threshold (pull when enough tokens are reusable, "
                                   "vLLM's rule)", choices=tuple(KINDS))
@@ -92,6 +97,11 @@ class SchedulerConfig(TelemetryConfig, TlsConfig, EtcdSecurityConfig):
 
     def validate(self) -> None:
         check_listen(self.metrics_listen)
+        if self.history_store:
+            problem = check_history_url(self.history_store)
+            require(problem is None, problem or "")
+            require(self.history_store != "sqlite::memory:", "--history-store sqlite::memory: is the registry's "
+                                                             "own memory: give the scheduler its file or Redis URL")
         try:
             self.kv_limits()
         except ValueError as exc:
@@ -180,10 +190,14 @@ class SchedulerService:
     def make_claims(cfg: SchedulerConfig, registry: registry_pb2_grpc.SessionRegistryStub) -> SessionClaims:
         if not cfg.etcd_endpoints:
             return RegistryClaims(registry, cfg.registry_timeout_s)
+        history = open_history_store(cfg.history_store, cfg.key_prefix) if cfg.history_store else None
         store = EtcdStore(cfg.etcd_endpoints, cfg.key_prefix, timeout_s=cfg.registry_timeout_s,
                           attempt_timeout_s=cfg.registry_timeout_s / 2, security=cfg.etcd_security(),
-                          on_op=metrics.etcd_op)
-        return EtcdClaims(store)
+                          on_op=metrics.etcd_op, handles=history)
+        if history is None:
+            log.warning("no --history-store: sessions whose KV handle the registry keeps in its history store "
+                        "(handles over its --handle-inline-bytes) recompute; give the registry's")
+        return EtcdClaims(store, history=history)
 
     async def start(self) -> None:
         await self.claims.start()

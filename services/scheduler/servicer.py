@@ -238,16 +238,17 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
         if session is None:
             return None
         if not session.kv_transfer_params_json:
-            return HandleView("", session.covered_tokens, session.block_size, [], expires_in, True, False,
+            return HandleView("", session.covered_tokens, session.block_size, expires_in, True, False,
                               kv_freed=session.kv_freed)
         return HandleView(
             kv_transfer_params_json=session.kv_transfer_params_json,
             covered_tokens=session.covered_tokens, block_size=session.block_size,
-            block_hashes=session.block_hashes, expires_in_s=expires_in, claimed=session.claimed,
+            expires_in_s=expires_in, claimed=session.claimed,
             source_alive=source_matches(source, session.kv_transfer_params_json)
             and session.decode_worker_id not in exclude
             and (loads or {}).get(session.decode_worker_id, UNKNOWN).reachable,
             prefix_digest=session.prefix_digest, kv_freed=session.kv_freed,
+            checkpoints=[(cp.tokens, cp.digest) for cp in session.checkpoints],
         )
 
     async def _claim(self, request, session: common_pb2.Session, plan: Plan, prompt: list[int], expires_in: float,
@@ -284,10 +285,10 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
 
 
 def _same_kv(a: common_pb2.Session, b: common_pb2.Session) -> bool:
-    """Whether two records describe the same KV: handle, holder, covered tokens, hash chain and prefix digest."""
+    """Whether two records describe the same KV: handle, holder, covered tokens, digests."""
     return (a.kv_transfer_params_json == b.kv_transfer_params_json and a.decode_worker_id == b.decode_worker_id
             and a.covered_tokens == b.covered_tokens and a.block_size == b.block_size
-            and a.prefix_digest == b.prefix_digest and a.block_hashes == b.block_hashes)
+            and a.prefix_digest == b.prefix_digest and a.checkpoints == b.checkpoints)
 
 
 def _store_failure(exc: ClaimsError, what: str) -> tuple[str, str]:

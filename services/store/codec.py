@@ -41,10 +41,14 @@ def parse_worker(value: bytes) -> common_pb2.Worker | None:
 # -- sessions ----------------------------------------------------------------------------------------------------
 
 def stored_record(session: common_pb2.Session) -> tuple[common_pb2.Session, bytes]:
-    """A copy of ``session`` as stored (no revision, lease or claim: those are etcd's), and its value."""
+    """A copy of ``session`` as stored (no revision, lease or claim: those are etcd's; no history ids: the history
+    store holds those), and its value."""
     record = common_pb2.Session()
     record.CopyFrom(session)
     record.revision, record.lease_id, record.claimed = 0, 0, False
+    record.ClearField("token_ids")
+    if record.handle_digest:  # the history store keeps the handle
+        record.kv_transfer_params_json = ""
     return record, record.SerializeToString()
 
 

@@ -10,7 +10,9 @@ that call once. Streams (watches, lease keep-alives) fail instead, and their own
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
+import socket
 from collections.abc import Sequence
 
 import grpc
@@ -126,6 +128,39 @@ class _AuthRefused(grpc.aio.AioRpcError):
 
     def __init__(self, message: str):
         super().__init__(grpc.StatusCode.UNAUTHENTICATED, grpc.aio.Metadata(), grpc.aio.Metadata(), details=message)
+
+
+def grpc_target(endpoints: Sequence[str]) -> str:
+    """The gRPC target for etcd ``endpoints`` (``host:port``): ``ipv4:h1:p1,h2:p2`` (round robin) when every host is
+    an IPv4 address (``localhost`` counts as 127.0.0.1), else ``dns:///host:port`` for one name (a Kubernetes
+    Service; gRPC resolves it again when connections fail). Several names: resolve them first
+    (:func:`resolved_endpoints`)."""
+    literal = [e.replace("localhost", "127.0.0.1", 1) if e.startswith("localhost:") else e for e in endpoints]
+    if all(_is_ipv4(e.rsplit(":", 1)[0]) for e in literal):
+        return "ipv4:" + ",".join(literal)
+    if len(endpoints) == 1:
+        return f"dns:///{endpoints[0]}"
+    raise ValueError(f"several etcd endpoints that are not all IPv4 addresses: {', '.join(endpoints)} (resolve them "
+                     "first)")
+
+
+async def resolved_endpoints(endpoints: Sequence[str]) -> list[str]:
+    """``endpoints`` with host names resolved to IPv4 addresses (for a list of several members given by name)."""
+    if len(endpoints) == 1 or all(_is_ipv4(e.rsplit(":", 1)[0]) for e in endpoints):
+        return list(endpoints)
+    loop, out = asyncio.get_running_loop(), []
+    for endpoint in endpoints:
+        host, port = endpoint.rsplit(":", 1)
+        infos = await loop.getaddrinfo(host, int(port), family=socket.AF_INET, type=socket.SOCK_STREAM)
+        out.extend(f"{info[4][0]}:{port}" for info in infos[:1])
+    return out
+
+
+def _is_ipv4(host: str) -> bool:
+    try:
+        return isinstance(ipaddress.ip_address(host), ipaddress.IPv4Address)
+    except ValueError:
+        return False
 
 
 def etcd_channel(target: str, options: Sequence[tuple[str, object]], security: EtcdSecurity | None,

@@ -31,11 +31,18 @@ from etcd3aio.connections import ConnectionManager
 from etcd3aio.kv import KVService
 from etcd3aio.lease import LeaseService
 from kvshuttle.control_plane.lru import BoundedLru
-from kvshuttle.control_plane.session import CHANGED, claim_refusal
+from kvshuttle.control_plane.session import CHANGED, claim_refusal, handle_digest
 from kvshuttle.services.common.tls import EtcdSecurity
 from kvshuttle.services.store import codec
-from kvshuttle.services.store.etcd_channel import EtcdAuthError, etcd_channel
-from kvshuttle.services.store.interface import ClaimResult, OpObserver, StoreError, StoreUnavailable, no_op
+from kvshuttle.services.store.etcd_channel import EtcdAuthError, etcd_channel, grpc_target, resolved_endpoints
+from kvshuttle.services.store.interface import (
+    ClaimResult,
+    HandleReader,
+    OpObserver,
+    StoreError,
+    StoreUnavailable,
+    no_op,
+)
 from kvshuttle.services.store.keys import Keys, first_segment, session_ref
 from kvshuttle.v1 import common_pb2, registry_pb2
 
@@ -76,9 +83,12 @@ class EtcdStore:
 
     def __init__(self, endpoints: str | Sequence[str], prefix: str = "/kvshuttle/", *, timeout_s: float = 5.0,
                  attempt_timeout_s: float = 2.0, recent_sessions_bytes: int = 64 << 20,
-                 security: EtcdSecurity | None = None, on_op: OpObserver = no_op):
+                 security: EtcdSecurity | None = None, on_op: OpObserver = no_op,
+                 handles: HandleReader | None = None):
         """``security``: TLS towards etcd and/or its user/password auth (None: plaintext, no auth). ``on_op`` is told
-        of each operation: its name, its seconds (retries included) and "" / "unavailable" / "error"."""
+        of each operation: its name, its seconds (retries included) and "" / "unavailable" / "error". ``handles``:
+        where the records' out-of-record KV handles are read (None: such a record reads as having no handle)."""
+        self.handles = handles
         self.endpoints = parse_endpoints(endpoints)
         self.security = security
         self.keys = Keys.under(prefix)
@@ -101,7 +111,11 @@ class EtcdStore:
         """Open the channel; with etcd auth, authenticate now so wrong credentials fail here (StoreError)."""
         manager = ConnectionManager(self.endpoints)
         manager.grpc_options.extend(_CHANNEL_OPTIONS)
-        self._channel, auth = etcd_channel(manager.target, manager.grpc_options, self.security,
+        try:  # etcd3aio's own target takes IP addresses only; a chart's etcd is a Service name
+            target = grpc_target(await resolved_endpoints(self.endpoints))
+        except OSError as exc:
+            raise StoreUnavailable(f"cannot resolve the etcd endpoints {', '.join(self.endpoints)}: {exc}") from None
+        self._channel, auth = etcd_channel(target, manager.grpc_options, self.security,
                                            self.endpoints[0].rsplit(":", 1)[0])
         if auth is not None:
             try:
@@ -339,26 +353,56 @@ class EtcdStore:
     def claim_key(self, tenant: str, session_id: str) -> str:
         return self.keys.claim(tenant, session_id)
 
-    async def get_session(self, tenant: str, session_id: str) -> common_pb2.Session | None:
+    async def get_session(self, tenant: str, session_id: str, *,
+                          with_handle: bool = True) -> common_pb2.Session | None:
         """The record with ``revision`` = its mod_revision and ``lease_id`` = its lease, or None. A claimed record
-        comes with ``claimed`` set and its handle cleared. One range read returns the record and its claim."""
+        comes with ``claimed`` set and its handle cleared. One range read returns the record and its claim; an
+        out-of-record handle is read too unless ``with_handle`` is False."""
         key = self.keys.session(tenant, session_id)
         resp = await self._call("get session", self.kv.get, key, self.keys.session_range_end(key))
         session = codec.session_from(resp.kvs, key)
-        if session is not None and not session.claimed:
+        if session is not None and not session.claimed and with_handle:
+            await self._with_handle(session)
             self._recent.put(key, session)
         return session
 
+    async def _with_handle(self, session: common_pb2.Session, known: common_pb2.Session | None = None) -> None:
+        """Fill in an out-of-record handle (from ``known``, the caller's copy, when its digest matches; else from
+        the history store). One that cannot be read leaves the record without a handle: it is not pulled."""
+        if not session.handle_digest or session.kv_transfer_params_json:
+            return
+        if known is not None and known.kv_transfer_params_json and known.handle_digest == session.handle_digest \
+                and handle_digest(known.kv_transfer_params_json) == session.handle_digest:
+            session.kv_transfer_params_json = known.kv_transfer_params_json
+            return
+        if self.handles is None:
+            log.warning("a session record keeps its KV handle in the history store, which this process was not "
+                        "given (--history-store): it cannot be pulled")
+            return
+        started, error = time.perf_counter(), ""
+        try:
+            value = await self.handles.read_handle(session.tenant, session.session_id, session.history_generation,
+                                                   session.handle_digest)
+        except Exception as exc:  # noqa: BLE001 - any backend failure: no pull, the turn recomputes
+            value, error = None, "unavailable"
+            log.warning("could not read a session's KV handle from the history store: %s", exc)
+        finally:
+            self.on_op("read handle", time.perf_counter() - started, error)
+        if value is not None and handle_digest(value.decode()) == session.handle_digest:
+            session.kv_transfer_params_json = value.decode()
+
     async def put_session(self, session: common_pb2.Session, lease_id: int, *,
-                          expect_revision: int) -> common_pb2.Session | None:
+                          expect_revision: int, replaced_lease: int = 0) -> common_pb2.Session | None:
         """Write ``session`` under ``lease_id`` if the key's mod_revision is still ``expect_revision`` (0: absent).
 
         The same transaction deletes the claim of the record it replaces, so a claim only ever stands for the record
         it was made on. Returns the stored record (with its new revision and lease), or None when the record changed
-        meanwhile. The lease of the replaced record is revoked (best effort) since nothing else hangs on it.
+        meanwhile. ``replaced_lease``, the lease of the record at ``expect_revision`` (the caller read it), is then
+        revoked (best effort) since nothing else hangs on it; the put does not ask etcd for the old value back.
         """
         key = self.keys.session(session.tenant, session.session_id)
         record, value = codec.stored_record(session)
+        record.kv_transfer_params_json = session.kv_transfer_params_json  # the caller's answer has the handle
         index = ([KVService.txn_op_put(self.keys.worker_session(record.decode_worker_id, session.tenant,
                                                                 session.session_id), codec.summary(record),
                                        lease=lease_id)]
@@ -368,7 +412,7 @@ class EtcdStore:
                                               codec.content_value(session.session_id), lease=lease_id))
         resp = await self._call("put session", self.kv.txn,
                                 [_mod_revision_is(key, expect_revision)],
-                                [KVService.txn_op_put(key, value, lease=lease_id, prev_kv=True),
+                                [KVService.txn_op_put(key, value, lease=lease_id),
                                  KVService.txn_op_delete(self.keys.claim_of(key)), *index],
                                 [KVService.txn_op_get(key)])
         record.lease_id = lease_id
@@ -378,9 +422,8 @@ class EtcdStore:
                 record.revision = kvs[0].mod_revision
                 return record
             return None
-        old_lease = resp.responses[0].response_put.prev_kv.lease
-        if old_lease and old_lease != lease_id:
-            await self._revoke_quietly(old_lease)
+        if replaced_lease and replaced_lease != lease_id:
+            await self._revoke_quietly(replaced_lease)
         record.revision = resp.header.revision
         self._recent.put(key, record)
         return record
@@ -580,6 +623,8 @@ class EtcdStore:
             if resp.succeeded:
                 self._recent.discard(key)
                 won = codec.session_from(resp.responses[1].response_range.kvs, key)
+                if won is not None:
+                    await self._with_handle(won, known)
                 # The real record (the hint may have been wrong about its handle or expiry); the claim stands
                 # either way, and a handle that cannot be used has nothing to pull.
                 reason = claim_refusal(won, revision, now)

@@ -19,6 +19,12 @@ def no_op(op: str, seconds: float, error: str) -> None:
     """The default observer: nothing."""
 
 
+class HandleReader(Protocol):
+    """Where records' out-of-record KV handles are read (Session.handle_digest): the history store."""
+
+    async def read_handle(self, tenant: str, session_id: str, generation: int, digest: bytes) -> bytes | None: ...
+
+
 class StoreError(Exception):
     """etcd answered with an error that is not about reachability."""
 
@@ -45,8 +51,10 @@ class ClaimStore(Protocol):
 
     async def close(self) -> None: ...
 
-    async def get_session(self, tenant: str, session_id: str) -> common_pb2.Session | None:
-        """The record (``revision`` = its mod_revision, ``lease_id`` = its lease; claimed: handle cleared), or None."""
+    async def get_session(self, tenant: str, session_id: str, *,
+                          with_handle: bool = True) -> common_pb2.Session | None:
+        """The record (``revision`` = its mod_revision, ``lease_id`` = its lease; claimed: handle cleared), or None;
+        an out-of-record handle (``handle_digest``) is read too unless ``with_handle`` is False."""
         ...
 
     async def claim_session(self, tenant: str, session_id: str, revision: int, *, now: float,

@@ -180,12 +180,12 @@ def test_profiles_render_what_they_promise():
         assert w["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert objects(one, "StatefulSet")[f"{RELEASE}-kvshuttle-etcd"]["spec"]["replicas"] == 3
     assert f"{RELEASE}-kvshuttle-gateway" in objects(one, "HorizontalPodAutoscaler")
-    # 4P4D: two GPUs per worker (tensor parallel 2), external etcd (no StatefulSet), TLS everywhere.
+    # 4P4D: two GPUs per worker (tensor parallel 2), external etcd (no etcd StatefulSet), TLS everywhere.
     for role in ("prefill", "decode"):
         w = objects(four, "Deployment")[f"{RELEASE}-kvshuttle-{role}"]
         assert w["spec"]["replicas"] == 4
         assert w["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 2
-    assert not objects(four, "StatefulSet")
+    assert sorted(objects(four, "StatefulSet")) == [f"{RELEASE}-kvshuttle-history"]
     for command, c in kvshuttle_containers(four):
         env = container_env(c)
         assert env["KVSHUTTLE_TLS_CA"] == "/etc/kvshuttle/tls/ca.crt", command
@@ -207,6 +207,19 @@ BROKEN = {
                                            ["/workers/settings/kv-buffer-device", "'cpu', 'cuda', 'xpu'"]),
     "a flag the chart sets itself": ("registry: {settings: {listen: '0.0.0.0:1'}}",
                                      ["/registry/settings", "'listen' not allowed"]),
+    "the history store given as a setting": ("scheduler: {settings: {history-store: 'redis://r:6379/0'}}",
+                                             ["/scheduler/settings", "'history-store' not allowed"]),
+    "own history store without its URL": ("historyStore: {bundled: false}",
+                                          ["historyStore.bundled is false: set historyStore.url"]),
+    "own history store URL left beside the bundled one": ("historyStore: {url: 'redis://r:6379/0'}",
+                                                          ["set historyStore.bundled=false to use it"]),
+    "history store URL and Secret both": (
+        "historyStore: {bundled: false, url: 'redis://r:6379/0', urlSecret: {name: s}}",
+        ["set historyStore.url or historyStore.urlSecret, not both"]),
+    "history store URL that is no Redis": ("historyStore: {bundled: false, url: 'sqlite:/var/h.db'}",
+                                           ["/historyStore/url", "does not match pattern"]),
+    "unknown history store value": ("historyStore: {replicas: 2}",
+                                    ["/historyStore", "'replicas' not allowed"]),
     "external etcd without endpoints": ("etcd: {mode: external}", ["/etcd/external/endpoints"]),
     "TLS without its secret": ("tls: {enabled: true}", ["/tls/secretName"]),
     "port out of range": ("gateway: {httpPort: 80000}", ["/gateway/httpPort", "maximum"]),
@@ -390,6 +403,83 @@ def test_bundled_etcd_runs_the_local_launchers_retention_settings():
     assert [m.split("=")[0] for m in members] == [f"{RELEASE}-kvshuttle-etcd-{i}" for i in range(3)]
     pdb = objects(rendered("gpu-1p1d"), "PodDisruptionBudget")[f"{RELEASE}-kvshuttle-etcd"]
     assert pdb["spec"]["minAvailable"] == 2  # a quorum of 3 survives a drain
+
+
+def test_the_registry_defragments_etcd_on_a_schedule(pod_root):
+    """Compaction frees pages inside etcd's database file; only defragmentation shrinks it. Every profile's registry
+    defragments on the chart's schedule (its `settings`), and `registry.settings` turns it off."""
+    def registry_config(docs):
+        ((_, container),) = [(cmd, c) for cmd, c in kvshuttle_containers(docs) if cmd == "registry"]
+        return parse("registry", container["args"], container_env(container), pod_root)
+
+    for profile in PROFILE_IDS:
+        cfg = registry_config(rendered(profile))
+        assert (cfg.etcd_defrag_interval_s, cfg.etcd_defrag_min_free_mb) == (3600, 64), profile
+    off = registry_config(rendered("gpu-1p1d", "--set", "registry.settings.etcd-defrag-interval-s=0"))
+    assert off.etcd_defrag_interval_s == 0
+
+
+def history_store_configs(docs, root: Path) -> dict[str, object]:
+    """The registry's and the scheduler's parsed configs (one container each)."""
+    return {cmd: parse(cmd, c["args"], container_env(c), root) for cmd, c in kvshuttle_containers(docs)
+            if cmd in ("registry", "scheduler")}
+
+
+@pytest.mark.parametrize("profile", PROFILE_IDS)
+def test_registry_and_schedulers_share_the_bundled_history_store(profile, pod_root):
+    """Every profile runs the bundled Redis (one pod, a volume, append-only, never evicting) behind a Service, and the
+    registry replicas and the schedulers all get its URL: one store, since any replica may serve a session's turn."""
+    docs = rendered(profile)
+    name = f"{RELEASE}-kvshuttle-history"
+    sts, svc = objects(docs, "StatefulSet")[name], objects(docs, "Service")[name]
+    values = merged_values(profile)["historyStore"]
+    assert sts["spec"]["replicas"] == 1 and sts["spec"]["serviceName"] == name
+    pod = sts["spec"]["template"]["spec"]
+    (redis,) = pod["containers"]
+    assert redis["image"] == f"{values['image']['repository']}:{values['image']['tag']}"
+    assert re.fullmatch(r"redis:7\.\d+(-alpine)?", redis["image"])
+    command = " ".join(f'"{a}"' if a == "" else a for a in redis["command"])
+    for flags in ("--appendonly yes", "--appendfsync everysec", '--save ""', "--maxmemory-policy noeviction",
+                  f"--maxmemory {values['maxMemory']}"):
+        assert flags in command, (profile, flags)
+    assert {"name": "data", "mountPath": "/data"} in redis["volumeMounts"] and "--dir /data" in command
+    (claim,) = sts["spec"]["volumeClaimTemplates"]
+    assert claim["metadata"]["name"] == "data"
+    assert claim["spec"]["resources"]["requests"]["storage"] == values["persistence"]["size"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert re.search(r"redis-cli -p \S+ ping", " ".join(redis[probe]["exec"]["command"])), probe
+    assert pod["securityContext"]["runAsNonRoot"] and redis["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    assert svc["spec"]["selector"] == sts["spec"]["selector"]["matchLabels"] == sts["spec"]["template"]["metadata"][
+        "labels"]
+    (port,) = svc["spec"]["ports"]
+    assert port["targetPort"] == redis["ports"][0]["name"]
+    configs = history_store_configs(docs, pod_root)
+    assert sorted(configs) == ["registry", "scheduler"]
+    for command, cfg in configs.items():
+        assert cfg.history_store == f"redis://{name}:{port['port']}/0", (profile, command)
+        assert redis["ports"][0]["containerPort"] == port["port"]
+
+
+def test_an_external_history_store_is_passed_through(pod_root):
+    """historyStore.bundled false: no Redis of ours, and the registry and scheduler get historyStore.url, or the URL
+    (password included) from historyStore.urlSecret."""
+    url = "rediss://redis.infra.svc:6380/3"
+    docs = rendered("gpu-1p1d", "--set", "historyStore.bundled=false", "--set", f"historyStore.url={url}")
+    assert f"{RELEASE}-kvshuttle-history" not in objects(docs, "StatefulSet")
+    assert f"{RELEASE}-kvshuttle-history" not in objects(docs, "Service")
+    configs = history_store_configs(docs, pod_root)
+    assert sorted(configs) == ["registry", "scheduler"]
+    assert all(cfg.history_store == url for cfg in configs.values())
+
+    docs = rendered("gpu-1p1d", "--set", "historyStore.bundled=false", "--set", "historyStore.urlSecret.name=redis-url")
+    assert f"{RELEASE}-kvshuttle-history" not in objects(docs, "StatefulSet")
+    for command, c in kvshuttle_containers(docs):
+        env = {e["name"]: e for e in c.get("env", [])}
+        if command in ("registry", "scheduler"):
+            assert env["KVSHUTTLE_HISTORY_STORE"]["valueFrom"] == {
+                "secretKeyRef": {"name": "redis-url", "key": "url"}}, command
+        else:
+            assert "KVSHUTTLE_HISTORY_STORE" not in env, command
 
 
 def test_tls_probes_use_the_health_check_command(pod_root):

@@ -122,8 +122,10 @@ def call(method, request) -> None:
 sessions = st.builds(
     common_pb2.Session, session_id=IDS, tenant=IDS, decode_worker_id=st.sampled_from(["d0", "p0", "", "ghost"]),
     kv_transfer_params_json=JSON_HANDLES, covered_tokens=COUNTS, block_size=mostly(st.sampled_from([16, 128]), INT32),
-    block_hashes=st.lists(st.binary(max_size=20), max_size=20), revision=INT64, claimed=st.booleans(),
-    prefix_digest=st.binary(max_size=20), lease_id=INT64)
+    checkpoints=st.lists(st.builds(common_pb2.PrefixCheckpoint, tokens=COUNTS, digest=st.binary(max_size=20)),
+                         max_size=20),
+    revision=INT64, claimed=st.booleans(), prefix_digest=st.binary(max_size=20), lease_id=INT64,
+    history_tokens=COUNTS, head_token_ids=TOKENS)
 
 
 @EXAMPLES
@@ -159,18 +161,28 @@ def test_report_outcome_answers_bad_input_with_a_client_error(stubs, prefill, de
     assert all(math.isfinite(c.fixed_ms) and c.fixed_ms >= 0 for c in stats.compute), stats.compute
 
 
+DIGESTS = mostly(st.binary(min_size=16, max_size=16), st.binary(max_size=40))
+APPENDS = st.one_of(st.none(), st.fixed_dictionaries({
+    "base_tokens": COUNTS, "base_turn": INT64, "prefix_digest": DIGESTS, "text_chars": mostly(COUNTS, INT64),
+    "text_key": mostly(st.binary(min_size=32, max_size=32), st.binary(max_size=40)),
+    "checkpoints": st.lists(st.builds(common_pb2.PrefixCheckpoint, tokens=COUNTS, digest=DIGESTS), max_size=40)}))
+
+
 @EXAMPLES
 @given(session_id=IDS, tenant=IDS, decode=st.sampled_from(["d0", "d0", "p0", "", "ghost"]), handle=JSON_HANDLES,
-       tokens=TOKENS, text=st.text(max_size=500), revision=INT64, finished=st.one_of(st.none(), INT64))
+       tokens=TOKENS, text=st.text(max_size=500), revision=INT64, finished=st.one_of(st.none(), INT64),
+       append=APPENDS, with_ids=st.booleans())
 def test_registry_answers_bad_input_with_a_client_error(stubs, session_id, tenant, decode, handle, tokens, text,
-                                                        revision, finished):
+                                                        revision, finished, append, with_ids):
     reg, _ = stubs
     record = registry_pb2.RecordTurnRequest(session_id=session_id, tenant=tenant, decode_worker_id=decode,
-                                            kv_transfer_params_json=handle, token_ids=tokens, text=text)
+                                            kv_transfer_params_json=handle, token_ids=tokens, text=text,
+                                            **(append or {}))
     if finished is not None:
         record.finished_at.seconds = max(-62135596800, min(253402300799, finished))
     call(reg.RecordTurn, record)
-    call(reg.GetSession, registry_pb2.GetSessionRequest(session_id=session_id, tenant=tenant))
+    call(reg.GetSession, registry_pb2.GetSessionRequest(session_id=session_id, tenant=tenant,
+                                                        include_token_ids=with_ids))
     call(reg.ClaimSession, registry_pb2.ClaimSessionRequest(session_id=session_id, tenant=tenant, revision=revision))
     call(reg.DeleteSession, registry_pb2.DeleteSessionRequest(session_id=session_id, tenant=tenant))
 

@@ -8,6 +8,7 @@ REST bridge's admin-only route (worker listing) needs an admin key; the open gat
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import ssl
@@ -18,6 +19,7 @@ import grpc
 import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from kvshuttle.control_plane.continuation import text_key
 from kvshuttle.services.common.config import ConfigError
 from kvshuttle.services.common.grpc_server import client_channel
 from kvshuttle.services.common.tls import TlsClientConfig
@@ -83,7 +85,8 @@ async def record(reg, d, session: str, tenant: str) -> None:
                          "remote_port": d.nixl_port, "remote_num_tokens": 7, "remote_block_ids": [[1, 2]]})
     await reg.RecordTurn(registry_pb2.RecordTurnRequest(session_id=session, tenant=tenant, decode_worker_id=d.worker_id,
                                                         kv_transfer_params_json=handle, token_ids=list(range(8)),
-                                                        text=f"history of {tenant}"))
+                                                        text=f"history of {tenant}",
+                                                        text_key=text_key(f"history of {tenant}")))
 
 
 def assert_unauthorized(resp: httpx.Response, words: str) -> None:
@@ -154,14 +157,15 @@ async def test_rest_bridge_keeps_tenants_apart_and_admin_routes_for_admins(http,
     await record(reg, d, session, "acme")
 
     mine = await http.get(f"/v1/sessions/{session}", headers=bearer("acme"))
-    assert mine.status_code == 200 and mine.json()["session"]["text"] == "history of acme", mine.text
+    assert mine.status_code == 200, mine.text
+    assert mine.json()["session"]["textKey"] == base64.b64encode(text_key("history of acme")).decode(), mine.text
     for params in ({}, {"tenant": "acme"}):  # another tenant: simply unknown, whatever it asks for
         theirs = await http.get(f"/v1/sessions/{session}", params=params, headers=bearer("globex"))
         assert theirs.status_code == 404 and "acme" not in theirs.text, theirs.text
         gone = await http.delete(f"/v1/sessions/{session}", params=params, headers=bearer("globex"))
         assert gone.status_code == 200 and gone.json()["deleted"] is False, gone.text
     still = await reg.GetSession(registry_pb2.GetSessionRequest(session_id=session, tenant="acme"))
-    assert still.session.text == "history of acme"
+    assert still.session.text_key == text_key("history of acme")
     # Asking for one's own session as another tenant reads one's own namespace.
     await record(reg, d, session, "globex")
     own = await http.get(f"/v1/sessions/{session}", params={"tenant": "acme"}, headers=bearer("globex"))

@@ -80,7 +80,8 @@ async def test_describe_shows_the_methods(address, name):
 
 async def test_describe_a_message(address):
     text = await asyncio.to_thread(describe, address, "kvshuttle.v1.Session")
-    assert "repeated bytes block_hashes = 7;" in text
+    assert "repeated .kvshuttle.v1.PrefixCheckpoint checkpoints = 20;" in text
+    assert "bytes block_hashes" not in text and 'reserved "block_hashes", "text";' in text
 
 
 @pytest.mark.parametrize("service", ["", *SERVICES])

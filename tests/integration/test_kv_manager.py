@@ -84,7 +84,9 @@ class Cluster:
         return rec.session
 
     async def get(self, session: str) -> common_pb2.Session:
-        return (await self.reg.GetSession(registry_pb2.GetSessionRequest(session_id=session))).session
+        """The record, with its history's ids (the history store's)."""
+        return (await self.reg.GetSession(registry_pb2.GetSessionRequest(session_id=session,
+                                                                          include_token_ids=True))).session
 
     def freeing_reads(self) -> list:
         return [r for r in self.p_engine.engine.requests if r.request_id.startswith("kv-free-")]

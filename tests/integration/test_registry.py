@@ -9,7 +9,14 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from kvshuttle.control_plane.prefix import block_hash_chain, matched_prefix_tokens
+from kvshuttle.control_plane.continuation import text_key
+from kvshuttle.control_plane.prefix import (
+    checkpoint_lengths,
+    ids_bytes,
+    matched_prefix_tokens,
+    prefix_digest,
+    prefix_digests,
+)
 from kvshuttle.control_plane.session import LEASE_GRACE_S
 from kvshuttle.services.common.grpc_server import client_channel
 from kvshuttle.services.devtools.etcd_process import EtcdCluster, EtcdProcess, free_port
@@ -184,16 +191,25 @@ async def test_record_turn_and_get_session(stub, decode):
     t0 = time.time()
     rec = (await stub.RecordTurn(turn(decode, sid, tokens, covered=9))).session
     assert rec.covered_tokens == 9 and rec.block_size == 4 and rec.turn == 1 and not rec.claimed
-    assert list(rec.block_hashes) == block_hash_chain(tokens, 9, 4)
-    assert list(rec.token_ids) == tokens and rec.text == "some text" and rec.revision > 0
+    # The record keeps the digest, the ids' count and first block, the text's length and key; not the ids or text.
+    assert rec.prefix_digest == prefix_digest(tokens, 9) and not rec.checkpoints
+    assert not rec.token_ids and rec.history_tokens == 10 and rec.history_generation > 0
+    assert list(rec.head_token_ids) == tokens[:5]
+    assert (rec.text_chars, rec.text_key) == (len("some text"), text_key("some text")) and rec.revision > 0
     assert json.loads(rec.kv_transfer_params_json)["remote_num_tokens"] == 9
 
     got = await stub.GetSession(registry_pb2.GetSessionRequest(session_id=sid, tenant=TENANT))
-    assert got.session == rec
+    assert got.session == rec and not got.history_missing
     expected_left = decode.kv_blocks_ttl_s - MARGIN_S - (time.time() - t0)
     assert got.expires_in_s == pytest.approx(expected_left, abs=5)
     # The next prompt extends the recorded ids: the whole covered prefix matches.
-    assert matched_prefix_tokens(list(got.session.block_hashes), 9, 4, tokens + [7, 8, 9]) == 9
+    assert matched_prefix_tokens(9, 4, tokens + [7, 8, 9], got.session.prefix_digest) == 9
+    # The exact ids come from the history store when asked for.
+    full = await stub.GetSession(registry_pb2.GetSessionRequest(session_id=sid, tenant=TENANT,
+                                                                include_token_ids=True))
+    assert list(full.session.token_ids) == tokens and not full.history_missing
+    full.session.ClearField("token_ids")
+    assert full.session == rec
 
     # Another tenant does not see it.
     await expect_status(stub.GetSession(registry_pb2.GetSessionRequest(session_id=sid, tenant="other")),
@@ -208,6 +224,103 @@ async def test_record_turn_and_get_session(stub, decode):
     assert got2.session.revision == rec2.revision
     assert got2.expires_in_s == pytest.approx(decode.kv_blocks_ttl_s - MARGIN_S - 100, abs=5)
     assert (await stub.DeleteSession(registry_pb2.DeleteSessionRequest(session_id=sid, tenant=TENANT))).deleted
+
+
+def appended(worker: common_pb2.Worker, sid: str, record: common_pb2.Session, ids: list[int],
+             covered: int | None = None) -> registry_pb2.RecordTurnRequest:
+    """The turn after ``record`` whose whole history is ``ids``, sent as the gateway sends it: only the ids after
+    the recorded ones (base_tokens, base_turn), with the digests over all of them."""
+    base = record.history_tokens
+    covered = len(ids) - 1 if covered is None else covered
+    lengths = checkpoint_lengths([*(cp.tokens for cp in record.checkpoints), record.covered_tokens, base], base,
+                                 covered)
+    digests = prefix_digests(ids, [*lengths, covered])
+    return turn(worker, sid, ids[base:], covered=covered, base_tokens=base, base_turn=record.turn,
+                prefix_digest=digests[covered],
+                checkpoints=[common_pb2.PrefixCheckpoint(tokens=n, digest=digests[n]) for n in lengths])
+
+
+async def history(stub, sid: str) -> registry_pb2.GetSessionResponse:
+    return await stub.GetSession(registry_pb2.GetSessionRequest(session_id=sid, tenant=TENANT,
+                                                                include_token_ids=True))
+
+
+async def test_turns_append_to_the_recorded_history(stub, decode):
+    sid = uid("s")
+    ids = list(range(1000, 1010))
+    rec1 = (await stub.RecordTurn(turn(decode, sid, ids))).session
+    ids2 = [*ids, *range(2000, 2007)]
+    rec2 = (await stub.RecordTurn(appended(decode, sid, rec1, ids2))).session
+    assert rec2.turn == 2 and rec2.history_tokens == 17 and rec2.covered_tokens == 16
+    assert rec2.history_generation == rec1.history_generation  # the same lineage, one segment longer
+    assert rec2.prefix_digest == prefix_digest(ids2, 16) and list(rec2.head_token_ids) == ids[:5]
+    assert [(cp.tokens, cp.digest) for cp in rec2.checkpoints] == [(n, prefix_digest(ids2, n)) for n in (9, 10)]
+    got = await history(stub, sid)
+    assert list(got.session.token_ids) == ids2 and not got.history_missing and got.session.revision == rec2.revision
+
+    ids3 = [*ids2, 3000, 3001, 3002]
+    rec3 = (await stub.RecordTurn(appended(decode, sid, rec2, ids3))).session
+    assert rec3.turn == 3 and rec3.history_tokens == 20
+    assert list((await history(stub, sid)).session.token_ids) == ids3
+    edited = ids3.copy()
+    edited[12] += 1  # after checkpoint 10: its 2 whole blocks are proven, no more
+    checkpoints = [(cp.tokens, cp.digest) for cp in rec3.checkpoints]
+    assert [n for n, _ in checkpoints] == [9, 10, 16, 17]
+    assert matched_prefix_tokens(rec3.covered_tokens, 4, edited, rec3.prefix_digest, checkpoints) == 8
+    assert matched_prefix_tokens(rec3.covered_tokens, 4, [*ids3, 1], rec3.prefix_digest, checkpoints) == 19
+
+    # Appending to a history the record no longer has: refused, nothing changes.
+    await expect_status(stub.RecordTurn(appended(decode, sid, rec2, [*ids3, 4])), PRECONDITION, "history changed")
+    wrong_count = appended(decode, sid, rec3, [*ids3, 4])
+    wrong_count.base_tokens = 19
+    await expect_status(stub.RecordTurn(wrong_count), PRECONDITION, "history changed")
+    no_digest = appended(decode, sid, rec3, [*ids3, 4])
+    no_digest.prefix_digest = b""
+    no_digest.ClearField("checkpoints")
+    await expect_status(stub.RecordTurn(no_digest), INVALID, "prefix_digest is required")
+    got = await history(stub, sid)
+    assert got.session.revision == rec3.revision and list(got.session.token_ids) == ids3
+
+    # The whole history again (an edited conversation): a new lineage.
+    ids4 = [7] * 12
+    rec4 = (await stub.RecordTurn(turn(decode, sid, ids4))).session
+    assert rec4.turn == 4 and rec4.history_generation != rec1.history_generation and rec4.history_tokens == 12
+    assert list((await history(stub, sid)).session.token_ids) == ids4
+    assert (await stub.DeleteSession(registry_pb2.DeleteSessionRequest(session_id=sid, tenant=TENANT))).deleted
+    await expect_status(stub.RecordTurn(appended(decode, sid, rec4, [*ids4, 1])), PRECONDITION, "history changed")
+
+
+async def test_the_history_store_follows_the_records(etcd, stub, decode):
+    """A replaced lineage and a deleted session's history leave the history store; a lost history is reported, not
+    an error (the caller tokenizes the text again)."""
+    service = await serve(RegistryConfig(listen="127.0.0.1:0", etcd_endpoints=etcd))
+    channel = client_channel(service.address)
+    own = registry_pb2_grpc.SessionRegistryStub(channel)
+    sid = uid("s")
+    try:
+        ids = list(range(50, 70))
+        rec1 = (await own.RecordTurn(turn(decode, sid, ids))).session
+        rec2 = (await own.RecordTurn(appended(decode, sid, rec1, [*ids, 1, 2, 3]))).session
+        stored = await service.history.read(TENANT, sid, rec2.history_generation, 23)
+        assert stored == ids_bytes([*ids, 1, 2, 3])
+        rec3 = (await own.RecordTurn(turn(decode, sid, [9] * 8))).session  # a new lineage replaces the old one
+        await service.servicer.drain()  # the replaced lineage is dropped off the turn's path
+        assert await service.history.read(TENANT, sid, rec1.history_generation, 20) is None
+        assert await service.history.read(TENANT, sid, rec3.history_generation, 8) == ids_bytes([9] * 8)
+
+        await service.history.drop(TENANT, sid, rec3.history_generation)  # e.g. a restarted in-memory store
+        lost = await history(own, sid)
+        assert not lost.session.token_ids and "no longer holds" in lost.history_missing
+        assert lost.session.revision == rec3.revision and lost.session.prefix_digest == rec3.prefix_digest
+        plain = await own.GetSession(registry_pb2.GetSessionRequest(session_id=sid, tenant=TENANT))
+        assert not plain.history_missing  # not asked for: nothing to report
+
+        rec4 = (await own.RecordTurn(turn(decode, sid, [8] * 8))).session
+        assert (await own.DeleteSession(registry_pb2.DeleteSessionRequest(session_id=sid, tenant=TENANT))).deleted
+        assert await service.history.read(TENANT, sid, rec4.history_generation, 8) is None
+    finally:
+        await channel.close()
+        await service.stop(grace=0.5)
 
 
 async def test_session_expires_then_leaves_etcd(stub, etcd):
@@ -268,7 +381,10 @@ async def test_claim_race_has_exactly_one_winner(registry, stub, decode):
 
         got = await stub.GetSession(registry_pb2.GetSessionRequest(session_id=sid, tenant=TENANT))
         assert got.session.claimed and not got.session.kv_transfer_params_json
-        assert got.session.revision == win.session.revision and list(got.session.token_ids) == tokens
+        assert got.session.revision == win.session.revision and not got.session.token_ids
+        full = await stub.GetSession(registry_pb2.GetSessionRequest(session_id=sid, tenant=TENANT,
+                                                                    include_token_ids=True))
+        assert list(full.session.token_ids) == tokens  # a claim leaves the history alone
         again = await stub.ClaimSession(registry_pb2.ClaimSessionRequest(session_id=sid, tenant=TENANT,
                                                                          revision=got.session.revision))
         assert not again.claimed and again.reason == "already claimed"
@@ -294,7 +410,8 @@ async def test_claims_stay_exact_across_registry_replicas(etcd, stub, decode):
         won = await stub.ClaimSession(registry_pb2.ClaimSessionRequest(session_id=sid, tenant=TENANT,
                                                                        revision=second.revision))
         assert won.claimed and won.session.kv_transfer_params_json == second.kv_transfer_params_json
-        assert won.session.covered_tokens == 40 and not won.session.token_ids and not won.session.text
+        assert won.session.covered_tokens == 40 and not won.session.token_ids
+        assert won.session.prefix_digest == second.prefix_digest
 
         third = (await stub.RecordTurn(turn(decode, sid, list(range(42))))).session
         taken = await replica.ClaimSession(registry_pb2.ClaimSessionRequest(session_id=sid, tenant=TENANT,
@@ -484,7 +601,7 @@ async def test_find_session_by_content(stub, decode):
     """Turns without a session id: a record is indexed under its text's content key; FindSession returns the record
     whose text the caller's prompt extends (the longest of the given prefixes), per tenant, and only the latest
     text of a session (its earlier texts' entries go with the replaced records' leases)."""
-    from kvshuttle.control_plane.continuation import prefix_keys, text_key
+    from kvshuttle.control_plane.continuation import prefix_keys
 
     sid, end = uid("found"), "<|im_end|>"
     first = f"<|im_start|>user\nhi{end}\n<|im_start|>assistant\nhello{end}"
@@ -492,7 +609,12 @@ async def test_find_session_by_content(stub, decode):
     prompt = first + f"\n<|im_start|>user\nmore{end}\n<|im_start|>assistant\n"
     keys = prefix_keys(prompt, [end])
     found = await stub.FindSession(registry_pb2.FindSessionRequest(tenant=TENANT, text_keys=keys))
-    assert found.session.session_id == sid and found.session.text == first and found.expires_in_s > 0
+    assert found.session.session_id == sid and found.expires_in_s > 0
+    assert (found.session.text_chars, found.session.text_key) == (len(first), text_key(first))
+    assert not found.session.token_ids and not found.history_missing
+    with_ids = await stub.FindSession(registry_pb2.FindSessionRequest(tenant=TENANT, text_keys=keys,
+                                                                      include_token_ids=True))
+    assert list(with_ids.session.token_ids) == list(range(1, 12)) and not with_ids.history_missing
     assert keys[found.matched_key] == text_key(first)
     await expect_status(stub.FindSession(registry_pb2.FindSessionRequest(tenant="other", text_keys=keys)),
                         grpc.StatusCode.NOT_FOUND, "no session")
@@ -524,7 +646,7 @@ async def test_find_session_by_content(stub, decode):
         t = time.perf_counter()
         hit = await stub.FindSession(registry_pb2.FindSessionRequest(tenant=TENANT, text_keys=many))
         took.append((time.perf_counter() - t) * 1000)
-        assert hit.session.text == recorded
+        assert hit.session.text_key == text_key(recorded)
     took.sort()
     print(f"\nFindSession, 64 keys, real etcd: p50 {took[25]:.2f} ms, p90 {took[45]:.2f} ms")
 

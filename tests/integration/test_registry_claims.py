@@ -34,12 +34,12 @@ def snapshot(record: common_pb2.Session) -> common_pb2.Session:
     out = common_pb2.Session()
     out.CopyFrom(record)
     out.ClearField("token_ids")
-    out.ClearField("text")
     return out
 
 
-async def get(stub, sid: str) -> registry_pb2.GetSessionResponse:
-    return await stub.GetSession(registry_pb2.GetSessionRequest(session_id=sid, tenant=TENANT))
+async def get(stub, sid: str, include_token_ids: bool = False) -> registry_pb2.GetSessionResponse:
+    return await stub.GetSession(registry_pb2.GetSessionRequest(session_id=sid, tenant=TENANT,
+                                                                include_token_ids=include_token_ids))
 
 
 async def test_records_carry_lease_and_digest_and_the_claim_is_its_own_key(stub, store, decode):
@@ -108,9 +108,10 @@ async def test_get_session_shows_the_claim_until_the_next_record_turn(stub, stor
     won = await stub.ClaimSession(registry_pb2.ClaimSessionRequest(session_id=sid, tenant=TENANT,
                                                                    revision=rec.revision))
     assert won.claimed
-    got = (await get(stub, sid)).session
+    got = (await get(stub, sid, include_token_ids=True)).session
     assert got.claimed and not got.kv_transfer_params_json and got.revision == rec.revision
-    assert list(got.token_ids) == list(range(30))  # the record itself is untouched
+    assert list(got.token_ids) == list(range(30))  # the record itself (and its history) is untouched
+    assert got.prefix_digest == rec.prefix_digest and got.history_tokens == 30
     direct = await store.get_session(TENANT, sid)
     assert direct.claimed and not direct.kv_transfer_params_json
 
@@ -139,13 +140,13 @@ async def test_the_claim_returns_the_stored_record_not_the_callers_copy(stub, st
     rec = (await stub.RecordTurn(turn(decode, sid, list(range(30))))).session
     forged = snapshot(rec)
     forged.kv_transfer_params_json = forged.kv_transfer_params_json.replace("127.0.0.1", "10.9.9.9")
-    forged.block_hashes[0] = b"x" * 16
+    forged.checkpoints.add(tokens=4, digest=b"x" * 16)
     forged.prefix_digest = b"y" * 16
     forged.covered_tokens = 5
     won = await store.claim_session(TENANT, sid, rec.revision, now=time.time(), known=forged)
     assert won.claimed
     assert won.session.kv_transfer_params_json == rec.kv_transfer_params_json
-    assert list(won.session.block_hashes) == list(rec.block_hashes)
+    assert list(won.session.checkpoints) == list(rec.checkpoints) == []
     assert won.session.prefix_digest == rec.prefix_digest and won.session.covered_tokens == 29
     await stub.DeleteSession(registry_pb2.DeleteSessionRequest(session_id=sid, tenant=TENANT))
 
@@ -233,7 +234,8 @@ async def test_what_a_decode_worker_holds_reads_from_the_index_without_the_recor
     assert held[a].revision == second.revision and held[a].turn == 2 and held[a].covered_tokens == 44
     assert held[a].created_at == recs[a].created_at and held[a].updated_at == second.updated_at
     assert held[b].revision == recs[b].revision and held[b].block_size == decode.block_size
-    assert not held[b].token_ids and not held[b].text and not held[b].kv_transfer_params_json
+    assert not held[b].token_ids and not held[b].head_token_ids and not held[b].text_key
+    assert not held[b].prefix_digest and not held[b].kv_transfer_params_json
     raw = (await store.kv.get(store.worker_session_key(decode.worker_id, TENANT, b))).kvs[0]
     assert len(raw.value) < 64 and raw.mod_revision == recs[b].revision
     # A claimed handle (a pull under way) is no longer held; the next turn's record is.
@@ -249,7 +251,8 @@ async def test_a_claim_that_frees_the_kv_says_why_on_the_record(stub, store, dec
     won = await stub.ClaimSession(registry_pb2.ClaimSessionRequest(session_id=sid, tenant=TENANT,
                                                                    revision=rec.revision, free_reason="idle"))
     assert won.claimed and won.session.kv_freed == "idle" and won.session.kv_transfer_params_json
-    got = (await get(stub, sid)).session  # the record stays (its ids let the next turn continue them exactly)
+    got = (await get(stub, sid, include_token_ids=True)).session  # the record stays (its ids let the next turn
+    # continue them exactly)
     assert got.claimed and got.kv_freed == "idle" and not got.kv_transfer_params_json and got.token_ids
     again = await store.claim_session(TENANT, sid, rec.revision, now=time.time(), known=snapshot(rec))
     assert not again.claimed and again.session.kv_freed == "idle"  # a stale snapshot learns why

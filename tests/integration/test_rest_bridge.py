@@ -52,7 +52,8 @@ class FakeRegistry(registry_pb2_grpc.SessionRegistryServicer):
     def reset(self) -> None:
         self.sessions = {
             ("t", "s1"): common_pb2.Session(session_id="s1", tenant="t", decode_worker_id="d0", covered_tokens=31,
-                                            block_size=16, block_hashes=[b"\x00\x01", b"\xff"], token_ids=[1, 2, 3],
+                                            block_size=16, prefix_digest=b"\x00\x01", history_tokens=3,
+                                            checkpoints=[common_pb2.PrefixCheckpoint(tokens=16, digest=b"\xff")],
                                             turn=7, revision=1 << 53),
             ("t", "s/2"): common_pb2.Session(session_id="s/2", tenant="t"),
         }
@@ -71,7 +72,10 @@ class FakeRegistry(registry_pb2_grpc.SessionRegistryServicer):
         session = self.sessions.get((request.tenant, request.session_id))
         if session is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no session {request.session_id!r}")
-        return registry_pb2.GetSessionResponse(session=session, expires_in_s=12.5)
+        out = registry_pb2.GetSessionResponse(session=session, expires_in_s=12.5)
+        if request.include_token_ids:  # the history store's ids, read only when asked for
+            out.session.token_ids.extend([1, 2, 3])
+        return out
 
     async def DeleteSession(self, request, context):
         deleted = self.sessions.pop((request.tenant, request.session_id), None) is not None
@@ -197,9 +201,13 @@ async def test_get_session_path_and_query(client):
     session = body["session"]
     assert session["sessionId"] == "s1" and session["decodeWorkerId"] == "d0"
     assert session["turn"] == "7" and session["revision"] == str(1 << 53)
-    assert session["blockHashes"] == ["AAE=", "/w=="]     # bytes as base64
-    assert session["tokenIds"] == [1, 2, 3]
+    assert session["prefixDigest"] == "AAE="     # bytes as base64
+    assert session["checkpoints"] == [{"tokens": 16, "digest": "/w=="}]
+    assert session["historyTokens"] == 3 and session["tokenIds"] == []  # defaults are emitted
     assert body["expiresInS"] == 12.5
+    r = await client.get("/v1/sessions/s1", params={"tenant": "t", "include_token_ids": "true"})
+    assert r.status_code == 200, r.text
+    assert r.json()["session"]["tokenIds"] == [1, 2, 3]
 
 
 async def test_path_variable_is_percent_decoded(client):
@@ -410,7 +418,8 @@ async def test_openapi_document(client):
     paths = doc["paths"]
     assert set(paths["/v1/sessions/{session_id}"]) == {"get", "delete"}
     get = paths["/v1/sessions/{session_id}"]["get"]
-    assert {(p["name"], p["in"]) for p in get["parameters"]} == {("session_id", "path"), ("tenant", "query")}
+    assert {(p["name"], p["in"]) for p in get["parameters"]} == {("session_id", "path"), ("tenant", "query"),
+                                                                  ("includeTokenIds", "query")}
     post = paths["/v1/gateway/completions"]["post"]
     assert post["requestBody"]["content"]["application/json"]["schema"] == {
         "$ref": "#/components/schemas/kvshuttle.v1.CompleteRequest"}

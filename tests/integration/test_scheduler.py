@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 from kvshuttle.control_plane import session as session_rules
-from kvshuttle.control_plane.prefix import block_hash_chain, prefix_digest
+from kvshuttle.control_plane.prefix import prefix_digest
 from kvshuttle.services.common.config import from_namespace
 from kvshuttle.services.common.grpc_server import client_channel
 from kvshuttle.services.registry.server import RegistryConfig, serve
@@ -26,22 +26,27 @@ from kvshuttle.services.scheduler.server import SchedulerConfig, SchedulerServic
 from kvshuttle.services.store.etcd_store import EtcdStore
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
-from tests.support.scheduler import BS, first_plan, handle_for, plan, record, register_pair, worker
+from tests.support.scheduler import digests, first_plan, handle_for, plan, record, register_pair, worker
 from tests.support.waits import until
 
 
-@pytest.fixture(scope="module", params=["registry", "etcd"])
-async def planes(etcd, request):
+@pytest.fixture(scope="module", params=["registry", "etcd", "etcd+handles outside"])
+async def planes(etcd, request, tmp_path_factory):
     """A registry with its own key prefix (no other test's workers), a scheduler on it that claims through the
-    registry or in etcd directly, and their stubs."""
+    registry or in etcd directly, and their stubs. "handles outside": every KV handle is kept in the registry's
+    history store (an SQLite file), which the scheduler reads too, as long sessions' handles are."""
     prefix = f"/sched-{uuid.uuid4().hex[:6]}/"
+    outside = request.param == "etcd+handles outside"
+    history = f"sqlite:{tmp_path_factory.mktemp('history') / 'history.db'}" if outside else "sqlite::memory:"
     registry = await serve(RegistryConfig(listen="127.0.0.1:0", etcd_endpoints=etcd, key_prefix=prefix,
-                                          expiry_margin_s=5))
+                                          expiry_margin_s=5, history_store=history,
+                                          handle_inline_bytes=0 if outside else 1024))
     # the workers here are registry records without engines: no load polls (they would mark them unreachable)
     scheduler = SchedulerService(SchedulerConfig(listen="127.0.0.1:0", registry=registry.address,
                                                  pull_threshold_tokens=16, key_prefix=prefix, load_poll_interval_s=0,
-                                                 etcd_endpoints=etcd if request.param == "etcd" else ""))
-    assert scheduler.claims.via == request.param
+                                                 etcd_endpoints=etcd if request.param != "registry" else "",
+                                                 history_store=history if outside else ""))
+    assert scheduler.claims.via == request.param.partition("+")[0]
     await scheduler.start()
     channels = [client_channel(registry.address), client_channel(scheduler.address)]
     yield registry_pb2_grpc.SessionRegistryStub(channels[0]), scheduler_pb2_grpc.TransferSchedulerStub(channels[1])
@@ -49,6 +54,67 @@ async def planes(etcd, request):
         await channel.close()
     await scheduler.stop()
     await registry.stop(grace=0.5)
+
+
+async def test_a_handle_kept_outside_the_record_is_read_by_the_scheduler_and_only_the_claimer_gets_it(etcd, tmp_path):
+    """Handles in the history store: the etcd record holds only their digest; a plan without a snapshot reads the
+    handle from the store, pulls it once, and a scheduler not given the store recomputes (never a wrong pull)."""
+    prefix = f"/sched-{uuid.uuid4().hex[:6]}/"
+    history = f"sqlite:{tmp_path / 'history.db'}"
+    registry = await serve(RegistryConfig(listen="127.0.0.1:0", etcd_endpoints=etcd, key_prefix=prefix,
+                                          expiry_margin_s=5, history_store=history, handle_inline_bytes=0))
+    schedulers = [SchedulerService(SchedulerConfig(listen="127.0.0.1:0", registry=registry.address,
+                                                   pull_threshold_tokens=16, key_prefix=prefix,
+                                                   load_poll_interval_s=0, etcd_endpoints=etcd, history_store=store))
+                  for store in (history, "")]
+    for s in schedulers:
+        await s.start()
+    channels = [client_channel(registry.address), *(client_channel(s.address) for s in schedulers)]
+    try:
+        reg = registry_pb2_grpc.SessionRegistryStub(channels[0])
+        with_store, without = (scheduler_pb2_grpc.TransferSchedulerStub(c) for c in channels[1:])
+        d = worker("d0", common_pb2.WORKER_ROLE_DECODE, 7100)
+        for w in (worker("p0", common_pb2.WORKER_ROLE_PREFILL, 7000), d):
+            await reg.RegisterWorker(registry_pb2.RegisterWorkerRequest(worker=w, lease_ttl_s=30))
+        history_ids, session = list(range(1000, 1100)), f"s-{uuid.uuid4().hex[:8]}"
+        for sched in (with_store, without):
+            await first_plan(sched, scheduler_pb2.PlanTurnRequest(session_id=session, prompt_token_ids=[1, 2]))
+        recorded = await reg.RecordTurn(registry_pb2.RecordTurnRequest(
+            session_id=session, decode_worker_id="d0", kv_transfer_params_json=handle_for(d, 99),
+            token_ids=history_ids))
+        assert recorded.session.handle_digest and not recorded.session.kv_transfer_params_json  # not echoed back
+        stored = await EtcdStore(etcd, prefix).__aenter__()
+        try:
+            bare = await stored.get_session(session_rules.DEFAULT_TENANT, session, with_handle=False)
+            assert bare.handle_digest and not bare.kv_transfer_params_json  # etcd holds only the digest
+        finally:
+            await stored.close()
+        read = await reg.GetSession(registry_pb2.GetSessionRequest(session_id=session))
+        assert json.loads(read.session.kv_transfer_params_json)["remote_num_tokens"] == 99  # filled in on reads
+
+        blind = await plan(without, session, history_ids + [1, 2, 3])
+        assert blind.decision == scheduler_pb2.DECISION_RECOMPUTE, blind.reason  # cannot read it: no pull
+        pulled = await plan(with_store, session, history_ids + [1, 2, 3])
+        assert pulled.decision == scheduler_pb2.DECISION_PULL, pulled.reason
+        assert json.loads(pulled.prefill_kv_transfer_params_json)["remote_num_tokens"] == 99
+        again = await plan(with_store, session, history_ids + [1, 2, 3])
+        assert again.decision == scheduler_pb2.DECISION_RECOMPUTE and "already" in again.reason
+
+        # The next turn's record replaces the handle; the old one is dropped from the store.
+        await reg.RecordTurn(registry_pb2.RecordTurnRequest(
+            session_id=session, decode_worker_id="d0", kv_transfer_params_json=handle_for(d, 98),
+            token_ids=history_ids))
+        snap = await reg.GetSession(registry_pb2.GetSessionRequest(session_id=session))
+        assert snap.session.handle_digest != recorded.session.handle_digest
+        with_snapshot = await with_store.PlanTurn(scheduler_pb2.PlanTurnRequest(
+            session_id=session, prompt_token_ids=history_ids + [4], session_snapshot=snap))
+        assert with_snapshot.decision == scheduler_pb2.DECISION_PULL and with_snapshot.figures.reusable_tokens == 98
+    finally:
+        for c in channels:
+            await c.close()
+        for s in schedulers:
+            await s.stop()
+        await registry.stop(grace=0.5)
 
 
 async def test_plans_pulls_only_for_verified_unclaimed_history(planes):
@@ -68,7 +134,7 @@ async def test_plans_pulls_only_for_verified_unclaimed_history(planes):
                                                         kv_transfer_params_json=handle_for(d, 99),
                                                         token_ids=history))
     edited = history.copy()
-    edited[40] = 7  # third block (32..47) differs
+    edited[40] = 7  # third block (32..47) differs, after the checkpoint at 37 (an earlier turn's end)
     partial = await plan(sched, session, edited + [1, 2], disable_pull=True)
     assert partial.decision == scheduler_pb2.DECISION_RECOMPUTE and "disabled" in partial.reason
 
@@ -81,10 +147,17 @@ async def test_plans_pulls_only_for_verified_unclaimed_history(planes):
     again = await plan(sched, session, history + [1, 2, 3])
     assert again.decision == scheduler_pb2.DECISION_RECOMPUTE and "already" in again.reason
 
-    # A new record, then a prompt that diverges in block 2: only the two whole blocks before it are pulled.
+    # A new record, then a prompt that diverges in block 2: only the two whole blocks of the last checkpoint
+    # before it are pulled. Without checkpoints, only a prompt that extends all the covered ids can pull.
     await reg.RecordTurn(registry_pb2.RecordTurnRequest(session_id=session, decode_worker_id="d0",
                                                         kv_transfer_params_json=handle_for(d, 99),
                                                         token_ids=history))
+    whole_only = await plan(sched, session, edited + [1, 2])
+    assert whole_only.decision == scheduler_pb2.DECISION_RECOMPUTE and whole_only.reason_code == "diverged", \
+        whole_only.reason
+    await reg.RecordTurn(registry_pb2.RecordTurnRequest(session_id=session, decode_worker_id="d0",
+                                                        kv_transfer_params_json=handle_for(d, 99),
+                                                        token_ids=history, **digests(history, 99, (10, 37, 70))))
     diverged = await plan(sched, session, edited + [1, 2])
     assert diverged.decision == scheduler_pb2.DECISION_PULL and diverged.figures.reusable_tokens == 32
     assert json.loads(diverged.prefill_kv_transfer_params_json)["remote_block_ids"] == [[100, 101]]
@@ -137,12 +210,11 @@ async def test_a_session_snapshot_saves_a_read_but_never_makes_a_wrong_pull(plan
     forged = await record(reg, session, d, history)
     edited = history.copy()
     edited[20] = 5  # differs from the real record in block 1; the snapshot claims the record holds these tokens
-    del forged.session.block_hashes[:]
-    forged.session.block_hashes.extend(block_hash_chain(edited, 99, BS))
+    forged.session.checkpoints.add(tokens=80, digest=prefix_digest(edited, 80))
     wrong = await plan_with(forged, edited + [1])
     assert wrong.decision == scheduler_pb2.DECISION_RECOMPUTE and "differs" in wrong.reason, wrong.reason
 
-    forged = await record(reg, session, d, history)  # the real chain, but a digest vouching for the edited tokens
+    forged = await record(reg, session, d, history)  # the real record, but a digest vouching for the edited tokens
     assert forged.session.prefix_digest
     forged.session.prefix_digest = prefix_digest(edited, 99)
     wrong = await plan_with(forged, edited + [1])

@@ -7,6 +7,7 @@ Certificates come from a throwaway CA made in the test; a second CA stands for a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 
@@ -22,7 +23,8 @@ from kvshuttle.services.devtools.etcd_process import EtcdProcess, EtcdTls
 from kvshuttle.services.registry.server import RegistryConfig, serve
 from kvshuttle.services.scheduler.server import SchedulerConfig, SchedulerService
 from kvshuttle.services.store.etcd_channel import etcd_channel
-from kvshuttle.services.store.etcd_store import EtcdStore, StoreError, StoreUnavailable
+from kvshuttle.services.store.etcd_maintenance import EtcdMaintenance, defragment
+from kvshuttle.services.store.etcd_store import EtcdStore, StoreError, StoreUnavailable, parse_endpoints
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from kvshuttle.workers.agent import RegistryLink
 
@@ -242,6 +244,20 @@ async def test_an_expired_etcd_token_is_renewed(pki, secure_etcd):
         assert auth._token != "expired.token"
     finally:
         await channel.close()
+
+
+async def test_etcd_defragmentation_over_tls_needs_the_root_role(pki, secure_etcd):
+    """Each member is reached with the store's TLS and auth: the member list and statuses answer the kvshuttle
+    user, Defragment only root (the run fails, and says so)."""
+    user = RegistryConfig(etcd_endpoints=secure_etcd.endpoints, **etcd_settings(pki)).etcd_security()
+    async with EtcdMaintenance(parse_endpoints(secure_etcd.endpoints), user) as maintenance:
+        (member,), problems = await maintenance.statuses()
+        assert not problems and member.db_size > 0 and member.endpoint == secure_etcd.endpoints
+        refused = await maintenance.defragment_member(member)
+    assert refused.after is None and "permission denied" in refused.error and "root role" in refused.error
+    root = dataclasses.replace(user, username="root", password="root-pass-77")
+    (done,) = await defragment(secure_etcd.endpoints, root)
+    assert not done.error and done.after is not None and done.after.db_size <= done.before.db_size
 
 
 async def test_settings_name_missing_or_unpaired_files(pki, tmp_path):

@@ -10,23 +10,31 @@ from kvshuttle.control_plane.cost_model import PrefillCostModel, PrefillPrior
 from kvshuttle.control_plane.decision import HandleView
 from kvshuttle.control_plane.planner import Planner
 from kvshuttle.control_plane.policies import make_policy, parse_params
-from kvshuttle.control_plane.prefix import block_hash_chain
+from kvshuttle.control_plane.prefix import prefix_digest, prefix_digests
 from kvshuttle.control_plane.selection import make_selector
 
 BS = 16
 HISTORY = list(range(1000, 1100))  # 100 tokens: prompt + answer of the last turn
 COVERED = 99  # D's handle covers all but the last generated token
 PROMPT = HISTORY + [1, 2, 3]  # the next turn's prompt: the history extended
+CHECKPOINTS = (12, 37, 70)  # earlier turns' boundaries: prefix lengths the record keeps digests of
+
+
+def checkpoints_for(tokens, lengths=CHECKPOINTS) -> list[tuple[int, bytes]]:
+    """``(n, digest of tokens[:n])`` for each length: a record's checkpoints, as HandleView takes them."""
+    got = prefix_digests(tokens, lengths)
+    return [(n, got[n]) for n in sorted(lengths)]
 
 
 def handle_view(**over) -> HandleView:
-    """D's handle for HISTORY (COVERED tokens in 7 blocks, alive, unclaimed, 300 s left); ``over`` changes fields."""
+    """D's handle for HISTORY (COVERED tokens in 7 blocks, checkpoints at CHECKPOINTS, alive, unclaimed, 300 s
+    left); ``over`` changes fields."""
     params = {"do_remote_decode": True, "remote_engine_id": "d", "remote_host": "127.0.0.1",
               "remote_port": 5700, "remote_num_tokens": COVERED,
               "remote_block_ids": [list(range(7))]}
     base = dict(kv_transfer_params_json=json.dumps(params), covered_tokens=COVERED, block_size=BS,
-                block_hashes=block_hash_chain(HISTORY, COVERED, BS), expires_in_s=300.0, claimed=False,
-                source_alive=True)
+                prefix_digest=prefix_digest(HISTORY, COVERED), checkpoints=checkpoints_for(HISTORY),
+                expires_in_s=300.0, claimed=False, source_alive=True)
     base.update(over)
     return HandleView(**base)
 

@@ -6,6 +6,7 @@ import json
 import uuid
 
 import grpc
+from kvshuttle.control_plane.continuation import text_key
 from kvshuttle.v1 import common_pb2, registry_pb2
 
 MARGIN_S = 30  # the shared ``registry`` fixture's (tests/conftest.py) default expiry margin
@@ -37,10 +38,13 @@ def handle(worker: common_pb2.Worker, num_tokens: int, blocks: int | None = None
 
 def turn(worker: common_pb2.Worker, session_id: str, tokens: list[int], covered: int | None = None,
          **kw) -> registry_pb2.RecordTurnRequest:
+    """A whole-history turn (``tokens``; covered: all but the last) with a text ("some text") and its key."""
     covered = len(tokens) - 1 if covered is None else covered
+    kw = {"text": "some text", **kw}
+    if kw["text"] and "text_key" not in kw:
+        kw["text_key"] = text_key(kw["text"])
     return registry_pb2.RecordTurnRequest(session_id=session_id, tenant=TENANT, decode_worker_id=worker.worker_id,
-                                          kv_transfer_params_json=handle(worker, covered), token_ids=tokens,
-                                          **{"text": "some text", **kw})
+                                          kv_transfer_params_json=handle(worker, covered), token_ids=tokens, **kw)
 
 
 async def deregister(stub, worker: common_pb2.Worker) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import grpc
+from kvshuttle.control_plane.prefix import prefix_digests
 from kvshuttle.v1 import common_pb2, registry_pb2, scheduler_pb2
 
 from tests.support.waits import until
@@ -32,11 +33,22 @@ async def register_pair(reg, prefill_id: str, decode_id: str, port: int) -> tupl
     return p, d
 
 
-async def record(reg, session: str, d: common_pb2.Worker, history: list[int]) -> registry_pb2.GetSessionResponse:
-    """Record a turn whose handle covers all of ``history`` but its last token; return the record as read."""
+def digests(history: list[int], covered: int, checkpoints=()) -> dict:
+    """RecordTurnRequest's prefix_digest and checkpoints (at the lengths ``checkpoints``: earlier turns' boundaries),
+    computed by the caller as the gateway does."""
+    got = prefix_digests(history, [*checkpoints, covered])
+    return {"prefix_digest": got[covered],
+            "checkpoints": [common_pb2.PrefixCheckpoint(tokens=n, digest=got[n]) for n in sorted(checkpoints)]}
+
+
+async def record(reg, session: str, d: common_pb2.Worker, history: list[int],
+                 checkpoints=()) -> registry_pb2.GetSessionResponse:
+    """Record a turn whose handle covers all of ``history`` but its last token (with ``checkpoints`` at those
+    lengths, if any); return the record as read."""
+    extra = digests(history, len(history) - 1, checkpoints) if checkpoints else {}
     await reg.RecordTurn(registry_pb2.RecordTurnRequest(session_id=session, decode_worker_id=d.worker_id,
                                                         kv_transfer_params_json=handle_for(d, len(history) - 1),
-                                                        token_ids=history))
+                                                        token_ids=history, **extra))
     return await reg.GetSession(registry_pb2.GetSessionRequest(session_id=session))
 
 

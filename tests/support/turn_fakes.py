@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import grpc
 from kvshuttle.control_plane import kv_params
+from kvshuttle.control_plane.continuation import text_key
 from kvshuttle.services.engine.client import Chunk, EngineClient, EngineError, Final, TokenLogprob
 from kvshuttle.services.gateway.turns import Delta, Finished, KvOutcome, TurnError, TurnRequest, TurnRunner
 from kvshuttle.services.gateway.turns.parse import AnswerEvents
@@ -75,22 +76,62 @@ class Engine:
         pass
 
 
+def recorded(text: str, ids, **fields) -> common_pb2.Session:
+    """A session record as the registry keeps it (the text as its length and key), with the history's ``ids``
+    (as a read with include_token_ids returns them): turn 1 of lineage 1."""
+    fields = {"session_id": "s", "text_chars": len(text), "text_key": text_key(text) if text else b"",
+              "history_tokens": len(ids), "history_generation": 1, "turn": 1, **fields}
+    return common_pb2.Session(token_ids=ids, **fields)
+
+
 class Registry:
+    """The session registry: a record without the ids or the text, the ids kept aside in the history store (filled
+    in by reads that ask for them, unless ``history_missing`` says why not), RecordTurn's append mode (only the ids
+    after ``base_tokens``; FAILED_PRECONDITION when the record is no longer at ``base_turn`` with that many ids)."""
+
     def __init__(self, session=None):
-        self.session, self.recorded, self.reads = session, [], 0
+        self.recorded, self.reads, self.history_missing = [], 0, ""
+        self.histories: list[list[int]] = []  # the whole history of each recorded turn
+        self.session, self.history = None, []
+        if session is not None:
+            self.session = common_pb2.Session()
+            self.session.CopyFrom(session)
+            self.history = list(session.token_ids)
+            self.session.ClearField("token_ids")
+            self.session.history_tokens = self.session.history_tokens or len(self.history)
 
     async def GetSession(self, request, timeout=None):
         self.reads += 1
         if self.session is None:
             raise _rpc_error(grpc.StatusCode.NOT_FOUND)
-        return registry_pb2.GetSessionResponse(session=self.session, expires_in_s=100)
+        out = registry_pb2.GetSessionResponse(session=self.session, expires_in_s=100)
+        if request.include_token_ids:
+            if self.history_missing:
+                out.history_missing = self.history_missing
+            else:
+                out.session.token_ids.extend(self.history)
+        return out
 
     async def RecordTurn(self, request, timeout=None):
-        self.recorded.append(request)
-        stored = common_pb2.Session(session_id=request.session_id, token_ids=request.token_ids, text=request.text,
-                                    kv_transfer_params_json=request.kv_transfer_params_json,
-                                    revision=len(self.recorded) + 10)
-        self.session = stored
+        kept = registry_pb2.RecordTurnRequest()
+        kept.CopyFrom(request)  # as sent: the caller may change and send its request again
+        self.recorded.append(kept)
+        base, previous = request.base_tokens, self.session
+        if base and (previous is None or previous.turn != request.base_turn or previous.history_tokens != base):
+            raise _rpc_error(grpc.StatusCode.FAILED_PRECONDITION, "the session's recorded history changed: send "
+                                                                  "the whole history (base_tokens 0)")
+        if base and not request.prefix_digest:
+            raise _rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "prefix_digest is required with base_tokens > 0")
+        ids = [*self.history[:base], *request.token_ids]
+        stored = common_pb2.Session(
+            session_id=request.session_id, tenant=request.tenant, decode_worker_id=request.decode_worker_id,
+            kv_transfer_params_json=request.kv_transfer_params_json, prefix_digest=request.prefix_digest,
+            checkpoints=request.checkpoints, history_tokens=len(ids), history_generation=1,
+            head_token_ids=ids[:BLOCK + 1], text_key=request.text_key or (text_key(request.text) if request.text else b""),
+            text_chars=len(request.text) if request.text else request.text_chars,
+            turn=(previous.turn if previous is not None else 0) + 1, revision=len(self.recorded) + 10)
+        self.session, self.history = stored, ids
+        self.histories.append(ids)
         return registry_pb2.RecordTurnResponse(session=stored)
 
 

@@ -1,21 +1,38 @@
 from dataclasses import dataclass
 
-from kvshuttle.control_plane.continuation import plan_continuation
+from kvshuttle.control_plane.continuation import plan_continuation, text_key
 from kvshuttle.control_plane.selection import RoundRobin
+
+PREV = "<s>user: hï\nbot: yo"  # what the record knows of it: its length in characters and its key
+
+
+def cont(prev_text, prev_ids, new_text):
+    return plan_continuation(len(prev_text), text_key(prev_text) if prev_text else b"", prev_ids, new_text)
 
 
 def test_extension_splices_onto_exact_ids():
-    c = plan_continuation("<s>user: hi\nbot: yo", [1, 2, 3], "<s>user: hi\nbot: yo\nuser: more")
+    c = cont(PREV, [1, 2, 3], PREV + "\nuser: more")
     assert c.continues and c.prefix_ids == (1, 2, 3) and c.suffix_text == "\nuser: more"
+    c = cont(PREV, [1, 2, 3], PREV)  # nothing new yet
+    assert c.continues and c.suffix_text == ""
 
 
 def test_edited_history_starts_over():
-    c = plan_continuation("<s>user: hi\nbot: yo", [1, 2, 3], "<s>user: HI\nbot: yo\nuser: more")
-    assert not c.continues and c.suffix_text.startswith("<s>user: HI")
+    c = cont(PREV, [1, 2, 3], "<s>user: HÏ\nbot: yo\nuser: more")
+    assert not c.continues and c.suffix_text.startswith("<s>user: HÏ")
+    c = cont(PREV, [1, 2, 3], PREV[:-1])  # shorter than the recorded text
+    assert not c.continues and c.suffix_text == PREV[:-1]
+
+
+def test_the_length_and_the_key_must_both_fit():
+    new = PREV + "\nuser: more"
+    assert not plan_continuation(len(PREV) + 1, text_key(PREV), [1, 2, 3], new).continues
+    assert not plan_continuation(len(PREV), text_key(PREV + "!"), [1, 2, 3], new).continues
+    assert not plan_continuation(len(PREV), text_key(PREV), [], new).continues  # no ids to splice onto
 
 
 def test_no_previous_turn():
-    assert not plan_continuation("", [], "abc").continues
+    assert not plan_continuation(0, b"", [], "abc").continues
 
 
 @dataclass

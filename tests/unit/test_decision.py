@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from kvshuttle.control_plane.decision import Choice, PullPolicy, decide, reusable_tokens
 
-from tests.support.planning import BS, COVERED, HISTORY, handle_view
+from tests.support.planning import BS, COVERED, HISTORY, PROMPT, handle_view
 
 POLICY = PullPolicy(pull_threshold_tokens=16, expiry_guard_s=2.0)
 
@@ -19,13 +19,21 @@ def test_extension_pulls_everything_covered():
     assert "extends" in plan.reason
 
 
-def test_divergence_pulls_only_whole_blocks_before_it():
+def test_divergence_pulls_only_whole_blocks_of_the_last_matching_checkpoint():
     edited = HISTORY.copy()
-    edited[40] = 1  # block 2 (32..47) differs
+    edited[40] = 1  # after checkpoint 37 (2 whole blocks), before checkpoint 70
     plan = decide(edited + [5], handle_view(), POLICY)
     assert plan.choice is Choice.PULL and plan.reusable_tokens == 32
     assert plan.prefill_params["remote_block_ids"] == [list(range(2))]
     assert plan.prefill_params["remote_num_tokens"] == 32
+    edited[75] = 1  # still the same: the first difference decides
+    assert decide(edited + [5], handle_view(), POLICY).reusable_tokens == 32
+    edited = HISTORY.copy()
+    edited[90] = 1  # after checkpoint 70: 4 whole blocks
+    assert decide(edited + [5], handle_view(), POLICY).reusable_tokens == 64
+    # Without checkpoints only the whole covered prefix can be proven: any divergence recomputes.
+    plan = decide(edited + [5], handle_view(checkpoints=()), POLICY)
+    assert plan.choice is Choice.RECOMPUTE and plan.reusable_tokens == 0
 
 
 def test_divergence_in_first_block_recomputes():
@@ -42,11 +50,18 @@ def test_divergence_in_first_block_recomputes():
     ({"kv_transfer_params_json": "{}"}, "unusable"),
     # a forged or corrupt record: no arithmetic on it (block size 0 used to raise ZeroDivisionError)
     ({"block_size": 0}, "inconsistent"), ({"block_size": -4}, "inconsistent"), ({"covered_tokens": -1}, "inconsistent"),
-    ({"block_hashes": []}, "inconsistent"), ({"covered_tokens": COVERED + BS}, "inconsistent"),
+    ({"prefix_digest": b""}, "inconsistent"), ({"covered_tokens": 0}, "inconsistent"),
 ])
 def test_never_pulls_unusable_handles(over, word):
     plan = decide(HISTORY + [1], handle_view(**over), POLICY)
     assert plan.choice is Choice.RECOMPUTE and word in plan.reason and plan.reusable_tokens == 0
+
+
+def test_a_covered_count_the_digest_does_not_prove_is_not_pulled():
+    # The record says it covers one block more than its digest was made of: the digest proves nothing, and only the
+    # checkpoints' whole blocks may be pulled.
+    plan = decide(PROMPT + [0] * 20, handle_view(covered_tokens=COVERED + BS), POLICY)
+    assert plan.choice is Choice.PULL and plan.reusable_tokens == 64
 
 
 def test_no_session_or_disabled_recomputes_with_reason():

@@ -17,7 +17,7 @@ from kvshuttle.control_plane.policies import (
     parse_params,
     parse_policy_specs,
 )
-from kvshuttle.control_plane.prefix import block_hash_chain
+from kvshuttle.control_plane.prefix import prefix_digest
 
 from tests.support.planning import COVERED, PROMPT, handle_view, plan, planner
 
@@ -105,7 +105,7 @@ def test_the_prefill_worker_is_the_one_predicted_to_start_and_finish_first():
     params = json.loads(handle_view().kv_transfer_params_json) | {"remote_num_tokens": 2989,
                                                                   "remote_block_ids": [list(range(187))]}
     handle = handle_view(kv_transfer_params_json=json.dumps(params), covered_tokens=2989,
-                         block_hashes=block_hash_chain(history, 2989, 16))
+                         prefix_digest=prefix_digest(history, 2989), checkpoints=())
     got = plan(p, prompt=history + [1] * 10, handle=handle, prefill=("p0", "p1"),
                loads={"p0": WorkerLoad(running=2), "p1": WorkerLoad()})
     assert got.prefill.worker_id == "p0" and got.plan.choice is Choice.PULL, (got.worker_choice, got.plan.reason)

@@ -11,7 +11,7 @@ from kvshuttle.control_plane.cost_model import PrefillPrior
 from kvshuttle.control_plane.decision import Choice, PullPolicy, decide
 from kvshuttle.control_plane.load import WorkerLoad
 from kvshuttle.control_plane.policies import Outcome
-from kvshuttle.control_plane.prefix import block_hash_chain
+from kvshuttle.control_plane.prefix import prefix_digest
 from kvshuttle.services.scheduler.claims import ClaimsError
 from kvshuttle.services.scheduler.servicer import _demote, _store_failure
 
@@ -38,10 +38,10 @@ DECIDE_CASES = {
     "expires within the guard": (PROMPT, {"expires_in_s": 1.0}, False, reasons.EXPIRED),
     "source gone": (PROMPT, {"source_alive": False}, False, reasons.DECODE_WORKER_UNAVAILABLE),
     "bad block size": (PROMPT, {"block_size": 0}, False, reasons.INCONSISTENT_RECORD),
-    "short chain": (PROMPT, {"block_hashes": []}, False, reasons.INCONSISTENT_RECORD),
+    "no digest": (PROMPT, {"prefix_digest": b""}, False, reasons.INCONSISTENT_RECORD),
     "diverged": (_edited(3), {}, False, reasons.DIVERGED),
-    "too few tokens": (HISTORY[:20], {"covered_tokens": 10, "block_hashes": block_hash_chain(HISTORY, 10, 16)}, False,
-                       reasons.BELOW_THRESHOLD),
+    "too few tokens": (HISTORY[:20], {"covered_tokens": 10, "prefix_digest": prefix_digest(HISTORY, 10),
+                                      "checkpoints": ()}, False, reasons.BELOW_THRESHOLD),
     "unusable handle": (PROMPT, {"kv_transfer_params_json": "{}"}, False, reasons.HANDLE_UNUSABLE),
 }
 

@@ -56,13 +56,21 @@ def test_the_record_codec():
     assert codec.parse_worker(b"\xff\xff") is None
 
     session = common_pb2.Session(tenant="t", session_id="s", revision=9, lease_id=3, claimed=True, covered_tokens=64,
-                                 block_size=16, turn=2, token_ids=[1, 2, 3], kv_transfer_params_json="{}")
+                                 block_size=16, turn=2, token_ids=[1, 2, 3], kv_transfer_params_json="{}",
+                                 prefix_digest=b"d" * 16, history_tokens=70, history_generation=5,
+                                 head_token_ids=[1, 2, 3], text_chars=12,
+                                 checkpoints=[common_pb2.PrefixCheckpoint(tokens=30, digest=b"c" * 16)])
     session.expires_at.seconds = 100
     record, value = codec.stored_record(session)
     assert (record.revision, record.lease_id, record.claimed) == (0, 0, False)
+    assert not record.token_ids  # the history store holds the ids, never etcd
     assert value == record.SerializeToString() and session.revision == 9  # the caller's copy is left alone
+    assert session.token_ids == [1, 2, 3]
     back = codec.parse_session(value, 11)
-    assert back.revision == 11 and back.token_ids == [1, 2, 3]
+    assert back.revision == 11 and back.token_ids == []
+    assert (back.prefix_digest, back.history_tokens, back.history_generation, back.head_token_ids,
+            back.text_chars) == (b"d" * 16, 70, 5, [1, 2, 3], 12)
+    assert [(cp.tokens, cp.digest) for cp in back.checkpoints] == [(30, b"c" * 16)]
     summary = common_pb2.Session.FromString(codec.summary(record))
     assert summary == common_pb2.Session(covered_tokens=64, block_size=16, turn=2, expires_at=session.expires_at)
     cleared = codec.handle_cleared(back)

@@ -9,6 +9,7 @@ import grpc
 from kvshuttle.control_plane import kv_params
 from kvshuttle.control_plane.answer import Piece
 from kvshuttle.control_plane.constraints import json_answer
+from kvshuttle.control_plane.continuation import text_key
 from kvshuttle.control_plane.reasoning import CONTENT, REASONING, REASONING_PARSERS
 from kvshuttle.services.gateway.turns import AnswerParsing, TurnContext, TurnRequest, TurnRunner
 from kvshuttle.services.gateway.turns import decode as decode_stage
@@ -20,7 +21,7 @@ from kvshuttle.services.gateway.turns.parse import AnswerEvents
 from kvshuttle.services.gateway.turns.spans import tracer
 from kvshuttle.v1 import common_pb2, scheduler_pb2
 
-from tests.support.turn_fakes import PULL_PARAMS, Engine, Registry, Scheduler, Tokenizer, _rpc_error
+from tests.support.turn_fakes import PULL_PARAMS, Engine, Registry, Scheduler, Tokenizer, _rpc_error, recorded
 
 
 def runner(decision=scheduler_pb2.DECISION_RECOMPUTE, registry=None, prefill=None, decode=None,
@@ -41,8 +42,7 @@ def ids(text: str) -> list[int]:
 
 async def test_the_prompt_stage_continues_the_recorded_ids_and_tokenizes_only_the_new_text():
     # the record holds ids that differ from what the text would tokenize to: they must be kept, not re-tokenized
-    recorded = common_pb2.Session(session_id="s", text="<user>hi<assistant>ok", token_ids=[7] * 21, revision=3)
-    r, _, registry = runner(registry=Registry(recorded))
+    r, _, registry = runner(registry=Registry(recorded("<user>hi<assistant>ok", [7] * 21, revision=3)))
     ctx = context(TurnRequest(session_id="s", messages=[{"role": "user", "content": "hi"},
                                                         {"role": "assistant", "content": "ok"},
                                                         {"role": "user", "content": "more"}]))
@@ -51,6 +51,7 @@ async def test_the_prompt_stage_continues_the_recorded_ids_and_tokenizes_only_th
     assert ctx.prompt_ids == [7] * 21 + ids("<user>more<assistant>") and ctx.continued
     assert ctx.known_session["session_snapshot"].session.revision == 3
     assert not ctx.known_session["session_snapshot"].session.token_ids  # the scheduler gets no history
+    assert ctx.history_base.revision == 3 and ctx.history_base.history_tokens == 21  # the record stage appends to it
     assert ctx.request.session_source == "client" and registry.reads == 1 and "session_ms" in ctx.timings
 
 
@@ -70,9 +71,9 @@ async def test_the_prompt_stage_starts_a_new_session_for_a_chat_without_an_id_wh
 
 
 async def test_the_plan_stage_rebuilds_the_prompt_once_when_its_snapshot_is_stale():
-    recorded = common_pb2.Session(session_id="s", text="<user>a", token_ids=ids("<user>a"), revision=1)
-    r, scheduler, registry = runner(registry=Registry(recorded))
-    r.keep_record("default", "s", recorded)
+    record = recorded("<user>a", ids("<user>a"), revision=1)
+    r, scheduler, registry = runner(registry=Registry(record))
+    r.keep_record("default", "s", record)
     scheduler.stale = 1
     ctx = context(TurnRequest(session_id="s", prompt_text="<user>a<user>b"))
     await prompt_stage.build(r, ctx)
@@ -135,8 +136,9 @@ async def test_the_record_stage_records_what_the_client_received_plus_the_end_ma
         pass
     await record_stage.run(r, ctx)
     (recorded,) = registry.recorded
-    assert recorded.text == "<user>ahi!" and list(recorded.token_ids) == ids("<user>ahi!")
-    assert recorded.decode_worker_id == "d" and len(recorded.text_key) == 32
+    assert (recorded.text_chars, recorded.text_key) == (len("<user>ahi!"), text_key("<user>ahi!"))
+    assert list(recorded.token_ids) == ids("<user>ahi!") and recorded.base_tokens == 0
+    assert recorded.decode_worker_id == "d" and not recorded.text  # the registry keeps only the length and key
     assert r.own_record("default", "s").revision == 11 and "record_ms" in ctx.timings
 
 

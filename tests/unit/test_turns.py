@@ -10,6 +10,8 @@ import json
 import grpc
 import pytest
 from kvshuttle.control_plane import kv_params
+from kvshuttle.control_plane.continuation import text_key
+from kvshuttle.control_plane.prefix import matched_prefix_tokens, prefix_digest
 from kvshuttle.services.engine.client import EngineError, Final
 from kvshuttle.services.gateway.turns import Delta, Finished, TurnContext, TurnError, TurnRequest, TurnRunner
 from kvshuttle.services.gateway.turns import record as record_stage
@@ -23,6 +25,7 @@ from tests.support.turn_fakes import (
     Registry,
     Scheduler,
     Tokenizer,
+    recorded,
     resume_runner,
     run,
     runner,
@@ -104,30 +107,88 @@ async def test_after_a_resume_p_s_first_token_is_kept_once():
     assert "".join(e.text for e in events if isinstance(e, Delta)) == "abcd"
 
 
+MORE = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
+SUFFIX = [ord(c) for c in "<user>more<assistant>"]
+
+
 async def test_next_prompt_continues_the_recorded_ids_and_the_exact_ids_are_recorded():
     # The recorded ids differ from what re-tokenizing the text would give: the prompt must reuse them.
-    previous = registry_pb2.GetSessionResponse().session
-    previous.text, previous.token_ids[:] = "<user>hi<assistant>ok", [900, 901, 902]
-    registry = Registry(previous)
+    registry = Registry(recorded("<user>hi<assistant>ok", [900, 901, 902]))
     r, scheduler, _ = runner(scheduler_pb2.DECISION_RECOMPUTE, Engine(), registry)
-    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"},
-                {"role": "user", "content": "more"}]
-    turn, events = await run(r, TurnRequest(session_id="s", messages=messages, max_tokens=2))
-    suffix = [ord(c) for c in "<user>more<assistant>"]
-    assert scheduler.prompts == [[900, 901, 902, *suffix]]
+    turn, events = await run(r, TurnRequest(session_id="s", messages=MORE, max_tokens=2))
+    assert scheduler.prompts == [[900, 901, 902, *SUFFIX]]
     record = registry.recorded[-1]
-    assert list(record.token_ids) == [900, 901, 902, *suffix, ord("o"), ord("k")]
-    assert record.text == "<user>hi<assistant>ok<user>more<assistant>ok"
+    # This decode worker's handle covers nothing the gateway can digest: the whole history goes, and the registry
+    # digests it.
+    assert record.base_tokens == 0 and not record.prefix_digest
+    assert list(record.token_ids) == registry.histories[-1] == [900, 901, 902, *SUFFIX, ord("o"), ord("k")]
+    text = "<user>hi<assistant>ok<user>more<assistant>ok"
+    assert not record.text and (record.text_chars, record.text_key) == (len(text), text_key(text))
     assert json.loads(record.kv_transfer_params_json) == {"do_remote_decode": True, "handle": 1}
 
 
+async def test_a_continued_turn_sends_only_the_new_ids_and_the_digests_of_the_whole_history():
+    previous = recorded("<user>hi<assistant>ok", [900, 901, 902], turn=4, covered_tokens=2,
+                        checkpoints=[common_pb2.PrefixCheckpoint(tokens=1, digest=prefix_digest([900], 1))])
+    registry = Registry(previous)
+    r, scheduler, _ = runner(scheduler_pb2.DECISION_RECOMPUTE, Engine(), registry, decode=HandingDecode())
+    turn, _ = await run(r, TurnRequest(session_id="s", messages=MORE, max_tokens=2))
+    whole = [900, 901, 902, *SUFFIX, ord("o"), ord("k")]
+    covered = len(whole) - 1  # D's handle: all but its last token
+    (record,) = registry.recorded
+    assert (record.base_tokens, record.base_turn) == (3, 4)
+    assert list(record.token_ids) == whole[3:]  # the registry's history store has the first 3
+    assert record.prefix_digest == prefix_digest(whole, covered)
+    # checkpoints: the previous ones and the previous covered/history lengths, and where this turn's prompt ended
+    lengths = [1, 2, 3, 3 + len(SUFFIX)]
+    assert [(cp.tokens, cp.digest) for cp in record.checkpoints] == [(n, prefix_digest(whole, n)) for n in lengths]
+    assert matched_prefix_tokens(covered, BLOCK, [*whole, 5], record.prefix_digest,
+                                 [(cp.tokens, cp.digest) for cp in record.checkpoints]) == covered
+    assert registry.histories == [whole] and registry.session.turn == 5
+    # the gateway's own copy keeps the whole history: its next turn continues it without a read
+    assert list(r.own_record("default", "s").token_ids) == whole
+
+
+async def test_a_continued_turn_whose_record_changed_meanwhile_sends_the_whole_history():
+    registry = Registry(recorded("<user>hi<assistant>ok", [900, 901, 902]))
+
+    class Moving(HandingDecode):
+        async def generate(self, request_id, prompt_ids, **kw):
+            registry.session.turn += 1  # another gateway recorded a turn of this session meanwhile
+            async for item in super().generate(request_id, prompt_ids, **kw):
+                yield item
+
+    r, _, _ = runner(scheduler_pb2.DECISION_RECOMPUTE, Engine(), registry, decode=Moving())
+    await run(r, TurnRequest(session_id="s", messages=MORE, max_tokens=2))
+    whole = [900, 901, 902, *SUFFIX, ord("o"), ord("k")]
+    first, second = registry.recorded
+    assert first.base_tokens == 3 and list(first.token_ids) == whole[3:]  # refused: history changed
+    assert second.base_tokens == second.base_turn == 0 and list(second.token_ids) == whole
+    assert second.prefix_digest == first.prefix_digest == prefix_digest(whole, len(whole) - 1)
+    assert registry.histories == [whole]
+
+
+async def test_a_history_the_store_lost_is_tokenized_again_and_recorded_whole():
+    registry = Registry(recorded("<user>hi<assistant>ok", [900, 901, 902]))
+    registry.history_missing = "the history store no longer holds the session's ids"
+    r, scheduler, _ = runner(scheduler_pb2.DECISION_RECOMPUTE, Engine(), registry, decode=HandingDecode())
+    await run(r, TurnRequest(session_id="s", messages=MORE, max_tokens=2))
+    text = "<user>hi<assistant>ok<user>more<assistant>"
+    assert scheduler.prompts == [[ord(c) for c in text]]
+    assert r.degraded["history_missing"] == 1
+    (record,) = registry.recorded
+    assert record.base_tokens == 0 and list(record.token_ids) == [*map(ord, text), ord("o"), ord("k")]
+
+
 async def test_edited_history_is_tokenized_from_scratch():
-    previous = registry_pb2.GetSessionResponse().session
-    previous.text, previous.token_ids[:] = "<user>hi<assistant>ok", [900, 901, 902]
-    r, scheduler, _ = runner(scheduler_pb2.DECISION_RECOMPUTE, Engine(), Registry(previous))
+    registry = Registry(recorded("<user>hi<assistant>ok", [900, 901, 902]))
+    r, scheduler, _ = runner(scheduler_pb2.DECISION_RECOMPUTE, Engine(), registry, decode=HandingDecode())
     messages = [{"role": "user", "content": "HI"}, {"role": "assistant", "content": "ok"}]
     await run(r, TurnRequest(session_id="s", messages=messages, max_tokens=2))
     assert scheduler.prompts[0][:3] == [ord(c) for c in "<us"]
+    (record,) = registry.recorded
+    assert record.base_tokens == 0 and list(record.token_ids) == registry.histories[-1]  # nothing continued
+    assert list(record.token_ids[:3]) == [ord(c) for c in "<us"]
 
 
 @pytest.mark.parametrize("req,words", [
@@ -214,7 +275,8 @@ async def test_the_next_turn_plans_with_the_record_this_gateway_wrote_without_re
     assert registry.reads == 1
     snapshot = scheduler.requests[1].session_snapshot
     assert snapshot.session.revision == 11 and snapshot.session.kv_transfer_params_json
-    assert not snapshot.session.token_ids and not snapshot.session.text  # the hash chain is what gets checked
+    assert not snapshot.session.token_ids  # the digests are what gets checked, not the ids
+    assert snapshot.session.history_tokens == len(registry.histories[0])
     assert scheduler.prompts[1][:len(registry.recorded[0].token_ids)] == list(registry.recorded[0].token_ids)
 
 
@@ -333,12 +395,14 @@ async def test_turns_without_the_session_store_succeed_and_are_counted():
         resp.reason = reason if request.session_id != "other" else "no recorded KV for this session"
         return resp
     scheduler.PlanTurn = plan
-    assert r.degraded == {"session_read_failed": 0, "recomputed_store_unavailable": 0, "record_failed": 0}
+    assert r.degraded == {"session_read_failed": 0, "recomputed_store_unavailable": 0, "record_failed": 0,
+                          "history_missing": 0}
     for _ in range(2):
         turn, events = await run(r, TurnRequest(session_id="s", prompt_text="hello", max_tokens=2))
         assert isinstance(events[-1], Finished) and turn.kv.decision == "recompute" and turn.kv.reason == reason
     await run(r, TurnRequest(session_id="other", prompt_text="hello", max_tokens=2))
-    assert r.degraded == {"session_read_failed": 3, "recomputed_store_unavailable": 2, "record_failed": 3}
+    assert r.degraded == {"session_read_failed": 3, "recomputed_store_unavailable": 2, "record_failed": 3,
+                          "history_missing": 0}
 
 
 class ClaimingRegistry(Registry):
@@ -363,15 +427,14 @@ class AliveSourceScheduler(Scheduler):
         return plan
 
 
-def recorded_session(tokens: list[int], covered: int) -> common_pb2.Session:
-    from kvshuttle.control_plane.prefix import block_hash_chain
+def recorded_session(tokens: list[int], covered: int, text: str = "") -> common_pb2.Session:
     from kvshuttle.control_plane.session import set_seconds
 
     handle = {"do_remote_decode": True, "remote_engine_id": "d", "remote_host": "h", "remote_port": 1,
               "remote_num_tokens": covered, "remote_block_ids": [list(range(-(-covered // BLOCK)))]}
-    session = common_pb2.Session(session_id="s", token_ids=tokens, text="", kv_transfer_params_json=json.dumps(handle),
-                                 covered_tokens=covered, block_size=BLOCK, revision=7, decode_worker_id="d",
-                                 block_hashes=block_hash_chain(tokens, covered, BLOCK))
+    session = recorded(text, tokens, kv_transfer_params_json=json.dumps(handle), covered_tokens=covered,
+                       block_size=BLOCK, revision=7, decode_worker_id="d", prefix_digest=prefix_digest(tokens, covered),
+                       head_token_ids=tokens[:BLOCK + 1])
     import time as _time
 
     set_seconds(session.expires_at, _time.time() + 300)
@@ -412,12 +475,11 @@ async def test_a_recompute_frees_the_previous_unused_handle_on_its_decode_worker
 
 async def test_the_release_claims_the_old_record_before_the_turn_records_the_new_one():
     history = [ord(c) for c in "<user>hi<assistant>ok"]
-    registry = ClaimingRegistry(recorded_session(history, len(history) - 1))
+    registry = ClaimingRegistry(recorded_session(history, len(history) - 1, text="<user>hi<assistant>ok"))
     r = TurnRunner(Tokenizer(), registry, AliveSourceScheduler(scheduler_pb2.DECISION_RECOMPUTE), max_model_len=1000,
                    first_token_from_prefill=False)
     p = Engine()
     r._engines = {"p:1": p, "d:1": Engine()}
-    registry.session.text = "<user>hi<assistant>ok"
     await run(r, TurnRequest(session_id="s", messages=[{"role": "user", "content": "hi"},
                                                        {"role": "assistant", "content": "ok"},
                                                        {"role": "user", "content": "more"}], max_tokens=2))

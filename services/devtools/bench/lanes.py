@@ -39,7 +39,7 @@ from typing import Any
 import httpx
 from kvshuttle.control_plane import kv_params
 from kvshuttle.control_plane.constraints import CALL_SYNTAX, forced_tool_calls
-from kvshuttle.control_plane.continuation import plan_continuation
+from kvshuttle.control_plane.continuation import plan_continuation, text_key
 from kvshuttle.services.devtools.bench.samples import IDEAL, TurnSample
 from kvshuttle.services.devtools.bench.workload import CALL_MIN_TOKENS, Conversation, Turn
 from kvshuttle.services.engine.client import EngineClient, Final
@@ -304,7 +304,8 @@ class _ExactIdsLane:
         extra = {"tools": h.tools} if h.tools else {}
         messages = [template_message(m) for m in h.messages]
         text = await asyncio.to_thread(self.tokenizer.render_chat, messages, True, **extra)
-        cont = plan_continuation(self._text, self._ids, text)
+        prev = self._text  # as the gateway's record keeps it: its length and key
+        cont = plan_continuation(len(prev), text_key(prev) if prev else b"", self._ids, text)
         suffix = await asyncio.to_thread(self.tokenizer.encode, cont.suffix_text, False)
         return [*cont.prefix_ids, *suffix], text, cont.continues
 

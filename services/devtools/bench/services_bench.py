@@ -13,7 +13,7 @@ What is measured, per operation and per concurrency level:
     answers RECOMPUTE.
 ``PlanTurn pull``
     ``PlanTurn`` for a session recorded just before (``RecordTurn`` with ``history_tokens`` ids, untimed): the
-    scheduler reads the record, checks the prompt against its block hash chain, claims the handle (an etcd
+    scheduler reads the record, checks the prompt against its prefix digest, claims the handle (an etcd
     transaction at the record's revision) and answers PULL. Every timed plan is a verified pull with a claim; only
     ``PlanTurn`` is timed.
 ``PlanTurn pull+snapshot``
@@ -23,20 +23,30 @@ What is measured, per operation and per concurrency level:
     ``PlanTurn`` with ``disable_pull``: the scheduler picks workers and answers RECOMPUTE without reading the
     session, i.e. the scheduler's own cost plus one gRPC hop.
 ``RecordTurn``
-    ``SessionRegistry.RecordTurn`` with ``history_tokens`` token ids (and ~4 characters of text per token, as the
-    gateway records): each client re-records its own conversation, i.e. the usual turn 2+ path (read the previous
-    record, look up the decode worker, grant a lease, compare-and-put, revoke the old lease).
+    ``SessionRegistry.RecordTurn`` of a conversation's next turn, as the gateway records a turn that continued its
+    history: ``turn_tokens`` new ids after the ``history_tokens`` recorded ones (each request is the second turn of
+    its own conversation, whose first turn was recorded untimed), with the prefix digests the gateway computes
+    (here untimed): the registry reads the previous (small) record, looks up
+    the decode worker, appends the new ids to the history store (an SQLite file, the local stack's), grants a
+    lease, compare-and-puts the record and revokes the old lease. The row also gives etcd's own byte counters per
+    turn (WAL, put, sent) next to the bytes of the turn's new ids.
 ``ClaimSession``
     ``SessionRegistry.ClaimSession`` on a freshly recorded session (recorded untimed); only the claim is timed.
 ``GetSession``
-    ``SessionRegistry.GetSession`` of recorded sessions (each answer carries the ``history_tokens`` ids).
+    ``SessionRegistry.GetSession`` of recorded sessions with ``include_token_ids`` (each answer carries the
+    ``history_tokens`` exact ids, read from the history store), as a gateway without its own copy reads one.
+
+``--scale-history-tokens 1024,131072`` also runs RecordTurn, ClaimSession and GetSession at concurrency 1 at each
+size and prints each one's p50 as a ratio to the first size's: a record's cost should not grow with its history
+(GetSession's does: it returns the ids).
 
 The scheduler reads records and claims handles in etcd itself (``--claims etcd``, with the registry's store code,
 as ``kvshuttle up`` runs it) or through the registry's ``GetSession``/``ClaimSession`` (``--claims registry``).
 
 Prompts are ``history_tokens`` recorded ids followed by ``new_tokens`` new ones; the decode worker's handle covers
-all recorded ids but the last (vLLM's ``remote_num_tokens``) in ``block_size``-token blocks, so the registry hashes
-``history_tokens / block_size`` blocks per record and the scheduler as many per plan.
+all recorded ids but the last (vLLM's ``remote_num_tokens``) in ``block_size``-token blocks (its JSON lists every
+block id: the one part of a record that grows with the history), and the scheduler hashes the prompt's covered ids
+once per plan.
 
 The client model: one client process with one event loop, like the gateway (the registry's and scheduler's real
 caller), with ``concurrency`` coroutines each sending one request at a time (closed loop, no think time). By default
@@ -66,17 +76,21 @@ import shutil
 import signal
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from kvshuttle.control_plane.continuation import text_key
+from kvshuttle.control_plane.prefix import checkpoint_lengths, prefix_digests
 from kvshuttle.services.common.config import load, require, setting
 from kvshuttle.services.common.grpc_server import client_channel
 from kvshuttle.services.common.processes import ChildProcess
 from kvshuttle.services.devtools.bench.stats import percentile
 from kvshuttle.services.devtools.etcd_process import ETCD_BIN, EtcdProcess, free_port
+from kvshuttle.services.store import codec
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger("kvshuttle.bench.services")
@@ -97,6 +111,9 @@ LABELS = {
     RECORD_TURN: "RecordTurn", CLAIM_SESSION: "ClaimSession", GET_SESSION: "GetSession",
 }
 PROCESSES = ("client", "registry", "scheduler", "etcd")
+ETCD_COUNTERS = {"etcd_disk_wal_write_bytes_total": "wal", "etcd_network_client_grpc_received_bytes_total": "received",
+                 "etcd_network_client_grpc_sent_bytes_total": "sent",
+                 "etcd_debugging_mvcc_total_put_size_in_bytes": "put"}
 
 VOCAB = (100, 50_000)  # token ids are drawn from this range (a typical BPE vocabulary)
 TEXT_CHARS_PER_TOKEN = 4  # the recorded text: about this many characters per token, as English BPE gives
@@ -118,6 +135,11 @@ class ServicesBenchConfig:
                                                     f"{', '.join(OPERATIONS)}")
     history_tokens: int = setting(4096, "Token ids per recorded turn (the conversation so far)")
     new_tokens: int = setting(64, "Tokens a PlanTurn prompt adds after the recorded history")
+    turn_tokens: int = setting(1024, "Token ids each timed RecordTurn adds to its conversation (sent alone, after "
+                                     "the recorded ones, as the gateway records a turn that continued its history)")
+    scale_history_tokens: str = setting("", "Also measure RecordTurn, ClaimSession and GetSession (concurrency 1) "
+                                            "at these history sizes, comma-separated (e.g. 1024,131072), and "
+                                            "print each one's p50 as a ratio to the first size's")
     block_size: int = setting(16, "The fake decode worker's KV block size (tokens per hashed block)")
     channels: int = setting(1, "gRPC channels per service that the client coroutines share round-robin "
                                "(1: one connection, like one gateway)")
@@ -138,6 +160,9 @@ class ServicesBenchConfig:
     def operation_list(self) -> list[str]:
         return [x.strip() for x in self.operations.split(",") if x.strip()]
 
+    def scale_sizes(self) -> list[int]:
+        return [int(x) for x in self.scale_history_tokens.split(",") if x.strip()]
+
     def validate(self) -> None:
         try:
             levels = self.levels()
@@ -154,6 +179,13 @@ class ServicesBenchConfig:
         require(self.history_tokens >= 2 * self.block_size + 1 and self.history_tokens >= 32,
                 "--history-tokens must be >= 32 and cover at least two blocks (a pull needs reusable blocks)")
         require(self.new_tokens >= 1, "--new-tokens must be >= 1")
+        require(self.turn_tokens >= 1, "--turn-tokens must be >= 1")
+        try:
+            sizes = self.scale_sizes()
+        except ValueError:
+            sizes = [0]
+        require(all(n >= max(32, 2 * self.block_size + 1) for n in sizes),
+                "--scale-history-tokens must list integers that cover at least two blocks, e.g. 1024,131072")
         require(self.channels >= 1, "--channels must be >= 1")
         require(self.rpc_timeout_s > 0 and self.startup_timeout_s > 0, "timeouts must be > 0")
 
@@ -259,6 +291,7 @@ class Services:
         self.children: dict[str, ChildProcess] = {}
         self.registry_address = ""
         self.scheduler_address = ""
+        self.history_store = ""
 
     def _env(self) -> dict[str, str]:
         return {"KVSHUTTLE_ETCD_ENDPOINTS": self.etcd.endpoints if self.etcd else "",
@@ -270,9 +303,11 @@ class Services:
         await self.etcd.astart()
         log.info("etcd on %s (pid %s, data in %s)", self.etcd.endpoints, self.etcd.proc.pid if self.etcd.proc else None,
                  self.etcd.data_dir)
-        self.registry_address = await self._start_service("registry", deadline)
+        self.history_store = f"sqlite:{self.logs.parent / 'history.db'}"  # as the local stack keeps it
+        self.registry_address = await self._start_service("registry", deadline, "--history-store", self.history_store)
         self.scheduler_address = await self._start_service(
             "scheduler", deadline, "--etcd-endpoints", self.etcd.endpoints if self.claims == "etcd" else "",
+            "--history-store", self.history_store if self.claims == "etcd" else "",
             "--load-poll-interval-s", "0")  # nothing listens at the fake workers: no GetLoads to poll
 
     async def _start_service(self, name: str, deadline: float, *args: str) -> str:
@@ -327,6 +362,22 @@ class Services:
         if self.etcd is not None and not self.etcd.running:
             raise RuntimeError(f"etcd exited: {self.etcd.log_tail()}")
 
+    def etcd_counters(self) -> dict[str, float]:
+        """etcd's byte counters (its /metrics), by short name; {} when they cannot be read."""
+        if self.etcd is None:
+            return {}
+        try:
+            with urllib.request.urlopen(f"http://{self.etcd.endpoints}/metrics", timeout=5) as resp:
+                text = resp.read().decode()
+        except OSError:
+            return {}
+        out = {}
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            if name in ETCD_COUNTERS:
+                out[ETCD_COUNTERS[name]] = float(value)
+        return out
+
     def cpu_seconds(self) -> dict[str, float]:
         """CPU seconds so far of the client (this process), the registry, the scheduler and etcd. Reads /proc."""
         return {
@@ -359,25 +410,48 @@ class Stubs:
 class Workload:
     """Builds each operation's requests (untimed setup included) and checks its answers."""
 
-    def __init__(self, cfg: ServicesBenchConfig, setup: Stubs, decode: common_pb2.Worker):
+    def __init__(self, cfg: ServicesBenchConfig, setup: Stubs, decode: common_pb2.Worker,
+                 history_tokens: int | None = None):
         self.cfg = cfg
         self.setup = setup
         self.decode = decode
-        rng = random.Random(cfg.seed)
-        self.history = [rng.randrange(*VOCAB) for _ in range(cfg.history_tokens)]
+        self.history_tokens = history_tokens or cfg.history_tokens
+        self.rng = rng = random.Random(cfg.seed)
+        self.history = [rng.randrange(*VOCAB) for _ in range(self.history_tokens)]
         self.prompt = self.history + [rng.randrange(*VOCAB) for _ in range(cfg.new_tokens)]
-        self.covered = cfg.history_tokens - 1  # D holds prompt + answer; its KV covers all but the last token
+        self.covered = self.history_tokens - 1  # D holds prompt + answer; its KV covers all but the last token
         self.handle = handle_for(decode, self.covered)
-        words = "the of and to in is you that it he was for on are as with his they at be this from".split()
-        text = " ".join(rng.choice(words) for _ in range(cfg.history_tokens * TEXT_CHARS_PER_TOKEN // 3))
-        self.text = text[: cfg.history_tokens * TEXT_CHARS_PER_TOKEN]
+        self.text_chars = self.history_tokens * TEXT_CHARS_PER_TOKEN
         self.run_id = f"{os.getpid():x}{int(time.time() * 1000) % 0xFFFFFF:06x}"
         self._cells = 0
+        self.record_bytes: dict[str, int] = {}  # what one recorded turn stores in etcd (RecordTurn cells)
 
     def record_request(self, session_id: str) -> registry_pb2.RecordTurnRequest:
+        """A whole-history record, as a gateway writes a session's first turn: the registry digests the ids."""
         return registry_pb2.RecordTurnRequest(session_id=session_id, decode_worker_id=self.decode.worker_id,
                                               kv_transfer_params_json=self.handle, token_ids=self.history,
-                                              text=self.text)
+                                              text_chars=self.text_chars, text_key=text_key(session_id))
+
+    def turn_requests(self, session_id: str, first: registry_pb2.RecordTurnResponse,
+                      turns: int) -> list[registry_pb2.RecordTurnRequest]:
+        """``turns`` RecordTurns that each add ``turn_tokens`` ids to the conversation ``first`` recorded, the way
+        the gateway records a turn that continued its history: only the new ids, with the prefix digests computed
+        over all of them (here, untimed)."""
+        ids, record, out = list(self.history), first.session, []
+        lengths = [cp.tokens for cp in record.checkpoints]
+        for k in range(turns):
+            base = len(ids)
+            ids.extend(self.rng.randrange(*VOCAB) for _ in range(self.cfg.turn_tokens))
+            covered = len(ids) - 1
+            lengths = checkpoint_lengths([*lengths, base - 1, base], base, covered)
+            digests = prefix_digests(ids, [*lengths, covered])
+            out.append(registry_pb2.RecordTurnRequest(
+                session_id=session_id, decode_worker_id=self.decode.worker_id,
+                kv_transfer_params_json=handle_for(self.decode, covered), token_ids=ids[base:],
+                base_tokens=base, base_turn=record.turn + k, text_chars=4 * len(ids),
+                text_key=text_key(f"{session_id}-{k}"), prefix_digest=digests[covered],
+                checkpoints=[common_pb2.PrefixCheckpoint(tokens=n, digest=digests[n]) for n in lengths]))
+        return out
 
     async def _record_many(self, session_ids: Sequence[str]) -> list[registry_pb2.RecordTurnResponse]:
         """Record each session once (untimed setup), a few at a time."""
@@ -422,7 +496,6 @@ class Workload:
             snapshots = await self._read_many(ids)
             for snap in snapshots:  # what the gateway sends: the record without its history
                 snap.session.ClearField("token_ids")
-                snap.session.ClearField("text")
             return [scheduler_pb2.PlanTurnRequest(session_id=s, prompt_token_ids=self.prompt, session_snapshot=snap)
                     for s, snap in zip(ids, snapshots, strict=True)]
         if op == CLAIM_SESSION:  # a fresh record per claim, claimed at the revision RecordTurn returned
@@ -430,12 +503,14 @@ class Workload:
             recorded = await self._record_many(ids)
             return [registry_pb2.ClaimSessionRequest(session_id=s, revision=r.session.revision)
                     for s, r in zip(ids, recorded, strict=True)]
+        if op == RECORD_TURN:  # a conversation per request, recorded (untimed) at history_tokens: its next turn
+            ids = [f"{prefix}-turn-{i}" for i in range(requests)]
+            first = await self._record_many(ids)
+            return [(await asyncio.to_thread(self.turn_requests, s, r, 1))[0] for s, r in zip(ids, first, strict=True)]
         ids = [f"{prefix}-conv-{k}" for k in range(concurrency)]  # one conversation per coroutine, recorded once
         await self._record_many(ids)
-        if op == RECORD_TURN:
-            return [self.record_request(s) for s in ids]
-        if op == GET_SESSION:
-            return [registry_pb2.GetSessionRequest(session_id=s) for s in ids]
+        if op == GET_SESSION:  # as a gateway without its own copy reads: the record and the exact ids
+            return [registry_pb2.GetSessionRequest(session_id=s, include_token_ids=True) for s in ids]
         raise ValueError(f"unknown operation {op!r}")
 
     def invoke(self, op: str, stubs: Stubs, payload: Any) -> Any:
@@ -464,13 +539,21 @@ class Workload:
                 return f"pulled {resp.figures.reusable_tokens} tokens, expected {self.covered}"
             return None
         if op == RECORD_TURN:
-            ok = resp.session.covered_tokens == self.covered and len(resp.session.block_hashes) == -(
-                -self.covered // self.cfg.block_size)
-            return None if ok else f"recorded {resp.session.covered_tokens} covered tokens, expected {self.covered}"
+            s = resp.session
+            ok = (s.covered_tokens == self.covered + self.cfg.turn_tokens and s.turn == 2
+                  and s.history_tokens == s.covered_tokens + 1 and bool(s.prefix_digest))
+            if ok and not self.record_bytes:
+                record = codec.stored_record(s)[1]
+                self.record_bytes = {"record": len(record), "history_tokens": s.history_tokens,
+                                     "handle": len(handle_for(self.decode, s.covered_tokens).encode()),
+                                     "handle_in_record": not s.handle_digest}
+            return None if ok else (f"recorded {s.covered_tokens} covered tokens of {s.history_tokens} at turn "
+                                    f"{s.turn}, expected {self.covered + self.cfg.turn_tokens} at turn 2")
         if op == CLAIM_SESSION:
             return None if resp.claimed else f"claim refused: {resp.reason}"
-        if len(resp.session.token_ids) != self.cfg.history_tokens:
-            return f"got {len(resp.session.token_ids)} token ids, expected {self.cfg.history_tokens}"
+        if list(resp.session.token_ids) != self.history:
+            return (f"got {len(resp.session.token_ids)} token ids (missing: {resp.history_missing!r}), expected the "
+                    f"{self.history_tokens} recorded")
         return None
 
 
@@ -490,6 +573,9 @@ class CellResult:
     max_ms: float
     cpu_ms_per_op: dict[str, float]
     error_samples: list[str]
+    history_tokens: int = 0
+    # etcd's own counters over the cell, per request: WAL bytes written, client bytes received and sent, bytes put
+    etcd_bytes_per_op: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -535,10 +621,12 @@ async def run_cell(workload: Workload, services: Services, stubs: Sequence[Stubs
                 errors.append(wrong)
 
     cpu_before = await asyncio.to_thread(services.cpu_seconds)
+    etcd_before = await asyncio.to_thread(services.etcd_counters)
     started = time.perf_counter()
     await asyncio.gather(*(client(k) for k in range(concurrency)))
     wall = time.perf_counter() - started
     cpu_after = await asyncio.to_thread(services.cpu_seconds)
+    etcd_after = await asyncio.to_thread(services.etcd_counters)
     services.check_alive()
 
     ms = [x * 1000.0 for x in latencies]
@@ -549,7 +637,8 @@ async def run_cell(workload: Workload, services: Services, stubs: Sequence[Stubs
         p50_ms=percentile(ms, 50) if ms else math.nan, p99_ms=percentile(ms, 99) if ms else math.nan,
         mean_ms=sum(ms) / len(ms) if ms else math.nan, max_ms=max(ms) if ms else math.nan,
         cpu_ms_per_op={p: (cpu_after[p] - cpu_before[p]) * 1000.0 / done if done else math.nan for p in PROCESSES},
-        error_samples=list(dict.fromkeys(errors))[:3],
+        error_samples=list(dict.fromkeys(errors))[:3], history_tokens=workload.history_tokens,
+        etcd_bytes_per_op={k: (etcd_after[k] - etcd_before[k]) / done for k in etcd_after if k in etcd_before and done},
     )
 
 
@@ -635,6 +724,8 @@ async def run_benchmark(cfg: ServicesBenchConfig, emit: Callable[[str], None] = 
                 if result.errors:
                     log.warning("%s at concurrency %d: %d errors, e.g. %s", op, concurrency, result.errors,
                                 result.error_samples)
+        scaled = await _run_scaled(cfg, services, stubs, workers.decode, emit) if cfg.scale_sizes() else []
+        results += scaled
     finally:
         if workers is not None:
             await workers.stop()
@@ -654,17 +745,66 @@ async def run_benchmark(cfg: ServicesBenchConfig, emit: Callable[[str], None] = 
             "scheduler_claims": f"session reads and claims via {cfg.claims}",
             "history_tokens": cfg.history_tokens, "covered_tokens": workload.covered,
             "prompt_tokens": len(workload.prompt), "block_size": cfg.block_size,
-            "blocks_per_record": -(-workload.covered // cfg.block_size), "text_chars": len(workload.text),
+            "blocks_per_record": -(-workload.covered // cfg.block_size), "text_chars": workload.text_chars,
             "keepalive_failures": workers.keepalive_failures if workers else 0,
         },
         "processes": processes,
         "environment": environment,
         "logs": str(work / "logs"),
         "results": [r.to_dict() for r in results],
+        "record_bytes": workload.record_bytes,
+        "scaling": _scaling(results, cfg),
     }
     path = out / "services.json"
     await asyncio.to_thread(_write_json, path, report)
     return report, path
+
+
+SCALED = (RECORD_TURN, CLAIM_SESSION, GET_SESSION)
+
+
+async def _run_scaled(cfg: ServicesBenchConfig, services: Services, stubs: Sequence[Stubs],
+                      decode: common_pb2.Worker, emit: Callable[[str], None]) -> list[CellResult]:
+    """RecordTurn, ClaimSession and GetSession at concurrency 1 at each --scale-history-tokens size; then the
+    p50 ratios to the first size, and what a turn writes to etcd."""
+    results: list[CellResult] = []
+    emit(f"\nat each history size (concurrency 1; RecordTurn adds {cfg.turn_tokens} ids a turn):")
+    for size in cfg.scale_sizes():
+        workload = Workload(cfg, stubs[0], decode, size)
+        for op in (o for o in SCALED if o in cfg.operation_list()):
+            if cfg.warmup_requests:
+                await run_cell(workload, services, stubs, op, 1, min(cfg.warmup_requests, 5))
+            result = await run_cell(workload, services, stubs, op, 1, cfg.requests_per_level)
+            result.label = f"{LABELS[op]} @{size}"
+            results.append(result)
+            emit(table_row(result))
+            if op == RECORD_TURN and workload.record_bytes:
+                b, e = workload.record_bytes, result.etcd_bytes_per_op
+                where = "in it" if b["handle_in_record"] else "in the history store"
+                emit(f"{'':24}etcd record {b['record']} B (handle {b['handle']} B, {where}) at {b['history_tokens']} ids; "
+                     f"per turn: WAL {e.get('wal', math.nan):.0f} B, put {e.get('put', math.nan):.0f} B, sent "
+                     f"{e.get('sent', math.nan):.0f} B; the turn's new ids: {4 * cfg.turn_tokens} B")
+    for line in _scaling(results, cfg).get("lines", []):
+        emit(line)
+    return results
+
+
+def _scaling(results: Sequence[CellResult], cfg: ServicesBenchConfig) -> dict:
+    """Each scaled operation's p50 at every size as a ratio to its p50 at the first size."""
+    sizes = cfg.scale_sizes()
+    if not sizes:
+        return {}
+    out: dict[str, Any] = {"sizes": sizes, "ratios": {}, "lines": []}
+    for op in SCALED:
+        cells = {r.history_tokens: r for r in results if r.operation == op and r.label.startswith(LABELS[op] + " @")}
+        base = cells.get(sizes[0])
+        if base is None or not math.isfinite(base.p50_ms):
+            continue
+        ratios = {n: cells[n].p50_ms / base.p50_ms for n in sizes if n in cells}
+        out["ratios"][op] = ratios
+        out["lines"].append(f"{LABELS[op]} p50 vs {sizes[0]} ids: " + ", ".join(
+            f"{n}: {r:.2f}x ({cells[n].p50_ms:.2f} ms)" for n, r in ratios.items()))
+    return out
 
 
 async def _wait_scheduler_ready(scheduler: scheduler_pb2_grpc.TransferSchedulerStub, workload: Workload,

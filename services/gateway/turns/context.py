@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import grpc
 from kvshuttle.control_plane.answer import Event
 from kvshuttle.services.engine.client import EngineError, Final, TokenLogprob
-from kvshuttle.v1 import scheduler_pb2
+from kvshuttle.v1 import common_pb2, scheduler_pb2
 
 if TYPE_CHECKING:
     from kvshuttle.services.gateway.turns.request import TurnRequest
@@ -73,6 +73,7 @@ class TurnContext:
     prompt_ids: list[int] = field(default_factory=list)
     prompt_text: str = ""  # the text the ids stand for ('' for raw ids)
     continued: bool = False  # the ids continue the session's recorded ids
+    history_base: common_pb2.Session | None = None  # the record whose ids prompt_ids continue (when continued)
     known_session: dict[str, Any] = field(default_factory=dict)  # PlanTurnRequest's known-session fields
     # plan stage
     plan: scheduler_pb2.PlanTurnResponse = field(default_factory=scheduler_pb2.PlanTurnResponse)

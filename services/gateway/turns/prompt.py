@@ -34,6 +34,7 @@ async def build(rt: TurnRunner, ctx: TurnContext, *, fresh: bool = False) -> Non
     req = ctx.request
     if req.prompt_ids is not None:
         ctx.prompt_ids, ctx.prompt_text, ctx.continued, ctx.known_session = list(req.prompt_ids), "", False, {}
+        ctx.history_base = None
         return
     text = ctx.prompt_text if fresh else await _text(rt, req)
     if req.session_id and not req.session_source:
@@ -47,11 +48,17 @@ async def build(rt: TurnRunner, ctx: TurnContext, *, fresh: bool = False) -> Non
     else:
         prev, known = None, {}
     ctx.timings["session_ms"] = elapsed_ms(t)
-    cont = plan_continuation(prev.session.text, prev.session.token_ids, text) if prev else plan_continuation(
-        "", [], text)
+    if prev is not None and prev.history_missing:
+        rt.degraded["history_missing"] += 1
+        log.warning("the session's exact ids are not available (%s): tokenizing its text again (%d such turns)",
+                    prev.history_missing, rt.degraded["history_missing"])
+    s = prev.session if prev is not None else None
+    cont = plan_continuation(s.text_chars, s.text_key, s.token_ids, text) if s else plan_continuation(0, b"", [],
+                                                                                                    text)
     suffix_ids = await asyncio.to_thread(rt.tokenizer.encode, cont.suffix_text, False)
     ctx.prompt_ids, ctx.prompt_text = [*cont.prefix_ids, *suffix_ids], text
     ctx.continued, ctx.known_session = cont.continues, known
+    ctx.history_base = s if cont.continues else None  # the record stage then sends only the ids after s's
 
 
 async def _text(rt: TurnRunner, req: TurnRequest) -> str:
@@ -64,11 +71,10 @@ async def _text(rt: TurnRunner, req: TurnRequest) -> str:
 
 
 def without_history(resp: registry_pb2.GetSessionResponse) -> registry_pb2.GetSessionResponse:
-    """The snapshot the scheduler gets: it checks the prompt against the hash chain, not the token ids."""
-    out = registry_pb2.GetSessionResponse()
-    out.CopyFrom(resp)
+    """The snapshot the scheduler gets: it checks the prompt against the prefix digests, not the token ids."""
+    out = registry_pb2.GetSessionResponse(expires_in_s=resp.expires_in_s)
+    out.session.CopyFrom(resp.session)
     out.session.ClearField("token_ids")
-    out.session.ClearField("text")
     return out
 
 
@@ -81,7 +87,7 @@ async def previous(rt: TurnRunner, req: TurnRequest, *, fresh: bool = False) -> 
         return resp, {"session_snapshot": without_history(resp)}
     try:
         resp = await rt.registry.GetSession(
-            registry_pb2.GetSessionRequest(session_id=req.session_id, tenant=req.tenant),
+            registry_pb2.GetSessionRequest(session_id=req.session_id, tenant=req.tenant, include_token_ids=True),
             timeout=rt.control_timeout_s)
         return resp, {"session_snapshot": without_history(resp)}
     except grpc.aio.AioRpcError as exc:
@@ -104,7 +110,7 @@ async def find(rt: TurnRunner, req: TurnRequest, text: str) -> Known:
     if keys:
         try:
             found = await rt.registry.FindSession(registry_pb2.FindSessionRequest(
-                tenant=req.tenant, text_keys=keys), timeout=rt.control_timeout_s)
+                tenant=req.tenant, text_keys=keys, include_token_ids=True), timeout=rt.control_timeout_s)
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.NOT_FOUND:
                 rt.degraded["session_read_failed"] += 1
@@ -115,5 +121,6 @@ async def find(rt: TurnRunner, req: TurnRequest, text: str) -> Known:
         return None, {"session_not_found": True}
     req.session_id, req.session_source = found.session.session_id, "found"
     rt.sessions_found += 1
-    resp = registry_pb2.GetSessionResponse(session=found.session, expires_in_s=found.expires_in_s)
+    resp = registry_pb2.GetSessionResponse(session=found.session, expires_in_s=found.expires_in_s,
+                                           history_missing=found.history_missing)
     return resp, {"session_snapshot": without_history(resp)}

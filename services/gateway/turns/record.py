@@ -17,7 +17,7 @@ from kvshuttle.control_plane import kv_params
 from kvshuttle.control_plane import reasons as why
 from kvshuttle.control_plane import session as session_rules
 from kvshuttle.control_plane.continuation import text_key
-from kvshuttle.control_plane.prefix import matched_prefix_tokens
+from kvshuttle.control_plane.prefix import checkpoint_lengths, prefix_digests
 from kvshuttle.services.engine.client import EngineError, Final
 from kvshuttle.services.gateway.turns.context import TurnContext
 from kvshuttle.services.gateway.turns.spans import release_span, tracer
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from kvshuttle.services.gateway.turns.runner import TurnRunner
 
 log = logging.getLogger(__name__)
+_DIGEST_INLINE_IDS = 1 << 16  # digests of longer histories are computed in a thread
 
 
 async def run(rt: TurnRunner, ctx: TurnContext) -> None:
@@ -60,13 +61,15 @@ async def _record(rt: TurnRunner, ctx: TurnContext) -> None:
     with trace.use_span(ctx.span, end_on_exit=False), tracer.start_as_current_span("record") as span:
         recorded_text = (ctx.prompt_text + ctx.text + end_marker(rt, output, ctx.hidden)) if ctx.prompt_text else ""
         rt.forget_record(req.tenant, req.session_id)
+        ids = [*ctx.prompt_ids, *output]
         try:
-            resp = await rt.registry.RecordTurn(registry_pb2.RecordTurnRequest(
-                session_id=req.session_id, tenant=req.tenant, decode_worker_id=ctx.plan.decode.worker_id,
-                kv_transfer_params_json=json.dumps(final.kv_transfer_params),
-                token_ids=[*ctx.prompt_ids, *output], text=recorded_text,
-                text_key=text_key(recorded_text) if recorded_text else b""), timeout=rt.control_timeout_s)
-            rt.keep_record(req.tenant, req.session_id, resp.session)
+            handle_json = json.dumps(final.kv_transfer_params)
+            resp = await _record_turn(rt, ctx, ids, recorded_text, handle_json)
+            own = common_pb2.Session()
+            own.CopyFrom(resp.session)
+            own.token_ids.extend(ids)  # this gateway's copy keeps the ids and the handle: its next turn reads nothing
+            own.kv_transfer_params_json = own.kv_transfer_params_json or handle_json
+            rt.keep_record(req.tenant, req.session_id, own)
             ctx.span.set_attribute("kvshuttle.turn_index", resp.session.turn)
             ctx.kv.record = why.RECORDED
         except grpc.aio.AioRpcError as exc:
@@ -80,6 +83,43 @@ async def _record(rt: TurnRunner, ctx: TurnContext) -> None:
             log.warning("could not record turn %s (%s: %s): the next turn cannot pull it (%d unrecorded turns)",
                         ctx.id, exc.code().name, exc.details(), rt.degraded["record_failed"])
             free_unrecorded(rt, ctx)
+
+
+async def _record_turn(rt: TurnRunner, ctx: TurnContext, ids: list[int], text: str,
+                       handle_json: str) -> registry_pb2.RecordTurnResponse:
+    """RecordTurn with only the ids after the recorded history when the prompt continued it (the history store
+    keeps the rest), and the prefix digests computed here over all ``ids``; once more with the whole history if
+    the record changed meanwhile."""
+    req, base = ctx.request, ctx.history_base
+    try:
+        covered = kv_params.parse_handle(handle_json).num_tokens
+    except kv_params.HandleError:
+        covered = 0  # the registry refuses the handle, and says why
+    if not 0 < covered <= len(ids):
+        covered, base = 0, None  # nothing to digest here: the registry checks the whole history
+    previous = [*(cp.tokens for cp in base.checkpoints), base.covered_tokens, base.history_tokens] if base else []
+    lengths = checkpoint_lengths(previous, len(ctx.prompt_ids), covered)
+    wanted = [*lengths, covered] if covered else []
+    # one pass over the ids: ~25 ms at 1M tokens, kept off the event loop when long
+    digests = (await asyncio.to_thread(prefix_digests, ids, wanted) if len(ids) > _DIGEST_INLINE_IDS
+               else prefix_digests(ids, wanted))
+    request = registry_pb2.RecordTurnRequest(
+        session_id=req.session_id, tenant=req.tenant, decode_worker_id=ctx.plan.decode.worker_id,
+        kv_transfer_params_json=handle_json, text_chars=len(text), text_key=text_key(text) if text else b"",
+        prefix_digest=digests.get(covered, b""),
+        checkpoints=[common_pb2.PrefixCheckpoint(tokens=n, digest=digests[n]) for n in lengths])
+    if base is not None and 0 < base.history_tokens <= len(ids):
+        request.base_tokens, request.base_turn = base.history_tokens, base.turn
+        request.token_ids.extend(ids[base.history_tokens:])
+        try:
+            return await rt.registry.RecordTurn(request, timeout=rt.control_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION or "history changed" not in (exc.details() or ""):
+                raise
+            request.ClearField("token_ids")
+            request.base_tokens = request.base_turn = 0
+    request.token_ids.extend(ids)
+    return await rt.registry.RecordTurn(request, timeout=rt.control_timeout_s)
 
 
 def end_marker(rt: TurnRunner, output: list[int], hidden: set[int] | frozenset[int]) -> str:
@@ -134,12 +174,9 @@ def release_unused_handle(rt: TurnRunner, ctx: TurnContext) -> asyncio.Task | No
     n = min(record.covered_tokens, record.block_size)
     if not plan.figures.source_worker_alive or not session_rules.freeable(record, len(ctx.prompt_ids), time.time()):
         return None
-    try:
-        if matched_prefix_tokens(list(record.block_hashes), record.covered_tokens, record.block_size,
-                                 ctx.prompt_ids[:n]) < n:
-            return None  # the prompt's first block differs: P must not take D's KV for it
-    except ValueError:
-        return None
+    # The record's head_token_ids are its history's first ids (the digests prove only whole covered prefixes)
+    if n <= 0 or len(record.head_token_ids) < n or list(ctx.prompt_ids[:n]) != list(record.head_token_ids[:n]):
+        return None  # the prompt's first block differs: P must not take D's KV for it
     return asyncio.create_task(release_span(free_handle(
         rt, f"{ctx.id}-release", record, plan.prefill, ctx.prompt_ids, req.tenant, req.session_id)))
 

@@ -48,8 +48,9 @@ from opentelemetry import trace
 log = logging.getLogger(__name__)
 
 # TurnRunner.degraded: session reads that failed, turns that recomputed because the registry/etcd was unreachable,
-# and turns whose record could not be written (their next turn cannot pull them).
-DEGRADED_KINDS = ("session_read_failed", "recomputed_store_unavailable", "record_failed")
+# turns whose record could not be written (their next turn cannot pull them), and turns whose session's exact ids
+# the history store no longer had (their text was tokenized again).
+DEGRADED_KINDS = ("session_read_failed", "recomputed_store_unavailable", "record_failed", "history_missing")
 
 
 class TurnRunner:
@@ -227,13 +228,13 @@ class TurnRunner:
                 return False, False
             raise TurnError(503, grpc.StatusCode.UNAVAILABLE, f"session registry unavailable: {exc.details()}",
                             retry_after_s=1) from None
-        if session_rules.freeable(record, len(record.token_ids), time.time()):
-            first_block = list(record.token_ids[:record.block_size + 1])
+        if session_rules.freeable(record, len(record.head_token_ids), time.time()):
+            first_block = list(record.head_token_ids[:record.block_size + 1])
             try:  # any live prefill worker will do: ask the scheduler for one
                 plan = await self.scheduler.PlanTurn(scheduler_pb2.PlanTurnRequest(
                     tenant=tenant, prompt_token_ids=first_block, disable_pull=True), timeout=self.control_timeout_s)
                 released = await release_span(recording.free_handle(
-                    self, f"end-{uuid.uuid4().hex[:16]}", record, plan.prefill, record.token_ids, tenant, session_id))
+                    self, f"end-{uuid.uuid4().hex[:16]}", record, plan.prefill, first_block, tenant, session_id))
             except grpc.aio.AioRpcError as exc:
                 log.debug("ending a session: no prefill worker to free its KV (%s)", exc.code().name)
         try:

@@ -188,6 +188,38 @@ One YAML list item per flag. The flags are those of `kvshuttle <command> --help`
 {{- end }}
 {{- end -}}
 
+{{/*
+The history store (sessions' exact token ids, long KV handles) that the registry replicas and the schedulers share:
+the bundled Redis's Service, or historyStore.url / historyStore.urlSecret. Fails the render when none or two are given.
+*/}}
+{{- define "kvshuttle.historyStoreUrl" -}}
+{{- $h := .Values.historyStore -}}
+{{- if $h.bundled -}}
+{{- if or $h.url $h.urlSecret.name -}}
+{{- fail "historyStore.url / historyStore.urlSecret name your own Redis: set historyStore.bundled=false to use it (or leave them empty for the bundled one)" -}}
+{{- end -}}
+{{- printf "redis://%s:%d/0" (include "kvshuttle.component" (list . "history")) (int $h.port) -}}
+{{- else if and $h.url $h.urlSecret.name -}}
+{{- fail "historyStore: set historyStore.url or historyStore.urlSecret, not both" -}}
+{{- else if not (or $h.url $h.urlSecret.name) -}}
+{{- fail "historyStore.bundled is false: set historyStore.url (redis://HOST:PORT/DB) or historyStore.urlSecret to the Redis that the registry replicas and the schedulers share" -}}
+{{- else -}}
+{{- $h.url -}}
+{{- end -}}
+{{- end -}}
+
+{{/* KVSHUTTLE_HISTORY_STORE of the registry and the scheduler. */}}
+{{- define "kvshuttle.historyStoreEnv" -}}
+{{- $url := include "kvshuttle.historyStoreUrl" . }}
+- name: KVSHUTTLE_HISTORY_STORE
+{{- if $url }}
+  value: {{ $url | quote }}
+{{- else }}
+  valueFrom:
+    secretKeyRef: {name: {{ .Values.historyStore.urlSecret.name | quote }}, key: {{ .Values.historyStore.urlSecret.key | quote }}}
+{{- end }}
+{{- end -}}
+
 {{- define "kvshuttle.tlsVolumeMounts" -}}
 {{- if .Values.tls.enabled }}
 - {name: tls, mountPath: /etc/kvshuttle/tls, readOnly: true}

@@ -27,7 +27,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from kvshuttle.v1 import common_pb2 as kvshuttle_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvshuttle/v1/registry.proto\x12\x0ckvshuttle.v1\x1a\x1cgoogle/api/annotations.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x19kvshuttle/v1/common.proto\"R\n\x15RegisterWorkerRequest\x12$\n\x06worker\x18\x01 \x01(\x0b\x32\x14.kvshuttle.v1.Worker\x12\x13\n\x0blease_ttl_s\x18\x02 \x01(\x05\"e\n\x16RegisterWorkerResponse\x12$\n\x06worker\x18\x01 \x01(\x0b\x32\x14.kvshuttle.v1.Worker\x12\x10\n\x08lease_id\x18\x02 \x01(\x03\x12\x13\n\x0blease_ttl_s\x18\x03 \x01(\x05\"7\n\x10KeepAliveRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\x03\"(\n\x11KeepAliveResponse\x12\x13\n\x0blease_ttl_s\x18\x01 \x01(\x05\">\n\x17\x44\x65registerWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\x03\"\x1a\n\x18\x44\x65registerWorkerResponse\"<\n\x12ListWorkersRequest\x12&\n\x04role\x18\x01 \x01(\x0e\x32\x18.kvshuttle.v1.WorkerRole\"<\n\x13ListWorkersResponse\x12%\n\x07workers\x18\x01 \x03(\x0b\x32\x14.kvshuttle.v1.Worker\"\x15\n\x13WatchWorkersRequest\"\xe6\x01\n\x14WatchWorkersResponse\x12:\n\x04type\x18\x01 \x01(\x0e\x32,.kvshuttle.v1.WatchWorkersResponse.EventType\x12%\n\x07workers\x18\x02 \x03(\x0b\x32\x14.kvshuttle.v1.Worker\"k\n\tEventType\x12\x1a\n\x16\x45VENT_TYPE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45VENT_TYPE_SNAPSHOT\x10\x01\x12\x12\n\x0e\x45VENT_TYPE_PUT\x10\x02\x12\x15\n\x11\x45VENT_TYPE_DELETE\x10\x03\"7\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\"R\n\x12GetSessionResponse\x12&\n\x07session\x18\x01 \x01(\x0b\x32\x15.kvshuttle.v1.Session\x12\x14\n\x0c\x65xpires_in_s\x18\x02 \x01(\x01\"\xd6\x01\n\x11RecordTurnRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x03 \x01(\t\x12\x1f\n\x17kv_transfer_params_json\x18\x04 \x01(\t\x12\x11\n\ttoken_ids\x18\x05 \x03(\x05\x12\x0c\n\x04text\x18\x06 \x01(\t\x12/\n\x0b\x66inished_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08text_key\x18\x08 \x01(\x0c\"<\n\x12RecordTurnResponse\x12&\n\x07session\x18\x01 \x01(\x0b\x32\x15.kvshuttle.v1.Session\"`\n\x13\x43laimSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x10\n\x08revision\x18\x03 \x01(\x03\x12\x13\n\x0b\x66ree_reason\x18\x04 \x01(\t\"_\n\x14\x43laimSessionResponse\x12\x0f\n\x07\x63laimed\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12&\n\x07session\x18\x03 \x01(\x0b\x32\x15.kvshuttle.v1.Session\"7\n\x12\x46indSessionRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x11\n\ttext_keys\x18\x02 \x03(\x0c\"h\n\x13\x46indSessionResponse\x12&\n\x07session\x18\x01 \x01(\x0b\x32\x15.kvshuttle.v1.Session\x12\x14\n\x0c\x65xpires_in_s\x18\x02 \x01(\x01\x12\x13\n\x0bmatched_key\x18\x03 \x01(\x05\"\xbc\x01\n\x0eStoredResponse\x12\x13\n\x0bresponse_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x11\n\tbody_json\x18\x04 \x01(\x0c\x12.\n\ncreated_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nexpires_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"S\n\x12PutResponseRequest\x12.\n\x08response\x18\x01 \x01(\x0b\x32\x1c.kvshuttle.v1.StoredResponse\x12\r\n\x05ttl_s\x18\x02 \x01(\x03\"E\n\x13PutResponseResponse\x12.\n\x08response\x18\x01 \x01(\x0b\x32\x1c.kvshuttle.v1.StoredResponse\"9\n\x12GetResponseRequest\x12\x13\n\x0bresponse_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\"E\n\x13GetResponseResponse\x12.\n\x08response\x18\x01 \x01(\x0b\x32\x1c.kvshuttle.v1.StoredResponse\"<\n\x15\x44\x65leteResponseRequest\x12\x13\n\x0bresponse_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\")\n\x16\x44\x65leteResponseResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\":\n\x14\x44\x65leteSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\"(\n\x15\x44\x65leteSessionResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\x32\xd3\t\n\x0fSessionRegistry\x12[\n\x0eRegisterWorker\x12#.kvshuttle.v1.RegisterWorkerRequest\x1a$.kvshuttle.v1.RegisterWorkerResponse\x12L\n\tKeepAlive\x12\x1e.kvshuttle.v1.KeepAliveRequest\x1a\x1f.kvshuttle.v1.KeepAliveResponse\x12\x61\n\x10\x44\x65registerWorker\x12%.kvshuttle.v1.DeregisterWorkerRequest\x1a&.kvshuttle.v1.DeregisterWorkerResponse\x12g\n\x0bListWorkers\x12 .kvshuttle.v1.ListWorkersRequest\x1a!.kvshuttle.v1.ListWorkersResponse\"\x13\x82\xd3\xe4\x93\x02\r\x12\x0b/v1/workers\x12W\n\x0cWatchWorkers\x12!.kvshuttle.v1.WatchWorkersRequest\x1a\".kvshuttle.v1.WatchWorkersResponse0\x01\x12r\n\nGetSession\x12\x1f.kvshuttle.v1.GetSessionRequest\x1a .kvshuttle.v1.GetSessionResponse\"!\x82\xd3\xe4\x93\x02\x1b\x12\x19/v1/sessions/{session_id}\x12O\n\nRecordTurn\x12\x1f.kvshuttle.v1.RecordTurnRequest\x1a .kvshuttle.v1.RecordTurnResponse\x12U\n\x0c\x43laimSession\x12!.kvshuttle.v1.ClaimSessionRequest\x1a\".kvshuttle.v1.ClaimSessionResponse\x12R\n\x0b\x46indSession\x12 .kvshuttle.v1.FindSessionRequest\x1a!.kvshuttle.v1.FindSessionResponse\x12R\n\x0bPutResponse\x12 .kvshuttle.v1.PutResponseRequest\x1a!.kvshuttle.v1.PutResponseResponse\x12R\n\x0bGetResponse\x12 .kvshuttle.v1.GetResponseRequest\x1a!.kvshuttle.v1.GetResponseResponse\x12[\n\x0e\x44\x65leteResponse\x12#.kvshuttle.v1.DeleteResponseRequest\x1a$.kvshuttle.v1.DeleteResponseResponse\x12{\n\rDeleteSession\x12\".kvshuttle.v1.DeleteSessionRequest\x1a#.kvshuttle.v1.DeleteSessionResponse\"!\x82\xd3\xe4\x93\x02\x1b*\x19/v1/sessions/{session_id}b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvshuttle/v1/registry.proto\x12\x0ckvshuttle.v1\x1a\x1cgoogle/api/annotations.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x19kvshuttle/v1/common.proto\"R\n\x15RegisterWorkerRequest\x12$\n\x06worker\x18\x01 \x01(\x0b\x32\x14.kvshuttle.v1.Worker\x12\x13\n\x0blease_ttl_s\x18\x02 \x01(\x05\"e\n\x16RegisterWorkerResponse\x12$\n\x06worker\x18\x01 \x01(\x0b\x32\x14.kvshuttle.v1.Worker\x12\x10\n\x08lease_id\x18\x02 \x01(\x03\x12\x13\n\x0blease_ttl_s\x18\x03 \x01(\x05\"7\n\x10KeepAliveRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\x03\"(\n\x11KeepAliveResponse\x12\x13\n\x0blease_ttl_s\x18\x01 \x01(\x05\">\n\x17\x44\x65registerWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\x03\"\x1a\n\x18\x44\x65registerWorkerResponse\"<\n\x12ListWorkersRequest\x12&\n\x04role\x18\x01 \x01(\x0e\x32\x18.kvshuttle.v1.WorkerRole\"<\n\x13ListWorkersResponse\x12%\n\x07workers\x18\x01 \x03(\x0b\x32\x14.kvshuttle.v1.Worker\"\x15\n\x13WatchWorkersRequest\"\xe6\x01\n\x14WatchWorkersResponse\x12:\n\x04type\x18\x01 \x01(\x0e\x32,.kvshuttle.v1.WatchWorkersResponse.EventType\x12%\n\x07workers\x18\x02 \x03(\x0b\x32\x14.kvshuttle.v1.Worker\"k\n\tEventType\x12\x1a\n\x16\x45VENT_TYPE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45VENT_TYPE_SNAPSHOT\x10\x01\x12\x12\n\x0e\x45VENT_TYPE_PUT\x10\x02\x12\x15\n\x11\x45VENT_TYPE_DELETE\x10\x03\"R\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x19\n\x11include_token_ids\x18\x03 \x01(\x08\"k\n\x12GetSessionResponse\x12&\n\x07session\x18\x01 \x01(\x0b\x32\x15.kvshuttle.v1.Session\x12\x14\n\x0c\x65xpires_in_s\x18\x02 \x01(\x01\x12\x17\n\x0fhistory_missing\x18\x03 \x01(\t\"\xde\x02\n\x11RecordTurnRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x03 \x01(\t\x12\x1f\n\x17kv_transfer_params_json\x18\x04 \x01(\t\x12\x11\n\ttoken_ids\x18\x05 \x03(\x05\x12\x0c\n\x04text\x18\x06 \x01(\t\x12/\n\x0b\x66inished_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08text_key\x18\x08 \x01(\x0c\x12\x13\n\x0b\x62\x61se_tokens\x18\t \x01(\x05\x12\x11\n\tbase_turn\x18\n \x01(\x03\x12\x15\n\rprefix_digest\x18\x0b \x01(\x0c\x12\x33\n\x0b\x63heckpoints\x18\x0c \x03(\x0b\x32\x1e.kvshuttle.v1.PrefixCheckpoint\x12\x12\n\ntext_chars\x18\r \x01(\x03\"<\n\x12RecordTurnResponse\x12&\n\x07session\x18\x01 \x01(\x0b\x32\x15.kvshuttle.v1.Session\"`\n\x13\x43laimSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x10\n\x08revision\x18\x03 \x01(\x03\x12\x13\n\x0b\x66ree_reason\x18\x04 \x01(\t\"_\n\x14\x43laimSessionResponse\x12\x0f\n\x07\x63laimed\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12&\n\x07session\x18\x03 \x01(\x0b\x32\x15.kvshuttle.v1.Session\"R\n\x12\x46indSessionRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x11\n\ttext_keys\x18\x02 \x03(\x0c\x12\x19\n\x11include_token_ids\x18\x03 \x01(\x08\"\x81\x01\n\x13\x46indSessionResponse\x12&\n\x07session\x18\x01 \x01(\x0b\x32\x15.kvshuttle.v1.Session\x12\x14\n\x0c\x65xpires_in_s\x18\x02 \x01(\x01\x12\x13\n\x0bmatched_key\x18\x03 \x01(\x05\x12\x17\n\x0fhistory_missing\x18\x04 \x01(\t\"\xbc\x01\n\x0eStoredResponse\x12\x13\n\x0bresponse_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x11\n\tbody_json\x18\x04 \x01(\x0c\x12.\n\ncreated_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nexpires_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"S\n\x12PutResponseRequest\x12.\n\x08response\x18\x01 \x01(\x0b\x32\x1c.kvshuttle.v1.StoredResponse\x12\r\n\x05ttl_s\x18\x02 \x01(\x03\"E\n\x13PutResponseResponse\x12.\n\x08response\x18\x01 \x01(\x0b\x32\x1c.kvshuttle.v1.StoredResponse\"9\n\x12GetResponseRequest\x12\x13\n\x0bresponse_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\"E\n\x13GetResponseResponse\x12.\n\x08response\x18\x01 \x01(\x0b\x32\x1c.kvshuttle.v1.StoredResponse\"<\n\x15\x44\x65leteResponseRequest\x12\x13\n\x0bresponse_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\")\n\x16\x44\x65leteResponseResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\":\n\x14\x44\x65leteSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\"(\n\x15\x44\x65leteSessionResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\x32\xd3\t\n\x0fSessionRegistry\x12[\n\x0eRegisterWorker\x12#.kvshuttle.v1.RegisterWorkerRequest\x1a$.kvshuttle.v1.RegisterWorkerResponse\x12L\n\tKeepAlive\x12\x1e.kvshuttle.v1.KeepAliveRequest\x1a\x1f.kvshuttle.v1.KeepAliveResponse\x12\x61\n\x10\x44\x65registerWorker\x12%.kvshuttle.v1.DeregisterWorkerRequest\x1a&.kvshuttle.v1.DeregisterWorkerResponse\x12g\n\x0bListWorkers\x12 .kvshuttle.v1.ListWorkersRequest\x1a!.kvshuttle.v1.ListWorkersResponse\"\x13\x82\xd3\xe4\x93\x02\r\x12\x0b/v1/workers\x12W\n\x0cWatchWorkers\x12!.kvshuttle.v1.WatchWorkersRequest\x1a\".kvshuttle.v1.WatchWorkersResponse0\x01\x12r\n\nGetSession\x12\x1f.kvshuttle.v1.GetSessionRequest\x1a .kvshuttle.v1.GetSessionResponse\"!\x82\xd3\xe4\x93\x02\x1b\x12\x19/v1/sessions/{session_id}\x12O\n\nRecordTurn\x12\x1f.kvshuttle.v1.RecordTurnRequest\x1a .kvshuttle.v1.RecordTurnResponse\x12U\n\x0c\x43laimSession\x12!.kvshuttle.v1.ClaimSessionRequest\x1a\".kvshuttle.v1.ClaimSessionResponse\x12R\n\x0b\x46indSession\x12 .kvshuttle.v1.FindSessionRequest\x1a!.kvshuttle.v1.FindSessionResponse\x12R\n\x0bPutResponse\x12 .kvshuttle.v1.PutResponseRequest\x1a!.kvshuttle.v1.PutResponseResponse\x12R\n\x0bGetResponse\x12 .kvshuttle.v1.GetResponseRequest\x1a!.kvshuttle.v1.GetResponseResponse\x12[\n\x0e\x44\x65leteResponse\x12#.kvshuttle.v1.DeleteResponseRequest\x1a$.kvshuttle.v1.DeleteResponseResponse\x12{\n\rDeleteSession\x12\".kvshuttle.v1.DeleteSessionRequest\x1a#.kvshuttle.v1.DeleteSessionResponse\"!\x82\xd3\xe4\x93\x02\x1b*\x19/v1/sessions/{session_id}b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -63,39 +63,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WATCHWORKERSRESPONSE_EVENTTYPE']._serialized_start=784
   _globals['_WATCHWORKERSRESPONSE_EVENTTYPE']._serialized_end=891
   _globals['_GETSESSIONREQUEST']._serialized_start=893
-  _globals['_GETSESSIONREQUEST']._serialized_end=948
-  _globals['_GETSESSIONRESPONSE']._serialized_start=950
-  _globals['_GETSESSIONRESPONSE']._serialized_end=1032
-  _globals['_RECORDTURNREQUEST']._serialized_start=1035
-  _globals['_RECORDTURNREQUEST']._serialized_end=1249
-  _globals['_RECORDTURNRESPONSE']._serialized_start=1251
-  _globals['_RECORDTURNRESPONSE']._serialized_end=1311
-  _globals['_CLAIMSESSIONREQUEST']._serialized_start=1313
-  _globals['_CLAIMSESSIONREQUEST']._serialized_end=1409
-  _globals['_CLAIMSESSIONRESPONSE']._serialized_start=1411
-  _globals['_CLAIMSESSIONRESPONSE']._serialized_end=1506
-  _globals['_FINDSESSIONREQUEST']._serialized_start=1508
-  _globals['_FINDSESSIONREQUEST']._serialized_end=1563
-  _globals['_FINDSESSIONRESPONSE']._serialized_start=1565
-  _globals['_FINDSESSIONRESPONSE']._serialized_end=1669
-  _globals['_STOREDRESPONSE']._serialized_start=1672
-  _globals['_STOREDRESPONSE']._serialized_end=1860
-  _globals['_PUTRESPONSEREQUEST']._serialized_start=1862
-  _globals['_PUTRESPONSEREQUEST']._serialized_end=1945
-  _globals['_PUTRESPONSERESPONSE']._serialized_start=1947
-  _globals['_PUTRESPONSERESPONSE']._serialized_end=2016
-  _globals['_GETRESPONSEREQUEST']._serialized_start=2018
-  _globals['_GETRESPONSEREQUEST']._serialized_end=2075
-  _globals['_GETRESPONSERESPONSE']._serialized_start=2077
-  _globals['_GETRESPONSERESPONSE']._serialized_end=2146
-  _globals['_DELETERESPONSEREQUEST']._serialized_start=2148
-  _globals['_DELETERESPONSEREQUEST']._serialized_end=2208
-  _globals['_DELETERESPONSERESPONSE']._serialized_start=2210
-  _globals['_DELETERESPONSERESPONSE']._serialized_end=2251
-  _globals['_DELETESESSIONREQUEST']._serialized_start=2253
-  _globals['_DELETESESSIONREQUEST']._serialized_end=2311
-  _globals['_DELETESESSIONRESPONSE']._serialized_start=2313
-  _globals['_DELETESESSIONRESPONSE']._serialized_end=2353
-  _globals['_SESSIONREGISTRY']._serialized_start=2356
-  _globals['_SESSIONREGISTRY']._serialized_end=3591
+  _globals['_GETSESSIONREQUEST']._serialized_end=975
+  _globals['_GETSESSIONRESPONSE']._serialized_start=977
+  _globals['_GETSESSIONRESPONSE']._serialized_end=1084
+  _globals['_RECORDTURNREQUEST']._serialized_start=1087
+  _globals['_RECORDTURNREQUEST']._serialized_end=1437
+  _globals['_RECORDTURNRESPONSE']._serialized_start=1439
+  _globals['_RECORDTURNRESPONSE']._serialized_end=1499
+  _globals['_CLAIMSESSIONREQUEST']._serialized_start=1501
+  _globals['_CLAIMSESSIONREQUEST']._serialized_end=1597
+  _globals['_CLAIMSESSIONRESPONSE']._serialized_start=1599
+  _globals['_CLAIMSESSIONRESPONSE']._serialized_end=1694
+  _globals['_FINDSESSIONREQUEST']._serialized_start=1696
+  _globals['_FINDSESSIONREQUEST']._serialized_end=1778
+  _globals['_FINDSESSIONRESPONSE']._serialized_start=1781
+  _globals['_FINDSESSIONRESPONSE']._serialized_end=1910
+  _globals['_STOREDRESPONSE']._serialized_start=1913
+  _globals['_STOREDRESPONSE']._serialized_end=2101
+  _globals['_PUTRESPONSEREQUEST']._serialized_start=2103
+  _globals['_PUTRESPONSEREQUEST']._serialized_end=2186
+  _globals['_PUTRESPONSERESPONSE']._serialized_start=2188
+  _globals['_PUTRESPONSERESPONSE']._serialized_end=2257
+  _globals['_GETRESPONSEREQUEST']._serialized_start=2259
+  _globals['_GETRESPONSEREQUEST']._serialized_end=2316
+  _globals['_GETRESPONSERESPONSE']._serialized_start=2318
+  _globals['_GETRESPONSERESPONSE']._serialized_end=2387
+  _globals['_DELETERESPONSEREQUEST']._serialized_start=2389
+  _globals['_DELETERESPONSEREQUEST']._serialized_end=2449
+  _globals['_DELETERESPONSERESPONSE']._serialized_start=2451
+  _globals['_DELETERESPONSERESPONSE']._serialized_end=2492
+  _globals['_DELETESESSIONREQUEST']._serialized_start=2494
+  _globals['_DELETESESSIONREQUEST']._serialized_end=2552
+  _globals['_DELETESESSIONRESPONSE']._serialized_start=2554
+  _globals['_DELETESESSIONRESPONSE']._serialized_end=2594
+  _globals['_SESSIONREGISTRY']._serialized_start=2597
+  _globals['_SESSIONREGISTRY']._serialized_end=3832
 # @@protoc_insertion_point(module_scope)

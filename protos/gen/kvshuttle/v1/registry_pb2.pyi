@@ -91,23 +91,27 @@ class WatchWorkersResponse(_message.Message):
     def __init__(self, type: _Optional[_Union[WatchWorkersResponse.EventType, str]] = ..., workers: _Optional[_Iterable[_Union[_common_pb2.Worker, _Mapping]]] = ...) -> None: ...
 
 class GetSessionRequest(_message.Message):
-    __slots__ = ("session_id", "tenant")
+    __slots__ = ("session_id", "tenant", "include_token_ids")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tenant: str
-    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+    include_token_ids: bool
+    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., include_token_ids: _Optional[bool] = ...) -> None: ...
 
 class GetSessionResponse(_message.Message):
-    __slots__ = ("session", "expires_in_s")
+    __slots__ = ("session", "expires_in_s", "history_missing")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_MISSING_FIELD_NUMBER: _ClassVar[int]
     session: _common_pb2.Session
     expires_in_s: float
-    def __init__(self, session: _Optional[_Union[_common_pb2.Session, _Mapping]] = ..., expires_in_s: _Optional[float] = ...) -> None: ...
+    history_missing: str
+    def __init__(self, session: _Optional[_Union[_common_pb2.Session, _Mapping]] = ..., expires_in_s: _Optional[float] = ..., history_missing: _Optional[str] = ...) -> None: ...
 
 class RecordTurnRequest(_message.Message):
-    __slots__ = ("session_id", "tenant", "decode_worker_id", "kv_transfer_params_json", "token_ids", "text", "finished_at", "text_key")
+    __slots__ = ("session_id", "tenant", "decode_worker_id", "kv_transfer_params_json", "token_ids", "text", "finished_at", "text_key", "base_tokens", "base_turn", "prefix_digest", "checkpoints", "text_chars")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +120,11 @@ class RecordTurnRequest(_message.Message):
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
     TEXT_KEY_FIELD_NUMBER: _ClassVar[int]
+    BASE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BASE_TURN_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_CHARS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tenant: str
     decode_worker_id: str
@@ -124,7 +133,12 @@ class RecordTurnRequest(_message.Message):
     text: str
     finished_at: _timestamp_pb2.Timestamp
     text_key: bytes
-    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., kv_transfer_params_json: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., text_key: _Optional[bytes] = ...) -> None: ...
+    base_tokens: int
+    base_turn: int
+    prefix_digest: bytes
+    checkpoints: _containers.RepeatedCompositeFieldContainer[_common_pb2.PrefixCheckpoint]
+    text_chars: int
+    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., kv_transfer_params_json: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., text_key: _Optional[bytes] = ..., base_tokens: _Optional[int] = ..., base_turn: _Optional[int] = ..., prefix_digest: _Optional[bytes] = ..., checkpoints: _Optional[_Iterable[_Union[_common_pb2.PrefixCheckpoint, _Mapping]]] = ..., text_chars: _Optional[int] = ...) -> None: ...
 
 class RecordTurnResponse(_message.Message):
     __slots__ = ("session",)
@@ -155,22 +169,26 @@ class ClaimSessionResponse(_message.Message):
     def __init__(self, claimed: _Optional[bool] = ..., reason: _Optional[str] = ..., session: _Optional[_Union[_common_pb2.Session, _Mapping]] = ...) -> None: ...
 
 class FindSessionRequest(_message.Message):
-    __slots__ = ("tenant", "text_keys")
+    __slots__ = ("tenant", "text_keys", "include_token_ids")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TEXT_KEYS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     text_keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, tenant: _Optional[str] = ..., text_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    include_token_ids: bool
+    def __init__(self, tenant: _Optional[str] = ..., text_keys: _Optional[_Iterable[bytes]] = ..., include_token_ids: _Optional[bool] = ...) -> None: ...
 
 class FindSessionResponse(_message.Message):
-    __slots__ = ("session", "expires_in_s", "matched_key")
+    __slots__ = ("session", "expires_in_s", "matched_key", "history_missing")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
     MATCHED_KEY_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_MISSING_FIELD_NUMBER: _ClassVar[int]
     session: _common_pb2.Session
     expires_in_s: float
     matched_key: int
-    def __init__(self, session: _Optional[_Union[_common_pb2.Session, _Mapping]] = ..., expires_in_s: _Optional[float] = ..., matched_key: _Optional[int] = ...) -> None: ...
+    history_missing: str
+    def __init__(self, session: _Optional[_Union[_common_pb2.Session, _Mapping]] = ..., expires_in_s: _Optional[float] = ..., matched_key: _Optional[int] = ..., history_missing: _Optional[str] = ...) -> None: ...
 
 class StoredResponse(_message.Message):
     __slots__ = ("response_id", "tenant", "session_id", "body_json", "created_at", "expires_at")

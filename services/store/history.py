@@ -1,0 +1,100 @@
+"""The history store: sessions' exact token ids, kept outside etcd (etcd's record stays small).
+
+A lineage ``(tenant, session_id, generation)`` holds its ids as segments, each stored at its offset (in ids). Turns
+append segments, and may keep a turn's KV handle (vLLM's JSON lists every block: too big for etcd's record in long
+sessions) under its digest; a lineage expires as a whole ``ttl_s`` seconds after its last append. Ids travel as bytes: int32
+little-endian, 4 bytes each (:func:`ids_to_bytes`, :func:`bytes_to_ids`). Backends: ``history_sqlite`` (embedded, one
+registry process) and ``history_redis`` (shared by a cluster's replicas).
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+ID_BYTES = 4
+assert array("i").itemsize == ID_BYTES
+_SWAP = sys.byteorder != "little"
+
+
+class HistoryUnavailable(Exception):
+    """The history's backing store cannot be reached, failed, or did not answer in time."""
+
+
+class HistoryStore(Protocol):
+    """Segments of token ids per lineage. Failures raise ``HistoryUnavailable``."""
+
+    async def connect(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def append(self, tenant: str, session_id: str, generation: int, start: int, ids: bytes,
+                     ttl_s: int, handle: tuple[bytes, bytes] | None = None) -> None:
+        """Store ``ids`` (int32 little-endian, 4 bytes per id) as the segment at offset ``start`` (in ids) of the
+        lineage; a segment already at that offset is replaced (upsert). With ``handle`` (digest, value), the
+        lineage also keeps that KV handle under its digest, in the same write. The whole lineage (segments and
+        handles) now expires ``ttl_s`` seconds from now."""
+        ...
+
+    async def read_handle(self, tenant: str, session_id: str, generation: int, digest: bytes) -> bytes | None:
+        """The KV handle kept under ``digest`` in the lineage, or None (dropped, expired, never written)."""
+        ...
+
+    async def drop_handle(self, tenant: str, session_id: str, generation: int, digest: bytes) -> None:
+        """Delete one handle of the lineage (no error when absent)."""
+        ...
+
+    async def read(self, tenant: str, session_id: str, generation: int, length: int) -> bytes | None:
+        """The lineage's first ``length`` ids as bytes (4*length), assembled from its segments (:func:`assemble`);
+        None when they are not all there (lost, expired, never written, a gap)."""
+        ...
+
+    async def drop(self, tenant: str, session_id: str, generation: int) -> None:
+        """Delete the lineage, its handles included (no error when absent)."""
+        ...
+
+
+def assemble(segments: Iterable[tuple[int, bytes]], length: int) -> bytes | None:
+    """The first ``length`` ids of ``(start, ids bytes)`` segments, or None when they do not cover ``[0, length)``.
+
+    In offset order from pos=0: a segment starting at pos extends it; one starting before pos is skipped (stale: a
+    later, longer append covered it); one starting after pos leaves a gap -> None. The result is exactly 4*length bytes.
+    """
+    need = length * ID_BYTES
+    parts: list[bytes] = []
+    pos = 0
+    for start, ids in sorted(segments, key=lambda s: s[0]):
+        if pos >= need:
+            break
+        begin = start * ID_BYTES
+        if begin < pos:
+            continue
+        if begin > pos:
+            return None
+        parts.append(ids)
+        pos += len(ids)
+    if pos < need:
+        return None
+    out = b"".join(parts)
+    return out if len(out) == need else out[:need]
+
+
+def ids_to_bytes(ids: Sequence[int]) -> bytes:
+    """Token ids -> int32 little-endian bytes."""
+    arr = array("i", ids)
+    if _SWAP:
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def bytes_to_ids(b: bytes) -> list[int]:
+    """int32 little-endian bytes -> token ids."""
+    if len(b) % ID_BYTES:
+        raise ValueError(f"{len(b)} bytes is not a whole number of int32 ids")
+    arr = array("i")
+    arr.frombytes(b)
+    if _SWAP:
+        arr.byteswap()
+    return arr.tolist()

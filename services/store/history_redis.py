@@ -1,0 +1,108 @@
+"""The history store in Redis: for clusters, where several registry replicas share it.
+
+One hash per lineage, ``{prefix}history/{tenant}/{session_id}/{generation}``: field = the segment's start (decimal),
+value = its ids (int32 little-endian). An append sets its field and the hash's TTL in one MULTI/EXEC, so the lineage
+expires as a whole. Each operation is bounded by ``timeout_s`` (the client's own retries included); failures raise
+``HistoryUnavailable``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import TypeVar
+
+import redis.asyncio as aioredis
+from kvshuttle.services.store.history import HistoryUnavailable, assemble
+from kvshuttle.services.store.keys import DEFAULT_PREFIX, normalized_prefix
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import RedisError
+
+T = TypeVar("T")
+
+
+class RedisHistoryStore:
+    """:class:`~kvshuttle.services.store.history.HistoryStore` in the Redis at ``url`` (``redis://host:port/db``).
+    ``connect()`` does no I/O: the pool connects on the first operation."""
+
+    def __init__(self, url: str, prefix: str = DEFAULT_PREFIX, *, timeout_s: float = 5.0):
+        self.url = url
+        self.prefix = normalized_prefix(prefix)
+        self.timeout_s = timeout_s
+        self._client: aioredis.Redis | None = None
+
+    def key(self, tenant: str, session_id: str, generation: int) -> str:
+        return f"{self.prefix}history/{tenant}/{session_id}/{generation}"
+
+    def handles_key(self, tenant: str, session_id: str, generation: int) -> str:
+        """The lineage's KV handles: a hash of digest -> handle, with the lineage's TTL."""
+        return f"{self.prefix}handles/{tenant}/{session_id}/{generation}"
+
+    async def connect(self) -> None:
+        if self._client is None:
+            self._client = aioredis.Redis.from_url(
+                self.url, decode_responses=False, socket_timeout=self.timeout_s,
+                socket_connect_timeout=self.timeout_s,
+                retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 3))
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    async def __aenter__(self) -> RedisHistoryStore:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def client(self) -> aioredis.Redis:
+        if self._client is None:
+            raise RuntimeError("RedisHistoryStore is not connected")
+        return self._client
+
+    async def _call(self, op: str, aw: Awaitable[T]) -> T:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return await aw
+        except TimeoutError:
+            raise HistoryUnavailable(f"redis history {op}: no answer in {self.timeout_s:g}s") from None
+        except RedisError as exc:  # ConnectionError, TimeoutError, and errors like OOM or READONLY
+            raise HistoryUnavailable(f"redis history {op}: {type(exc).__name__}: {exc}") from exc
+
+    # -- the interface ---------------------------------------------------------------------------------------
+
+    async def append(self, tenant: str, session_id: str, generation: int, start: int, ids: bytes,
+                     ttl_s: int, handle: tuple[bytes, bytes] | None = None) -> None:
+        await self._call("append", self._append(self.key(tenant, session_id, generation),
+                                                self.handles_key(tenant, session_id, generation), start, ids, ttl_s,
+                                                handle))
+
+    async def _append(self, key: str, handles: str, start: int, ids: bytes, ttl_s: int,
+                      handle: tuple[bytes, bytes] | None) -> None:
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.hset(key, str(start), ids)
+            pipe.expire(key, ttl_s)
+            if handle is not None:
+                pipe.hset(handles, handle[0].hex(), handle[1])
+            pipe.expire(handles, ttl_s)  # no-op when the lineage keeps no handle
+            await pipe.execute()
+
+    async def read_handle(self, tenant: str, session_id: str, generation: int, digest: bytes) -> bytes | None:
+        return await self._call("read handle", self.client.hget(self.handles_key(tenant, session_id, generation),
+                                                                digest.hex()))
+
+    async def drop_handle(self, tenant: str, session_id: str, generation: int, digest: bytes) -> None:
+        await self._call("drop handle", self.client.hdel(self.handles_key(tenant, session_id, generation),
+                                                         digest.hex()))
+
+    async def read(self, tenant: str, session_id: str, generation: int, length: int) -> bytes | None:
+        fields = await self._call("read", self.client.hgetall(self.key(tenant, session_id, generation)))
+        return assemble(((int(start), ids) for start, ids in fields.items()), length)
+
+    async def drop(self, tenant: str, session_id: str, generation: int) -> None:
+        await self._call("drop", self.client.delete(self.key(tenant, session_id, generation),
+                                                    self.handles_key(tenant, session_id, generation)))
