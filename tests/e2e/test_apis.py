@@ -165,7 +165,7 @@ async def test_rest_bridge_serves_annotated_registry_reads(stack):
         turn = await client.post("/v1/chat/completions", headers={"X-Session-ID": session},
                                  json={"messages": [SYSTEM, user_turn(1)], "max_tokens": 4, "temperature": 0})
         assert turn.status_code == 200
-        record = (await client.get(f"/v1/sessions/{session}")).json()
+        record = (await client.get(f"/v1/sessions/{session}", params={"include_token_ids": "true"})).json()
         prompt_tokens = turn.json()["usage"]["prompt_tokens"]
         assert len(record["session"]["tokenIds"]) == prompt_tokens + 4
         assert record["session"]["coveredTokens"] == prompt_tokens + 3  # D holds KV for all but the last token
@@ -309,7 +309,7 @@ async def test_what_the_client_received_is_what_was_recorded(stack):
     assert whole.choices[0].message.content == streamed and "<|endoftext|>" not in streamed
     assert "\ufffd" in streamed  # bytes that are no character
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=30) as http:
-        record = (await http.get(f"/v1/sessions/{session}")).json()["session"]
+        record = (await http.get(f"/v1/sessions/{session}", params={"include_token_ids": "true"})).json()["session"]
     assert special in record["tokenIds"][-12:], "the record holds the special token (skipped in the text)"
     messages += [{"role": "assistant", "content": streamed}, {"role": "user", "content": "And then?"}]
     raw = await client.chat.completions.with_raw_response.create(model=model, messages=messages, max_tokens=4,
