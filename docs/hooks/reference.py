@@ -38,6 +38,7 @@ CONFIGS: dict[str, str] = {
     "bench-services": "kvshuttle.services.devtools.bench.services_bench:ServicesBenchConfig",
     "bench-policies": "kvshuttle.services.devtools.bench.policy_sweep:PolicySweepConfig",
     "bench-eviction": "kvshuttle.services.devtools.bench.eviction_sim:EvictionSimConfig",
+    "simulate": "kvshuttle.services.devtools.simulator.main:SimulateConfig",
     "soak": "kvshuttle.services.devtools.bench.soak:SoakConfig",
 }
 # Commands that parse plain argparse flags: their parser is read from the command itself.

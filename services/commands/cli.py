@@ -29,6 +29,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
              "turns/s and the services' memory over time (starts the local stack)"),
     "bench-eviction": (f"{DEV}.bench.eviction_sim", "Decode-KV eviction policies compared in a simulation (the real "
                        "choice code, no vLLM): value vs LRU"),
+    "simulate": (f"{DEV}.simulator.main", "A simulated P/D cluster (up to thousands of workers) running the real planner "
+                 "and KV policies: kvshuttle vs vLLM's threshold rule, always recompute and a cache-aware router"),
     "bench-policies": (f"{DEV}.bench.policy_sweep", "Pull-vs-recompute policies compared: the cost model vs fixed "
                        "thresholds, TTFT by history length"),
     "smoke-test": (f"{PKG}.commands.smoke_test", "A short conversation through a running gateway (the Helm chart's "

@@ -35,8 +35,11 @@ def _first_token(choice: dict[str, Any]) -> bool:
                 or choice.get("logprobs") or choice.get("token_ids"))
 
 
-async def stream_chat(client: httpx.AsyncClient, session: str, body: dict) -> StreamedTurn:
-    """POST /v1/chat/completions with ``stream: true`` (usage included) for ``session``; gathers the stream.
+async def stream_chat(client: httpx.AsyncClient, session: str | None, body: dict, *,
+                      kvshuttle: bool = True) -> StreamedTurn:
+    """POST /v1/chat/completions with ``stream: true`` (usage included) for ``session`` (None: no session header);
+    gathers the stream. ``kvshuttle=False`` talks to another OpenAI server (the bench's SMG mode): no ``kvshuttle``
+    figures are expected.
 
     The first token is the first chunk with output: a tool call's text is held by the gateway's parser until the call
     is whole, so a request that must time it asks for ``logprobs`` (or ``return_token_ids``), whose chunks come with
@@ -46,7 +49,8 @@ async def stream_chat(client: httpx.AsyncClient, session: str, body: dict) -> St
     first = None
     text, reasoning, kv, usage, finish = "", "", {}, {}, None
     calls: dict[int, dict[str, Any]] = {}
-    async with client.stream("POST", "/v1/chat/completions", json=body, headers={"X-Session-ID": session}) as resp:
+    async with client.stream("POST", "/v1/chat/completions", json=body,
+                             headers={"X-Session-ID": session} if session else {}) as resp:
         if resp.status_code != 200:
             raise StreamError(f"gateway answered {resp.status_code}: {(await resp.aread()).decode()[:500]}")
         async for line in resp.aiter_lines():
@@ -70,8 +74,8 @@ async def stream_chat(client: httpx.AsyncClient, session: str, body: dict) -> St
             kv = chunk.get("kvshuttle", kv)
             usage = chunk.get("usage") or usage
     ended = time.perf_counter()
-    if not kv or not usage:
-        raise StreamError("the stream ended without usage and kvshuttle figures")
+    if not usage or (kvshuttle and not kv):
+        raise StreamError("the stream ended without usage" + (" and kvshuttle figures" if kvshuttle else ""))
     message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
     if reasoning:
         message["reasoning_content"] = reasoning

@@ -41,8 +41,6 @@ from kvshuttle.services.scheduler.worker_view import WorkerView
 from kvshuttle.v1 import common_pb2, scheduler_pb2
 
 log = logging.getLogger(__name__)
-# A history of this many tokens stands for "the next turn's new tokens" when the cost model prices a pull.
-NEXT_TURN_TOKENS = 256
 LEADER = "kv-manager"  # the etcd leader key's name: the scheduler replica that runs the freeing rounds
 
 
@@ -65,27 +63,13 @@ class DecodeKv:
         return sum(h.kv_tokens for h in self.held)
 
 
-def make_ranking(name: str, model: PrefillCostModel) -> ev.Ranking:
-    if name == "lru":
-        return ev.LruRanking()
-    if name == "value":
-        return ev.ValueRanking(lambda tokens: saved_ms(model, tokens))
-    raise ValueError(f"unknown eviction ranking {name!r}; choose one of {', '.join(ev.RANKINGS)}")
-
-
-def saved_ms(model: PrefillCostModel, tokens: int) -> float:
-    """What pulling a ``tokens``-token history saves the next turn's prefill, by the cost model (fleet-wide fits)."""
-    predicted = model.predict("", prompt_tokens=tokens + NEXT_TURN_TOKENS, reusable_tokens=tokens)
-    return max(0.0, predicted.recompute_ms - (predicted.pull_ms or predicted.recompute_ms))
-
-
 class KvManager:
     def __init__(self, claims: EtcdClaims, workers: WorkerView, loads: LoadMonitor | None, model: PrefillCostModel,
                  limits: ev.KvLimits, ranking: str = "value", *, interval_s: float = 1.0,
                  free_timeout_s: float = 10.0, room_timeout_s: float = 3.0, concurrency: int = 4,
                  clock: Callable[[], float] = time.time):
         self.claims, self.workers, self.loads, self.limits = claims, workers, loads, limits
-        self.ranking = make_ranking(ranking, model)
+        self.ranking = ev.make_ranking(ranking, model)
         self.interval_s, self.free_timeout_s, self.room_timeout_s = interval_s, free_timeout_s, room_timeout_s
         self.clock = clock
         self.decode: dict[str, DecodeKv] = {}

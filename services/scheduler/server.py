@@ -66,6 +66,8 @@ class SchedulerConfig(TelemetryConfig, TlsConfig, EtcdSecurityConfig):
                                          "ms_per_kpulled, prior_weight, window, half_life, memory, surprise, change_after")
     selector: str = setting("load", "How prefill and decode workers are chosen: load (predicted time and queue for "
                                     "P, free KV cache for D) or round_robin", choices=tuple(SELECTORS))
+    candidates: int = setting(0, "Workers of each role scored per turn: a random sample of this many, plus the "
+                                 "session's last prefill worker (for fleets of hundreds of workers); 0: all")
     load_poll_interval_s: float = setting(0.5, "Poll each worker's vLLM GetLoads this often (0: never; every "
                                                "worker then counts as idle)")
     load_timeout_s: float = setting(1.0, "Deadline of one GetLoads poll")
@@ -143,7 +145,7 @@ class SchedulerConfig(TelemetryConfig, TlsConfig, EtcdSecurityConfig):
             if name in policies:
                 raise PolicyError(f"policy name {name!r} is used twice")
             policies[name] = make_policy(kind, extra, model=model, expiry_guard_s=self.expiry_guard_s, name=name)
-        return Planner(policies, self.policy, model, make_selector(self.selector))
+        return Planner(policies, self.policy, model, make_selector(self.selector), candidates=self.candidates)
 
 
 class SchedulerService:

@@ -78,6 +78,22 @@ def parse_endpoints(endpoints: str | Sequence[str]) -> list[str]:
     return out
 
 
+
+def claim_txn(keys: Keys, tenant: str, session_id: str, revision: int, lease_id: int, decode_worker_id: str,
+              free_reason: str = "") -> tuple[list, list, list]:
+    """(compare, success, failure) of the claim of ``session_id``'s record at ``revision`` (on ``lease_id``,
+    its handle on ``decode_worker_id``): the record unchanged and unclaimed, then the claim key and the worker's claim
+    note on the record's lease and the record read back; else the record and its claim read."""
+    key = keys.session(tenant, session_id)
+    claim_key = keys.claim_of(key)
+    return ([_mod_revision_is(key, revision), _lease_is(key, lease_id), _absent(claim_key)],
+            [KVService.txn_op_put(claim_key, codec.claim_value(revision, free_reason), lease=lease_id),
+             KVService.txn_op_get(key),
+             *([KVService.txn_op_put(keys.worker_claim(decode_worker_id, tenant, session_id),
+                                     codec.worker_claim_value(revision), lease=lease_id)]
+               if decode_worker_id else [])],
+            [KVService.txn_op_get(key, range_end=keys.session_range_end(key))])
+
 class EtcdStore:
     """Workers, sessions and leases in etcd. ``connect()`` first (no I/O: channels connect lazily)."""
 
@@ -602,18 +618,11 @@ class EtcdStore:
             reason = claim_refusal(hint, revision, now)
             if reason is not None:
                 return ClaimResult(False, reason, codec.handle_cleared(hint))
-        claim_key = self.keys.claim_of(key)
         for attempt in range(2):
             try:
-                resp = await self._call(
-                    "claim session", self.kv.txn,
-                    [_mod_revision_is(key, revision), _lease_is(key, hint.lease_id), _absent(claim_key)],
-                    [KVService.txn_op_put(claim_key, codec.claim_value(revision, free_reason), lease=hint.lease_id),
-                     KVService.txn_op_get(key),
-                     *([KVService.txn_op_put(self.keys.worker_claim(hint.decode_worker_id, tenant, session_id),
-                                             codec.worker_claim_value(revision), lease=hint.lease_id)]
-                       if hint.decode_worker_id else [])],
-                    [KVService.txn_op_get(key, range_end=self.keys.session_range_end(key))])
+                resp = await self._call("claim session", self.kv.txn,
+                                        *claim_txn(self.keys, tenant, session_id, revision, hint.lease_id,
+                                                   hint.decode_worker_id, free_reason))
             except StoreUnavailable:
                 raise
             except StoreError as exc:

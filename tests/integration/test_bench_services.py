@@ -53,13 +53,23 @@ async def test_tiny_run_reports_every_operation_at_every_level(tmp_path):
         assert r["requests"] == r["ok"] >= 4, where
         assert r["ops_per_s"] > 0, where
         assert 0 < r["p50_ms"] <= r["p99_ms"] <= r["max_ms"], where
-        assert set(r["cpu_ms_per_op"]) == {"client", "registry", "scheduler", "etcd"}, where
+        assert set(r["cpu_ms_per_op"]) == {"client", "registry", "scheduler", "etcd", "echo"}, where
     assert report["setup"]["history_tokens"] == 4096 and report["setup"]["prompt_tokens"] == 4096 + 64
     assert report["setup"]["scheduler_claims"].endswith("via etcd")  # the default, as `kvshuttle up` runs it
+
+    setup = report["setup"]["grpc_echo"]
+    assert setup["request_bytes"] > 4096 and 0 < setup["reply_bytes"] < setup["request_bytes"]
+    goals = report["goals"]  # the goals next to the floors measured in the same run
+    assert set(goals["claim_free"]) == {"plan_disable_pull", "plan_recompute"}
+    assert set(goals["claiming"]) == {"plan_pull", "plan_pull_snapshot"}
+    assert set(goals["grpc_floor"]) == set(goals["etcd_limit"]) == {"1", "2"}
+    for figures in goals["claiming"].values():
+        assert all(x > 0 for x in figures["to_etcd_limit"].values())
 
     table = stdout.decode().splitlines()
     for label in LABELS.values():
         assert sum(line.startswith(label + "  ") for line in table) == 2, label
+    assert sum(line.startswith("goals (#17): claim-free PlanTurn >= 5,000/s") for line in table) == 1
     assert (work / "logs" / "registry.log").is_file() and (work / "logs" / "scheduler.log").is_file()
     for name, info in report["processes"].items():  # everything it started is stopped
         assert info["pid"] and _gone(info["pid"]), name

@@ -65,3 +65,32 @@ def test_the_planner_prefers_the_warm_worker_and_recomputes_what_it_holds():
     assert got.plan.choice is Choice.RECOMPUTE and got.prediction.recompute_ms < got.prediction.pull_ms
     planner.observe(Outcome("p1", 103, 0, 7, 12.0, Choice.RECOMPUTE, policy="cost", cached_estimate=96))
     assert planner.cache_hints.trust["p1"] == pytest.approx(1.0)
+
+
+def test_with_candidates_the_planner_scores_a_sample_that_keeps_the_warm_worker():
+    import random
+
+    model = PrefillCostModel()
+    planner = Planner({"cost": make_policy("cost", {}, model=model)}, "cost", model, make_selector("load"),
+                      candidates=3, rng=random.Random(7))
+    prefill = [W(f"p{i}") for i in range(200)]
+    decode = [W(f"d{i}") for i in range(200)]
+    scored: list[str] = []
+    real_predict = model.predict
+
+    def predict(worker, **kw):
+        scored.append(worker)
+        return real_predict(worker, **kw)
+
+    model.predict = predict
+    planner.cache_hints.note(("t", "s"), "p123", 97)
+    for _ in range(20):
+        scored.clear()
+        got = planner.plan(HISTORY + [1, 2, 3], handle_view(), prefill=prefill, decode=decode, loads={},
+                           source_worker="d", session=("t", "s"), exclude={"p5"})
+        assert len(set(scored)) <= 3 and "p123" in scored and "p5" not in scored
+        assert got.prefill.worker_id == "p123"  # the warm one wins among the sampled
+    with pytest.raises(ValueError, match="candidates"):
+        Planner({"cost": make_policy("cost", {}, model=model)}, "cost", model, make_selector("load"), candidates=-1)
+    small = Planner({"cost": make_policy("cost", {}, model=model)}, "cost", model, make_selector("load"), candidates=8)
+    assert small._sample(prefill[:5], ()) == prefill[:5]

@@ -186,3 +186,17 @@ def test_the_digest_is_trusted_as_given():
     # record it claimed, digests included); a digest of nothing in particular proves nothing.
     assert matched_prefix_tokens(37, BS, edited, prefix_digest(edited, 37)) == 37
     assert matched_prefix_tokens(37, BS, edited, b"x" * 16) == 0
+
+
+def test_prefix_hasher_gives_the_one_pass_digests_turn_by_turn():
+    from kvshuttle.control_plane.prefix import PrefixHasher
+
+    ids = list(range(1000, 1700))
+    hasher, seen = PrefixHasher(), {}
+    assert hasher.digest() == b""
+    for start, end in ((0, 100), (100, 101), (101, 450), (450, 700)):
+        hasher.extend(ids[start:end])
+        seen[end] = hasher.digest()
+    assert hasher.length == 700
+    assert seen == prefix_digests(ids, seen)
+    assert seen[450] == prefix_digest(ids, 450) != prefix_digest(ids, 449)

@@ -29,15 +29,14 @@ handles (running requests are not modelled).
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from kvshuttle.control_plane import kv_eviction as ev
 from kvshuttle.services.common.config import load, require, setting
+from kvshuttle.services.devtools.bench.stats import write_json
 
 KINDS = ("chatty", "returning", "abandoning")
 UNBOUNDED = "unbounded"
@@ -498,7 +497,4 @@ def main(argv: Sequence[str] | None = None) -> None:
     rep["elapsed_s"] = round(time.monotonic() - started, 3)
     print(format_report(rep), flush=True)
     if cfg.out:
-        out = Path(cfg.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(rep, indent=2))
-        print(f"wrote {out} ({rep['elapsed_s']} s)", flush=True)
+        print(f"wrote {write_json(cfg.out, rep)} ({rep['elapsed_s']} s)", flush=True)

@@ -7,7 +7,10 @@ instead (``--ideal-address`` then names a colocated worker for the ideal mode).
 
 The modes (see ``services/devtools/bench/lanes.py``): ``pull`` and ``recompute`` go through the gateway's OpenAI API (the
 latter with pulls disabled per request); ``ideal`` runs the same conversation on one worker with prefix caching;
-``direct`` is a minimal P→D client without registry or scheduler, the baseline for the control plane's own cost.
+``direct`` is a minimal P→D client without registry or scheduler, the baseline for the control plane's own cost;
+``smg`` (not in the default set) starts SMG (PyPI ``smg``, installed into ``.smg/`` by ``make install``) in front of
+the same P and D workers and replays the same conversations through it (``services/devtools/bench/smg.py``): the
+report then gives kvshuttle ÷ SMG (pull p50 ÷ smg p50) per history bucket.
 
 The conversations are agentic (``services/devtools/bench/workload.py``): every request carries the session's tools,
 every turn but the last ends with a tool call that ``tool_choice`` forces (the test models call no tools on their
@@ -17,7 +20,9 @@ hermes calls); a model given with ``--model-dir`` needs such a template too (Qwe
 
 P's own prefix cache: with ``--prefill-cache cold`` (default) the prefill workers run without prefix caching, as a
 busy prefill fleet effectively does: a session's history is never in P's cache, so a turn either pulls it or
-recomputes it. ``warm`` leaves vLLM's default (P keeps what it computed; pulls then fetch only what P lacks).
+recomputes it. ``warm`` leaves vLLM's default (P keeps what it computed; pulls then fetch only what P lacks); every
+mode's system prompt is then tagged with the mode's name (as ``bench-policies`` does), so no mode finds the turn that
+another mode ran a moment before in P's cache; the modes' answers are then not compared.
 """
 
 from __future__ import annotations
@@ -36,9 +41,10 @@ from pathlib import Path
 import httpx
 from kvshuttle.services.common.config import load, require, setting
 from kvshuttle.services.devtools.bench import lanes as lanes_mod
+from kvshuttle.services.devtools.bench import smg as smg_mod
 from kvshuttle.services.devtools.bench.overhead import DIRECT, control_plane_overhead, format_overhead
 from kvshuttle.services.devtools.bench.report import build_report, format_table, write_outputs
-from kvshuttle.services.devtools.bench.samples import IDEAL, PULL, RECOMPUTE, TurnSample
+from kvshuttle.services.devtools.bench.samples import IDEAL, PULL, RECOMPUTE, SMG, TurnSample
 from kvshuttle.services.devtools.bench.workload import (
     CALL_MIN_TOKENS,
     Conversation,
@@ -48,7 +54,8 @@ from kvshuttle.services.devtools.bench.workload import (
 from kvshuttle.services.devtools.stack import MODEL_VARIANTS, Stack, StackConfig
 
 log = logging.getLogger("kvshuttle.bench")
-ALL_MODES = (PULL, RECOMPUTE, IDEAL, DIRECT)
+ALL_MODES = (PULL, RECOMPUTE, IDEAL, DIRECT)  # the default set
+KNOWN_MODES = (*ALL_MODES, SMG)
 NO_PREFIX_CACHING = "--no-enable-prefix-caching"
 
 
@@ -61,7 +68,8 @@ class BenchConfig(StackConfig):
                                    "local stack")
     ideal_address: str = setting("", "With --gateway-url: gRPC address of a colocated vLLM worker (no KV connector) "
                                      "for the ideal mode; empty: no ideal mode")
-    modes: str = setting(",".join(ALL_MODES), "Modes to measure, comma-separated: pull, recompute, ideal, direct")
+    modes: str = setting(",".join(ALL_MODES), "Modes to measure, comma-separated: pull, recompute, ideal, direct, "
+                                              "smg (SMG in front of the same workers; installed by make install)")
     conversations: int = setting(4, "Agentic conversations to generate")
     concurrency: int = setting(1, "Conversations in flight at once (each runs its modes turn by turn)")
     seed: int = setting(0, "Workload seed")
@@ -102,7 +110,14 @@ class BenchConfig(StackConfig):
     http_port: int = setting(0, "Gateway HTTP port of the started stack (0: any free port)")
     grpc_port: int = setting(0, "Gateway gRPC port of the started stack (0: any free port)")
     decoder_kv_blocks_ttl: int = setting(120, "Seconds a decode worker keeps a finished turn's blocks (turns that "
-                                              "are never pulled, e.g. the recompute mode's, hold D's memory that long)")
+                                              "are never pulled, e.g. the recompute and smg modes', hold D's memory "
+                                              "that long)")
+    smg_bin: str = setting(smg_mod.DEFAULT_SMG_BIN, f"The smg mode's executable (relative: from the current directory; "
+                                                    f"make install puts smg=={smg_mod.SMG_VERSION} there)")
+    smg_silence_s: int = setting(60, "The smg mode: SMG's --worker-wedge-secs, how long it waits on a silent prefill "
+                                     "or decode leg before it gives up (its default, 3 s, is shorter than a cold long "
+                                     "prefill on 2 CPU cores)")
+    smg_extra_args: str = setting("", "The smg mode: more `smg launch` arguments (shell-quoted)")
 
     @property
     def mode_list(self) -> list[str]:
@@ -115,8 +130,14 @@ class BenchConfig(StackConfig):
     def validate(self) -> None:
         super().validate()
         modes = self.mode_list
-        require(bool(modes) and all(m in ALL_MODES for m in modes) and len(set(modes)) == len(modes),
-                f"--modes must be distinct names among {', '.join(ALL_MODES)}")
+        require(bool(modes) and all(m in KNOWN_MODES for m in modes) and len(set(modes)) == len(modes),
+                f"--modes must be distinct names among {', '.join(KNOWN_MODES)}")
+        if SMG in modes:
+            require(self.smg_silence_s >= 1, "--smg-silence-s must be >= 1")
+            try:
+                smg_mod.smg_binary(self.smg_bin)
+            except smg_mod.SmgMissing as exc:
+                require(False, f"--modes {SMG}: {exc}")
         require(self.conversations >= 1 and self.concurrency >= 1, "--conversations and --concurrency must be >= 1")
         require(0 < self.turn_tokens_min <= self.turn_tokens_max, "need 0 < --turn-tokens-min <= --turn-tokens-max")
         require(self.max_tokens >= 1 and self.max_turns >= 1, "--max-tokens and --max-turns must be >= 1")
@@ -189,7 +210,8 @@ async def drive(conversations: list[Conversation], make_lanes, modes: list[str],
     return out
 
 
-async def _workers(client: httpx.AsyncClient) -> tuple[dict, dict]:
+async def _workers(client: httpx.AsyncClient) -> tuple[list[dict], list[dict]]:
+    """The prefill and the decode workers the gateway lists (at least one of each)."""
     resp = await client.get("/v1/workers")
     resp.raise_for_status()
     workers = resp.json().get("workers", [])
@@ -197,7 +219,24 @@ async def _workers(client: httpx.AsyncClient) -> tuple[dict, dict]:
     decode = [w for w in workers if w.get("role") == "WORKER_ROLE_DECODE"]
     if not prefill or not decode:
         raise RuntimeError(f"the gateway lists no prefill or no decode worker: {workers}")
-    return prefill[0], decode[0]
+    return prefill, decode
+
+
+def lane_system(system: str | None, mode: str, prefill_cache: str) -> str | None:
+    """A conversation's system prompt in one mode: with P's cache warm, tagged with the mode's name, so that no mode
+    finds in P's cache the turn another mode ran a moment before (the modes run each turn one after the other)."""
+    if prefill_cache != "warm":
+        return system
+    return f"[{mode} lane] {system or ''}"
+
+
+def _token_usage(loads: dict) -> tuple[float, float]:
+    """(used, total) KV tokens of a worker from its GetLoads answer, summed over its ranks."""
+    used = total = 0.0
+    for rank in loads.get("loads") or []:
+        used += float(rank.get("num_used_tokens") or 0)
+        total += float(rank.get("max_total_num_tokens") or 0)
+    return used, total
 
 
 async def run_bench(cfg: BenchConfig) -> int:
@@ -214,6 +253,10 @@ async def run_bench(cfg: BenchConfig) -> int:
         cfg.prefill_extra_args = f"{cfg.prefill_extra_args} {NO_PREFIX_CACHING}".strip()
     stack = None if cfg.gateway_url else Stack(cfg)
     ideal = None
+    smg: smg_mod.SmgRouter | None = None
+    smg_client: httpx.AsyncClient | None = None
+    smg_lanes: list[smg_mod.SmgLane] = []
+    d_usage: tuple[float, float] | None = None
     engines: list[EngineClient] = []
     counters_before: dict[str, float] = {}
     try:
@@ -240,24 +283,38 @@ async def run_bench(cfg: BenchConfig) -> int:
         base_url = stack.base_url if stack is not None else cfg.gateway_url.rstrip("/")
         async with httpx.AsyncClient(base_url=base_url, timeout=cfg.turn_timeout_s,
                                      limits=httpx.Limits(max_connections=4 * cfg.concurrency + 4)) as client:
-            p_info, d_info = await _workers(client)
-            p_engine, d_engine = EngineClient(p_info["grpcAddress"]), EngineClient(d_info["grpcAddress"])
+            p_infos, d_infos = await _workers(client)
+            p_engine, d_engine = EngineClient(p_infos[0]["grpcAddress"]), EngineClient(d_infos[0]["grpcAddress"])
             ideal_engine = EngineClient(ideal.address if ideal else cfg.ideal_address) if IDEAL in modes else None
             engines = [e for e in (p_engine, d_engine, ideal_engine) if e is not None]
             block_size = (await d_engine.server_info()).block_size
+            if SMG in modes:  # in front of every P and D the gateway lists
+                smg = smg_mod.SmgRouter(smg_mod.smg_binary(cfg.smg_bin),
+                                        prefill=[w["grpcAddress"] for w in p_infos],
+                                        decode=[w["grpcAddress"] for w in d_infos], model_dir=model_dir,
+                                        log_path=Path(cfg.work_dir).resolve() / "logs" / "smg.log",
+                                        tool_call_parser=cfg.tool_call_parser, silence_s=cfg.smg_silence_s,
+                                        extra_args=cfg.smg_extra_args)
+                await smg.start(cfg.startup_timeout_s)
+                smg_client = httpx.AsyncClient(base_url=smg.base_url, timeout=cfg.turn_timeout_s,
+                                               limits=httpx.Limits(max_connections=4 * cfg.concurrency + 4))
 
             def make_lanes(conv: Conversation) -> dict:
                 made = {}
                 for mode in modes:
+                    system = lane_system(conv.system, mode, cfg.prefill_cache)
                     if mode in (PULL, RECOMPUTE):
-                        made[mode] = lanes_mod.GatewayLane(client, mode, conv.id, conv.system, run_id,
+                        made[mode] = lanes_mod.GatewayLane(client, mode, conv.id, system, run_id,
                                                            tools=conv.tools, call_bias=call_bias)
                     elif mode == IDEAL:
-                        made[mode] = lanes_mod.IdealLane(ideal_engine, tokenizer, conv.id, conv.system, conv.tools,
+                        made[mode] = lanes_mod.IdealLane(ideal_engine, tokenizer, conv.id, system, conv.tools,
                                                          call_bias)
+                    elif mode == SMG:
+                        made[mode] = smg_mod.SmgLane(smg_client, smg.model, conv.id, system, conv.tools, call_bias)
+                        smg_lanes.append(made[mode])
                     else:
                         made[mode] = lanes_mod.DirectLane(p_engine, d_engine, block_size, tokenizer, conv.id,
-                                                          conv.system, conv.tools, call_bias)
+                                                          system, conv.tools, call_bias)
                 return made
 
             calls = lanes_mod.forced_calls(conversations)
@@ -267,19 +324,32 @@ async def run_bench(cfg: BenchConfig) -> int:
                                                      tokenizer=tokenizer)
                 log.info("forced tool calls (%d grammars) warmed up on D%s in %.1f s", len(calls),
                          " and the ideal worker" if ideal_engine else "", time.perf_counter() - t)
+            if smg_client is not None:
+                t = time.perf_counter()
+                await smg_mod.warm_up_smg(smg_client, smg.model, calls, call_bias)
+                log.info("smg warmed up (%d forced calls) in %.1f s", len(calls), time.perf_counter() - t)
             if stack is not None:
                 counters_before = await asyncio.to_thread(stack.prefill_prompt_tokens_by_source)
             print(f"kvshuttle bench: {len(conversations)} conversations, "
                   f"{sum(len(c.turns) for c in conversations)} turns in all "
                   f"({sum(1 for c in conversations for t in c.turns if t.call)} forced tool calls), each in "
-                  f"{', '.join(modes)}; concurrency {cfg.concurrency}; gateway {base_url}", flush=True)
+                  f"{', '.join(modes)}; concurrency {cfg.concurrency}; gateway {base_url}"
+                  + (f"; smg {smg.base_url}" if smg else ""), flush=True)
             outcome = await drive(conversations, make_lanes, modes, concurrency=cfg.concurrency,
                                   progress=cfg.progress, turn_timeout_s=cfg.turn_timeout_s)
             counters = {}
             if stack is not None:
                 after = await asyncio.to_thread(stack.prefill_prompt_tokens_by_source)
                 counters = {k: after.get(k, 0.0) - counters_before.get(k, 0.0) for k in after}
+            try:  # what the unpulled turns (recompute, smg) left pinned on D
+                d_usage = _token_usage(await d_engine.get_loads())
+            except Exception as exc:  # informational only
+                log.debug("D's loads: %s", exc)
     finally:
+        if smg_client is not None:
+            await smg_client.aclose()
+        if smg is not None:
+            await smg.stop()
         for engine in engines:
             await engine.close()
         if ideal is not None:
@@ -297,7 +367,14 @@ async def run_bench(cfg: BenchConfig) -> int:
         "tool_calls": sum(1 for c in conversations for t in c.turns if t.call), "call_arguments": cfg.call_arguments,
         "machine": {"cpus": os.cpu_count(), "platform": os.uname().sysname + " " + os.uname().machine},
         "headline_min_history": cfg.headline_min_history, "failures": outcome.failures,
+        "lane_prompts": "tagged" if cfg.prefill_cache == "warm" else "same",
     }
+    if smg is not None:
+        meta["smg"] = {"version": smg_mod.SMG_VERSION, "command": smg.argv,
+                       "forced_calls": sum(lane.forced_calls for lane in smg_lanes),
+                       "rewritten_calls": sum(lane.rewritten_calls for lane in smg_lanes)}
+    if d_usage is not None:
+        meta["decode_kv_tokens_after_run"] = {"used": d_usage[0], "total": d_usage[1]}
     report = build_report(outcome.samples, buckets=cfg.bucket_edges, meta=meta)
     if PULL in modes and DIRECT in modes:
         report["control_plane_overhead"] = control_plane_overhead(outcome.samples, outcome.timings)
@@ -314,6 +391,10 @@ async def run_bench(cfg: BenchConfig) -> int:
         print(f"\nP's own counters over the run: {counters.get('external_kv_transfer', 0):.0f} tokens pulled over "
               f"NIXL (lanes reported {pulled_reported}), {counters.get('local_compute', 0):.0f} computed, "
               f"{counters.get('local_cache_hit', 0):.0f} from P's prefix cache")
+    if d_usage is not None and d_usage[1]:
+        print(f"D's KV cache after the measured turns: {d_usage[0]:.0f} of {d_usage[1]:.0f} tokens in use "
+              f"({100 * d_usage[0] / d_usage[1]:.1f}%; unpulled turns stay pinned for --decoder-kv-blocks-ttl "
+              f"{cfg.decoder_kv_blocks_ttl} s)")
     print(f"\nresults: {', '.join(str(p) for p in paths.values())}")
     if outcome.failures:
         print(f"{len(outcome.failures)} conversation(s) failed:\n  " + "\n  ".join(outcome.failures))

@@ -7,7 +7,10 @@ The ratios compare p50 TTFTs of the same turns across modes:
 * ``fraction_of_ideal_speedup``: ``recompute_over_pull / recompute_over_ideal`` = ``ideal p50 / pull p50``
   (1.0: pulling is as fast as never having moved the KV);
 * ``fraction_of_saving``: ``(recompute - pull) / (recompute - ideal)``: the share of the time recompute loses to
-  the ideal that pulling wins back.
+  the ideal that pulling wins back;
+* ``pull_over_smg``: kvshuttle ÷ SMG, the pull mode's p50 over the ``smg`` mode's (SMG in front of the same workers,
+  ``services/devtools/bench/smg.py``); below 1.0 kvshuttle is faster;
+* ``recompute_over_smg``: the same for the recompute mode (both recompute what P lacks: the gateways' own costs).
 
 A ratio is None when a mode is missing or the division is undefined.
 """
@@ -19,7 +22,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from kvshuttle.services.devtools.bench.samples import IDEAL, MODES, PULL, RECOMPUTE, TurnSample
+from kvshuttle.services.devtools.bench.samples import IDEAL, MODES, PULL, RECOMPUTE, SMG, TurnSample
 from kvshuttle.services.devtools.bench.stats import percentile
 
 DEFAULT_HEADLINE_MIN_HISTORY = 3000
@@ -83,7 +86,7 @@ def mode_stats(samples: list[TurnSample]) -> dict:
 
 def ratios(p50: dict[str, float | None]) -> dict:
     """The comparison ratios from the p50 TTFT of each mode (missing modes: None)."""
-    pull, rec, ideal = p50.get(PULL), p50.get(RECOMPUTE), p50.get(IDEAL)
+    pull, rec, ideal, smg = p50.get(PULL), p50.get(RECOMPUTE), p50.get(IDEAL), p50.get(SMG)
     saving = None
     if pull is not None and rec is not None and ideal is not None:
         saving = _div(rec - pull, rec - ideal)
@@ -92,6 +95,8 @@ def ratios(p50: dict[str, float | None]) -> dict:
         "recompute_over_ideal": _div(rec, ideal),
         "fraction_of_ideal_speedup": _div(ideal, pull),
         "fraction_of_saving": saving,
+        "pull_over_smg": _div(pull, smg),
+        "recompute_over_smg": _div(rec, smg),
     }
 
 
@@ -263,6 +268,8 @@ def _ttft_columns(report: dict, first: str) -> list[tuple[str, int, Callable[[di
         ("of ideal", 8, lambda g: _pct(g["ratios"]["fraction_of_ideal_speedup"])),
         ("of saving", 9, lambda g: _pct(g["ratios"]["fraction_of_saving"])),
     ]
+    if SMG in report.get("modes", []):
+        cols.append(("pull/smg", 8, lambda g: _x(g["ratios"].get("pull_over_smg"))))
     return cols
 
 
@@ -296,11 +303,22 @@ def format_table(report: dict) -> str:
                  f"   recompute/ideal {_x(o['recompute_over_ideal'])}"
                  f"   of ideal speed-up {_pct(o['fraction_of_ideal_speedup'])}"
                  f"   of saving {_pct(o['fraction_of_saving'])}")
+    if SMG in report.get("modes", []):
+        lines.append(f"kvshuttle / SMG (pull p50 / smg p50, below 1: kvshuttle faster): headline "
+                     f"{_x(r.get('pull_over_smg'))}, turns 2+ {_x(o.get('pull_over_smg'))}"
+                     f"   (recompute / smg: {_x(r.get('recompute_over_smg'))}, {_x(o.get('recompute_over_smg'))})")
+        smg_meta = meta.get("smg") or {}
+        if smg_meta.get("forced_calls"):
+            lines.append(f"smg: {smg_meta.get('rewritten_calls', 0)}/{smg_meta['forced_calls']} forced calls came "
+                         f"back with arguments other than {{}} (SMG drops logit_bias) and were echoed as {{}}")
     d = report["pull_decisions"]
     if d["turns"]:
         lines.append(f"pull mode, turns 2+: {d['pulled']}/{d['turns']} pulled their history ({_pct(d['fraction'])})")
     a = report["answers_agree"]
-    if a["compared"]:
+    if meta.get("lane_prompts") == "tagged":
+        lines.append("answers agree across modes: not compared (P's cache warm: each mode's system prompt is tagged "
+                     "with its name, so no mode reuses another's prefix on P)")
+    elif a["compared"]:
         pairs = ", ".join(f"{name} {p['agree']}/{p['compared']}" for name, p in a["pairs"].items() if p["compared"])
         lines.append(f"answers agree across modes: {a['agree']}/{a['compared']} ({_pct(a['fraction'])})"
                      + (f"  [{pairs}]" if pairs else ""))
@@ -330,7 +348,7 @@ def _plot(report: dict, samples: list[TurnSample], path: Path, log_y: bool) -> N
     fig = Figure(figsize=(12, 5), layout="constrained")
     FigureCanvasAgg(fig)
     ax, ax_ratio = fig.subplots(1, 2, width_ratios=(3, 2))
-    colors = {PULL: "tab:blue", RECOMPUTE: "tab:red", IDEAL: "tab:green", "direct": "tab:purple"}
+    colors = {PULL: "tab:blue", RECOMPUTE: "tab:red", IDEAL: "tab:green", "direct": "tab:purple", SMG: "tab:orange"}
     for mode in report["modes"]:
         color = colors.get(mode)
         pts = [(s.history_tokens, s.ttft_ms) for s in samples if s.mode == mode]
@@ -351,7 +369,8 @@ def _plot(report: dict, samples: list[TurnSample], path: Path, log_y: bool) -> N
 
     later = [g for g in report["by_history"] if g["label"] != FIRST_TURN]
     for field, label, color in (("recompute_over_pull", "recompute / pull", "tab:blue"),
-                                ("recompute_over_ideal", "recompute / ideal", "tab:green")):
+                                ("recompute_over_ideal", "recompute / ideal", "tab:green"),
+                                ("recompute_over_smg", "recompute / smg", "tab:orange")):
         pts = [(g["history_tokens_mean"], g["ratios"][field]) for g in later if g["ratios"][field] is not None]
         if pts:
             ax_ratio.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=color, label=label)

@@ -9,6 +9,9 @@ PULL = "pull"  # the gateway with bi-directional KV transfer: turns 2+ pull the 
 RECOMPUTE = "recompute"  # the same gateway and workers with pulls disabled per request: P recomputes the history
 IDEAL = "ideal"  # the same conversation on one vLLM worker with prefix caching (no disaggregation, no KV moved)
 MODES = (PULL, RECOMPUTE, IDEAL)
+# Not kvshuttle: SMG (PyPI smg) in front of the same P and D workers, driven over its OpenAI API
+# (services/devtools/bench/smg.py); P recomputes whatever its prefix cache lacks, nothing is pulled from D.
+SMG = "smg"
 
 
 @dataclass
@@ -22,7 +25,7 @@ class TurnSample:
     ttft_ms: float  # request sent -> first generated token received, client side
     latency_ms: float  # request sent -> last byte received, client side
     output_tokens: int  # tokens generated
-    decision: str  # "pull" or "recompute" as the gateway reported it; "ideal" for the ideal worker
+    decision: str  # "pull" or "recompute" as the gateway reported it; "ideal" for the ideal worker; SMG: "recompute"
     pulled_tokens: int  # prompt tokens P loaded over NIXL (worker-reported); 0 when not pulled
     computed_tokens: int  # prompt tokens the prefilling worker computed itself
     output_digest: str = ""  # short hash of the generated token ids: equal across modes when answers agree

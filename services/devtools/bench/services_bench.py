@@ -36,6 +36,25 @@ What is measured, per operation and per concurrency level:
     ``SessionRegistry.GetSession`` of recorded sessions with ``include_token_ids`` (each answer carries the
     ``history_tokens`` exact ids, read from the history store), as a gateway without its own copy reads one.
 
+``etcd claim txn``
+    The floor under a claiming plan: the transaction the scheduler's claim sends (``EtcdStore.claim_session``:
+    compare the record's revision and lease and that no claim exists, put the claim key and the worker's claim note on
+    the record's lease, read the record back), on freshly recorded sessions (recorded untimed, through the registry),
+    sent by the client process itself through the project's etcd client (``EtcdStore``, its retry wrapper
+    included): no scheduler, no gRPC server of ours. etcd's own claim rate on this machine.
+``gRPC echo``
+    The floor under any plan: a bare grpc.aio unary method in its own process (started like the services, with the
+    scheduler's server options, no interceptors, health for the readiness check only) that answers every request
+    with a fixed reply; the client sends the bytes of a claim-free PlanTurn request (the prompt's ids) through a
+    ``client_channel`` like the other rows and gets back as many bytes as a real PlanTurn answer.
+
+After the table, the decision-rate goals (#17) next to what was measured: claim-free PlanTurn (``disable_pull``,
+and ``recompute``, which also reads the session) against 5,000/s and p99 <= 1 ms, with its ratio to the gRPC echo
+at each concurrency; claiming PlanTurn (``pull+snapshot``, ``pull``) as a ratio to the etcd claim txn's rate at
+each concurrency, against 0.5x. Where a goal is missed, the line names the floor that stops it: the gRPC echo (when
+the echo itself misses the goal, or a gRPC hop plus the claim txn on the same cores cannot reach 0.5x of the txn
+alone), else the plan's own work.
+
 ``--scale-history-tokens 1024,131072`` also runs RecordTurn, ClaimSession and GetSession at concurrency 1 at each
 size and prints each one's p50 as a ratio to the first size's: a record's cost should not grow with its history
 (GetSession's does: it returns the ids).
@@ -56,8 +75,10 @@ the measurement: on a small machine the client, etcd and both services share the
 shows the CPU time each process spent per operation (``cpu ms/op``: client, registry, scheduler, etcd).
 
 Each (operation, concurrency) cell runs ``requests_per_level`` timed requests (at least one per coroutine), split
-evenly among the coroutines, after ``warmup_requests`` untimed ones per operation. ops/s is successful requests
-divided by the wall time from the first request to the last answer; latencies are per request, client side.
+evenly among the coroutines, after ``warmup_requests`` untimed ones per operation. Cells run operation by operation
+(each at every level) or, with ``--order level``, level by level (every operation at one level), which keeps the
+cells the goals compare close in time when the machine's load varies. ops/s is successful requests divided by the
+wall time from the first request to the last answer; latencies are per request, client side.
 A request counts as an error when the RPC fails or the answer is not the expected one (e.g. a plan that should pull
 and does not). Output: a table on stdout and ``<out>/services.json``.
 """
@@ -82,15 +103,18 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvshuttle.control_plane.continuation import text_key
 from kvshuttle.control_plane.prefix import checkpoint_lengths, prefix_digests
 from kvshuttle.services.common.config import load, require, setting
-from kvshuttle.services.common.grpc_server import client_channel
+from kvshuttle.services.common.grpc_server import _message_options, client_channel
 from kvshuttle.services.common.processes import ChildProcess
+from kvshuttle.services.common.tls import DEFAULT_MAX_MESSAGE_MB
 from kvshuttle.services.devtools.bench.stats import percentile
 from kvshuttle.services.devtools.etcd_process import ETCD_BIN, EtcdProcess, free_port
 from kvshuttle.services.store import codec
+from kvshuttle.services.store.etcd_store import EtcdStore, claim_txn
+from kvshuttle.services.store.interface import StoreError
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger("kvshuttle.bench.services")
@@ -103,12 +127,16 @@ PLAN_DISABLE_PULL = "plan_disable_pull"
 RECORD_TURN = "record_turn"
 CLAIM_SESSION = "claim_session"
 GET_SESSION = "get_session"
-OPERATIONS = (PLAN_RECOMPUTE, PLAN_PULL, PLAN_PULL_SNAPSHOT, PLAN_DISABLE_PULL, RECORD_TURN, CLAIM_SESSION,
-              GET_SESSION)
+ETCD_CLAIM = "etcd_claim"
+GRPC_ECHO = "grpc_echo"
+OPERATIONS = (PLAN_RECOMPUTE, PLAN_PULL, PLAN_PULL_SNAPSHOT, PLAN_DISABLE_PULL, ETCD_CLAIM, GRPC_ECHO, RECORD_TURN,
+              CLAIM_SESSION, GET_SESSION)
+PLANS = (PLAN_RECOMPUTE, PLAN_PULL, PLAN_PULL_SNAPSHOT, PLAN_DISABLE_PULL)
 LABELS = {
     PLAN_RECOMPUTE: "PlanTurn recompute", PLAN_PULL: "PlanTurn pull", PLAN_PULL_SNAPSHOT: "PlanTurn pull+snapshot",
     PLAN_DISABLE_PULL: "PlanTurn disable_pull",
     RECORD_TURN: "RecordTurn", CLAIM_SESSION: "ClaimSession", GET_SESSION: "GetSession",
+    ETCD_CLAIM: "etcd claim txn", GRPC_ECHO: "gRPC echo",
 }
 PROCESSES = ("client", "registry", "scheduler", "etcd")
 ETCD_COUNTERS = {"etcd_disk_wal_write_bytes_total": "wal", "etcd_network_client_grpc_received_bytes_total": "received",
@@ -120,6 +148,15 @@ TEXT_CHARS_PER_TOKEN = 4  # the recorded text: about this many characters per to
 WORKER_LEASE_TTL_S = 10
 DECODE_KV_TTL_S = 3600  # the fake decode worker keeps KV long enough that no handle expires during the run
 SETUP_CONCURRENCY = 16  # untimed recording of the sessions a cell needs
+ECHO_METHOD = "/kvshuttle.bench.Echo/Echo"
+ECHO_MODULE = "kvshuttle.services.devtools.bench.services_bench"  # ``python -m`` it with ``echo ADDRESS BYTES``
+
+# The decision-rate goals of #17, printed next to what was measured.
+GOAL_CLAIM_FREE_OPS = 5000.0  # claim-free PlanTurn/s
+GOAL_P99_MS = 1.0  # claim-free PlanTurn p99
+GOAL_CLAIM_RATIO = 0.5  # claiming PlanTurn/s as a fraction of etcd's own claim txn/s at the same concurrency
+CLAIM_FREE = (PLAN_DISABLE_PULL, PLAN_RECOMPUTE)
+CLAIMING = (PLAN_PULL_SNAPSHOT, PLAN_PULL)
 
 
 @dataclasses.dataclass
@@ -146,6 +183,10 @@ class ServicesBenchConfig:
     claims: str = setting("etcd", "Where the scheduler reads session records and claims handles: etcd (directly, "
                                   "as `kvshuttle up` runs it) or registry (through the registry's gRPC API)",
                           choices=("etcd", "registry"))
+    order: str = setting("operation", "Cell order: operation (each operation at every level, then the next) or "
+                                       "level (every operation at one level, then the next level: the cells the goals "
+                                       "compare run minutes closer in time on a machine whose load varies)",
+                         choices=("operation", "level"))
     rpc_timeout_s: float = setting(10.0, "Deadline of each benchmarked RPC")
     startup_timeout_s: float = setting(60.0, "Seconds to wait for etcd, the registry and the scheduler")
     seed: int = setting(0, "Seed of the random token ids")
@@ -159,6 +200,12 @@ class ServicesBenchConfig:
 
     def operation_list(self) -> list[str]:
         return [x.strip() for x in self.operations.split(",") if x.strip()]
+
+    def cells(self) -> list[tuple[str, int]]:
+        """(operation, concurrency) in the order they run (--order)."""
+        if self.order == "level":
+            return [(op, c) for c in self.levels() for op in self.operation_list()]
+        return [(op, c) for op in self.operation_list() for c in self.levels()]
 
     def scale_sizes(self) -> list[int]:
         return [int(x) for x in self.scale_history_tokens.split(",") if x.strip()]
@@ -265,6 +312,54 @@ class FakeWorkers:
             self._task = None
 
 
+# -- the gRPC floor: a bare echo server ---------------------------------------------------------------------------
+
+def echo_server_options() -> list[tuple[str, int]]:
+    """The options a kvshuttle service's server runs with by default (``Server`` with ``--grpc-max-message-mb``)."""
+    return _message_options(DEFAULT_MAX_MESSAGE_MB << 20)
+
+
+async def serve_echo(address: str, reply_bytes: int) -> None:
+    """A bare grpc.aio server: one unary method that answers every request with ``reply_bytes`` bytes, without
+    parsing it (no interceptors; health only so that the benchmark sees it serving). Runs until cancelled."""
+    reply = b"\x00" * reply_bytes
+
+    async def echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        return reply
+
+    server = grpc.aio.server(options=echo_server_options())
+    service, method = ECHO_METHOD.strip("/").split("/")
+    server.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler(service, {method: grpc.unary_unary_rpc_method_handler(echo)})])
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    if server.add_insecure_port(address) == 0:
+        raise SystemExit(f"echo: cannot listen on {address}")  # the benchmark retries another port
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    log.info("echo serving on %s (%d-byte replies)", address, reply_bytes)
+    try:
+        await server.wait_for_termination()
+    finally:
+        await server.stop(0.5)
+
+
+def echo_server_main(argv: Sequence[str]) -> None:
+    """``python -m kvshuttle.services.devtools.bench.services_bench echo ADDRESS REPLY_BYTES`` (until SIGTERM)."""
+    address, reply_bytes = argv[0], int(argv[1])
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    async def run() -> None:
+        task = asyncio.current_task()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+        await serve_echo(address, reply_bytes)
+
+    try:
+        asyncio.run(run())
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        pass
+
+
 # -- the services under test -----------------------------------------------------------------------------------
 
 def _proc_cpu_seconds(pid: int | None) -> float:
@@ -291,6 +386,7 @@ class Services:
         self.children: dict[str, ChildProcess] = {}
         self.registry_address = ""
         self.scheduler_address = ""
+        self.echo_address = ""
         self.history_store = ""
 
     def _env(self) -> dict[str, str]:
@@ -310,11 +406,20 @@ class Services:
             "--history-store", self.history_store if self.claims == "etcd" else "",
             "--load-poll-interval-s", "0")  # nothing listens at the fake workers: no GetLoads to poll
 
-    async def _start_service(self, name: str, deadline: float, *args: str) -> str:
-        """Start ``kvshuttle <name> --listen 127.0.0.1:<free port> <args>``; a port taken meanwhile is retried."""
+    async def start_echo(self, reply_bytes: int) -> None:
+        """The bare gRPC echo server (``echo_server_main``) in its own process, answering ``reply_bytes`` bytes."""
+        deadline = time.monotonic() + self.startup_timeout_s
+        self.echo_address = await self._start_service("echo", deadline, str(reply_bytes), module=ECHO_MODULE,
+                                                      listen_flag="")
+
+    async def _start_service(self, name: str, deadline: float, *args: str,
+                             module: str = "kvshuttle.services.commands", listen_flag: str = "--listen") -> str:
+        """Start ``python -m <module> <name> [<listen_flag>] 127.0.0.1:<free port> <args>`` (by default
+        ``kvshuttle <name> --listen ...``); a port taken meanwhile is retried."""
         for attempt in range(3):
             address = f"127.0.0.1:{free_port()}"
-            child = ChildProcess(name, [sys.executable, "-m", "kvshuttle.services.commands", name, "--listen", address, *args],
+            listen = [listen_flag, address] if listen_flag else [address]
+            child = ChildProcess(name, [sys.executable, "-m", module, name, *listen, *args],
                                  self.logs / f"{name}.log", env=self._env(), stop_grace_s=10.0, cwd=REPO)
             self.children[name] = child
             await child.start()
@@ -348,8 +453,11 @@ class Services:
     def describe(self) -> dict[str, dict]:
         etcd = {"address": self.etcd.endpoints, "pid": self.etcd.proc.pid if self.etcd.proc else None} \
             if self.etcd else {}
-        return {"etcd": etcd, "registry": {"address": self.registry_address, "pid": self._pid("registry")},
-                "scheduler": {"address": self.scheduler_address, "pid": self._pid("scheduler")}}
+        out = {"etcd": etcd, "registry": {"address": self.registry_address, "pid": self._pid("registry")},
+               "scheduler": {"address": self.scheduler_address, "pid": self._pid("scheduler")}}
+        if "echo" in self.children:
+            out["echo"] = {"address": self.echo_address, "pid": self._pid("echo")}
+        return out
 
     def _pid(self, name: str) -> int | None:
         return self.children[name].pid if name in self.children else None
@@ -379,13 +487,17 @@ class Services:
         return out
 
     def cpu_seconds(self) -> dict[str, float]:
-        """CPU seconds so far of the client (this process), the registry, the scheduler and etcd. Reads /proc."""
-        return {
+        """CPU seconds so far of the client (this process), the registry, the scheduler and etcd (and the echo
+        server once started). Reads /proc."""
+        out = {
             "client": time.process_time(),
             "registry": _proc_cpu_seconds(self._pid("registry")),
             "scheduler": _proc_cpu_seconds(self._pid("scheduler")),
             "etcd": _proc_cpu_seconds(self.etcd.proc.pid if self.etcd and self.etcd.proc else None),
         }
+        if "echo" in self.children:
+            out["echo"] = _proc_cpu_seconds(self._pid("echo"))
+        return out
 
     async def stop(self) -> None:
         """Scheduler, registry, then etcd; each is stopped even when another fails to."""
@@ -405,14 +517,17 @@ class Services:
 class Stubs:
     registry: registry_pb2_grpc.SessionRegistryStub
     scheduler: scheduler_pb2_grpc.TransferSchedulerStub
+    echo: grpc.aio.UnaryUnaryMultiCallable | None = None  # the bare echo's method (bytes in, bytes out)
 
 
 class Workload:
     """Builds each operation's requests (untimed setup included) and checks its answers."""
 
     def __init__(self, cfg: ServicesBenchConfig, setup: Stubs, decode: common_pb2.Worker,
-                 history_tokens: int | None = None):
+                 history_tokens: int | None = None, etcd: EtcdStore | None = None):
         self.cfg = cfg
+        self.etcd = etcd  # the client's own etcd connection (etcd_claim)
+        self.echo_reply_bytes = 0  # what the echo server answers (grpc_echo): a real PlanTurn answer's size
         self.setup = setup
         self.decode = decode
         self.history_tokens = history_tokens or cfg.history_tokens
@@ -453,6 +568,9 @@ class Workload:
                 checkpoints=[common_pb2.PrefixCheckpoint(tokens=n, digest=digests[n]) for n in lengths]))
         return out
 
+    def disable_pull_request(self, session_id: str) -> scheduler_pb2.PlanTurnRequest:
+        return scheduler_pb2.PlanTurnRequest(session_id=session_id, prompt_token_ids=self.prompt, disable_pull=True)
+
     async def _record_many(self, session_ids: Sequence[str]) -> list[registry_pb2.RecordTurnResponse]:
         """Record each session once (untimed setup), a few at a time."""
         gate = asyncio.Semaphore(SETUP_CONCURRENCY)
@@ -484,8 +602,7 @@ class Workload:
                                                   prompt_token_ids=self.prompt) for i in range(concurrency)]
         if op == PLAN_DISABLE_PULL:  # recorded, but the request disables the pull
             await self._record_many([f"{prefix}-dp"])
-            return [scheduler_pb2.PlanTurnRequest(session_id=f"{prefix}-dp", prompt_token_ids=self.prompt,
-                                                  disable_pull=True)]
+            return [self.disable_pull_request(f"{prefix}-dp")]
         if op == PLAN_PULL:  # a fresh record per plan
             ids = [f"{prefix}-pull-{i}" for i in range(requests)]
             await self._record_many(ids)
@@ -498,6 +615,15 @@ class Workload:
                 snap.session.ClearField("token_ids")
             return [scheduler_pb2.PlanTurnRequest(session_id=s, prompt_token_ids=self.prompt, session_snapshot=snap)
                     for s, snap in zip(ids, snapshots, strict=True)]
+        if op == ETCD_CLAIM:  # a fresh record per claim, claimed with the scheduler's transaction
+            if self.etcd is None:
+                raise RuntimeError("etcd_claim needs the client's etcd connection")
+            ids = [f"{prefix}-txn-{i}" for i in range(requests)]
+            recorded = await self._record_many(ids)
+            return [claim_txn(self.etcd.keys, r.session.tenant, s, r.session.revision, r.session.lease_id,
+                              r.session.decode_worker_id) for s, r in zip(ids, recorded, strict=True)]
+        if op == GRPC_ECHO:  # the bytes of a claim-free plan (the prompt's ids)
+            return [self.disable_pull_request(f"{prefix}-echo").SerializeToString()]
         if op == CLAIM_SESSION:  # a fresh record per claim, claimed at the revision RecordTurn returned
             ids = [f"{prefix}-claim-{i}" for i in range(requests)]
             recorded = await self._record_many(ids)
@@ -516,8 +642,12 @@ class Workload:
     def invoke(self, op: str, stubs: Stubs, payload: Any) -> Any:
         """Start the RPC (the caller awaits and times it)."""
         timeout = self.cfg.rpc_timeout_s
-        if op in (PLAN_RECOMPUTE, PLAN_PULL, PLAN_PULL_SNAPSHOT, PLAN_DISABLE_PULL):
+        if op in PLANS:
             return stubs.scheduler.PlanTurn(payload, timeout=timeout)
+        if op == ETCD_CLAIM:  # through the store's own call wrapper (deadline, retries, error mapping), as it claims
+            return self.etcd._call("claim session", self.etcd.kv.txn, *payload)
+        if op == GRPC_ECHO:
+            return stubs.echo(payload, timeout=timeout)
         if op == RECORD_TURN:
             return stubs.registry.RecordTurn(payload, timeout=timeout)
         if op == CLAIM_SESSION:
@@ -526,6 +656,10 @@ class Workload:
 
     def check(self, op: str, resp: Any) -> str | None:
         """None when the answer is the expected one, otherwise what is wrong with it."""
+        if op == ETCD_CLAIM:
+            return None if resp.succeeded else "the claim transaction's compare failed"
+        if op == GRPC_ECHO:
+            return None if len(resp) == self.echo_reply_bytes else f"echo answered {len(resp)} bytes"
         if op in (PLAN_RECOMPUTE, PLAN_DISABLE_PULL):
             if resp.decision != scheduler_pb2.DECISION_RECOMPUTE:
                 return f"expected RECOMPUTE, got {scheduler_pb2.Decision.Name(resp.decision)}: {resp.reason}"
@@ -613,6 +747,9 @@ async def run_cell(workload: Workload, services: Services, stubs: Sequence[Stubs
                 _reraise_if_cancelling()
                 errors.append(f"{exc.code().name}: {exc.details()}")
                 continue
+            except StoreError as exc:  # etcd_claim
+                errors.append(f"{type(exc).__name__}: {exc}")
+                continue
             elapsed = time.perf_counter() - started
             wrong = workload.check(op, resp)
             if wrong is None:
@@ -636,7 +773,8 @@ async def run_cell(workload: Workload, services: Services, stubs: Sequence[Stubs
         wall_s=wall, ops_per_s=len(ms) / wall if wall > 0 else math.nan,
         p50_ms=percentile(ms, 50) if ms else math.nan, p99_ms=percentile(ms, 99) if ms else math.nan,
         mean_ms=sum(ms) / len(ms) if ms else math.nan, max_ms=max(ms) if ms else math.nan,
-        cpu_ms_per_op={p: (cpu_after[p] - cpu_before[p]) * 1000.0 / done if done else math.nan for p in PROCESSES},
+        cpu_ms_per_op={p: (cpu_after[p] - cpu_before.get(p, math.nan)) * 1000.0 / done if done else math.nan
+                       for p in cpu_after},
         error_samples=list(dict.fromkeys(errors))[:3], history_tokens=workload.history_tokens,
         etcd_bytes_per_op={k: (etcd_after[k] - etcd_before[k]) / done for k in etcd_after if k in etcd_before and done},
     )
@@ -658,10 +796,138 @@ def _num(value: float, digits: int) -> str:
 
 
 def table_row(r: CellResult) -> str:
-    cpu = " / ".join(_num(r.cpu_ms_per_op[p], 2) for p in PROCESSES)
+    cpu = " / ".join(_num(r.cpu_ms_per_op.get(p, math.nan), 2) for p in PROCESSES)
     cells = [r.label, str(r.concurrency), str(r.requests), _num(r.ops_per_s, 0), _num(r.p50_ms, 2),
              _num(r.p99_ms, 2), str(r.errors), cpu]
-    return "  ".join(f"{cell:{align}{width}}" for cell, (_, width, align) in zip(cells, _COLUMNS, strict=True))
+    row = "  ".join(f"{cell:{align}{width}}" for cell, (_, width, align) in zip(cells, _COLUMNS, strict=True))
+    if r.operation == GRPC_ECHO and "echo" in r.cpu_ms_per_op:
+        row += f"  (echo server {_num(r.cpu_ms_per_op['echo'], 2)})"
+    return row
+
+
+# -- the goals ---------------------------------------------------------------------------------------------------
+
+def _levels_of(results: Sequence[CellResult], op: str) -> dict[int, CellResult]:
+    """``op``'s cells of the main table by concurrency (not the --scale-history-tokens ones)."""
+    return {r.concurrency: r for r in results if r.operation == op and r.label == LABELS[op]}
+
+
+def ratio(a: float, b: float) -> float:
+    """a / b, NaN when either is missing or b is not positive."""
+    return a / b if math.isfinite(a) and math.isfinite(b) and b > 0 else math.nan
+
+
+def series_floor_ratio(echo_ops: float, etcd_ops: float) -> float:
+    """The most a claiming plan (one gRPC hop, then one claim transaction, on the same cores) can reach as a
+    fraction of the transaction alone: 1 / (1/echo + 1/etcd) / etcd = echo / (echo + etcd)."""
+    return ratio(echo_ops, echo_ops + etcd_ops)
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
+def _rate(value: float) -> str:
+    return "-" if not math.isfinite(value) else f"{value:,.0f}/s"
+
+
+def _finite(value: float, default: float) -> float:
+    return value if math.isfinite(value) else default
+
+
+def goals(results: Sequence[CellResult]) -> dict:
+    """The decision-rate goals of #17 next to the measured cells, with the floor that stops a missed one.
+
+    Claim-free PlanTurn (``disable_pull``, ``recompute``): its best rate against GOAL_CLAIM_FREE_OPS, its best p99
+    against GOAL_P99_MS, and its rate as a ratio to the bare gRPC echo at each concurrency; a missed goal is the gRPC
+    floor's when the echo itself misses it, else the plan's own work. Claiming PlanTurn (``pull+snapshot``,
+    ``pull``): its rate as a ratio to the bare etcd claim transaction at each concurrency, against GOAL_CLAIM_RATIO;
+    a missed level is the gRPC floor's when a gRPC hop plus the transaction on the same cores cannot reach the goal
+    (``series_floor_ratio``), else the scheduler's own work. Returns the figures and the lines to print.
+    """
+    echo, etcd = _levels_of(results, GRPC_ECHO), _levels_of(results, ETCD_CLAIM)
+    out: dict[str, Any] = {"goals": {"claim_free_ops_per_s": GOAL_CLAIM_FREE_OPS, "claim_free_p99_ms": GOAL_P99_MS,
+                                     "claiming_to_etcd_ratio": GOAL_CLAIM_RATIO},
+                           "grpc_floor": {c: r.ops_per_s for c, r in sorted(echo.items())},
+                           "etcd_limit": {c: r.ops_per_s for c, r in sorted(etcd.items())},
+                           "claim_free": {}, "claiming": {}, "lines": []}
+    lines: list[str] = out["lines"]
+    lines.append(f"goals (#17): claim-free PlanTurn >= {GOAL_CLAIM_FREE_OPS:,.0f}/s at p99 <= {GOAL_P99_MS:g} ms; "
+                 f"claiming PlanTurn >= {GOAL_CLAIM_RATIO:g}x etcd's own claim txn rate at the same concurrency")
+    echo_peak = max(echo.values(), key=lambda r: _finite(r.ops_per_s, -1.0)) if echo else None
+    echo_p99 = min(echo.values(), key=lambda r: _finite(r.p99_ms, math.inf)) if echo else None
+    for op in CLAIM_FREE:
+        cells = _levels_of(results, op)
+        if not cells:
+            continue
+        peak = max(cells.values(), key=lambda r: _finite(r.ops_per_s, -1.0))
+        fastest = min(cells.values(), key=lambda r: _finite(r.p99_ms, math.inf))
+        rate_ok = peak.ops_per_s >= GOAL_CLAIM_FREE_OPS
+        p99_ok = fastest.p99_ms <= GOAL_P99_MS
+        both_ok = any(r.ops_per_s >= GOAL_CLAIM_FREE_OPS and r.p99_ms <= GOAL_P99_MS for r in cells.values())
+        to_echo = {c: ratio(cells[c].ops_per_s, echo[c].ops_per_s) for c in sorted(cells) if c in echo}
+        rate_floor = p99_floor = ""
+        if echo_peak is not None:
+            rate_floor = "" if rate_ok else "grpc" if echo_peak.ops_per_s < GOAL_CLAIM_FREE_OPS else "planturn"
+            p99_floor = "" if p99_ok else "grpc" if echo_p99.p99_ms > GOAL_P99_MS else "planturn"
+        out["claim_free"][op] = {
+            "peak_ops_per_s": peak.ops_per_s, "peak_concurrency": peak.concurrency, "peak_p99_ms": peak.p99_ms,
+            "best_p99_ms": fastest.p99_ms, "best_p99_concurrency": fastest.concurrency,
+            "rate_met": rate_ok, "p99_met": p99_ok, "met": both_ok, "to_grpc_floor": to_echo,
+            "rate_floor": rate_floor, "p99_floor": p99_floor}
+        lines.append(f"{LABELS[op]}: peak {_rate(peak.ops_per_s)} at conc {peak.concurrency} (p99 "
+                     f"{_num(peak.p99_ms, 2)} ms; goal >= {GOAL_CLAIM_FREE_OPS:,.0f}/s: {_met(rate_ok)}); best p99 "
+                     f"{_num(fastest.p99_ms, 2)} ms at conc {fastest.concurrency} (goal <= {GOAL_P99_MS:g} ms: "
+                     f"{_met(p99_ok)}); both at once: {_met(both_ok)}")
+        if echo_peak is None:
+            lines.append("  no gRPC floor measured (add grpc_echo to --operations to name the floor)")
+            continue
+        lines.append("  vs the gRPC floor (bare echo), ratio at each conc: " + ", ".join(
+            f"{c}: {x:.2f}x" for c, x in to_echo.items()))
+        if not rate_ok:
+            lines.append(f"  rate: {_floor_words(rate_floor)}: the bare echo peaks at {_rate(echo_peak.ops_per_s)} "
+                         f"(conc {echo_peak.concurrency}), this plan at "
+                         f"{ratio(peak.ops_per_s, echo_peak.ops_per_s):.2f}x of that")
+        if not p99_ok:
+            lines.append(f"  p99: {_floor_words(p99_floor)}: the bare echo's best p99 is "
+                         f"{_num(echo_p99.p99_ms, 2)} ms (conc {echo_p99.concurrency})")
+    for op in CLAIMING:
+        cells = _levels_of(results, op)
+        if not cells:
+            continue
+        if not etcd:
+            lines.append(f"{LABELS[op]}: no etcd limit measured (add etcd_claim to --operations)")
+            continue
+        levels = [c for c in sorted(cells) if c in etcd]
+        to_etcd = {c: ratio(cells[c].ops_per_s, etcd[c].ops_per_s) for c in levels}
+        met = {c: to_etcd[c] >= GOAL_CLAIM_RATIO for c in levels}
+        floor = {c: series_floor_ratio(echo[c].ops_per_s, etcd[c].ops_per_s) for c in levels if c in echo}
+        stopped = {c: ("" if met[c] else "grpc" if floor.get(c, math.nan) < GOAL_CLAIM_RATIO else
+                       "scheduler" if c in floor else "") for c in levels}
+        out["claiming"][op] = {"to_etcd_limit": to_etcd, "met": met, "floor_ratio": floor, "floor": stopped}
+        missed = [c for c in levels if not met[c]]
+        each = ", ".join(f"{c}: {to_etcd[c]:.2f}x ({_rate(cells[c].ops_per_s)} of {_rate(etcd[c].ops_per_s)})"
+                         for c in levels)
+        verdict = f"MISSED at conc {', '.join(map(str, missed))}" if missed else "met"
+        lines.append(f"{LABELS[op]} vs etcd's claim txn, ratio at each conc (goal >= {GOAL_CLAIM_RATIO:g}x): {each}; "
+                     f"{verdict}")
+        for c in missed:
+            if c not in floor:
+                lines.append(f"  conc {c}: no gRPC floor measured at this concurrency")
+            elif stopped[c] == "grpc":
+                lines.append(f"  conc {c}: {_floor_words('grpc')}: a gRPC hop ({_rate(echo[c].ops_per_s)} bare) plus "
+                             f"the txn on the same cores reach at most {floor[c]:.2f}x (this plan: {to_etcd[c]:.2f}x)")
+            else:
+                lines.append(f"  conc {c}: not the floors (a gRPC hop plus the txn allow {floor[c]:.2f}x): "
+                             f"{_floor_words('scheduler')}")
+    return out
+
+
+def _floor_words(floor: str) -> str:
+    return {"grpc": "stopped by the gRPC floor",
+            "planturn": "not the gRPC floor; stopped by PlanTurn's own work (the scheduler's handler and layers)",
+            "scheduler": "stopped by the scheduler's own work (planning, the prompt's digest, the store's client)",
+            }.get(floor, "no floor measured")
 
 
 async def _etcd_version() -> str:
@@ -698,7 +964,9 @@ async def run_benchmark(cfg: ServicesBenchConfig, emit: Callable[[str], None] = 
     results: list[CellResult] = []
     channels: list[grpc.aio.Channel] = []
     workers: FakeWorkers | None = None
+    etcd_client: EtcdStore | None = None
     processes: dict[str, dict] = {}
+    summary: dict = {}
     try:
         await services.start()
         processes = services.describe()
@@ -710,25 +978,46 @@ async def run_benchmark(cfg: ServicesBenchConfig, emit: Callable[[str], None] = 
         await workers.start()
         workload = Workload(cfg, stubs[0], workers.decode)
         await _wait_scheduler_ready(stubs[0].scheduler, workload, cfg.startup_timeout_s)
+        if ETCD_CLAIM in cfg.operation_list():  # the client's own etcd connection, as the scheduler holds one
+            etcd_client = EtcdStore(services.etcd.endpoints, timeout_s=cfg.rpc_timeout_s)
+            await etcd_client.connect()
+            workload.etcd = etcd_client
+        if GRPC_ECHO in cfg.operation_list():  # answering as many bytes as a real claim-free plan's answer
+            probe = await stubs[0].scheduler.PlanTurn(workload.disable_pull_request(f"bench-{workload.run_id}-probe"),
+                                                      timeout=cfg.rpc_timeout_s)
+            workload.echo_reply_bytes = probe.ByteSize()
+            await services.start_echo(workload.echo_reply_bytes)
+            for stub in stubs:
+                channels.append(client_channel(services.echo_address))
+                stub.echo = channels[-1].unary_unary(ECHO_METHOD)
+        processes = services.describe()
 
         emit(table_header())
-        for op in cfg.operation_list():
-            if cfg.warmup_requests:
+        warmed: set[str] = set()
+        for op, concurrency in cfg.cells():
+            if cfg.warmup_requests and op not in warmed:
+                warmed.add(op)
                 warm = await run_cell(workload, services, stubs, op, min(4, cfg.warmup_requests), cfg.warmup_requests)
                 if warm.errors:
                     log.warning("%s warm-up: %d errors, e.g. %s", op, warm.errors, warm.error_samples)
-            for concurrency in cfg.levels():
-                result = await run_cell(workload, services, stubs, op, concurrency, cfg.requests_per_level)
-                results.append(result)
-                emit(table_row(result))
-                if result.errors:
-                    log.warning("%s at concurrency %d: %d errors, e.g. %s", op, concurrency, result.errors,
-                                result.error_samples)
+            result = await run_cell(workload, services, stubs, op, concurrency, cfg.requests_per_level)
+            results.append(result)
+            emit(table_row(result))
+            if result.errors:
+                log.warning("%s at concurrency %d: %d errors, e.g. %s", op, concurrency, result.errors,
+                            result.error_samples)
+        if any(op in cfg.operation_list() for op in (*CLAIM_FREE, *CLAIMING)):
+            summary = goals(results)
+            emit("")
+            for line in summary["lines"]:
+                emit(line)
         scaled = await _run_scaled(cfg, services, stubs, workers.decode, emit) if cfg.scale_sizes() else []
         results += scaled
     finally:
         if workers is not None:
             await workers.stop()
+        if etcd_client is not None:
+            await etcd_client.close()
         for channel in channels:
             await channel.close()
         await services.stop()
@@ -747,13 +1036,20 @@ async def run_benchmark(cfg: ServicesBenchConfig, emit: Callable[[str], None] = 
             "prompt_tokens": len(workload.prompt), "block_size": cfg.block_size,
             "blocks_per_record": -(-workload.covered // cfg.block_size), "text_chars": workload.text_chars,
             "keepalive_failures": workers.keepalive_failures if workers else 0,
+            "etcd_claim": "the claim transaction of EtcdStore.claim_session, sent from the client process through "
+                          "EtcdStore (one channel)",
+            "grpc_echo": {"server": "bare grpc.aio unary method in its own process, the services' default server "
+                                    "options, no interceptors",
+                          "request_bytes": workload.disable_pull_request("x").ByteSize(),
+                          "reply_bytes": workload.echo_reply_bytes},
         },
         "processes": processes,
-        "environment": environment,
+        "environment": {**environment, "load_average_at_end": list(os.getloadavg())},
         "logs": str(work / "logs"),
         "results": [r.to_dict() for r in results],
         "record_bytes": workload.record_bytes,
         "scaling": _scaling(results, cfg),
+        "goals": _json_safe(summary),
     }
     path = out / "services.json"
     await asyncio.to_thread(_write_json, path, report)
@@ -850,4 +1146,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["echo"]:
+        echo_server_main(sys.argv[2:])
+    else:
+        main()

@@ -1,9 +1,11 @@
-"""Percentiles and summaries of measurements (no numpy)."""
+"""Percentiles and summaries of measurements (no numpy), and writing a report."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable
+from pathlib import Path
 
 
 def percentile(values: Iterable[float], q: float) -> float:
@@ -32,3 +34,11 @@ def summary(values: Iterable[float]) -> dict:
         return {"count": 0, "mean": None, "p50": None, "p90": None, "p99": None, "min": None, "max": None}
     return {"count": len(data), "mean": sum(data) / len(data), "p50": percentile(data, 50),
             "p90": percentile(data, 90), "p99": percentile(data, 99), "min": data[0], "max": data[-1]}
+
+
+def write_json(path: str | Path, data: dict) -> Path:
+    """Write a command's JSON report to ``path`` (its folder made first); returns the path."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=2))
+    return out

@@ -1,0 +1,88 @@
+"""A simulation's figures (TTFT, goodput at an SLO, KV held, prefix-cache hits, network bytes) and their table."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvshuttle.services.devtools.bench.stats import percentile
+from kvshuttle.services.devtools.simulator.engine import Result
+
+# History buckets (tokens of history before the turn's new tokens): first turns are their own row.
+BUCKETS = ((0, 0, "first turn"), (1, 4096, "<4k"), (4096, 16384, "4k-16k"), (16384, 65536, "16k-64k"),
+           (65536, 1 << 62, "64k+"))
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return round(percentile(values, q), 1) if values else None
+
+
+def summarize(res: Result, slo_ms: float) -> dict[str, Any]:
+    cols = res.turns
+    n = len(cols)
+    ttft = list(cols.ttft_ms)
+    duration = max(res.ended - res.started, 1e-9)
+    within = sum(1 for t in ttft if t <= slo_ms)
+    prompt = sum(cols.prompt)
+    pulls = sum(1 for p in cols.pulled if p > 0)
+    buckets = {}
+    for low, high, name in BUCKETS:
+        rows = [t for t, h in zip(ttft, cols.history, strict=True) if (h == 0 if high == 0 else low <= h < high)]
+        buckets[name] = {"turns": len(rows), "p50_ms": _pct(rows, 50), "p99_ms": _pct(rows, 99)}
+    return {
+        "strategy": res.strategy, "turns": n, "sessions": res.sessions, "peak_live_sessions": res.peak_live_sessions,
+        "simulated_s": round(duration, 1),
+        "ttft_p50_ms": _pct(ttft, 50), "ttft_p99_ms": _pct(ttft, 99),
+        "goodput_per_s": round(within / duration, 2), "within_slo": round(within / n, 4) if n else None,
+        "slo_ms": slo_ms,
+        "prefill_busy": round(res.prefill_busy_s / (duration * max(1, res.prefill_workers)), 4),
+        "pull_share": round(pulls / n, 4) if n else None,
+        "prefill_cache_hit": round(sum(cols.cached) / prompt, 4) if prompt else None,
+        "pulled_share": round(sum(cols.pulled) / prompt, 4) if prompt else None,
+        "computed_share": round(sum(cols.computed) / prompt, 4) if prompt else None,
+        "d_kv_held_mean": round(res.held_fraction_sum / res.ticks, 4) if res.ticks else None,
+        "d_kv_held_peak": round(res.held_fraction_max, 4),
+        "d_kv_used_mean": round(res.used_fraction_sum / res.ticks, 4) if res.ticks else None,
+        "d_stalls": res.d_stalls,
+        "d_wait_p99_ms": _pct(list(cols.d_wait_ms), 99),
+        "p_wait_p50_ms": _pct(list(cols.p_wait_ms), 50),
+        "network_gb_p_to_d": round(res.bytes_p_to_d / 1e9, 2), "network_gb_d_to_p": round(res.bytes_d_to_p / 1e9, 2),
+        "evictions": dict(res.evictions), "expired_handles": res.expired,
+        "decisions": dict(sorted(cols.codes.items(), key=lambda kv: -kv[1])),
+        "by_history": buckets,
+    }
+
+
+def _fmt(value: Any, scale: float = 1.0, unit: str = "") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float) and scale != 1.0:
+        return f"{value * scale:.1f}{unit}"
+    if isinstance(value, float):
+        return f"{value:,.1f}{unit}" if value >= 100 else f"{value:.3g}{unit}"
+    return f"{value:,}{unit}"
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """One column per strategy: the headline figures, then TTFT p50 by history bucket."""
+    if not rows:
+        return "(no results)"
+    slo = rows[0]["slo_ms"]
+    lines = [("", [r["strategy"] for r in rows])]
+    spec = [
+        ("turns", "turns", 1.0, ""), ("TTFT p50 (ms)", "ttft_p50_ms", 1.0, ""),
+        ("TTFT p99 (ms)", "ttft_p99_ms", 1.0, ""), (f"goodput (turns/s, TTFT <= {slo:g} ms)", "goodput_per_s", 1.0, ""),
+        ("within SLO", "within_slo", 100.0, "%"), ("prefill workers busy", "prefill_busy", 100.0, "%"), ("turns that pulled", "pull_share", 100.0, "%"),
+        ("prompt tokens: P cache hit", "prefill_cache_hit", 100.0, "%"),
+        ("prompt tokens: pulled", "pulled_share", 100.0, "%"), ("prompt tokens: computed", "computed_share", 100.0, "%"),
+        ("D KV held, mean", "d_kv_held_mean", 100.0, "%"), ("D KV held, peak", "d_kv_held_peak", 100.0, "%"),
+        ("D KV used, mean", "d_kv_used_mean", 100.0, "%"), ("turns that waited for D's KV", "d_stalls", 1.0, ""),
+        ("D wait p99 (ms)", "d_wait_p99_ms", 1.0, ""), ("P queue wait p50 (ms)", "p_wait_p50_ms", 1.0, ""),
+        ("network P->D (GB)", "network_gb_p_to_d", 1.0, ""), ("network D->P (GB)", "network_gb_d_to_p", 1.0, ""),
+    ]
+    for label, key, scale, unit in spec:
+        lines.append((label, [_fmt(r.get(key), scale, unit) for r in rows]))
+    for _, _, name in BUCKETS:
+        lines.append((f"TTFT p50, history {name} (ms)", [_fmt(r["by_history"][name]["p50_ms"]) for r in rows]))
+    width = max(len(label) for label, _ in lines)
+    col = max(12, *(len(v) for _, vals in lines for v in vals))
+    return "\n".join(f"{label:<{width}}  " + "  ".join(f"{v:>{col}}" for v in vals) for label, vals in lines)

@@ -1,0 +1,242 @@
+"""`kvshuttle simulate`: its workloads (agentic, Mooncake traces), its fleet model, and the event loop's accounting on
+scenarios small enough to work out by hand (noise off)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+import pytest
+from kvshuttle.control_plane import reasons
+from kvshuttle.control_plane.cost_model import PrefillPrior
+from kvshuttle.services.common.config import ConfigError
+from kvshuttle.services.devtools.simulator import strategies
+from kvshuttle.services.devtools.simulator.cluster import DecodeWorker, PrefillWorker, UnitChain, token_ids
+from kvshuttle.services.devtools.simulator.engine import SimSettings, Simulation
+from kvshuttle.services.devtools.simulator.hardware import profile
+from kvshuttle.services.devtools.simulator.main import SimulateConfig, format_report, run
+from kvshuttle.services.devtools.simulator.workload import (
+    AgenticMix,
+    SimSession,
+    SimTurn,
+    TraceError,
+    agentic_sessions,
+    mooncake_lines,
+    read_mooncake,
+)
+
+PROFILE = dataclasses.replace(profile("h200-32b-400g"), noise=0.0)
+
+
+# -- workloads ----------------------------------------------------------------------------------------------------
+
+
+def test_agentic_sessions_are_seeded_and_stay_within_the_context():
+    mix = AgenticMix(sessions=200, max_history_tokens=20_000, seed=3)
+    a, b = agentic_sessions(mix), agentic_sessions(mix)
+    assert [(s.first, [dataclasses.astuple(t) for t in s.turns]) for s in a] == \
+        [(s.first, [dataclasses.astuple(t) for t in s.turns]) for s in b]
+    assert agentic_sessions(dataclasses.replace(mix, seed=4))[0].first != a[0].first
+    for s in a:
+        total = s.first_tokens + sum(t.new_tokens + t.output_tokens for t in s.turns)
+        assert total <= 20_000
+        assert s.turns[0].new_tokens == 0 and all(t.new_tokens > 0 for t in s.turns[1:])
+    shared = {s.first[0] for s in a}
+    assert len(shared) <= mix.shared_prompts < len(a)  # system prompts are shared across sessions
+
+
+def test_a_written_mooncake_trace_reads_back_as_the_same_sessions():
+    sessions = agentic_sessions(AgenticMix(sessions=30, seed=1))
+    lines = list(mooncake_lines(sessions, trace_block=512))
+    assert len(lines) == sum(len(s.turns) for s in sessions)
+    first = json.loads(lines[0])
+    assert set(first) >= {"session_id", "timestamp", "input_length", "output_length", "hash_ids"}
+    assert len(first["hash_ids"]) == -(-first["input_length"] // 512)
+    back = {s.session_id: s for s in read_mooncake(lines)}
+    for s in sessions:
+        got = back[s.session_id]
+        assert got.first_tokens == s.first_tokens and got.start_s == pytest.approx(s.start_s, abs=1e-3)
+        assert [(t.new_tokens, t.output_tokens) for t in got.turns] == [(t.new_tokens, t.output_tokens)
+                                                                       for t in s.turns]
+        assert [t.gap_s for t in got.turns[1:]] == pytest.approx([t.gap_s for t in s.turns[1:]], abs=1e-3)
+    # prompts that share a system prompt share its hash ids (a prefix cache can hit them across sessions)
+    by_prompt: dict[int, set[int]] = {}
+    for s, line in zip(sessions, (json.loads(x) for x in lines if '"delay"' not in x), strict=True):
+        by_prompt.setdefault(s.first[0][0], set()).add(line["hash_ids"][0])
+    assert all(len(ids) == 1 for ids in by_prompt.values())
+
+
+def test_mooncake_lines_without_session_ids_join_the_session_they_extend():
+    lines = [
+        '{"timestamp": 0, "input_length": 1024, "output_length": 10, "hash_ids": [1, 2]}',
+        '{"timestamp": 500, "input_length": 900, "output_length": 5, "hash_ids": [1, 3]}',
+        '{"timestamp": 2000, "input_length": 2000, "output_length": 7, "hash_ids": [1, 2, 4, 5]}',
+    ]
+    sessions = read_mooncake(lines)
+    assert [len(s.turns) for s in sessions] == [2, 1]
+    first = sessions[0]
+    assert first.first == [(1, 512), (2, 512)]
+    assert first.turns[1] == SimTurn(new_tokens=2000 - 1034, output_tokens=7, gap_s=2.0)
+    assert sessions[1].first == [(1, 512), (3, 388)]  # shares block 1 with the first session
+
+
+@pytest.mark.parametrize("line, message", [
+    ("not json", "trace:1: not JSON"),
+    ('{"timestamp": 0, "output_length": 3}', "missing 'input_length'"),
+    ('{"input_length": -5, "output_length": 3}', "'input_length' must be >= 0"),
+    ('{"input_length": 5, "output_length": 3, "hash_ids": ["a"]}', "'hash_ids' must be a list of ints"),
+    ('[1, 2]', "not a JSON object"),
+])
+def test_bad_trace_lines_are_named(line, message):
+    with pytest.raises(TraceError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        read_mooncake([line])
+
+
+# -- the fleet ----------------------------------------------------------------------------------------------------
+
+
+def test_unit_keys_are_equal_exactly_for_equal_prefixes():
+    a, b = UnitChain(4), UnitChain(4)
+    for chain in (a, b):
+        chain.extend(7, 6)
+    shared = a.copy()
+    a.extend(8, 5)
+    b.extend(9, 5)
+    assert a.keys[:1] == b.keys[:1] == shared.keys[:1]
+    assert a.keys[1] != b.keys[1] and len(a.keys) == 2 and a.tokens == 11
+    assert list(token_ids([(7, 2), (8, 3)])) == [7, 7, 8, 8, 8]
+
+
+def test_the_prefix_cache_is_lru_and_the_index_follows_it():
+    index: dict[int, set[str]] = {}
+    p = PrefillWorker("p0", capacity_units=3, block_size=16, index=index)
+    p.insert([1, 2, 3])
+    assert p.cached_units([1, 2, 9]) == 2  # touches 1 and 2: 3 is now the oldest
+    p.insert([4])
+    assert 3 not in p.cache and index.get(3) is None and index[4] == {"p0"}
+    assert p.cached_units([1, 2, 4]) == 3
+
+
+# -- the event loop -----------------------------------------------------------------------------------------------
+
+
+def fleet(prefill: int = 1, decode: int = 1, decode_kv: int = PROFILE.decode_kv_tokens):
+    index: dict[int, set[str]] = {}
+    ps = [PrefillWorker(f"p{i}", 1000, PROFILE.block_size, index) for i in range(prefill)]
+    ds = [DecodeWorker(f"d{i}", decode_kv, PROFILE.block_size) for i in range(decode)]
+    return ps, ds, index
+
+
+def simulate(sessions, name, *, decode_kv=PROFILE.decode_kv_tokens, decode=1, **settings):
+    ps, ds, index = fleet(decode=decode, decode_kv=decode_kv)
+    strategy = strategies.make(name, ps, ds, random.Random(0), candidates=4, unit=256, prior=PrefillPrior(),
+                               index=index)
+    return Simulation(sessions, strategy, PROFILE, ps, ds, SimSettings(**settings)).run()
+
+
+def conversation(sid="s0", start=0.0, gap=1.0, turns=3, first=2048, new=512, out=64):
+    return SimSession(sid, "t0", start, [(10_000 + hash(sid) % 1000, first)],
+                      [SimTurn(0 if t == 0 else new, out, gap) for t in range(turns)])
+
+
+def test_a_lone_conversation_pulls_every_later_turn_and_pays_what_the_profile_says():
+    res = simulate([conversation()], "kvshuttle")
+    cols = res.turns
+    assert len(cols) == 3 and dict(cols.codes) == {reasons.NO_RECORD: 1, reasons.PULL_ALL: 2}
+    # the first turn computes its whole prompt, then D receives its KV and samples one token
+    n = 2048
+    assert cols.ttft_ms[0] == pytest.approx(PROFILE.compute_ms(n, 0) + PROFILE.handoff_ms(n) + PROFILE.tpot_ms)
+    # the second pulls the history (prompt + answer less its last token); P's own cache already holds the
+    # first prompt's whole units, so only the rest of the history is pulled
+    history = n + 64 - 1
+    assert cols.cached[1] == n // 256 * 256 and cols.pulled[1] == history - cols.cached[1]
+    assert cols.computed[1] == n + 64 + 512 - history
+    assert res.bytes_d_to_p == sum(cols.pulled) * PROFILE.kv_bytes_per_token
+    assert res.d_stalls == 0 and res.peak_live_sessions == 1
+
+
+def test_recompute_and_the_cache_aware_router_never_pull_nor_hold_kv():
+    for name in ("recompute", "cache_aware"):
+        res = simulate([conversation(), conversation("s1", start=0.5)], name)
+        assert sum(res.turns.pulled) == 0 and res.bytes_d_to_p == 0
+        assert res.held_fraction_max == 0.0
+        assert len(res.turns) == 6
+
+
+def test_an_expired_handle_is_not_pulled():
+    res = simulate([conversation(gap=30.0)], "kvshuttle", ttl_s=20.0, tick_s=1.0)
+    assert res.turns.codes.get(reasons.EXPIRED) == 2 and sum(res.turns.pulled) == 0
+    assert res.expired >= 2
+
+
+def test_a_full_decode_worker_stalls_the_threshold_rule_and_kvshuttle_makes_room():
+    """Ten sessions that never come back fill a small D with held handles: vLLM's rule (TTL only) makes the next
+    sessions wait for the TTL; kvshuttle frees the held handles for them (under pressure, or to make room)."""
+    idle = [conversation(f"idle{i}", start=i * 0.01, turns=1, first=4000) for i in range(10)]
+    late = [conversation(f"late{i}", start=5.0 + i, turns=2, first=4000) for i in range(5)]
+    kv = 44_000  # ten held handles of ~4k tokens fill it
+    threshold = simulate(idle + late, "threshold", decode_kv=kv, ttl_s=60.0, tick_s=1.0)
+    ours = simulate(idle + late, "kvshuttle", decode_kv=kv, ttl_s=60.0, tick_s=1.0)
+    assert threshold.d_stalls > 0 and max(threshold.turns.d_wait_ms) > 40_000  # waited for the TTL
+    assert ours.d_stalls == 0 and ours.evictions["room"] + ours.evictions["pressure"] > 0
+    assert len(threshold.turns) == len(ours.turns) == 20
+    assert max(ours.turns.ttft_ms) < 10_000 < max(threshold.turns.ttft_ms)
+
+
+def test_config_rejects_what_it_cannot_run():
+    for bad in ({"strategies": "kvshuttle,magic"}, {"prefill_workers": 0}, {"unit_tokens": 100},
+                {"high_water": 0.5, "low_water": 0.7}, {"trace": "/nonexistent.jsonl"}):
+        with pytest.raises(ConfigError):
+            SimulateConfig(**bad).validate()
+
+
+def test_every_strategy_runs_the_same_workload(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    cfg = SimulateConfig(sessions=40, arrival_s=10.0, prefill_workers=3, decode_workers=3, jobs=1, out="",
+                         write_trace=str(trace))
+    cfg.validate()
+    rep = run(cfg)
+    assert [r["strategy"] for r in rep["results"]] == list(strategies.NAMES)
+    assert {r["turns"] for r in rep["results"]} == {rep["workload"]["turns"]}
+    assert len(trace.read_text().splitlines()) == rep["workload"]["turns"]
+    replay = run(dataclasses.replace(cfg, trace=str(trace), write_trace="", strategies="recompute"))
+    assert replay["workload"]["turns"] == rep["workload"]["turns"]
+    text = format_report(rep)
+    assert "TTFT p50 (ms)" in text and "cache_aware" in text
+
+
+def test_validation_fits_a_profile_and_reproduces_its_own_turns(tmp_path):
+    """Samples made by the simulator itself (a known profile, noise off): the fit recovers the profile closely
+    enough that the checked half is reproduced within the tolerance."""
+    from kvshuttle.services.devtools.simulator import validate as v
+
+    truth = dataclasses.replace(profile("cpu-tiny"), noise=0.0)
+    rows = []
+    for mode in v.MODES:
+        convs = [conversation(f"c{i}", turns=4, first=600 + 300 * i, new=200 + 50 * i, out=24) for i in range(4)]
+        for session in convs:
+            session.start_s = 3600.0 * int(session.session_id[1:])
+        ps, ds, index = fleet()
+        ps = [PrefillWorker("p0", 0, truth.block_size, index)]  # a cold P, as the bench runs it
+        ds = [DecodeWorker("d0", truth.decode_kv_tokens, truth.block_size)]
+        res = Simulation(convs, strategies.make(v.MODES[mode], ps, ds, random.Random(0), candidates=1, unit=16,
+                                                prior=PrefillPrior(), index=index),
+                         truth, ps, ds, SimSettings(unit_tokens=16)).run()
+        cols = res.turns
+        for i in range(len(cols)):
+            turn = sum(1 for j in range(i) if int(cols.arrival[j] // 3600) == int(cols.arrival[i] // 3600)) + 1
+            rows.append({"mode": mode, "conversation": f"c{int(cols.arrival[i] // 3600)}", "turn": turn,
+                         "prompt_tokens": cols.prompt[i], "history_tokens": cols.history[i],
+                         "ttft_ms": cols.ttft_ms[i], "latency_ms": cols.ttft_ms[i] + 23 * truth.tpot_ms,
+                         "output_tokens": 24, "pulled_tokens": cols.pulled[i], "computed_tokens": cols.computed[i]})
+    path = tmp_path / "samples.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rep = v.validate(path, warm_up=0)
+    assert rep["checked_conversations"] == 2 and rep["within_tolerance"], v.format_validation(rep)
+    assert rep["coefficients"]["tpot_ms"] == pytest.approx(truth.tpot_ms)
+    assert set(rep["table"]) == set(v.MODES)
+    assert v.validate(path)["warm_up_conversations"] == ["c0"]
+    with pytest.raises(v.ValidationError, match="no samples of mode"):
+        (tmp_path / "other.jsonl").write_text(json.dumps({**rows[0], "mode": "smg"}) + "\n")
+        v.validate(tmp_path / "other.jsonl")
