@@ -109,3 +109,22 @@ class PrefixHasher:
     def digest(self) -> bytes:
         """The digest of all ids so far (``b""`` for none, as :func:`prefix_digest`)."""
         return self._hasher.copy().digest() if self.length else b""
+
+    def copy(self) -> PrefixHasher:
+        out = PrefixHasher()
+        out._hasher, out.length = self._hasher.copy(), self.length
+        return out
+
+    def digests_along(self, ids: Sequence[int], lengths: Iterable[int]) -> dict[int, bytes]:
+        """Extend this hasher (over the first ``self.length`` of ``ids``) through all of ``ids``; returns the
+        digests at ``lengths`` (each within ``self.length + 1 .. len(ids)``). Costs O(new ids)."""
+        start, wanted = self.length, sorted(set(lengths))
+        if wanted and not start < wanted[0] <= wanted[-1] <= len(ids):
+            raise ValueError(f"lengths must be within {start + 1}..{len(ids)}, got {wanted[0]}..{wanted[-1]}")
+        out = {}
+        for n in [*wanted, len(ids)]:
+            if n > self.length:
+                self.extend(ids[self.length:n])
+            if n in wanted:
+                out[n] = self.digest()
+        return out

@@ -200,3 +200,18 @@ def test_prefix_hasher_gives_the_one_pass_digests_turn_by_turn():
     assert hasher.length == 700
     assert seen == prefix_digests(ids, seen)
     assert seen[450] == prefix_digest(ids, 450) != prefix_digest(ids, 449)
+
+
+def test_a_resumed_hasher_gives_the_one_pass_digests_of_the_new_lengths():
+    from kvshuttle.control_plane.prefix import PrefixHasher
+
+    ids = list(range(5000, 6200))
+    first = PrefixHasher()
+    assert first.digests_along(ids[:700], [300, 700]) == prefix_digests(ids, [300, 700])
+    assert first.length == 700
+    resumed = first.copy()
+    assert resumed.digests_along(ids, [701, 900, 1200]) == prefix_digests(ids, [701, 900, 1200])
+    assert first.length == 700 and resumed.length == 1200  # the copy moved, the original did not
+    assert resumed.digest() == prefix_digest(ids, 1200)
+    with pytest.raises(ValueError, match="lengths must be within 701"):
+        first.copy().digests_along(ids, [700, 900])

@@ -583,3 +583,38 @@ def test_the_turn_span_carries_the_genai_sampling_attributes():
     assert attrs["gen_ai.request.frequency_penalty"] == -1.0 and attrs["gen_ai.request.stop_sequences"] == ["\n"]
     plain = request_attributes(TurnRequest(prompt_text="x"), "m")
     assert not any(k in plain for k in ("gen_ai.request.top_k", "gen_ai.request.presence_penalty"))
+
+
+async def test_the_next_turn_on_this_gateway_hashes_only_its_new_ids(monkeypatch):
+    """The record stage keeps its digest state over the recorded history: the session's next turn here resumes it
+    (its digests equal a full pass over the whole history), and a history it did not hash starts from scratch."""
+    from kvshuttle.control_plane.prefix import PrefixHasher
+
+    starts = []
+    real = PrefixHasher.digests_along
+
+    def spy(self, ids, lengths):
+        starts.append(self.length)
+        return real(self, ids, lengths)
+
+    monkeypatch.setattr(PrefixHasher, "digests_along", spy)
+    registry = Registry(recorded("<user>hi<assistant>ok", [900, 901, 902], turn=4, covered_tokens=2))
+    r, _, _ = runner(scheduler_pb2.DECISION_RECOMPUTE, Engine(), registry, decode=HandingDecode())
+    await run(r, TurnRequest(session_id="s", messages=MORE, max_tokens=2))
+    first = registry.histories[-1]
+    again = [*MORE, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "again"}]
+    await run(r, TurnRequest(session_id="s", messages=again, max_tokens=2))
+    whole = registry.histories[-1]
+    assert whole[:len(first)] == first and len(whole) > len(first)
+    assert starts == [0, len(first)]  # the first turn here hashed everything, the second only its new ids
+    record = registry.recorded[-1]
+    assert record.base_tokens == len(first) and record.prefix_digest == prefix_digest(whole, len(whole) - 1)
+    assert [(cp.tokens, cp.digest) for cp in record.checkpoints] == [(cp.tokens, prefix_digest(whole, cp.tokens))
+                                                                      for cp in record.checkpoints]
+    assert len(first) in [cp.tokens for cp in record.checkpoints]
+    registry.session.history_generation += 1  # another lineage (e.g. another gateway replaced the history)
+    r.forget_record("default", "s")
+    third = [*again, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "3"}]
+    await run(r, TurnRequest(session_id="s", messages=third, max_tokens=2))
+    assert starts[-1] == 0 and registry.recorded[-1].prefix_digest == prefix_digest(registry.histories[-1],
+                                                                                    len(registry.histories[-1]) - 1)

@@ -17,7 +17,7 @@ from kvshuttle.control_plane import kv_params
 from kvshuttle.control_plane import reasons as why
 from kvshuttle.control_plane import session as session_rules
 from kvshuttle.control_plane.continuation import text_key
-from kvshuttle.control_plane.prefix import checkpoint_lengths, prefix_digests
+from kvshuttle.control_plane.prefix import PrefixHasher, checkpoint_lengths
 from kvshuttle.services.engine.client import EngineError, Final
 from kvshuttle.services.gateway.turns.context import TurnContext
 from kvshuttle.services.gateway.turns.spans import release_span, tracer
@@ -100,9 +100,14 @@ async def _record_turn(rt: TurnRunner, ctx: TurnContext, ids: list[int], text: s
     previous = [*(cp.tokens for cp in base.checkpoints), base.covered_tokens, base.history_tokens] if base else []
     lengths = checkpoint_lengths(previous, len(ctx.prompt_ids), covered)
     wanted = [*lengths, covered] if covered else []
-    # one pass over the ids: ~25 ms at 1M tokens, kept off the event loop when long
-    digests = (await asyncio.to_thread(prefix_digests, ids, wanted) if len(ids) > _DIGEST_INLINE_IDS
-               else prefix_digests(ids, wanted))
+    hasher, digests = _resume(rt, req, base, wanted)
+    # one pass over the ids not hashed yet (all of them without a kept state: ~25 ms at 1M tokens), off the event
+    # loop when long
+    new = [n for n in wanted if n > hasher.length]
+    if len(ids) - hasher.length > _DIGEST_INLINE_IDS:
+        digests.update(await asyncio.to_thread(hasher.digests_along, ids, new))
+    else:
+        digests.update(hasher.digests_along(ids, new))
     request = registry_pb2.RecordTurnRequest(
         session_id=req.session_id, tenant=req.tenant, decode_worker_id=ctx.plan.decode.worker_id,
         kv_transfer_params_json=handle_json, text_chars=len(text), text_key=text_key(text) if text else b"",
@@ -112,14 +117,38 @@ async def _record_turn(rt: TurnRunner, ctx: TurnContext, ids: list[int], text: s
         request.base_tokens, request.base_turn = base.history_tokens, base.turn
         request.token_ids.extend(ids[base.history_tokens:])
         try:
-            return await rt.registry.RecordTurn(request, timeout=rt.control_timeout_s)
+            return _kept(rt, req, await rt.registry.RecordTurn(request, timeout=rt.control_timeout_s), hasher)
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.FAILED_PRECONDITION or "history changed" not in (exc.details() or ""):
                 raise
             request.ClearField("token_ids")
             request.base_tokens = request.base_turn = 0
     request.token_ids.extend(ids)
-    return await rt.registry.RecordTurn(request, timeout=rt.control_timeout_s)
+    return _kept(rt, req, await rt.registry.RecordTurn(request, timeout=rt.control_timeout_s), hasher)
+
+
+def _resume(rt: TurnRunner, req, base: common_pb2.Session | None,
+            wanted: list[int]) -> tuple[PrefixHasher, dict[int, bytes]]:
+    """The digest state to continue from, and the digests of ``wanted`` lengths it already covers: this gateway's
+    state over ``base``'s whole history when it kept one (the lengths within it come from ``base``'s own digests),
+    else a fresh state (every length hashed)."""
+    hasher = rt.history_hasher(req.tenant, req.session_id, base) if base is not None else None
+    if hasher is None:
+        return PrefixHasher(), {}
+    known = {cp.tokens: cp.digest for cp in base.checkpoints}
+    known[base.covered_tokens] = base.prefix_digest
+    known[hasher.length] = hasher.digest()
+    if any(n <= hasher.length and n not in known for n in wanted):
+        return PrefixHasher(), {}
+    return hasher, {n: known[n] for n in wanted if n <= hasher.length}
+
+
+def _kept(rt: TurnRunner, req, resp: registry_pb2.RecordTurnResponse,
+          hasher: PrefixHasher) -> registry_pb2.RecordTurnResponse:
+    """Keep the digest state over the recorded history for the session's next turn on this gateway."""
+    if req.session_id and hasher.length == resp.session.history_tokens:
+        rt.keep_hasher(req.tenant, req.session_id, resp.session, hasher)
+    return resp
 
 
 def end_marker(rt: TurnRunner, output: list[int], hidden: set[int] | frozenset[int]) -> str:

@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 from kvshuttle.control_plane import session as session_rules
 from kvshuttle.control_plane.lru import BoundedLru
+from kvshuttle.control_plane.prefix import PrefixHasher
 from kvshuttle.services.common import metrics
 from kvshuttle.services.engine.client import EngineClient
 from kvshuttle.services.gateway.turns import decode as decoding
@@ -84,6 +85,9 @@ class TurnRunner:
         # stays on this gateway needs no registry read. A record another gateway changed since makes the scheduler
         # report the snapshot stale (its claim is at our revision), and the turn reads the record and plans again.
         self._sessions: BoundedLru[common_pb2.Session] = BoundedLru(session_cache_bytes)
+        # Per recorded session, the digest state over its whole history (prefix.PrefixHasher): the next turn's record
+        # digests hash only the new ids. Kept with what identifies the history it covers (turn, length, lineage).
+        self._hashers: BoundedLru[tuple[tuple, PrefixHasher]] = BoundedLru(max(1 << 20, session_cache_bytes // 16))
         self._reports: set[asyncio.Task] = set()  # background work in flight (kept so it is not collected)
         # Turns served without the session store (registry/etcd unreachable), by kind; GET /health shows them, and
         # /metrics (metrics_state).
@@ -110,6 +114,16 @@ class TurnRunner:
 
     def keep_record(self, tenant: str, session_id: str, record: common_pb2.Session) -> None:
         self._sessions.put((tenant, session_id), record, record.ByteSize())
+
+    def history_hasher(self, tenant: str, session_id: str, base: common_pb2.Session) -> PrefixHasher | None:
+        """A copy of the digest state over ``base``'s whole history (None: not kept here, or another history)."""
+        kept = self._hashers.get((tenant, session_id))
+        if kept is None or kept[0] != _history_identity(base) or kept[1].length != base.history_tokens:
+            return None
+        return kept[1].copy()
+
+    def keep_hasher(self, tenant: str, session_id: str, recorded: common_pb2.Session, hasher: PrefixHasher) -> None:
+        self._hashers.put((tenant, session_id), (_history_identity(recorded), hasher), _HASHER_BYTES)
 
     def forget_record(self, tenant: str, session_id: str) -> None:
         self._sessions.discard((tenant, session_id))
@@ -244,3 +258,11 @@ class TurnRunner:
             raise TurnError(503, grpc.StatusCode.UNAVAILABLE, f"session registry unavailable: {exc.details()}",
                             retry_after_s=1) from None
         return deleted.deleted, released
+
+
+_HASHER_BYTES = 512  # a kept digest state, about (a blake2b state and its key)
+
+
+def _history_identity(session: common_pb2.Session) -> tuple:
+    """What tells one recorded history from another of the same session (a later turn, a replaced lineage)."""
+    return session.turn, session.history_tokens, session.history_generation, session.prefix_digest
