@@ -72,7 +72,6 @@ class Live:
     created: float
     turn: int = 0
     record: Record | None = None
-    last_prefill: str = ""
     boundaries: list[int] = field(default_factory=list)  # checkpoint lengths of the record
     hasher: PrefixHasher | None = None  # the history's digest, extended turn by turn (strategies that pull)
     digests: dict[int, bytes] = field(default_factory=dict)  # checkpoint length -> digest
@@ -213,8 +212,7 @@ class Simulation:
                 prompt = token_ids(live.segments)
         unit = self.settings.unit_tokens
         keys = live.chain.keys[: n // unit]
-        routed = self.strategy.route(live.key, prompt, view, record.source if record else "", live.last_prefill,
-                                     keys[: (n - 1) // unit])
+        routed = self.strategy.route(live.key, prompt, view, record.source if record else "", keys[: (n - 1) // unit])
         flight = InFlight(live, self.now, n, boundary, keys, routed, turn.output_tokens, code=routed.code)
         if routed.choice is Choice.PULL:
             source = self.decode_by_id[record.source]
@@ -339,7 +337,6 @@ class Simulation:
                 self.holders.pop(old.held_key, None)
                 self._wake(source)
         live.record = self._record(live, flight, d, covered_digest) if self.strategy.keeps_kv else None
-        live.last_prefill = r.prefill.worker_id
         live.turn += 1
         if live.turn < len(live.spec.turns):
             self._push(self.now + live.spec.turns[live.turn].gap_s, _ARRIVE, live)

@@ -61,8 +61,10 @@ class Strategy:
         self.prefill, self.decode, self.rng, self.candidates, self.unit = list(prefill), list(decode), rng, \
             candidates, unit
 
-    def route(self, session: tuple[str, str], prompt, handle: HandleView | None, source: str, last_prefill: str,
+    def route(self, session: tuple[str, str], prompt, handle: HandleView | None, source: str,
               unit_keys: list[int]) -> Routed:
+        """Where the turn runs and whether it pulls. ``source``: the decode worker holding the session's handle;
+        ``unit_keys``: the prompt's whole prefix-cache units (the cache-aware router matches them)."""
         raise NotImplementedError
 
     def observe(self, outcome: Outcome) -> None:
@@ -108,7 +110,7 @@ class PlannerStrategy(Strategy):
     def model(self) -> PrefillCostModel:
         return self.planner.model
 
-    def route(self, session, prompt, handle, source, last_prefill, unit_keys) -> Routed:
+    def route(self, session, prompt, handle, source, unit_keys) -> Routed:
         tp = self.planner.plan(prompt, handle, prefill=self.prefill, decode=self.decode, loads=self.loads,
                                source_worker=source, disable_pull=self.disable_pull, session=session)
         plan = tp.plan
@@ -161,14 +163,14 @@ class CacheAware(Strategy):
         best = min(key(w) for w in workers)
         return self.rng.choice([w for w in workers if key(w) == best])
 
-    def route(self, session, prompt, handle, source, last_prefill, unit_keys) -> Routed:
+    def route(self, session, prompt, handle, source, unit_keys) -> Routed:
         def load(w: PrefillWorker) -> int:
             return len(w.queue) + w.busy
 
         loads = [load(w) for w in self.prefill]
         high, low = max(loads), min(loads)
         if high - low > self.balance_abs and high > low * self.balance_rel:
-            p, why = self._least(self.prefill, load), reasons.NO_RECORD
+            p = self._least(self.prefill, load)
         else:
             holders: set[str] | None = None
             matched = 0
@@ -183,10 +185,9 @@ class CacheAware(Strategy):
                 p = self._least([self.by_id[w] for w in holders], load)
             else:
                 p = self._least(self.prefill, lambda w: len(w.cache))
-            why = reasons.NO_RECORD if handle is None else reasons.PULL_DISABLED
         a, b = self.rng.sample(self.decode, 2) if len(self.decode) > 1 else (self.decode[0],) * 2
         d = a if a.used_tokens + a.reserved_tokens <= b.used_tokens + b.reserved_tokens else b
-        return Routed(p, d, Choice.RECOMPUTE, why, policy=self.name)
+        return Routed(p, d, Choice.RECOMPUTE, reasons.NO_RECORD, policy=self.name)  # it keeps no handles
 
 
 def make(name: str, prefill, decode, rng: random.Random, *, candidates: int, unit: int, prior: PrefillPrior,
