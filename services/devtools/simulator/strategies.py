@@ -182,7 +182,7 @@ class CacheAware(Strategy):
                 holders, matched = common, matched + 1
             n = len(prompt)
             if holders and matched * self.unit > self.cache_threshold * n:
-                p = self._least([self.by_id[w] for w in holders], load)
+                p = self._least([self.by_id[w] for w in sorted(holders)], load)  # sorted: runs repeat exactly
             else:
                 p = self._least(self.prefill, lambda w: len(w.cache))
         a, b = self.rng.sample(self.decode, 2) if len(self.decode) > 1 else (self.decode[0],) * 2
