@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 R = TypeVar("R")
 
@@ -144,6 +145,51 @@ class RecentFit(Generic[R]):
     @property
     def records(self) -> list[R]:
         return [r for kept in self._classes.values() for _, r, _ in kept]
+
+    def state(self) -> dict:
+        """What the fit learned, JSON-friendly: θ, its counters, and the kept observations (records are
+        :class:`Turn`) in order, each with the ``(x, y, measured)`` it was last fitted with, as cached (a link fit's
+        depend on the compute fit of when they were computed, so they are kept, not recomputed). Not the priors,
+        the settings, ``to_xy`` or ``size_of``: whoever makes the fit supplies those."""
+        return {
+            "theta": list(self.theta),
+            "observations": self.observations,
+            "changes": self.changes,
+            "streak": self._streak,
+            "classes": [[size_class, [[index, _turn_out(r), _xy_out(xy)] for index, r, xy in kept]]
+                        for size_class, kept in self._classes.items()],
+            "recent": [[size_class, index, _turn_out(r), _xy_out(xy)] for size_class, index, r, xy in self._recent],
+        }
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Replace what the fit learned with ``state`` (from :meth:`state`, JSON round-trip included), exactly.
+
+        ValueError when it is malformed, or keeps more observations than these settings do (``window`` per size
+        class, ``change_after`` recent ones); nothing changes then."""
+        n, window, recent_len = len(self.prior), self.settings.window, self.settings.change_after
+        with _malformed("cost fit"):
+            state = _mapping(state, "fit")
+            theta = [_number(v, "theta") for v in _list(state["theta"], "theta", length=n)]
+            observations = _int(state["observations"], "observations", low=0)
+            changes = _int(state["changes"], "changes", low=0)
+            streak = _int(state["streak"], "streak")
+            classes: dict[int, deque[tuple[int, Turn, tuple]]] = {}
+            for item in _list(state["classes"], "classes"):
+                size_class, entries = _list(item, "size class", length=2)
+                size_class = _int(size_class, "size class", low=0)
+                if size_class in classes:
+                    raise ValueError(f"size class {size_class} appears twice")
+                entries = _list(entries, "size class entries", longest=window)
+                classes[size_class] = deque(
+                    ((_index(i, observations), _turn_in(r), _xy_in(xy, n))
+                     for i, r, xy in (_list(e, "kept observation", length=3) for e in entries)), maxlen=window)
+            recent: deque[tuple[int, int, Turn, tuple]] = deque(maxlen=recent_len)
+            for entry in _list(state["recent"], "recent", longest=recent_len):
+                size_class, i, r, xy = _list(entry, "recent observation", length=4)
+                recent.append((_int(size_class, "size class", low=0), _index(i, observations), _turn_in(r),
+                               _xy_in(xy, n)))
+        self.theta, self.observations, self.changes, self._streak = theta, observations, changes, streak
+        self._classes, self._recent = classes, recent
 
     def predict(self, x: Sequence[float]) -> float:
         return sum(t * v for t, v in zip(self.theta, x, strict=True))
@@ -285,9 +331,7 @@ class PrefillCostModel:
         if pulled_tokens == 0:
             fit = self._compute.get(worker)
             if fit is None:
-                fit = self._compute[worker] = RecentFit(
-                    self.prior.compute(), self.prior, lambda t: (compute_features(t.computed, t.context), t.ms, t.ms),
-                    lambda t: t.computed)
+                fit = self._compute[worker] = self._new_compute_fit()
             fit.add(turn)
             most = self._compute.get(self._most_measured) if self._most_measured is not None else None
             if most is None or fit.observations > most.observations:
@@ -297,10 +341,7 @@ class PrefillCostModel:
         key = (worker, source)
         fit = self._links.get(key)
         if fit is None:
-            fit = self._links[key] = RecentFit(
-                self.prior.transfer(), self.prior,
-                lambda t: (transfer_features(t.pulled), t.ms - self.compute_ms(worker, t.computed, t.context), t.ms),
-                lambda t: t.pulled)
+            fit = self._links[key] = self._new_link_fit(worker)
             self._links_of.setdefault(worker, set()).add(key)
         if key in self._stale:
             fit.refit(fresh=True)
@@ -310,6 +351,16 @@ class PrefillCostModel:
             self._most_link_of[worker] = key
         if self._more_measured(key, self._most_link):
             self._most_link = key
+
+    def _new_compute_fit(self) -> RecentFit[Turn]:
+        return RecentFit(self.prior.compute(), self.prior, _compute_xy, _computed_of)
+
+    def _new_link_fit(self, worker: str) -> RecentFit[Turn]:
+        """A link fit of ``worker``: it fits what ``worker``'s compute fit (as it is when asked) leaves unexplained."""
+        return RecentFit(
+            self.prior.transfer(), self.prior,
+            lambda t: (transfer_features(t.pulled), t.ms - self.compute_ms(worker, t.computed, t.context), t.ms),
+            _pulled_of)
 
     def _more_measured(self, key: tuple[str, str], than: tuple[str, str] | None) -> bool:
         return than is None or self._links[key].observations > self._links[than].observations
@@ -344,3 +395,149 @@ class PrefillCostModel:
     def link_fits(self) -> dict[tuple[str, str], RecentFit[Turn]]:
         """Every measured link's fit, refitted first where its worker's compute fit changed."""
         return {key: self._link_fit(*key) for key in list(self._links)}
+
+    def state(self) -> dict:
+        """What the model learned, JSON-friendly (lists for tuple keys): every fit (:meth:`RecentFit.state`), in
+        order, the links whose refit is pending, and the most-measured fits unseen workers and links predict from.
+        Not the priors and fitting settings: a model loading it is given its own, and behaves identically only when
+        they are the same. Pure: taking it does not refit anything."""
+        return {
+            "compute": {worker: fit.state() for worker, fit in self._compute.items()},
+            "links": [[worker, source, fit.state()] for (worker, source), fit in self._links.items()],
+            "stale": sorted([worker, source] for worker, source in self._stale),
+            "most_measured": self._most_measured,
+            "most_link": list(self._most_link) if self._most_link is not None else None,
+            "most_link_of": {worker: key[1] for worker, key in self._most_link_of.items()},
+        }
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Replace what the model learned with ``state`` (from :meth:`state`, JSON round-trip included), in place
+        (whoever holds this model sees it): it then predicts, and learns from further observations, exactly as the
+        model that took it. ValueError when it is malformed; nothing changes then."""
+        with _malformed("cost model"):
+            state = _mapping(state, "cost model")
+            compute: dict[str, RecentFit[Turn]] = {}
+            for worker, fit_state in _mapping(state["compute"], "compute").items():
+                fit = compute[_str(worker, "worker")] = self._new_compute_fit()
+                fit.load_state(fit_state)
+            links: dict[tuple[str, str], RecentFit[Turn]] = {}
+            links_of: dict[str, set[tuple[str, str]]] = {}
+            for item in _list(state["links"], "links"):
+                worker, source, fit_state = _list(item, "link", length=3)
+                key = (_str(worker, "worker"), _str(source, "source"))
+                if key in links:
+                    raise ValueError(f"link {key} appears twice")
+                fit = links[key] = self._new_link_fit(key[0])
+                fit.load_state(fit_state)
+                links_of.setdefault(key[0], set()).add(key)
+            stale = {_link_in(item, links) for item in _list(state["stale"], "stale")}
+            most_measured = state["most_measured"]
+            if most_measured is not None and most_measured not in compute:
+                raise ValueError(f"most_measured {most_measured!r} has no compute fit")
+            most_link = _link_in(state["most_link"], links) if state["most_link"] is not None else None
+            most_link_of = {_str(worker, "worker"): _link_in([worker, source], links)
+                            for worker, source in _mapping(state["most_link_of"], "most_link_of").items()}
+        self._compute, self._links, self._links_of, self._stale = compute, links, links_of, stale
+        self._most_measured, self._most_link, self._most_link_of = most_measured, most_link, most_link_of
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any], prior: PrefillPrior | None = None) -> PrefillCostModel:
+        """A model with ``prior`` that learned ``state`` (:meth:`load_state`)."""
+        model = cls(prior)
+        model.load_state(state)
+        return model
+
+
+def _compute_xy(t: Turn) -> tuple[list[float], float, float]:
+    return compute_features(t.computed, t.context), t.ms, t.ms
+
+
+def _computed_of(t: Turn) -> int:
+    return t.computed
+
+
+def _pulled_of(t: Turn) -> int:
+    return t.pulled
+
+
+# Snapshots (state / load_state): JSON-friendly encodings, and checks that turn a malformed one into a ValueError.
+
+def _turn_out(t: Turn) -> list:
+    return [t.computed, t.context, t.pulled, t.ms]
+
+
+def _xy_out(xy: tuple) -> list:
+    x, y, measured = xy
+    return [list(x), y, measured]
+
+
+@contextmanager
+def _malformed(what: str) -> Iterator[None]:
+    try:
+        yield
+    except ValueError as exc:
+        raise ValueError(f"malformed {what} state: {exc}") from None
+    except (KeyError, TypeError, IndexError, AttributeError) as exc:
+        raise ValueError(f"malformed {what} state: {type(exc).__name__}: {exc}") from None
+
+
+def _mapping(value: Any, what: str) -> Mapping:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{what} is not a mapping")
+    return value
+
+
+def _list(value: Any, what: str, *, length: int | None = None, longest: int | None = None) -> list | tuple:
+    if not isinstance(value, list | tuple):
+        raise ValueError(f"{what} is not a list")
+    if length is not None and len(value) != length:
+        raise ValueError(f"{what} has {len(value)} items, not {length}")
+    if longest is not None and len(value) > longest:
+        raise ValueError(f"{what} has {len(value)} items, more than these settings keep ({longest})")
+    return value
+
+
+def _int(value: Any, what: str, *, low: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{what} is not an integer: {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{what} is below {low}: {value}")
+    return value
+
+
+def _number(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{what} is not a number: {value!r}")
+    return value  # as it is: JSON keeps ints and floats apart, and floats exactly
+
+
+def _str(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{what} is not a string: {value!r}")
+    return value
+
+
+def _index(value: Any, observations: int) -> int:
+    index = _int(value, "observation index", low=0)
+    if index >= observations:
+        raise ValueError(f"observation index {index} is not below the observation count {observations}")
+    return index
+
+
+def _turn_in(value: Any) -> Turn:
+    computed, context, pulled, ms = _list(value, "turn", length=4)
+    return Turn(_int(computed, "computed", low=0), _int(context, "context", low=0), _int(pulled, "pulled", low=0),
+                _number(ms, "ms"))
+
+
+def _xy_in(value: Any, n: int) -> tuple[list[float], float, float]:
+    x, y, measured = _list(value, "(x, y, measured)", length=3)
+    return [_number(v, "x") for v in _list(x, "x", length=n)], _number(y, "y"), _number(measured, "measured")
+
+
+def _link_in(value: Any, links: Mapping[tuple[str, str], Any]) -> tuple[str, str]:
+    worker, source = _list(value, "link", length=2)
+    key = (_str(worker, "worker"), _str(source, "source"))
+    if key not in links:
+        raise ValueError(f"link {key} has no fit")
+    return key

@@ -7,9 +7,11 @@ kvshuttle carries them as opaque JSON on the wire; only these functions look ins
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 
@@ -38,11 +40,26 @@ class Handle:
     port: int
     num_tokens: int
     block_groups: tuple[tuple[int, ...], ...]
-    raw: dict[str, Any]
+    raw: Mapping[str, Any]  # read-only
 
 
-def parse_handle(params: str | dict[str, Any]) -> Handle:
-    """Parse and sanity-check a decode worker's returned params. Raises HandleError."""
+def parse_handle(params: str | Mapping[str, Any]) -> Handle:
+    """Parse and sanity-check a decode worker's returned params. Raises HandleError.
+
+    A JSON text is parsed once while it is among the last few parsed (a plan checks the handle's source and then
+    builds the pull from it: one parse, not two); the Handle is immutable (``raw`` is read-only), so sharing it is
+    safe."""
+    if isinstance(params, str):
+        return _parse_text(params)
+    return _parse(params)
+
+
+@functools.lru_cache(maxsize=16)
+def _parse_text(params: str) -> Handle:
+    return _parse(params)
+
+
+def _parse(params: str | Mapping[str, Any]) -> Handle:
     try:
         raw = json.loads(params) if isinstance(params, str) else dict(params)
     except (TypeError, ValueError) as exc:
@@ -68,7 +85,7 @@ def parse_handle(params: str | dict[str, Any]) -> Handle:
         raise HandleError(f"handle field missing or malformed: {exc}") from None
     if num_tokens <= 0:
         raise HandleError("remote_num_tokens must be positive")
-    return Handle(engine_id, host, port, num_tokens, groups, raw)
+    return Handle(engine_id, host, port, num_tokens, groups, MappingProxyType(raw))
 
 
 def blocks_for(tokens: int, block_size: int) -> int:

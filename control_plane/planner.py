@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from kvshuttle.control_plane.cost_model import Prediction, PrefillCostModel
 from kvshuttle.control_plane.decision import Choice, HandleView, Plan, decide
@@ -37,6 +37,8 @@ from kvshuttle.control_plane.prefill_cache import PrefillCacheHints
 from kvshuttle.control_plane.selection import UNKNOWN, HasId, Selector
 
 W = TypeVar("W", bound=HasId)
+
+LEARNED_STATE_VERSION = 1
 
 
 @dataclass
@@ -147,3 +149,62 @@ class Planner(Generic[W]):
                            prefill_ms=outcome.prefill_ms, source=outcome.source_worker)
         self.reported += 1
         return regret
+
+    def learned_state(self) -> dict:
+        """What this planner learned from reported turns, JSON-friendly, for another replica to start from
+        (:meth:`load_learned_state`): the cost model, the regret counts, the per-worker trust in prefix-cache
+        estimates and the count of reported turns. A replica that loads it and then observes the same turns as this
+        one stays identical to it in all of these.
+
+        Not in it: which worker prefilled each session (per session, and re-learnt within a turn or two), the
+        policies' explore counters and the worker sampling's random state (per replica: they steer this replica's
+        own choices, not what it learned), and the priors and settings (configuration: replicas should share it)."""
+        return {
+            "version": LEARNED_STATE_VERSION,
+            "model": self.model.state(),
+            "regret": {"turns": dict(self.regret.turns), "regrets": dict(self.regret.regrets)},
+            "cache_trust": dict(self.cache_hints.trust),
+            "reported": self.reported,
+        }
+
+    def load_learned_state(self, state: Mapping[str, Any]) -> None:
+        """Replace what this planner learned with ``state`` (from :meth:`learned_state`, JSON round-trip included),
+        in place: the policies and anyone else holding ``self.model`` see the loaded model.
+
+        ValueError for an unknown ``version`` or a malformed state; nothing changes then."""
+        if not isinstance(state, Mapping):
+            raise ValueError("malformed learned state: not a mapping")
+        version = state.get("version")
+        if type(version) is not int or version != LEARNED_STATE_VERSION:
+            raise ValueError(f"learned state version {version!r} is not supported (this planner reads version "
+                             f"{LEARNED_STATE_VERSION})")
+        try:
+            regret = state["regret"]
+            turns, regrets = _counts(regret["turns"], "regret turns"), _counts(regret["regrets"], "regrets")
+            trust = state["cache_trust"]
+            if not isinstance(trust, Mapping) or not all(
+                    isinstance(w, str) and isinstance(t, int | float) and not isinstance(t, bool) and 0 <= t <= 1
+                    for w, t in trust.items()):
+                raise ValueError("cache_trust is not a mapping of worker to a share in [0, 1]")
+            trust = dict(trust)
+            reported = state["reported"]
+            if isinstance(reported, bool) or not isinstance(reported, int) or reported < 0:
+                raise ValueError(f"reported is not a count: {reported!r}")
+            model = state["model"]
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"malformed learned state: {type(exc).__name__}: {exc}") from None
+        except ValueError as exc:
+            raise ValueError(f"malformed learned state: {exc}") from None
+        self.model.load_state(model)  # checks it all before changing anything: the last step that can fail
+        for mine, loaded in ((self.regret.turns, turns), (self.regret.regrets, regrets),
+                             (self.cache_hints.trust, trust)):
+            mine.clear()
+            mine.update(loaded)
+        self.reported = reported
+
+
+def _counts(value: Any, what: str) -> dict[str, int]:
+    if not isinstance(value, Mapping) or not all(
+            isinstance(k, str) and isinstance(n, int) and not isinstance(n, bool) and n >= 0 for k, n in value.items()):
+        raise ValueError(f"{what} is not a mapping of policy name to a count")
+    return dict(value)

@@ -28,6 +28,8 @@ def ids_bytes(tokens: Sequence[int] | bytes, n: int | None = None) -> bytes:
     """The first ``n`` (default: all) ids as int32 little-endian bytes (``bytes`` input is taken as such)."""
     if isinstance(tokens, bytes | bytearray | memoryview):
         return bytes(tokens if n is None else tokens[: 4 * n])
+    if isinstance(tokens, array) and tokens.typecode == "i" and not _SWAP:  # already the bytes: a slice copies them
+        return (tokens if n is None or n >= len(tokens) else tokens[:n]).tobytes()
     arr = array("i", tokens if n is None or n >= len(tokens) else tokens[:n])
     if _SWAP:
         arr.byteswap()

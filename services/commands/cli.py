@@ -17,7 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
               "plane's own overhead (starts the local stack)"),
     "registry": (f"{PKG}.registry.server", "Run the session registry (gRPC, etcd-backed)"),
     "scheduler": (f"{PKG}.scheduler.server", "Run the transfer scheduler (gRPC)"),
-    "gateway": (f"{PKG}.gateway.server", "Run the gateway (OpenAI HTTP API, REST bridge, gRPC)"),
+    "gateway": (f"{PKG}.commands.gateway", "Run the gateway (OpenAI HTTP API, REST bridge, gRPC)"),
     "worker": ("kvshuttle.workers.agent", "Run a vLLM prefill or decode worker and register it"),
     "hash-key": (f"{PKG}.gateway.auth", "Print the gateway's API-keys-file entry for a key (read on stdin) or a new "
                  "one"),

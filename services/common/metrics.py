@@ -93,6 +93,11 @@ KV_PULLS_LOST = Counter("kvshuttle_kv_pulls_lost", "Turns that found their sessi
                         "manager (they recompute), by why it was freed: idle, or pressure (room for a turn "
                         "included)", ["reason"],
                         registry=None)
+LEARNED_RESULTS = ("applied", "dropped", "rejected")
+LEARNED_OUTCOMES = Counter("kvshuttle_learned_outcomes", "Reported turn outcomes (what the cost model learns from), by "
+                           "what became of them: applied (learned here), dropped (etcd stayed away until the shared "
+                           "log's buffer filled: no replica learns them), rejected (invalid)", ["result"],
+                           registry=None)
 PLAN_SECONDS = Histogram("kvshuttle_plan_seconds", "PlanTurn's work in the scheduler (session read, prefix check, "
                          "policy, workers, claim)", ["decision"], buckets=FAST_BUCKETS, registry=None)
 
@@ -134,6 +139,8 @@ for _kind in FAILURE_KINDS:
     TURN_FAILURES.labels(_kind)
 for _reason in (kv_eviction.IDLE, kv_eviction.PRESSURE):
     KV_PULLS_LOST.labels(_reason)
+for _result in LEARNED_RESULTS:
+    LEARNED_OUTCOMES.labels(_result)
 for _role in ROLES:
     WORKER_FAILURES.labels(_role)
     LIVE_WORKERS.labels(_role)
@@ -196,6 +203,11 @@ def plan_made(*, policy: str, decision: str, reason_code: str, seconds: float) -
     decision = _decision(decision)
     PLANS.labels(policy, decision, reasons.known(reason_code)).inc()
     PLAN_SECONDS.labels(decision).observe(seconds)
+
+
+def outcomes_learned(result: str, n: int = 1) -> None:
+    if n:
+        LEARNED_OUTCOMES.labels(result).inc(n)
 
 
 def pull_lost(reason: str) -> None:
@@ -418,7 +430,7 @@ WORKER_STATE: StateCollector[WorkerState] = StateCollector(_worker_families, _re
 GROUPS: dict[str, tuple[Collector, ...]] = {
     "gateway": (TURNS, TURN_SESSIONS, TURN_RECORDS, TURN_TOKENS, KV_PULLED_BYTES, TTFT, TURN_DURATION, TURN_FAILURES, HTTP_REQUESTS,
                 WORKER_FAILURES, GATEWAY_STATE),
-    "scheduler": (PLANS, PLAN_SECONDS, KV_PULLS_LOST, SCHEDULER_STATE),
+    "scheduler": (PLANS, PLAN_SECONDS, KV_PULLS_LOST, LEARNED_OUTCOMES, SCHEDULER_STATE),
     "registry": (LIVE_WORKERS, LIVE_SESSIONS, SESSIONS_DROPPED, ETCD_DEFRAG_RUNS, ETCD_DB_SIZE, ETCD_DB_IN_USE),
     "etcd": (ETCD_SECONDS, ETCD_ERRORS),
     "grpc": (GRPC_HANDLED, GRPC_SECONDS),

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 import grpc
 from google.protobuf.message import Message
@@ -15,7 +15,7 @@ from kvshuttle.control_plane.reasoning import REASONING_PARSERS
 from kvshuttle.control_plane.tool_calls import TOOL_CALL_PARSERS
 from kvshuttle.services.common import metrics
 from kvshuttle.services.common.config import TelemetryConfig, require, setting
-from kvshuttle.services.common.grpc_server import Server, client_channel, service_main
+from kvshuttle.services.common.grpc_server import Server, client_channel
 from kvshuttle.services.common.http_server import HttpServer
 from kvshuttle.services.common.metrics_http import PATH as METRICS_PATH
 from kvshuttle.services.common.metrics_http import MetricsServer, check_listen, metrics_route
@@ -46,6 +46,8 @@ from starlette.requests import Request
 SERVICE_NAME = "kvshuttle.v1.Gateway"
 log = logging.getLogger(__name__)
 REGISTRY_SERVICE = "kvshuttle.v1.SessionRegistry"
+# A scheduler address naming several replicas (ipv4:a,b,c or a DNS name with several records): plans round robin.
+ROUND_ROBIN = (("grpc.service_config", json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})),)
 SCHEDULER_SERVICE = "kvshuttle.v1.TransferScheduler"  # its GetStats is bridged: GET /v1/scheduler/stats (admin)
 
 _SESSION_ID = {"maxLength": 256, "pattern": SESSION_ID_PATTERN}
@@ -88,8 +90,16 @@ class GatewayConfig(TelemetryConfig, TlsConfig):
     http_listen: str = setting("127.0.0.1:8000", "HTTP listen address (OpenAI API + REST bridge)")
     grpc_listen: str = setting("127.0.0.1:50053", "gRPC listen address")
     registry: str = setting("127.0.0.1:50051", "Session registry gRPC address", env="KVSHUTTLE_REGISTRY_ADDRESS")
-    scheduler: str = setting("127.0.0.1:50052", "Transfer scheduler gRPC address",
+    scheduler: str = setting("127.0.0.1:50052", "Transfer scheduler gRPC address (a gRPC target: "
+                                                "ipv4:HOST:PORT,HOST:PORT,... or dns:///NAME:PORT spreads plans over "
+                                                "several scheduler replicas, round robin), or 'local': plan in this "
+                                                "process (no hop per decision; see --scheduler-args)",
                              env="KVSHUTTLE_SCHEDULER_ADDRESS")
+    scheduler_args: str = setting("", "With --scheduler local: the embedded scheduler's flags, as `kvshuttle "
+                                      "scheduler` takes them (e.g. '--etcd-endpoints 127.0.0.1:2379 --history-store "
+                                      "...'); its KVSHUTTLE_SCHEDULER_* environment applies too. Registry and TLS "
+                                      "default to the gateway's; its gRPC API (GetStats) listens on a free loopback "
+                                      "port unless --listen is given")
     model_dir: str = setting("", "Model directory (tokenizer + chat template); the workers serve the same model",
                              env="KVSHUTTLE_MODEL_DIR")
     served_model_name: str = setting("", "Model name clients use (default: the model directory's name)",
@@ -164,6 +174,8 @@ class GatewayConfig(TelemetryConfig, TlsConfig):
         require(self.worker_retries >= 0, "--worker-retries must be >= 0")
         problem = Parsers(self.tool_call_parser, self.reasoning_parser).problem()
         require(problem is None, problem or "")
+        require(not self.scheduler_args or self.scheduler == "local",
+                "--scheduler-args configures the embedded scheduler: it needs --scheduler local")
 
     def key_ring(self) -> KeyRing:
         return KeyRing.load(self.api_keys_file) if self.api_keys_file else KeyRing()
@@ -185,16 +197,38 @@ class GatewayConfig(TelemetryConfig, TlsConfig):
             return 0
 
 
+class EmbeddedScheduler(Protocol):
+    """A transfer scheduler running in the gateway's process (``--scheduler local``; the command builds it):
+    ``stub`` answers like TransferSchedulerStub without a hop, ``address`` serves its gRPC API (GetStats)."""
+
+    stub: object
+    address: str
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
 class GatewayService:
-    def __init__(self, cfg: GatewayConfig):
+    def __init__(self, cfg: GatewayConfig, scheduler: EmbeddedScheduler | None = None):
+        """``scheduler``: the embedded scheduler with ``--scheduler local`` (required then; None otherwise)."""
+        if (scheduler is not None) != (cfg.scheduler == "local"):
+            raise ValueError("an embedded scheduler goes with --scheduler local, and only with it")
         self.cfg = cfg
         tls, max_message = cfg.client_tls(), cfg.max_message_bytes
         self.keys = cfg.key_ring()
         self.registry_channel = client_channel(cfg.registry, tls, max_message_bytes=max_message)
-        self.scheduler_channel = client_channel(cfg.scheduler, tls, max_message_bytes=max_message)
+        # The scheduler in this process (--scheduler local): turns call it directly; its gRPC API still serves
+        # GetStats (the REST bridge, grpcurl) on its own port.
+        self.scheduler = scheduler
+        self.scheduler_channel = client_channel(scheduler.address if scheduler else cfg.scheduler, tls,
+                                                max_message_bytes=max_message,
+                                                options=() if scheduler else ROUND_ROBIN)
+        scheduler_stub = (scheduler.stub if scheduler is not None
+                          else scheduler_pb2_grpc.TransferSchedulerStub(self.scheduler_channel))
         self.runner = TurnRunner(
             GatewayTokenizer(cfg.model_dir), registry_pb2_grpc.SessionRegistryStub(self.registry_channel),
-            scheduler_pb2_grpc.TransferSchedulerStub(self.scheduler_channel), max_model_len=cfg.context_len(),
+            scheduler_stub, max_model_len=cfg.context_len(),
             engine_timeout_s=cfg.engine_timeout_s, control_timeout_s=cfg.control_timeout_s,
             session_cache_bytes=cfg.session_cache_mb << 20, first_token_from_prefill=cfg.first_token_from_prefill,
             prefill_timeout_s=cfg.prefill_timeout_s, decode_stall_timeout_s=cfg.decode_stall_timeout_s,
@@ -219,7 +253,8 @@ class GatewayService:
                                   SCHEDULER_SERVICE: self.scheduler_channel}, to_registry),
                   *bridge_routes({SERVICE_NAME: self.self_channel}, to_gateway)]
         metrics.GATEWAY_STATE.register(self.runner.metrics_state)
-        registry = metrics.registry_for("gateway")
+        registry = metrics.registry_for("gateway", extra=[  # and the embedded scheduler's, when it plans here
+            *metrics.GROUPS["scheduler"], *metrics.GROUPS["etcd"]] if self.scheduler is not None else ())
         self.metrics = MetricsServer(cfg.metrics_listen, registry, name="gateway") if cfg.metrics_listen else None
         if self.metrics is None:  # on the HTTP port, open like /health (no tenant, session or key in any label)
             routes.insert(0, metrics_route(registry))
@@ -243,6 +278,9 @@ class GatewayService:
         self.http_address = self.http.address
 
     async def start(self) -> None:
+        if self.scheduler is not None:
+            await self.scheduler.start()
+            log.info("planning in this process (--scheduler local); its scheduler API on %s", self.scheduler.address)
         if self.keys.enabled:
             log.info("API keys required: %d configured", len(self.keys))
         else:
@@ -262,6 +300,8 @@ class GatewayService:
         await self.http.stop()
         await self.grpc.stop()
         await self.runner.close()
+        if self.scheduler is not None:
+            await self.scheduler.stop()
         for channel in (self.registry_channel, self.scheduler_channel, self.self_channel):
             await channel.close()
 
@@ -280,5 +320,4 @@ def bridge_policy(request: Request, spec: RouteSpec, message: Message) -> None:
                           grpc.StatusCode.PERMISSION_DENIED)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    service_main(GatewayConfig, argv, "kvshuttle gateway", "kvshuttle-gateway", GatewayService)
+# `kvshuttle gateway` runs it (services/commands/gateway.py: with the scheduler inside it on --scheduler local).

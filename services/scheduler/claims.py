@@ -109,6 +109,11 @@ class EtcdClaims:
         self._clock = clock
         self._history = history
 
+    @property
+    def store(self) -> ClaimStore:
+        """The etcd store (shared learning writes its outcome log there too)."""
+        return self._store
+
     async def start(self) -> None:
         if self._history is not None:
             await self._history.connect()

@@ -25,6 +25,7 @@ from kvshuttle.services.common.metrics_http import MetricsServer, check_listen
 from kvshuttle.services.common.tls import EtcdSecurityConfig, TlsConfig
 from kvshuttle.services.scheduler.claims import EtcdClaims, RegistryClaims, SessionClaims
 from kvshuttle.services.scheduler.kv_manager import KvManager
+from kvshuttle.services.scheduler.learning import LocalLearning, SharedLearning
 from kvshuttle.services.scheduler.load_monitor import LoadMonitor
 from kvshuttle.services.scheduler.servicer import TransferSchedulerServicer
 from kvshuttle.services.scheduler.worker_view import WorkerView
@@ -95,6 +96,16 @@ class SchedulerConfig(TelemetryConfig, TlsConfig, EtcdSecurityConfig):
     kv_interval_s: float = setting(1.0, "Seconds between two rounds of the decode-KV manager")
     kv_room_timeout_s: float = setting(3.0, "Longest a turn waits for room to be made on a full decode worker "
                                             "(then it goes ahead)")
+    learning: str = setting("shared", "How the cost model learns: shared (needs --etcd-endpoints: every outcome "
+                                      "reported to any replica, gateway-embedded planners included, goes through "
+                                      "etcd and every replica applies all of them in the same order, so all of "
+                                      "them fit the same model; a replica starting later begins from the latest "
+                                      "snapshot) or local (each replica learns from the outcomes reported to it)",
+                            choices=("shared", "local"))
+    learning_snapshot_interval_s: float = setting(30.0, "shared learning: seconds between two snapshots of the "
+                                                        "learned state (written by one replica)")
+    learning_batch_ttl_s: int = setting(600, "shared learning: how long etcd keeps each batch of outcomes (a replica "
+                                             "starting from a snapshot older than half of this misses some)")
     log_level: str = setting("INFO", "Log level", env="KVSHUTTLE_LOG_LEVEL")
 
     def validate(self) -> None:
@@ -108,6 +119,9 @@ class SchedulerConfig(TelemetryConfig, TlsConfig, EtcdSecurityConfig):
             self.kv_limits()
         except ValueError as exc:
             require(False, f"--kv-high-water/--kv-low-water/--kv-held-budget/--kv-idle-limit-s: {exc}")
+        require(self.learning_snapshot_interval_s > 0, "--learning-snapshot-interval-s must be > 0")
+        require(self.learning_batch_ttl_s >= max(10, 2 * self.learning_snapshot_interval_s),
+                "--learning-batch-ttl-s must be >= 10 and at least twice --learning-snapshot-interval-s")
         require(self.kv_interval_s > 0 and self.kv_room_timeout_s > 0,
                 "--kv-interval-s and --kv-room-timeout-s must be > 0")
         require(self.pull_threshold_tokens >= 1, "--pull-threshold-tokens must be >= 1")
@@ -164,8 +178,14 @@ class SchedulerService:
                              cfg.kv_eviction_ranking, interval_s=cfg.kv_interval_s,
                              room_timeout_s=cfg.kv_room_timeout_s)
                    if cfg.kv_manage and isinstance(self.claims, EtcdClaims) else None)
-        servicer = TransferSchedulerServicer(registry, self.workers, self.planner, cfg.registry_timeout_s,
-                                             self.claims, self.loads, self.kv)
+        self.learning = (SharedLearning(self.claims.store, self.planner,
+                                        snapshot_interval_s=cfg.learning_snapshot_interval_s,
+                                        batch_ttl_s=cfg.learning_batch_ttl_s)
+                         if cfg.learning == "shared" and isinstance(self.claims, EtcdClaims)
+                         else LocalLearning(self.planner))
+        self.servicer = servicer = TransferSchedulerServicer(
+            registry, self.workers, self.planner, cfg.registry_timeout_s, self.claims, self.loads, self.kv,
+            self.learning)
         self.server = Server(cfg.listen, [SERVICE_NAME],
                              [lambda s: scheduler_pb2_grpc.add_TransferSchedulerServicer_to_server(servicer, s)],
                              tls=cfg.server_tls(), max_message_bytes=cfg.max_message_bytes)
@@ -203,6 +223,10 @@ class SchedulerService:
 
     async def start(self) -> None:
         await self.claims.start()
+        await self.learning.start()
+        if cfg_shared_but_local(self.cfg, self.learning):
+            log.warning("learning is NOT shared: it needs --etcd-endpoints (KVSHUTTLE_ETCD_ENDPOINTS); each scheduler "
+                        "replica learns only from the outcomes reported to it")
         self.workers.start()
         if self.loads is not None:
             self.loads.start()
@@ -227,8 +251,13 @@ class SchedulerService:
         if self.loads is not None:
             await self.loads.stop()
         await self.workers.stop()
+        await self.learning.stop()
         await self.claims.close()
         await self.channel.close()
+
+
+def cfg_shared_but_local(cfg: SchedulerConfig, learning: LocalLearning | SharedLearning) -> bool:
+    return cfg.learning == "shared" and isinstance(learning, LocalLearning)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
-from collections.abc import Mapping
+from array import array
+from collections.abc import Mapping, Sequence
 
 import grpc
 from kvshuttle.control_plane import kv_params
@@ -14,12 +16,13 @@ from kvshuttle.control_plane import session as session_rules
 from kvshuttle.control_plane.decision import Choice, HandleView, Plan, decide
 from kvshuttle.control_plane.load import WorkerLoad
 from kvshuttle.control_plane.planner import Planner, TurnPlan
-from kvshuttle.control_plane.policies import Outcome, Policy, PolicyError
+from kvshuttle.control_plane.policies import Policy, PolicyError
 from kvshuttle.control_plane.selection import UNKNOWN
 from kvshuttle.services.common import metrics
 from kvshuttle.services.common.telemetry import hashed
 from kvshuttle.services.scheduler.claims import ClaimsError, RegistryClaims, SessionClaims
 from kvshuttle.services.scheduler.kv_manager import KvManager
+from kvshuttle.services.scheduler.learning import InvalidOutcome, LocalLearning, SharedLearning, outcome_of
 from kvshuttle.services.scheduler.load_monitor import LoadMonitor
 from kvshuttle.services.scheduler.worker_view import WorkerView
 from kvshuttle.v1 import common_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
@@ -27,6 +30,34 @@ from opentelemetry import trace
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("kvshuttle.scheduler")
+
+
+_NON_NEGATIVE = bytes(range(128))  # top bytes of int32 ids >= 0 (little-endian: every 4th byte from the 4th)
+
+
+def prompt_of(request: scheduler_pb2.PlanTurnRequest) -> Sequence[int]:
+    """The prompt's ids: from ``prompt_ids_packed`` as an int32 array (no Python int per id until one is read;
+    hashed as it is), else from ``prompt_token_ids``. ValueError names what is wrong."""
+    packed = request.prompt_ids_packed
+    if packed:
+        if request.prompt_token_ids:
+            raise ValueError("give the prompt as prompt_token_ids or prompt_ids_packed, not both")
+        if len(packed) % 4:
+            raise ValueError(f"prompt_ids_packed must hold 4 bytes per id (int32 little-endian), got {len(packed)} "
+                             "bytes")
+        if packed[3::4].translate(None, _NON_NEGATIVE):  # a top byte >= 0x80: a negative id
+            raise ValueError("prompt_ids_packed must hold non-negative token ids")
+        prompt = array("i")
+        prompt.frombytes(packed)
+        if sys.byteorder != "little":
+            prompt.byteswap()
+        return prompt
+    prompt = request.prompt_token_ids[:]  # a list (slicing converts faster than list())
+    if not prompt:
+        raise ValueError("prompt_token_ids (or prompt_ids_packed) must not be empty")
+    if min(prompt) < 0:  # int32 on the wire: never above 2**31 - 1
+        raise ValueError("prompt_token_ids must be non-negative token ids")
+    return prompt
 
 
 def source_matches(worker: common_pb2.Worker | None, handle_json: str) -> bool:
@@ -43,11 +74,14 @@ def source_matches(worker: common_pb2.Worker | None, handle_json: str) -> bool:
 class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
     def __init__(self, registry: registry_pb2_grpc.SessionRegistryStub, workers: WorkerView, planner: Planner,
                  registry_timeout_s: float = 2.0, claims: SessionClaims | None = None,
-                 loads: LoadMonitor | None = None, kv: KvManager | None = None):
+                 loads: LoadMonitor | None = None, kv: KvManager | None = None,
+                 learning: LocalLearning | SharedLearning | None = None):
         """``claims`` reads records and claims handles (default: through ``registry``; see claims.py); ``loads``
         gives the workers' live load (None: every worker counts as idle); ``kv`` manages the decode workers' held KV
-        (None: it is left to their TTL)."""
+        (None: it is left to their TTL); ``learning`` takes the reported outcomes to the planner (default: this
+        replica's alone; see learning.py)."""
         self._kv = kv
+        self._learning = learning or LocalLearning(planner)
         self._claims = claims or RegistryClaims(registry, registry_timeout_s)
         self._workers = workers
         self._planner = planner
@@ -57,11 +91,10 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
 
     async def PlanTurn(self, request: scheduler_pb2.PlanTurnRequest, context: grpc.aio.ServicerContext):
         started = time.perf_counter()
-        prompt = request.prompt_token_ids[:]  # a list (slicing converts faster than list())
-        if not prompt:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids must not be empty")
-        if min(prompt) < 0:  # int32 on the wire: never above 2**31 - 1
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids must be non-negative token ids")
+        try:
+            prompt = prompt_of(request)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if request.session_id:
             try:
                 session_rules.validate_id("session_id", request.session_id)
@@ -163,22 +196,14 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
             )
 
     async def ReportOutcome(self, request: scheduler_pb2.ReportOutcomeRequest, context: grpc.aio.ServicerContext):
-        if not request.prefill_worker_id or request.prompt_tokens <= 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prefill_worker_id and prompt_tokens are required")
-        if request.decision not in (scheduler_pb2.DECISION_PULL, scheduler_pb2.DECISION_RECOMPUTE):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "decision must be PULL or RECOMPUTE")
         try:
-            self._planner.observe(Outcome(
-                request.prefill_worker_id, request.prompt_tokens, request.pulled_tokens, request.computed_tokens,
-                request.prefill_ms,
-                Choice.PULL if request.decision == scheduler_pb2.DECISION_PULL else Choice.RECOMPUTE,
-                source_worker=request.source_worker_id, pullable_tokens=request.pullable_tokens,
-                policy=request.policy, cached_estimate=request.cached_tokens_estimate))
-        except ValueError as exc:
+            outcome_of(request)  # refused here, before it is shared: no replica could learn from it
+        except InvalidOutcome as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        learned = await self._learning.learn(request, wait_s=self._timeout)
         if self._loads is not None:
             self._loads.note_finished(request.prefill_worker_id)
-        return scheduler_pb2.ReportOutcomeResponse()
+        return scheduler_pb2.ReportOutcomeResponse(learned=learned)
 
     async def GetStats(self, request: scheduler_pb2.GetStatsRequest, context: grpc.aio.ServicerContext):
         planner = self._planner
@@ -204,6 +229,7 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
         if self._kv is not None:
             out.kv_managed, out.kv_eviction_policy, out.kv_leading = True, self._kv.ranking.name, self._kv.leading
             self._kv.fill_stats(out)
+        self._learning.fill_stats(out.learning)
         return out
 
     def _plan(self, prompt: list[int], handle: HandleView | None, session: common_pb2.Session | None, loads,

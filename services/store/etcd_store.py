@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -543,6 +546,102 @@ class EtcdStore:
             return True
         kvs = resp.responses[0].response_range.kvs
         return bool(kvs) and kvs[0].value == codec.leader_value(holder) and kvs[0].lease == lease
+
+    # -- shared learning (services/scheduler/shared_learning.py) ---------------------------------------------
+
+    async def put_outcome_batch(self, replica: str, seq: int, batch: bytes, lease_id: int) -> int:
+        """Append one replica's batch of reported outcomes; returns the revision it was written at."""
+        resp = await self._call("put outcomes", self.kv.put, self.keys.outcome_batch(replica, seq), batch,
+                                lease=lease_id)
+        return resp.header.revision
+
+    async def outcome_batches(self, after_revision: int, page: int = 512) -> tuple[list[tuple[int, bytes]], int]:
+        """The outcome batches still kept (their leases live) that were written after ``after_revision``, oldest
+        first as (revision, value), and the revision the read saw (a watch continues from the next one)."""
+        start, end = self.keys.outcome_batches, prefix_range_end(self.keys.outcome_batches)
+        found: list[tuple[int, bytes]] = []
+        at = 0
+        while True:
+            resp = await self._call("read outcomes", self.kv.get, start, end, revision=at, limit=page)
+            at = at or resp.header.revision  # every page at the first page's revision: one consistent view
+            found.extend((kv.mod_revision, kv.value) for kv in resp.kvs if kv.mod_revision > after_revision)
+            if not resp.more or not resp.kvs:
+                break
+            start = resp.kvs[-1].key + b"\0"
+        found.sort(key=lambda item: item[0])
+        return found, at
+
+    async def watch_outcome_batches(self, from_revision: int) -> AsyncIterator[tuple[int, bytes]]:
+        """Each outcome batch written from ``from_revision`` on, as (revision, value), in revision order. Raises
+        StoreUnavailable when the stream breaks or etcd cancels it (compacted past ``from_revision``): the caller
+        reads :meth:`outcome_batches` again and watches on from there."""
+        if self._watch is None:
+            raise RuntimeError("EtcdStore is not connected")
+        create = WatchCreateRequest(key=self.keys.outcome_batches.encode(),
+                                    range_end=prefix_range_end(self.keys.outcome_batches),
+                                    start_revision=from_revision)
+
+        async def requests() -> AsyncIterator[WatchRequest]:
+            yield WatchRequest(create_request=create)
+            await asyncio.Event().wait()  # keep the request side open
+
+        call = self._watch.Watch(requests(), metadata=_REQUIRE_LEADER)
+        try:
+            async for resp in call:
+                if resp.canceled or resp.compact_revision:
+                    raise StoreUnavailable(f"outcome watch canceled by etcd ({resp.cancel_reason or 'compacted'})")
+                for ev in resp.events:
+                    if ev.type == _EVENT_PUT:  # deletes are leases ending: nothing to learn
+                        yield ev.kv.mod_revision, ev.kv.value
+            raise StoreUnavailable("outcome watch ended")
+        except grpc.aio.AioRpcError as exc:
+            raise StoreUnavailable(f"outcome watch: {exc.code().name} ({exc.details()})") from None
+        finally:
+            call.cancel()
+
+    async def put_learned_snapshot(self, manifest: dict, blob: bytes, chunk_bytes: int = 1 << 20) -> None:
+        """Store a snapshot of the learned state: ``blob`` in chunks under a new id, then the manifest naming them
+        (``manifest`` plus id, chunks, bytes, sha256) in one put, then the previous snapshot's chunks go. A reader
+        sees the old snapshot or the new one, whole."""
+        snapshot_id = f"{manifest.get('revision', 0):016x}-{os.urandom(4).hex()}"
+        chunks = [blob[i:i + chunk_bytes] for i in range(0, len(blob), chunk_bytes)] or [b""]
+        prefix = self.keys.learned_snapshot_chunks(snapshot_id)
+        for i, chunk in enumerate(chunks):
+            await self._call("put snapshot", self.kv.put, f"{prefix}{i:06d}", chunk)
+        previous = await self._call("get snapshot", self.kv.get, self.keys.learned_snapshot)
+        full = {**manifest, "id": snapshot_id, "chunks": len(chunks), "bytes": len(blob),
+                "sha256": hashlib.sha256(blob).hexdigest()}
+        await self._call("put snapshot", self.kv.put, self.keys.learned_snapshot, json.dumps(full).encode())
+        old_ids = {snapshot_id}
+        if previous.kvs:
+            with contextlib.suppress(ValueError, AttributeError):
+                old_ids.add(json.loads(previous.kvs[0].value).get("id", snapshot_id))
+        for old in old_ids - {snapshot_id}:
+            old_prefix = self.keys.learned_snapshot_chunks(str(old))
+            await self._call("delete snapshot", self.kv.delete, old_prefix, prefix_range_end(old_prefix))
+
+    async def get_learned_snapshot(self) -> tuple[dict, bytes] | None:
+        """The latest snapshot's manifest and blob (checked against its sha256), or None when there is none.
+        Raises StoreError when it is unreadable (chunks missing or corrupt)."""
+        resp = await self._call("get snapshot", self.kv.get, self.keys.learned_snapshot)
+        if not resp.kvs:
+            return None
+        try:
+            manifest = json.loads(resp.kvs[0].value)
+            prefix = self.keys.learned_snapshot_chunks(str(manifest["id"]))
+            count, digest = int(manifest["chunks"]), str(manifest["sha256"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise StoreError(f"learned snapshot manifest unreadable: {exc}") from None
+        parts = []
+        for i in range(count):  # one chunk per read: a whole snapshot may exceed a gRPC message
+            chunk = await self._call("get snapshot", self.kv.get, f"{prefix}{i:06d}", revision=resp.header.revision)
+            if not chunk.kvs:
+                break
+            parts.append(chunk.kvs[0].value)
+        blob = b"".join(parts)
+        if len(parts) != count or hashlib.sha256(blob).hexdigest() != digest:
+            raise StoreError(f"learned snapshot {manifest['id']} is incomplete or corrupt")
+        return manifest, blob
 
     async def sessions_on_worker(self, worker_id: str) -> list[tuple[str, str]]:
         """(tenant, session id) of the records whose KV lives on ``worker_id`` (keys only: no record is read)."""

@@ -16,6 +16,12 @@ Under ``prefix`` (default ``/kvshuttle/``; always ends with ``/``)::
     responses/{tenant}/{response_id}      a stored Responses API response (StoredResponse proto), on its own lease
     leaders/{name}                        the id of the replica that leads ``name`` (e.g. the scheduler replica that
                                           frees decode KV), on that replica's lease
+    learned/outcomes/{replica}/{seq}      one scheduler replica's reported outcomes (OutcomeBatch proto; seq: 16 hex
+                                          digits), on a lease of the replica's that ends a few minutes later: every
+                                          replica applies every batch in revision order (shared learning)
+    learned/snapshot                      the learned state's latest snapshot: a JSON manifest (revision, chunks,
+                                          sha256) of the zlib-compressed JSON state in ...
+    learned/snapshot-chunks/{id}/{i}      ... these chunks (each under etcd's request limit)
     ping                                  never written: read to check that etcd answers
 
 Deployed clusters hold these keys: a change here is a data migration. The values are :mod:`.codec`'s.
@@ -117,6 +123,24 @@ class Keys:
 
     def leader(self, name: str) -> str:
         return f"{self.prefix}leaders/{name}"
+
+    # -- shared learning -------------------------------------------------------------------------------------
+
+    @property
+    def outcome_batches(self) -> str:
+        """The prefix of every replica's outcome batches."""
+        return f"{self.prefix}learned/outcomes/"
+
+    def outcome_batch(self, replica: str, seq: int) -> str:
+        return f"{self.outcome_batches}{replica}/{seq:016x}"
+
+    @property
+    def learned_snapshot(self) -> str:
+        return f"{self.prefix}learned/snapshot"
+
+    def learned_snapshot_chunks(self, snapshot_id: str) -> str:
+        """The prefix of one snapshot's chunks."""
+        return f"{self.prefix}learned/snapshot-chunks/{snapshot_id}/"
 
 
 def session_ref(rest: str) -> tuple[str, str]:

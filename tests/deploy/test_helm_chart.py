@@ -288,7 +288,7 @@ def test_services_dial_the_addresses_the_chart_serves(profile, pod_root):
                     listeners[(component, p["name"])] = p["containerPort"]
 
     def served(address: str) -> int:
-        host, port = address.rsplit(":", 1)
+        host, port = address.removeprefix("dns:///").rsplit(":", 1)  # dns:///: every replica (round robin)
         svc = services.get(host)
         if svc is None:  # an external etcd: nothing of ours to check
             return 0
@@ -572,14 +572,20 @@ def test_the_alert_rules_watch_metrics_the_gateway_serves():
     docs = rendered("gpu-1p1d", "--set", "metrics.prometheusRule.enabled=true", "--set",
                     "metrics.prometheusRule.for=2m")
     rule = objects(docs, "PrometheusRule")[f"{RELEASE}-kvshuttle-alerts"]
-    (alert,) = rule["spec"]["groups"][0]["rules"]
-    assert alert["alert"] == "KvshuttleTurnsNotRecorded" and alert["for"] == "2m"
+    alerts = {a["alert"]: a for a in rule["spec"]["groups"][0]["rules"]}
+    assert set(alerts) == {"KvshuttleTurnsNotRecorded", "KvshuttleOutcomesNotLearned"}
     names = {m.name for m in metrics.CATALOGUE}
-    used = set(re.findall(r"\b(kvshuttle_[a-z_]+)\b", alert["expr"]))
-    assert used and used <= names, used - names
-    assert set(re.findall(r'outcome!~"([a-z_|]+)"', alert["expr"])[0].split("|")) == {reasons.RECORDED,
-                                                                                    reasons.UNRECORDED}
-    assert "{{ $labels.outcome }}" in alert["annotations"]["summary"]
+    for alert in alerts.values():
+        assert alert["for"] == "2m"
+        used = set(re.findall(r"\b(kvshuttle_[a-z_]+)\b", alert["expr"]))
+        assert used and used <= names, used - names
+    records = alerts["KvshuttleTurnsNotRecorded"]
+    assert set(re.findall(r'outcome!~"([a-z_|]+)"', records["expr"])[0].split("|")) == {reasons.RECORDED,
+                                                                                      reasons.UNRECORDED}
+    assert "{{ $labels.outcome }}" in records["annotations"]["summary"]
+    learned = alerts["KvshuttleOutcomesNotLearned"]
+    assert re.findall(r'result!="([a-z_]+)"', learned["expr"]) == ["applied"]
+    assert "applied" in metrics.LEARNED_RESULTS and "{{ $labels.result }}" in learned["annotations"]["summary"]
 
 
 def test_helm_test_pod_runs_the_smoke_test_against_the_gateway_service():

@@ -60,8 +60,10 @@ async def test_tiny_run_reports_every_operation_at_every_level(tmp_path):
     setup = report["setup"]["grpc_echo"]
     assert setup["request_bytes"] > 4096 and 0 < setup["reply_bytes"] < setup["request_bytes"]
     goals = report["goals"]  # the goals next to the floors measured in the same run
-    assert set(goals["claim_free"]) == {"plan_disable_pull", "plan_recompute"}
-    assert set(goals["claiming"]) == {"plan_pull", "plan_pull_snapshot"}
+    assert set(goals["claim_free"]) == {"plan_disable_pull", "plan_recompute", "local_disable_pull",
+                                        "local_recompute"}
+    assert set(goals["claiming"]) == {"plan_pull", "plan_pull_snapshot", "local_pull_snapshot"}
+    assert goals["claim_free"]["local_disable_pull"]["rate_floor"] in ("", "planner")  # no gRPC under it
     assert set(goals["grpc_floor"]) == set(goals["etcd_limit"]) == {"1", "2"}
     for figures in goals["claiming"].values():
         assert all(x > 0 for x in figures["to_etcd_limit"].values())

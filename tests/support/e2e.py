@@ -68,13 +68,14 @@ def user_turn(n: int) -> dict:
     return {"role": "user", "content": f"Turn {n}. Tool output:\n{source[n * 1500:(n + 1) * 1500]}\nExplain."}
 
 
-async def spawn_gateway(stack, name: str, *args: str):
-    """One more gateway process on the stack's registry and scheduler (``args``: more gateway flags); returns the
-    child and its base URL once it answers /health. The caller stops it (``child.stop()``)."""
+async def spawn_gateway(stack, name: str, *args: str, env: dict[str, str] | None = None):
+    """One more gateway process on the stack's registry and scheduler (``args``: more gateway flags; ``env``: more
+    environment); returns the child and its base URL once it answers /health. The caller stops it
+    (``child.stop()``)."""
     http, grpc_port = free_port(), free_port()
     child = await stack._spawn(name, "gateway", "--grpc-listen", f"127.0.0.1:{grpc_port}",
                                "--http-listen", f"127.0.0.1:{http}", "--max-model-len",
-                               str(stack.cfg.max_model_len), *args)
+                               str(stack.cfg.max_model_len), *args, env=env)
     stack.children.remove(child)  # the caller stops it
     base_url = f"http://127.0.0.1:{http}"
     async with httpx.AsyncClient(base_url=base_url, timeout=5) as client:

@@ -13,6 +13,7 @@ from kvshuttle.control_plane.continuation import text_key
 from kvshuttle.services.engine.client import Chunk, EngineClient, EngineError, Final, TokenLogprob
 from kvshuttle.services.gateway.turns import Delta, Finished, KvOutcome, TurnError, TurnRequest, TurnRunner
 from kvshuttle.services.gateway.turns.parse import AnswerEvents
+from kvshuttle.services.scheduler.servicer import prompt_of
 from kvshuttle.v1 import common_pb2, registry_pb2, scheduler_pb2
 
 PULL_PARAMS = {"do_remote_decode": True, "remote_block_ids": [[1]], "remote_num_tokens": 3}
@@ -147,7 +148,7 @@ class Scheduler:
         return scheduler_pb2.ReportOutcomeResponse()
 
     async def PlanTurn(self, request, timeout=None):
-        self.prompts.append(list(request.prompt_token_ids))
+        self.prompts.append(list(prompt_of(request)))  # the ids as the real scheduler reads them (packed or not)
         self.requests.append(request)
         if self.stale:  # the caller's snapshot is out of date
             self.stale -= 1

@@ -22,6 +22,11 @@ What is measured, per operation and per concurrency level:
 ``PlanTurn disable_pull``
     ``PlanTurn`` with ``disable_pull``: the scheduler picks workers and answers RECOMPUTE without reading the
     session, i.e. the scheduler's own cost plus one gRPC hop.
+``in-process disable_pull``, ``in-process recompute`` and ``in-process pull+snapshot``
+    The same plans answered by a scheduler inside the client's own process, as a gateway with ``--scheduler local``
+    plans: ``SchedulerService`` built in the client process (same settings as the scheduler process, joined to its
+    shared learning) and called through ``InProcessScheduler``: no serialization, no gRPC hop; the planner's CPU is
+    the client's column. The requests are built before the clock starts, as for the gRPC rows.
 ``RecordTurn``
     ``SessionRegistry.RecordTurn`` of a conversation's next turn, as the gateway records a turn that continued its
     history: ``turn_tokens`` new ids after the ``history_tokens`` recorded ones (each request is the second turn of
@@ -105,13 +110,15 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvshuttle.control_plane.continuation import text_key
-from kvshuttle.control_plane.prefix import checkpoint_lengths, prefix_digests
+from kvshuttle.control_plane.prefix import checkpoint_lengths, ids_bytes, prefix_digests
 from kvshuttle.services.common.config import load, require, setting
 from kvshuttle.services.common.grpc_server import _message_options, client_channel
 from kvshuttle.services.common.processes import ChildProcess
 from kvshuttle.services.common.tls import DEFAULT_MAX_MESSAGE_MB
 from kvshuttle.services.devtools.bench.stats import percentile
 from kvshuttle.services.devtools.etcd_process import ETCD_BIN, EtcdProcess, free_port
+from kvshuttle.services.scheduler.in_process import InProcessScheduler
+from kvshuttle.services.scheduler.server import SchedulerConfig, SchedulerService
 from kvshuttle.services.store import codec
 from kvshuttle.services.store.etcd_store import EtcdStore, claim_txn
 from kvshuttle.services.store.interface import StoreError
@@ -129,12 +136,20 @@ CLAIM_SESSION = "claim_session"
 GET_SESSION = "get_session"
 ETCD_CLAIM = "etcd_claim"
 GRPC_ECHO = "grpc_echo"
-OPERATIONS = (PLAN_RECOMPUTE, PLAN_PULL, PLAN_PULL_SNAPSHOT, PLAN_DISABLE_PULL, ETCD_CLAIM, GRPC_ECHO, RECORD_TURN,
-              CLAIM_SESSION, GET_SESSION)
+LOCAL_DISABLE_PULL = "local_disable_pull"
+LOCAL_RECOMPUTE = "local_recompute"
+LOCAL_PULL_SNAPSHOT = "local_pull_snapshot"
+OPERATIONS = (PLAN_RECOMPUTE, PLAN_PULL, PLAN_PULL_SNAPSHOT, PLAN_DISABLE_PULL, LOCAL_DISABLE_PULL, LOCAL_RECOMPUTE,
+              LOCAL_PULL_SNAPSHOT, ETCD_CLAIM, GRPC_ECHO, RECORD_TURN, CLAIM_SESSION, GET_SESSION)
 PLANS = (PLAN_RECOMPUTE, PLAN_PULL, PLAN_PULL_SNAPSHOT, PLAN_DISABLE_PULL)
+# The planner in the client's own process (the gateway's --scheduler local): the same plans, no gRPC hop.
+LOCAL = {LOCAL_DISABLE_PULL: PLAN_DISABLE_PULL, LOCAL_RECOMPUTE: PLAN_RECOMPUTE,
+         LOCAL_PULL_SNAPSHOT: PLAN_PULL_SNAPSHOT}
 LABELS = {
     PLAN_RECOMPUTE: "PlanTurn recompute", PLAN_PULL: "PlanTurn pull", PLAN_PULL_SNAPSHOT: "PlanTurn pull+snapshot",
     PLAN_DISABLE_PULL: "PlanTurn disable_pull",
+    LOCAL_DISABLE_PULL: "in-process disable_pull", LOCAL_RECOMPUTE: "in-process recompute",
+    LOCAL_PULL_SNAPSHOT: "in-process pull+snapshot",
     RECORD_TURN: "RecordTurn", CLAIM_SESSION: "ClaimSession", GET_SESSION: "GetSession",
     ETCD_CLAIM: "etcd claim txn", GRPC_ECHO: "gRPC echo",
 }
@@ -155,8 +170,8 @@ ECHO_MODULE = "kvshuttle.services.devtools.bench.services_bench"  # ``python -m`
 GOAL_CLAIM_FREE_OPS = 5000.0  # claim-free PlanTurn/s
 GOAL_P99_MS = 1.0  # claim-free PlanTurn p99
 GOAL_CLAIM_RATIO = 0.5  # claiming PlanTurn/s as a fraction of etcd's own claim txn/s at the same concurrency
-CLAIM_FREE = (PLAN_DISABLE_PULL, PLAN_RECOMPUTE)
-CLAIMING = (PLAN_PULL_SNAPSHOT, PLAN_PULL)
+CLAIM_FREE = (LOCAL_DISABLE_PULL, LOCAL_RECOMPUTE, PLAN_DISABLE_PULL, PLAN_RECOMPUTE)
+CLAIMING = (LOCAL_PULL_SNAPSHOT, PLAN_PULL_SNAPSHOT, PLAN_PULL)
 
 
 @dataclasses.dataclass
@@ -518,6 +533,7 @@ class Stubs:
     registry: registry_pb2_grpc.SessionRegistryStub
     scheduler: scheduler_pb2_grpc.TransferSchedulerStub
     echo: grpc.aio.UnaryUnaryMultiCallable | None = None  # the bare echo's method (bytes in, bytes out)
+    local: InProcessScheduler | None = None  # the planner in this process (local_* operations)
 
 
 class Workload:
@@ -534,6 +550,7 @@ class Workload:
         self.rng = rng = random.Random(cfg.seed)
         self.history = [rng.randrange(*VOCAB) for _ in range(self.history_tokens)]
         self.prompt = self.history + [rng.randrange(*VOCAB) for _ in range(cfg.new_tokens)]
+        self.packed = ids_bytes(self.prompt)  # as the gateway sends a plan's prompt (PlanTurnRequest.prompt_ids_packed)
         self.covered = self.history_tokens - 1  # D holds prompt + answer; its KV covers all but the last token
         self.handle = handle_for(decode, self.covered)
         self.text_chars = self.history_tokens * TEXT_CHARS_PER_TOKEN
@@ -569,7 +586,7 @@ class Workload:
         return out
 
     def disable_pull_request(self, session_id: str) -> scheduler_pb2.PlanTurnRequest:
-        return scheduler_pb2.PlanTurnRequest(session_id=session_id, prompt_token_ids=self.prompt, disable_pull=True)
+        return scheduler_pb2.PlanTurnRequest(session_id=session_id, prompt_ids_packed=self.packed, disable_pull=True)
 
     async def _record_many(self, session_ids: Sequence[str]) -> list[registry_pb2.RecordTurnResponse]:
         """Record each session once (untimed setup), a few at a time."""
@@ -595,25 +612,26 @@ class Workload:
 
     async def prepare(self, op: str, requests: int, concurrency: int) -> list[Any]:
         """One payload per request (request ``i`` is sent by coroutine ``i % concurrency``)."""
+        op = LOCAL.get(op, op)  # an in-process plan takes the same requests
         self._cells += 1
         prefix = f"bench-{self.run_id}-{self._cells}"
         if op == PLAN_RECOMPUTE:  # never recorded
             return [scheduler_pb2.PlanTurnRequest(session_id=f"{prefix}-none-{i % concurrency}",
-                                                  prompt_token_ids=self.prompt) for i in range(concurrency)]
+                                                  prompt_ids_packed=self.packed) for i in range(concurrency)]
         if op == PLAN_DISABLE_PULL:  # recorded, but the request disables the pull
             await self._record_many([f"{prefix}-dp"])
             return [self.disable_pull_request(f"{prefix}-dp")]
         if op == PLAN_PULL:  # a fresh record per plan
             ids = [f"{prefix}-pull-{i}" for i in range(requests)]
             await self._record_many(ids)
-            return [scheduler_pb2.PlanTurnRequest(session_id=s, prompt_token_ids=self.prompt) for s in ids]
+            return [scheduler_pb2.PlanTurnRequest(session_id=s, prompt_ids_packed=self.packed) for s in ids]
         if op == PLAN_PULL_SNAPSHOT:  # as the gateway plans: with the record it has just read (GetSession untimed)
             ids = [f"{prefix}-snap-{i}" for i in range(requests)]
             await self._record_many(ids)
             snapshots = await self._read_many(ids)
             for snap in snapshots:  # what the gateway sends: the record without its history
                 snap.session.ClearField("token_ids")
-            return [scheduler_pb2.PlanTurnRequest(session_id=s, prompt_token_ids=self.prompt, session_snapshot=snap)
+            return [scheduler_pb2.PlanTurnRequest(session_id=s, prompt_ids_packed=self.packed, session_snapshot=snap)
                     for s, snap in zip(ids, snapshots, strict=True)]
         if op == ETCD_CLAIM:  # a fresh record per claim, claimed with the scheduler's transaction
             if self.etcd is None:
@@ -642,6 +660,8 @@ class Workload:
     def invoke(self, op: str, stubs: Stubs, payload: Any) -> Any:
         """Start the RPC (the caller awaits and times it)."""
         timeout = self.cfg.rpc_timeout_s
+        if op in LOCAL:
+            return stubs.local.PlanTurn(payload, timeout=timeout)
         if op in PLANS:
             return stubs.scheduler.PlanTurn(payload, timeout=timeout)
         if op == ETCD_CLAIM:  # through the store's own call wrapper (deadline, retries, error mapping), as it claims
@@ -656,6 +676,7 @@ class Workload:
 
     def check(self, op: str, resp: Any) -> str | None:
         """None when the answer is the expected one, otherwise what is wrong with it."""
+        op = LOCAL.get(op, op)
         if op == ETCD_CLAIM:
             return None if resp.succeeded else "the claim transaction's compare failed"
         if op == GRPC_ECHO:
@@ -867,7 +888,9 @@ def goals(results: Sequence[CellResult]) -> dict:
         both_ok = any(r.ops_per_s >= GOAL_CLAIM_FREE_OPS and r.p99_ms <= GOAL_P99_MS for r in cells.values())
         to_echo = {c: ratio(cells[c].ops_per_s, echo[c].ops_per_s) for c in sorted(cells) if c in echo}
         rate_floor = p99_floor = ""
-        if echo_peak is not None:
+        if op in LOCAL:  # no gRPC under it: what stops it is the planner's own work
+            rate_floor, p99_floor = "" if rate_ok else "planner", "" if p99_ok else "planner"
+        elif echo_peak is not None:
             rate_floor = "" if rate_ok else "grpc" if echo_peak.ops_per_s < GOAL_CLAIM_FREE_OPS else "planturn"
             p99_floor = "" if p99_ok else "grpc" if echo_p99.p99_ms > GOAL_P99_MS else "planturn"
         out["claim_free"][op] = {
@@ -879,6 +902,11 @@ def goals(results: Sequence[CellResult]) -> dict:
                      f"{_num(peak.p99_ms, 2)} ms; goal >= {GOAL_CLAIM_FREE_OPS:,.0f}/s: {_met(rate_ok)}); best p99 "
                      f"{_num(fastest.p99_ms, 2)} ms at conc {fastest.concurrency} (goal <= {GOAL_P99_MS:g} ms: "
                      f"{_met(p99_ok)}); both at once: {_met(both_ok)}")
+        if op in LOCAL:
+            for missed, floor in (("rate", rate_floor), ("p99", p99_floor)):
+                if floor:
+                    lines.append(f"  {missed}: {_floor_words(floor)}")
+            continue
         if echo_peak is None:
             lines.append("  no gRPC floor measured (add grpc_echo to --operations to name the floor)")
             continue
@@ -902,7 +930,10 @@ def goals(results: Sequence[CellResult]) -> dict:
         to_etcd = {c: ratio(cells[c].ops_per_s, etcd[c].ops_per_s) for c in levels}
         met = {c: to_etcd[c] >= GOAL_CLAIM_RATIO for c in levels}
         floor = {c: series_floor_ratio(echo[c].ops_per_s, etcd[c].ops_per_s) for c in levels if c in echo}
-        stopped = {c: ("" if met[c] else "grpc" if floor.get(c, math.nan) < GOAL_CLAIM_RATIO else
+        if op in LOCAL:  # no gRPC hop: the planner's work and the txn's, on the same cores
+            floor = {}
+        stopped = {c: ("" if met[c] else "planner" if op in LOCAL else
+                       "grpc" if floor.get(c, math.nan) < GOAL_CLAIM_RATIO else
                        "scheduler" if c in floor else "") for c in levels}
         out["claiming"][op] = {"to_etcd_limit": to_etcd, "met": met, "floor_ratio": floor, "floor": stopped}
         missed = [c for c in levels if not met[c]]
@@ -912,7 +943,9 @@ def goals(results: Sequence[CellResult]) -> dict:
         lines.append(f"{LABELS[op]} vs etcd's claim txn, ratio at each conc (goal >= {GOAL_CLAIM_RATIO:g}x): {each}; "
                      f"{verdict}")
         for c in missed:
-            if c not in floor:
+            if op in LOCAL:
+                lines.append(f"  conc {c}: {_floor_words('planner')}")
+            elif c not in floor:
                 lines.append(f"  conc {c}: no gRPC floor measured at this concurrency")
             elif stopped[c] == "grpc":
                 lines.append(f"  conc {c}: {_floor_words('grpc')}: a gRPC hop ({_rate(echo[c].ops_per_s)} bare) plus "
@@ -927,6 +960,8 @@ def _floor_words(floor: str) -> str:
     return {"grpc": "stopped by the gRPC floor",
             "planturn": "not the gRPC floor; stopped by PlanTurn's own work (the scheduler's handler and layers)",
             "scheduler": "stopped by the scheduler's own work (planning, the prompt's digest, the store's client)",
+            "planner": "stopped by the planner's own work in this process (no gRPC hop: planning, the prompt's "
+                       "digest, the store's client, on the client's event loop)",
             }.get(floor, "no floor measured")
 
 
@@ -965,6 +1000,7 @@ async def run_benchmark(cfg: ServicesBenchConfig, emit: Callable[[str], None] = 
     channels: list[grpc.aio.Channel] = []
     workers: FakeWorkers | None = None
     etcd_client: EtcdStore | None = None
+    embedded: SchedulerService | None = None
     processes: dict[str, dict] = {}
     summary: dict = {}
     try:
@@ -990,6 +1026,11 @@ async def run_benchmark(cfg: ServicesBenchConfig, emit: Callable[[str], None] = 
             for stub in stubs:
                 channels.append(client_channel(services.echo_address))
                 stub.echo = channels[-1].unary_unary(ECHO_METHOD)
+        if any(op in LOCAL for op in cfg.operation_list()):
+            embedded = await _start_embedded(services)
+            for stub in stubs:
+                stub.local = InProcessScheduler(embedded.servicer)
+            await _wait_scheduler_ready(stubs[0].local, workload, cfg.startup_timeout_s)
         processes = services.describe()
 
         emit(table_header())
@@ -1014,6 +1055,8 @@ async def run_benchmark(cfg: ServicesBenchConfig, emit: Callable[[str], None] = 
         scaled = await _run_scaled(cfg, services, stubs, workers.decode, emit) if cfg.scale_sizes() else []
         results += scaled
     finally:
+        if embedded is not None:
+            await embedded.stop()
         if workers is not None:
             await workers.stop()
         if etcd_client is not None:
@@ -1101,6 +1144,18 @@ def _scaling(results: Sequence[CellResult], cfg: ServicesBenchConfig) -> dict:
         out["lines"].append(f"{LABELS[op]} p50 vs {sizes[0]} ids: " + ", ".join(
             f"{n}: {r:.2f}x ({cells[n].p50_ms:.2f} ms)" for n, r in ratios.items()))
     return out
+
+
+async def _start_embedded(services: Services) -> SchedulerService:
+    """The scheduler inside this (the client's) process, configured as the scheduler process is, as a gateway with
+    --scheduler local runs it; it joins the scheduler process's shared learning."""
+    etcd = services.claims == "etcd"
+    service = SchedulerService(SchedulerConfig(
+        listen="127.0.0.1:0", registry=services.registry_address,
+        etcd_endpoints=services.etcd.endpoints if etcd and services.etcd else "",
+        history_store=services.history_store if etcd else "", load_poll_interval_s=0))
+    await service.start()
+    return service
 
 
 async def _wait_scheduler_ready(scheduler: scheduler_pb2_grpc.TransferSchedulerStub, workload: Workload,

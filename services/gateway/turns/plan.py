@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import grpc
 from kvshuttle.control_plane import session as session_rules
 from kvshuttle.control_plane.constraints import after_reasoning
+from kvshuttle.control_plane.prefix import ids_bytes
 from kvshuttle.services.common.telemetry import hashed
 from kvshuttle.services.gateway.turns import prompt
 from kvshuttle.services.gateway.turns.context import KvOutcome, TurnContext, TurnError, elapsed_ms
@@ -69,7 +70,7 @@ async def ask(rt: TurnRunner, req: TurnRequest, prompt_ids: list[int], known_ses
     with tracer.start_as_current_span("plan"):
         try:
             return await rt.scheduler.PlanTurn(scheduler_pb2.PlanTurnRequest(
-                session_id=req.session_id, tenant=req.tenant, prompt_token_ids=prompt_ids,
+                session_id=req.session_id, tenant=req.tenant, prompt_ids_packed=ids_bytes(prompt_ids),
                 disable_pull=req.disable_pull or bool(exclude), policy=req.policy,
                 exclude_worker_ids=list(exclude), max_tokens=req.max_tokens, **known_session),
                 timeout=rt.control_timeout_s)

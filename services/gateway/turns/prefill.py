@@ -36,7 +36,7 @@ async def run(rt: TurnRunner, ctx: TurnContext) -> None:
     ctx.timings["prefill_ms"] = elapsed_ms(t)
     kv.computed_tokens = len(ctx.prompt_ids) - p_final.cached_tokens
     kv.pulled_tokens = ctx.plan.figures.reusable_tokens if kv.decision == "pull" else 0
-    report(rt, ctx.plan, kv, len(ctx.prompt_ids), ctx.timings["prefill_ms"])
+    report(rt, ctx.plan, kv, len(ctx.prompt_ids), ctx.timings["prefill_ms"], req.session_id, req.tenant)
     ctx.span.set_attributes({"kvshuttle.pulled_tokens": kv.pulled_tokens,
                              "kvshuttle.computed_tokens": kv.computed_tokens,
                              "kvshuttle.retried_as_recompute": kv.retried_as_recompute,
@@ -142,14 +142,14 @@ def refused(exc: EngineError) -> TurnError:
 
 
 def report(rt: TurnRunner, plan: scheduler_pb2.PlanTurnResponse, kv: KvOutcome, prompt_tokens: int,
-           prefill_ms: float) -> None:
+           prefill_ms: float, session_id: str = "", tenant: str = "") -> None:
     """Tell the scheduler what the prefill cost (its cost model learns from it); off the turn's path."""
     request = scheduler_pb2.ReportOutcomeRequest(
         prefill_worker_id=plan.prefill.worker_id, decode_worker_id=plan.decode.worker_id,
         prompt_tokens=prompt_tokens, pulled_tokens=kv.pulled_tokens, computed_tokens=kv.computed_tokens,
         prefill_ms=prefill_ms, source_worker_id=plan.source.worker_id,
         pullable_tokens=plan.figures.pullable_tokens, policy=plan.figures.policy,
-        cached_tokens_estimate=plan.figures.cached_tokens_estimate,
+        cached_tokens_estimate=plan.figures.cached_tokens_estimate, session_id=session_id, tenant=tenant,
         decision=scheduler_pb2.DECISION_PULL if kv.decision == "pull" else scheduler_pb2.DECISION_RECOMPUTE)
 
     async def send() -> None:

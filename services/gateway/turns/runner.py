@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 from kvshuttle.control_plane import session as session_rules
 from kvshuttle.control_plane.lru import BoundedLru
-from kvshuttle.control_plane.prefix import PrefixHasher
+from kvshuttle.control_plane.prefix import PrefixHasher, ids_bytes
 from kvshuttle.services.common import metrics
 from kvshuttle.services.engine.client import EngineClient
 from kvshuttle.services.gateway.turns import decode as decoding
@@ -246,7 +246,8 @@ class TurnRunner:
             first_block = list(record.head_token_ids[:record.block_size + 1])
             try:  # any live prefill worker will do: ask the scheduler for one
                 plan = await self.scheduler.PlanTurn(scheduler_pb2.PlanTurnRequest(
-                    tenant=tenant, prompt_token_ids=first_block, disable_pull=True), timeout=self.control_timeout_s)
+                    tenant=tenant, prompt_ids_packed=ids_bytes(first_block), disable_pull=True),
+                    timeout=self.control_timeout_s)
                 released = await release_span(recording.free_handle(
                     self, f"end-{uuid.uuid4().hex[:16]}", record, plan.prefill, first_block, tenant, session_id))
             except grpc.aio.AioRpcError as exc:

@@ -67,8 +67,10 @@ One YAML list item per flag. The flags are those of `kvshuttle <command> --help`
 {{- define "kvshuttle.registryAddress" -}}
 {{- printf "%s:%d" (include "kvshuttle.component" (list . "registry")) (int .Values.registry.port) -}}
 {{- end -}}
+{{/* Every scheduler replica, by the headless Service's DNS records: the gateways spread their plans over them, round
+robin (one ClusterIP address would pin each gateway's HTTP/2 connection, so all its plans, to one replica). */}}
 {{- define "kvshuttle.schedulerAddress" -}}
-{{- printf "%s:%d" (include "kvshuttle.component" (list . "scheduler")) (int .Values.scheduler.port) -}}
+{{- printf "dns:///%s-peers:%d" (include "kvshuttle.component" (list . "scheduler")) (int .Values.scheduler.port) -}}
 {{- end -}}
 
 {{- define "kvshuttle.etcdEndpoints" -}}

@@ -20,10 +20,11 @@ DECISION_PULL: Decision
 DECISION_RECOMPUTE: Decision
 
 class PlanTurnRequest(_message.Message):
-    __slots__ = ("session_id", "tenant", "prompt_token_ids", "disable_pull", "exclude_worker_ids", "session_snapshot", "session_not_found", "policy", "max_tokens")
+    __slots__ = ("session_id", "tenant", "prompt_token_ids", "prompt_ids_packed", "disable_pull", "exclude_worker_ids", "session_snapshot", "session_not_found", "policy", "max_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_PACKED_FIELD_NUMBER: _ClassVar[int]
     DISABLE_PULL_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
     SESSION_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
@@ -33,13 +34,14 @@ class PlanTurnRequest(_message.Message):
     session_id: str
     tenant: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    prompt_ids_packed: bytes
     disable_pull: bool
     exclude_worker_ids: _containers.RepeatedScalarFieldContainer[str]
     session_snapshot: _registry_pb2.GetSessionResponse
     session_not_found: bool
     policy: str
     max_tokens: int
-    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., disable_pull: _Optional[bool] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ..., session_snapshot: _Optional[_Union[_registry_pb2.GetSessionResponse, _Mapping]] = ..., session_not_found: _Optional[bool] = ..., policy: _Optional[str] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_ids_packed: _Optional[bytes] = ..., disable_pull: _Optional[bool] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ..., session_snapshot: _Optional[_Union[_registry_pb2.GetSessionResponse, _Mapping]] = ..., session_not_found: _Optional[bool] = ..., policy: _Optional[str] = ..., max_tokens: _Optional[int] = ...) -> None: ...
 
 class PlanFigures(_message.Message):
     __slots__ = ("prompt_tokens", "session_found", "covered_tokens", "matched_tokens", "reusable_tokens", "compute_tokens", "block_size", "expires_in_s", "pull_threshold_tokens", "source_worker_alive", "snapshot_stale", "policy", "predicted_pull_ms", "predicted_recompute_ms", "pullable_tokens", "predicted_wait_ms", "worker_choice", "cached_tokens_estimate")
@@ -82,7 +84,7 @@ class PlanFigures(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., session_found: _Optional[bool] = ..., covered_tokens: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., reusable_tokens: _Optional[int] = ..., compute_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., expires_in_s: _Optional[float] = ..., pull_threshold_tokens: _Optional[int] = ..., source_worker_alive: _Optional[bool] = ..., snapshot_stale: _Optional[bool] = ..., policy: _Optional[str] = ..., predicted_pull_ms: _Optional[float] = ..., predicted_recompute_ms: _Optional[float] = ..., pullable_tokens: _Optional[int] = ..., predicted_wait_ms: _Optional[float] = ..., worker_choice: _Optional[str] = ..., cached_tokens_estimate: _Optional[int] = ...) -> None: ...
 
 class ReportOutcomeRequest(_message.Message):
-    __slots__ = ("prefill_worker_id", "decode_worker_id", "prompt_tokens", "pulled_tokens", "computed_tokens", "prefill_ms", "decision", "source_worker_id", "pullable_tokens", "policy", "cached_tokens_estimate")
+    __slots__ = ("prefill_worker_id", "decode_worker_id", "prompt_tokens", "pulled_tokens", "computed_tokens", "prefill_ms", "decision", "source_worker_id", "pullable_tokens", "policy", "cached_tokens_estimate", "session_id", "tenant")
     PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +96,8 @@ class ReportOutcomeRequest(_message.Message):
     PULLABLE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_ESTIMATE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     prefill_worker_id: str
     decode_worker_id: str
     prompt_tokens: int
@@ -105,11 +109,25 @@ class ReportOutcomeRequest(_message.Message):
     pullable_tokens: int
     policy: str
     cached_tokens_estimate: int
-    def __init__(self, prefill_worker_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., pulled_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., decision: _Optional[_Union[Decision, str]] = ..., source_worker_id: _Optional[str] = ..., pullable_tokens: _Optional[int] = ..., policy: _Optional[str] = ..., cached_tokens_estimate: _Optional[int] = ...) -> None: ...
+    session_id: str
+    tenant: str
+    def __init__(self, prefill_worker_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., pulled_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., decision: _Optional[_Union[Decision, str]] = ..., source_worker_id: _Optional[str] = ..., pullable_tokens: _Optional[int] = ..., policy: _Optional[str] = ..., cached_tokens_estimate: _Optional[int] = ..., session_id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class OutcomeBatch(_message.Message):
+    __slots__ = ("replica", "outcomes", "seq")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    replica: str
+    outcomes: _containers.RepeatedCompositeFieldContainer[ReportOutcomeRequest]
+    seq: int
+    def __init__(self, replica: _Optional[str] = ..., outcomes: _Optional[_Iterable[_Union[ReportOutcomeRequest, _Mapping]]] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class ReportOutcomeResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("learned",)
+    LEARNED_FIELD_NUMBER: _ClassVar[int]
+    learned: bool
+    def __init__(self, learned: _Optional[bool] = ...) -> None: ...
 
 class PlanTurnResponse(_message.Message):
     __slots__ = ("decision", "reason", "prefill", "decode", "prefill_kv_transfer_params_json", "source", "figures", "reason_code")
@@ -202,7 +220,7 @@ class WorkerLoadStats(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., pending: _Optional[int] = ..., used_tokens: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., age_s: _Optional[float] = ..., reachable: _Optional[bool] = ..., assigned_turns: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("policies", "compute", "transfers", "loads", "reported_turns", "decode_kv", "kv_managed", "kv_eviction_policy", "kv_leading")
+    __slots__ = ("policies", "compute", "transfers", "loads", "reported_turns", "decode_kv", "kv_managed", "kv_eviction_policy", "kv_leading", "learning")
     POLICIES_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +230,7 @@ class GetStatsResponse(_message.Message):
     KV_MANAGED_FIELD_NUMBER: _ClassVar[int]
     KV_EVICTION_POLICY_FIELD_NUMBER: _ClassVar[int]
     KV_LEADING_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_FIELD_NUMBER: _ClassVar[int]
     policies: _containers.RepeatedCompositeFieldContainer[PolicyStats]
     compute: _containers.RepeatedCompositeFieldContainer[ComputeEstimate]
     transfers: _containers.RepeatedCompositeFieldContainer[TransferEstimate]
@@ -221,7 +240,32 @@ class GetStatsResponse(_message.Message):
     kv_managed: bool
     kv_eviction_policy: str
     kv_leading: bool
-    def __init__(self, policies: _Optional[_Iterable[_Union[PolicyStats, _Mapping]]] = ..., compute: _Optional[_Iterable[_Union[ComputeEstimate, _Mapping]]] = ..., transfers: _Optional[_Iterable[_Union[TransferEstimate, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[WorkerLoadStats, _Mapping]]] = ..., reported_turns: _Optional[int] = ..., decode_kv: _Optional[_Iterable[_Union[DecodeKvStats, _Mapping]]] = ..., kv_managed: _Optional[bool] = ..., kv_eviction_policy: _Optional[str] = ..., kv_leading: _Optional[bool] = ...) -> None: ...
+    learning: LearningStats
+    def __init__(self, policies: _Optional[_Iterable[_Union[PolicyStats, _Mapping]]] = ..., compute: _Optional[_Iterable[_Union[ComputeEstimate, _Mapping]]] = ..., transfers: _Optional[_Iterable[_Union[TransferEstimate, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[WorkerLoadStats, _Mapping]]] = ..., reported_turns: _Optional[int] = ..., decode_kv: _Optional[_Iterable[_Union[DecodeKvStats, _Mapping]]] = ..., kv_managed: _Optional[bool] = ..., kv_eviction_policy: _Optional[str] = ..., kv_leading: _Optional[bool] = ..., learning: _Optional[_Union[LearningStats, _Mapping]] = ...) -> None: ...
+
+class LearningStats(_message.Message):
+    __slots__ = ("mode", "replica", "applied_revision", "applied_outcomes", "pending_outcomes", "dropped_outcomes", "loaded_snapshot_revision", "written_snapshot_revision", "leading", "missed_batches")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_REVISION_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    PENDING_OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    LOADED_SNAPSHOT_REVISION_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_SNAPSHOT_REVISION_FIELD_NUMBER: _ClassVar[int]
+    LEADING_FIELD_NUMBER: _ClassVar[int]
+    MISSED_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    replica: str
+    applied_revision: int
+    applied_outcomes: int
+    pending_outcomes: int
+    dropped_outcomes: int
+    loaded_snapshot_revision: int
+    written_snapshot_revision: int
+    leading: bool
+    missed_batches: int
+    def __init__(self, mode: _Optional[str] = ..., replica: _Optional[str] = ..., applied_revision: _Optional[int] = ..., applied_outcomes: _Optional[int] = ..., pending_outcomes: _Optional[int] = ..., dropped_outcomes: _Optional[int] = ..., loaded_snapshot_revision: _Optional[int] = ..., written_snapshot_revision: _Optional[int] = ..., leading: _Optional[bool] = ..., missed_batches: _Optional[int] = ...) -> None: ...
 
 class DecodeKvStats(_message.Message):
     __slots__ = ("worker_id", "held_sessions", "held_tokens", "held_blocks", "held_bytes", "oldest_idle_s", "used_tokens", "capacity_tokens", "evictions", "evicted_tokens", "pulls_lost", "eviction_failures")
