@@ -36,8 +36,8 @@ SHARED |= {"log_level"}
 CHART_MANAGED: dict[str, set[str]] = {
     "registry": {"listen", "key_prefix", "etcd_endpoints", "history_store", "metrics_listen"},
     "scheduler": {"listen", "registry", "etcd_endpoints", "key_prefix", "history_store", "metrics_listen"},
-    "gateway": {"http_listen", "grpc_listen", "registry", "scheduler", "model_dir", "served_model_name",
-                "max_model_len", "api_keys_file", "http_tls_cert", "http_tls_key", "metrics_listen"},
+    "gateway": {"http_listen", "grpc_listen", "registry", "scheduler", "scheduler_args", "model_dir",
+                "served_model_name", "max_model_len", "api_keys_file", "http_tls_cert", "http_tls_key", "metrics_listen"},
     "worker": {"role", "model", "served_model_name", "host", "grpc_port", "advertise_host", "nixl_host", "nixl_port",
                "worker_id", "work_dir", "vllm_log", "metrics_listen", "vllm_otlp_traces_endpoint", "registry", "max_model_len", "python", "cuda_visible_devices",
                "print_vllm_command"},

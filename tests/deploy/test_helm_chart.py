@@ -274,6 +274,33 @@ def test_every_kvshuttle_container_parses_with_its_commands_config(profile, pod_
         parse(command, c["args"], env, pod_root)  # raises on an unknown flag, a bad value, a missing file
 
 
+@pytest.mark.parametrize("profile", ["cpu-dev", "gpu-4p4d-external-etcd-tls"])
+def test_a_gateway_planning_in_process_gets_the_schedulers_settings_etcd_and_history_store(profile, pod_root):
+    """gateway.planInProcess: the gateway runs `--scheduler local` with scheduler.settings and the etcd prefix as
+    --scheduler-args, and the etcd and history-store environment (and etcd secrets) the scheduler pods get; the
+    embedded scheduler's own config parses it all, as `kvshuttle gateway` does."""
+    from kvshuttle.services.scheduler.in_process import embedded_config
+
+    docs = rendered(profile, "--set", "gateway.planInProcess=true", "--set", "scheduler.settings.candidates=8")
+    containers = dict(kvshuttle_containers(docs))
+    gateway, scheduler = containers["gateway"], containers["scheduler"]
+    env = container_env(gateway)
+    known = {env_name(cls, f) for cls in (GatewayConfig, SchedulerConfig) for f in cls.__dataclass_fields__.values()}
+    assert not {k for k in env if k.startswith("KVSHUTTLE_")} - known
+    cfg = parse("gateway", gateway["args"], env, pod_root)
+    assert cfg.scheduler == "local"
+    embedded = embedded_config(cfg.scheduler_args, registry=cfg.registry, tls=cfg, environ=relocate(env, pod_root))
+    standalone = parse("scheduler", scheduler["args"], container_env(scheduler), pod_root)
+    for field in ("etcd_endpoints", "key_prefix", "history_store", "policy", "kv_manage", "kv_high_water",
+                  "kv_idle_limit_s", "candidates", "etcd_username", "etcd_ca"):
+        assert getattr(embedded, field) == getattr(standalone, field), field
+    assert embedded.etcd_endpoints and embedded.candidates == 8 and embedded.registry == cfg.registry
+    mounts = {m["name"] for m in gateway.get("volumeMounts", [])}
+    assert {m["name"] for m in scheduler.get("volumeMounts", []) if m["name"].startswith("etcd")} <= mounts
+    off = dict(kvshuttle_containers(rendered(profile)))["gateway"]
+    assert "--scheduler=local" not in off["args"] and "KVSHUTTLE_ETCD_ENDPOINTS" not in container_env(off)
+
+
 @pytest.mark.parametrize("profile", PROFILE_IDS)
 def test_services_dial_the_addresses_the_chart_serves(profile, pod_root):
     """Every address a component is given is a Service of this release, on a port a matching pod listens on."""
