@@ -64,6 +64,15 @@ def validate_id(kind: str, value: str) -> str:
     return value
 
 
+def session_ref(tenant: str, session_id: str) -> tuple[str, str]:
+    """A request's (tenant, session id), the tenant defaulted, after the id checks (InvalidArgument names the one that
+    fails; an empty tenant is the default tenant)."""
+    validate_id("session_id", session_id)
+    if tenant:
+        validate_id("tenant", tenant)
+    return tenant or DEFAULT_TENANT, session_id
+
+
 def validate_worker(worker: common_pb2.Worker) -> None:
     """What a worker record must carry to be registered (decode workers also their KV TTL)."""
     validate_id("worker.worker_id", worker.worker_id)

@@ -68,12 +68,9 @@ def outcome_of(request: scheduler_pb2.ReportOutcomeRequest) -> tuple[Outcome, Ha
     session = None
     if request.session_id:
         try:
-            session_rules.validate_id("session_id", request.session_id)
-            if request.tenant:
-                session_rules.validate_id("tenant", request.tenant)
+            session = session_rules.session_ref(request.tenant, request.session_id)
         except session_rules.InvalidArgument as exc:
             raise InvalidOutcome(str(exc)) from None
-        session = (request.tenant or session_rules.DEFAULT_TENANT, request.session_id)
     outcome = Outcome(
         request.prefill_worker_id, request.prompt_tokens, request.pulled_tokens, request.computed_tokens,
         request.prefill_ms, Choice.PULL if request.decision == scheduler_pb2.DECISION_PULL else Choice.RECOMPUTE,

@@ -97,9 +97,7 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if request.session_id:
             try:
-                session_rules.validate_id("session_id", request.session_id)
-                if request.tenant:
-                    session_rules.validate_id("tenant", request.tenant)
+                session_rules.session_ref(request.tenant, request.session_id)
             except session_rules.InvalidArgument as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:

@@ -25,6 +25,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import grpc.aio
@@ -337,10 +338,25 @@ class EtcdStore:
             backoff = min(backoff * 2, 5.0)
 
     async def _watch_workers_from(self, revision: int) -> AsyncIterator[WorkerEvent]:
+        async with contextlib.aclosing(self._watch_events(self.keys.workers, revision, prev_kv=True)) as events:
+            async for ev in events:
+                if ev.type == _EVENT_PUT:
+                    worker = codec.parse_worker(ev.kv.value)
+                    if worker is not None:
+                        yield WorkerEvent("put", (worker,))
+                else:
+                    worker = codec.parse_worker(ev.prev_kv.value) if ev.HasField("prev_kv") else None
+                    if worker is None:
+                        worker = common_pb2.Worker(worker_id=self.keys.worker_id_of(ev.kv.key.decode()))
+                    yield WorkerEvent("delete", (worker,))
+
+    async def _watch_events(self, prefix: str, revision: int, *, prev_kv: bool = False) -> AsyncIterator[Any]:
+        """Every event under ``prefix`` from ``revision`` on, until the stream ends; raises _WatchLost when etcd
+        cancels the watch (e.g. compacted past ``revision``), grpc.aio.AioRpcError when the stream fails."""
         if self._watch is None:
             raise RuntimeError("EtcdStore is not connected")
-        create = WatchCreateRequest(key=self.keys.workers.encode(), range_end=prefix_range_end(self.keys.workers),
-                                    start_revision=revision, prev_kv=True)
+        create = WatchCreateRequest(key=prefix.encode(), range_end=prefix_range_end(prefix), start_revision=revision,
+                                    prev_kv=prev_kv)
 
         async def requests() -> AsyncIterator[WatchRequest]:
             yield WatchRequest(create_request=create)
@@ -352,15 +368,7 @@ class EtcdStore:
                 if resp.canceled or resp.compact_revision:
                     raise _WatchLost(f"watch canceled by etcd ({resp.cancel_reason or 'compacted'})")
                 for ev in resp.events:
-                    if ev.type == _EVENT_PUT:
-                        worker = codec.parse_worker(ev.kv.value)
-                        if worker is not None:
-                            yield WorkerEvent("put", (worker,))
-                    else:
-                        worker = codec.parse_worker(ev.prev_kv.value) if ev.HasField("prev_kv") else None
-                        if worker is None:
-                            worker = common_pb2.Worker(worker_id=self.keys.worker_id_of(ev.kv.key.decode()))
-                        yield WorkerEvent("delete", (worker,))
+                    yield ev
         finally:
             call.cancel()
 
@@ -575,29 +583,16 @@ class EtcdStore:
         """Each outcome batch written from ``from_revision`` on, as (revision, value), in revision order. Raises
         StoreUnavailable when the stream breaks or etcd cancels it (compacted past ``from_revision``): the caller
         reads :meth:`outcome_batches` again and watches on from there."""
-        if self._watch is None:
-            raise RuntimeError("EtcdStore is not connected")
-        create = WatchCreateRequest(key=self.keys.outcome_batches.encode(),
-                                    range_end=prefix_range_end(self.keys.outcome_batches),
-                                    start_revision=from_revision)
-
-        async def requests() -> AsyncIterator[WatchRequest]:
-            yield WatchRequest(create_request=create)
-            await asyncio.Event().wait()  # keep the request side open
-
-        call = self._watch.Watch(requests(), metadata=_REQUIRE_LEADER)
         try:
-            async for resp in call:
-                if resp.canceled or resp.compact_revision:
-                    raise StoreUnavailable(f"outcome watch canceled by etcd ({resp.cancel_reason or 'compacted'})")
-                for ev in resp.events:
+            async with contextlib.aclosing(self._watch_events(self.keys.outcome_batches, from_revision)) as events:
+                async for ev in events:
                     if ev.type == _EVENT_PUT:  # deletes are leases ending: nothing to learn
                         yield ev.kv.mod_revision, ev.kv.value
-            raise StoreUnavailable("outcome watch ended")
+        except _WatchLost as exc:
+            raise StoreUnavailable(f"outcome watch: {exc}") from None
         except grpc.aio.AioRpcError as exc:
             raise StoreUnavailable(f"outcome watch: {exc.code().name} ({exc.details()})") from None
-        finally:
-            call.cancel()
+        raise StoreUnavailable("outcome watch ended")
 
     async def put_learned_snapshot(self, manifest: dict, blob: bytes, chunk_bytes: int = 1 << 20) -> None:
         """Store a snapshot of the learned state: ``blob`` in chunks under a new id, then the manifest naming them
