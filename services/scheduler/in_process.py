@@ -98,13 +98,17 @@ def embedded_config(args: str, *, registry: str, tls: TlsConfig,
     parser = _Parser(prog="kvshuttle gateway --scheduler-args", add_help=False)
     add_arguments(SchedulerConfig, parser)
     try:
-        ns = parser.parse_args(shlex.split(args))
-    except ValueError as exc:  # shlex: an unclosed quote
+        argv = shlex.split(args)
+    except ValueError as exc:  # an unclosed quote
         raise ConfigError(f"--scheduler-args: {exc}") from None
+    ns = parser.parse_args(argv)  # _Parser.error: ConfigError
     fields = {f.name: f for f in dataclasses.fields(SchedulerConfig)}
     inherited = {"listen": "127.0.0.1:0", "registry": registry,
                  **{f.name: getattr(tls, f.name) for f in dataclasses.fields(TlsConfig)}}
     for name, value in inherited.items():
         if getattr(ns, name, None) is None and env_name(SchedulerConfig, fields[name]) not in environ:
             setattr(ns, name, value)
-    return from_namespace(SchedulerConfig, ns, environ)
+    try:
+        return from_namespace(SchedulerConfig, ns, environ)
+    except ConfigError as exc:
+        raise ConfigError(f"--scheduler-args: {exc}") from None
