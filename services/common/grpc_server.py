@@ -33,9 +33,10 @@ class Server:
 
     def __init__(self, address: str, service_names: Iterable[str],
                  register: Iterable[Callable[[grpc.aio.Server], None]], *, tls: ServerTls | None = None,
-                 max_message_bytes: int | None = None):
+                 max_message_bytes: int | None = None, options: Sequence[tuple[str, object]] = ()):
+        """``options``: more gRPC channel arguments of the server."""
         self.service_names = list(service_names)
-        options = _message_options(max_message_bytes)
+        options = [*_message_options(max_message_bytes), *options]
         # Metrics last (innermost): they get the registered handler itself, instrumented once per method.
         interceptors = [*([aio_server_interceptor()] if tracing_enabled() else []), GrpcMetricsInterceptor()]
         self.server = grpc.aio.server(interceptors=interceptors, options=options)

@@ -106,6 +106,10 @@ class SchedulerConfig(TelemetryConfig, TlsConfig, EtcdSecurityConfig):
                                                         "learned state (written by one replica)")
     learning_batch_ttl_s: int = setting(600, "shared learning: how long etcd keeps each batch of outcomes (a replica "
                                              "starting from a snapshot older than half of this misses some)")
+    max_connection_age_s: float = setting(300.0, "Close each client's connection after this many seconds (gRPC "
+                                                 "MAX_CONNECTION_AGE; calls in flight get 30 s more): gateways that "
+                                                 "dial every replica by name (dns:///) then resolve it again and "
+                                                 "spread their plans over replicas added since; 0: never")
     log_level: str = setting("INFO", "Log level", env="KVSHUTTLE_LOG_LEVEL")
 
     def validate(self) -> None:
@@ -120,6 +124,7 @@ class SchedulerConfig(TelemetryConfig, TlsConfig, EtcdSecurityConfig):
         except ValueError as exc:
             require(False, f"--kv-high-water/--kv-low-water/--kv-held-budget/--kv-idle-limit-s: {exc}")
         require(self.learning_snapshot_interval_s > 0, "--learning-snapshot-interval-s must be > 0")
+        require(self.max_connection_age_s >= 0, "--max-connection-age-s must be >= 0")
         require(self.learning_batch_ttl_s >= max(10, 2 * self.learning_snapshot_interval_s),
                 "--learning-batch-ttl-s must be >= 10 and at least twice --learning-snapshot-interval-s")
         require(self.kv_interval_s > 0 and self.kv_room_timeout_s > 0,
@@ -188,7 +193,10 @@ class SchedulerService:
             self.learning)
         self.server = Server(cfg.listen, [SERVICE_NAME],
                              [lambda s: scheduler_pb2_grpc.add_TransferSchedulerServicer_to_server(servicer, s)],
-                             tls=cfg.server_tls(), max_message_bytes=cfg.max_message_bytes)
+                             tls=cfg.server_tls(), max_message_bytes=cfg.max_message_bytes,
+                             options=[("grpc.max_connection_age_ms", int(cfg.max_connection_age_s * 1000)),
+                                      ("grpc.max_connection_age_grace_ms", 30_000)]
+                             if cfg.max_connection_age_s > 0 else ())
         self.address = self.server.address
         metrics.SCHEDULER_STATE.register(self.metrics_state)
         self.metrics = (MetricsServer(cfg.metrics_listen, metrics.registry_for("scheduler"), name="scheduler")

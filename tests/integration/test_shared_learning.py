@@ -205,3 +205,17 @@ async def test_an_in_process_planner_is_one_more_replica_and_bad_outcomes_are_ne
             await target.ReportOutcome(bad, timeout=5)
         assert invalid.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prefill_ms" in invalid.value.details()
     assert (await stub.GetStats(scheduler_pb2.GetStatsRequest())).learning.applied_outcomes == 60
+
+
+async def test_a_replica_closes_old_client_connections_so_gateways_resolve_its_name_again(replicas):
+    """--max-connection-age-s: the scheduler closes each client connection after that age (GOAWAY), so a gateway
+    dialing dns:///peers resolves the name again and finds replicas added since; 0 keeps connections open."""
+    aged, aged_stub = await replicas.add(max_connection_age_s=1.0)
+    kept, kept_stub = await replicas.add(max_connection_age_s=0.0)
+    for stub in (aged_stub, kept_stub):
+        await stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5)
+    aged_channel, kept_channel = replicas.channels[-2], replicas.channels[-1]
+    assert aged_channel.get_state() == kept_channel.get_state() == grpc.ChannelConnectivity.READY
+    await until(lambda: aged_channel.get_state() == grpc.ChannelConnectivity.IDLE, 10, "the aged connection closed")
+    assert kept_channel.get_state() == grpc.ChannelConnectivity.READY
+    await aged_stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5)  # and the next call simply reconnects
