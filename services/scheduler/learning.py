@@ -125,7 +125,7 @@ class SharedLearning:
     mode = "shared"
 
     def __init__(self, store: EtcdStore, planner: Planner, *, replica: str = "", flush_interval_s: float = 0.02,
-                 max_batch: int = 512, max_pending: int = 100_000, batch_ttl_s: int = 600,
+                 max_batch: int = 512, max_pending: int = 100_000, batch_ttl_s: int = 120,
                  snapshot_interval_s: float = 30.0):
         if flush_interval_s <= 0 or max_batch < 1 or max_pending < 1 or batch_ttl_s < 10 or snapshot_interval_s <= 0:
             raise ValueError("flush_interval_s, snapshot_interval_s > 0; max_batch, max_pending >= 1; "

@@ -104,8 +104,9 @@ class SchedulerConfig(TelemetryConfig, TlsConfig, EtcdSecurityConfig):
                             choices=("shared", "local"))
     learning_snapshot_interval_s: float = setting(30.0, "shared learning: seconds between two snapshots of the "
                                                         "learned state (written by one replica)")
-    learning_batch_ttl_s: int = setting(600, "shared learning: how long etcd keeps each batch of outcomes (a replica "
-                                             "starting from a snapshot older than half of this misses some)")
+    learning_batch_ttl_s: int = setting(120, "shared learning: how long etcd keeps each batch of outcomes (a replica "
+                                             "starting from a snapshot older than half of this misses some); etcd "
+                                             "holds about this many seconds of outcomes, ~100 bytes each")
     max_connection_age_s: float = setting(300.0, "Close each client's connection after this many seconds (gRPC "
                                                  "MAX_CONNECTION_AGE; calls in flight get 30 s more): gateways that "
                                                  "dial every replica by name (dns:///) then resolve it again and "
