@@ -3,7 +3,7 @@
 A lineage ``(tenant, session_id, generation)`` holds its ids as segments, each stored at its offset (in ids). Turns
 append segments, and may keep a turn's KV handle (vLLM's JSON lists every block: too big for etcd's record in long
 sessions) under its digest; a lineage expires as a whole ``ttl_s`` seconds after its last append. Ids travel as bytes: int32
-little-endian, 4 bytes each (:func:`ids_to_bytes`, :func:`bytes_to_ids`). Backends: ``history_sqlite`` (embedded, one
+little-endian, 4 bytes each (``control_plane.prefix.ids_bytes``, :func:`bytes_to_ids`). Backends: ``history_sqlite`` (embedded, one
 registry process) and ``history_redis`` (shared by a cluster's replicas).
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Protocol
 
 ID_BYTES = 4
@@ -79,14 +79,6 @@ def assemble(segments: Iterable[tuple[int, bytes]], length: int) -> bytes | None
         return None
     out = b"".join(parts)
     return out if len(out) == need else out[:need]
-
-
-def ids_to_bytes(ids: Sequence[int]) -> bytes:
-    """Token ids -> int32 little-endian bytes."""
-    arr = array("i", ids)
-    if _SWAP:
-        arr.byteswap()
-    return arr.tobytes()
 
 
 def bytes_to_ids(b: bytes) -> list[int]:

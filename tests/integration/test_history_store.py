@@ -7,8 +7,9 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
+from kvshuttle.control_plane.prefix import ids_bytes as ids_to_bytes
 from kvshuttle.services.devtools.etcd_process import free_port
-from kvshuttle.services.store.history import HistoryStore, HistoryUnavailable, bytes_to_ids, ids_to_bytes
+from kvshuttle.services.store.history import HistoryStore, HistoryUnavailable, bytes_to_ids
 from kvshuttle.services.store.history_redis import RedisHistoryStore
 from kvshuttle.services.store.history_sqlite import SqliteHistoryStore
 
