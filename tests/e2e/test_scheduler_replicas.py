@@ -15,6 +15,7 @@ import pytest
 from kvshuttle.services.common.grpc_server import client_channel
 from kvshuttle.services.devtools.etcd_process import free_port
 from kvshuttle.v1 import scheduler_pb2, scheduler_pb2_grpc
+from openai import AsyncOpenAI
 
 from tests.support.e2e import chat, new_session, spawn_gateway, user_turn
 from tests.support.waits import until
@@ -106,6 +107,20 @@ async def test_three_replicas_and_two_gateways_pull_every_continued_turn_and_lea
             assert answer(resp) == answer(reference), n
             history.append(answer(resp))
             twin_history.append(answer(reference))
+
+        # As an SDK client: the official OpenAI SDK, streaming, through the gateway that plans in-process.
+        sdk = AsyncOpenAI(base_url=f"{local_url}/v1", api_key="unused", timeout=300)
+        model = (await sdk.models.list()).data[0].id
+        history.append(user_turn(6))
+        twin_history.append(user_turn(6))
+        raw = await sdk.chat.completions.with_raw_response.create(
+            model=model, messages=history, max_tokens=16, temperature=0, stream=True,
+            extra_headers={"X-Session-ID": session})
+        text = "".join([chunk.choices[0].delta.content or "" async for chunk in raw.parse() if chunk.choices])
+        assert raw.headers["x-kv-decision"] == "pull", raw.headers.get("x-kv-reason")
+        reference = await chat(ref, twin, twin_history, disable_pull=True)
+        assert text == answer(reference)["content"]
+        await sdk.close()
 
     everyone = [*stubs, embedded]
 
