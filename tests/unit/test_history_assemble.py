@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from kvshuttle.services.store.history import assemble, bytes_to_ids, ids_to_bytes
+from kvshuttle.control_plane.prefix import ids_bytes as ids_to_bytes
+from kvshuttle.services.store.history import assemble, bytes_to_ids
 
 
 def seg(start: int, ids: list[int]) -> tuple[int, bytes]:
