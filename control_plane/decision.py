@@ -48,6 +48,9 @@ class HandleView:
     checkpoints: Sequence[tuple[int, bytes]] = ()
     # Why the scheduler freed the handle's KV before this turn (Session.kv_freed: "idle", "pressure", "room")
     kv_freed: str = ""
+    # Leading prompt ids the caller found equal to the recorded ids themselves (PlanTurnRequest.history_match_tokens;
+    # 0: unknown): counted where the digests prove fewer.
+    verified_tokens: int = 0
 
 
 @dataclass
@@ -107,8 +110,9 @@ def decide(prompt: Sequence[int], handle: HandleView | None, policy: PullPolicy,
     if handle.block_size <= 0 or handle.covered_tokens <= 0 or not handle.prefix_digest:
         return recompute(why.INCONSISTENT_RECORD,
                          "the session record is inconsistent (no block size, covered tokens or prefix digest)")
-    matched = matched_prefix_tokens(handle.covered_tokens, handle.block_size, prompt, handle.prefix_digest,
-                                    handle.checkpoints)
+    matched = max(matched_prefix_tokens(handle.covered_tokens, handle.block_size, prompt, handle.prefix_digest,
+                                        handle.checkpoints),
+                  min(handle.verified_tokens, handle.covered_tokens, n))
     reusable = reusable_tokens(matched, handle.covered_tokens, n, handle.block_size)
     if reusable < policy.pull_threshold_tokens:
         if matched < min(handle.covered_tokens, n):

@@ -60,12 +60,13 @@ def prefix_digest(tokens: Sequence[int] | bytes, covered: int) -> bytes:
 
 
 def checkpoint_lengths(previous: Iterable[int], boundary: int, covered: int,
-                       limit: int = MAX_CHECKPOINTS) -> list[int]:
-    """The prefix lengths a new record keeps checkpoints at: ``previous`` ones (still valid only when the new
-    history continues the old one: the caller passes none otherwise) plus ``boundary`` (where this turn's ids
-    began), each below ``covered``; then thinned to ``limit``: while too many, the length closest to its lower
-    neighbour goes (the newest is kept), so old turns end up sparse and recent ones dense."""
-    lengths = sorted({n for n in (*previous, boundary) if 0 < n < covered})
+                       limit: int = MAX_CHECKPOINTS, extra: Iterable[int] = ()) -> list[int]:
+    """The prefix lengths a new record keeps checkpoints at: ``previous`` ones (still valid only as far as the new
+    history continues the old one: the caller passes none past that) plus ``boundary`` (where this turn's ids
+    began) and ``extra`` ones (the ends of the prompt's messages the record is indexed under), each below
+    ``covered``; then thinned to ``limit``: while too many, the length closest to its lower neighbour goes (the
+    newest is kept), so old turns end up sparse and recent ones dense."""
+    lengths = sorted({n for n in (*previous, boundary, *extra) if 0 < n < covered})
     while len(lengths) > limit:
         gaps = [lengths[i] - (lengths[i - 1] if i else 0) for i in range(len(lengths) - 1)]
         del lengths[gaps.index(min(gaps))]

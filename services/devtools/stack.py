@@ -117,10 +117,15 @@ def _host_port(url: str) -> str:
 
 
 class Stack:
-    def __init__(self, cfg: StackConfig, *, scheduler_env: dict[str, str] | None = None):
-        """``scheduler_env``: extra KVSHUTTLE_SCHEDULER_* settings for the scheduler (e.g. named policies)."""
+    def __init__(self, cfg: StackConfig, *, scheduler_env: dict[str, str] | None = None,
+                 gateway_env: dict[str, str] | None = None, api_key: str = ""):
+        """``scheduler_env``: extra KVSHUTTLE_SCHEDULER_* settings for the scheduler (e.g. named policies);
+        ``gateway_env``: extra KVSHUTTLE_GATEWAY_* settings for the gateway (e.g. an API keys file), and then
+        ``api_key``: one of its keys, for the stack's own warm-up turns."""
         self.cfg = cfg
+        self.api_key = api_key
         self.scheduler_env = dict(scheduler_env or {})
+        self.gateway_env = dict(gateway_env or {})
         self.work = Path(cfg.work_dir).resolve()
         self.logs = self.work / "logs"
         self.model_dir = Path(cfg.model_dir).resolve()
@@ -158,6 +163,52 @@ class Stack:
         await child.start()
         self.children.append(child)
         return child
+
+    async def spawn_gateway(self, name: str, *args: str, env: dict[str, str] | None = None,
+                            timeout_s: float = 120.0) -> tuple[ChildProcess, str]:
+        """One more gateway process on the stack's registry and scheduler (``args``: more gateway flags, e.g. another
+        ``--chat-template``; ``env``: more environment), once it answers /health: the child and its base URL. The
+        caller stops it (``child.stop()``)."""
+        import httpx
+
+        http = free_port()
+        child = await self._spawn(name, "gateway", "--grpc-listen", f"127.0.0.1:{free_port()}",
+                                  "--http-listen", f"127.0.0.1:{http}", "--max-model-len",
+                                  str(self.cfg.max_model_len), *args, env=env)
+        self.children.remove(child)  # the caller stops it
+        base_url, deadline = f"http://127.0.0.1:{http}", time.monotonic() + timeout_s
+        async with httpx.AsyncClient(base_url=base_url, timeout=5) as client:
+            while True:
+                if child.returncode is not None:
+                    raise RuntimeError(f"{name} exited ({child.returncode}):\n{child.log_tail(30)}")
+                try:
+                    if (await client.get("/health")).status_code == 200:
+                        return child, base_url
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:
+                    await child.stop()
+                    raise TimeoutError(f"{name} did not answer /health in {timeout_s:g} s:\n{child.log_tail(30)}")
+                await asyncio.sleep(0.3)
+
+    async def flush_prefill(self, wait_s: float = 40.0) -> None:
+        """Empty the prefill workers' own prefix caches, so that any history P does not compute must come over NIXL.
+        vLLM refuses while P holds blocks (e.g. a prefill whose decode worker never read it, until its KV lease
+        ends): retried until ``wait_s``."""
+        from kvshuttle.services.engine.client import EngineClient
+
+        deadline = time.monotonic() + wait_s
+        for w in self.workers:
+            if w.role != common_pb2.WORKER_ROLE_PREFILL:
+                continue
+            client = EngineClient(w.grpc_address, timeout_s=30)
+            try:
+                while not await client.flush_cache():
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{w.worker_id} refused FlushCache for {wait_s:g} s")
+                    await asyncio.sleep(0.5)
+            finally:
+                await client.close()
 
     async def spawn_worker(self, role: str, name: str, bind: str, gpu: str = "",
                            decoder_kv_blocks_ttl: int | None = None, extra_args: str | None = None) -> ChildProcess:
@@ -209,7 +260,7 @@ class Stack:
         gateway = await self._spawn("gateway", "gateway", "--grpc-listen", self.gateway_grpc,
                                     "--http-listen", self.gateway_http, "--max-model-len",
                                     str(self.cfg.max_model_len), "--tool-call-parser", self.cfg.tool_call_parser,
-                                    "--reasoning-parser", self.cfg.reasoning_parser)
+                                    "--reasoning-parser", self.cfg.reasoning_parser, env=self.gateway_env)
         roles = ["prefill"] * self.cfg.prefill_workers + ["decode"] * self.cfg.decode_workers
         gpus = self.cfg.gpu_list
         if gpus:  # GPU workers: no CPU binding; KV buffers on the GPU
@@ -238,7 +289,9 @@ class Stack:
         t = time.perf_counter()
         session = f"warm-up-{os.getpid()}"
         messages = [{"role": "user", "content": "warm up " * 100}]
-        async with httpx.AsyncClient(base_url=self.base_url, timeout=self.cfg.startup_timeout_s) as client:
+        auth = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        async with httpx.AsyncClient(base_url=self.base_url, timeout=self.cfg.startup_timeout_s,
+                                     headers=auth) as client:
             for _ in range(2):
                 resp = await client.post("/v1/chat/completions", headers={"X-Session-ID": session},
                                          json={"messages": messages, "max_tokens": 2, "temperature": 0})

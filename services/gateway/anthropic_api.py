@@ -233,7 +233,7 @@ class ThinkingDisabledIn(StrictIn):
 
 
 class MetadataIn(StrictIn):
-    user_id: str | None = Field(default=None, max_length=256)  # informational: not used
+    user_id: str | None = Field(default=None, max_length=256)  # on the turn's span and log line; changes nothing
 
 
 class PromptIn(StrictIn):
@@ -588,7 +588,8 @@ def anthropic_routes(runner: TurnRunner, served_model: str, default_max_tokens: 
                           temperature=body.temperature, top_p=1.0 if body.top_p is None else body.top_p,
                           top_k=body.top_k or 0, stop=stop, constraint=forced_calls(tools, choice) if calls else None,
                           reasoning_tags=parsers.think_tags,
-                          parsing=parsers.parsing(calls, [t.template_dict() for t in tools] or None))
+                          parsing=parsers.parsing(calls, [t.template_dict() for t in tools] or None),
+                          end_user=(body.metadata.user_id if body.metadata else None) or "")
         if calls or parsers.keeps_special_tokens:  # as vLLM's tool parsers ask: call tags (Harmony's channel
             req.skip_special_tokens = False  # markers) that are special tokens must stay in the text
         turn = await runner.prepare(req)

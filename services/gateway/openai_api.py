@@ -154,7 +154,7 @@ class SamplingIn(StrictIn):
     # Fields of OpenAI's and vLLM's APIs this gateway does not apply: a 400 naming them, unless null (or neutral).
     KNOWN = frozenset({
         "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "top_logprobs", "audio", "modalities", "prediction", "web_search_options", "store", "metadata",
-        "service_tier", "reasoning_effort", "verbosity", "prompt_cache_key", "safety_identifier", "echo", "best_of",
+        "service_tier", "reasoning_effort", "verbosity", "echo", "best_of",
         "suffix", "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words", "prompt_logprobs",
         "truncate_prompt_tokens", "guided_json", "guided_regex", "guided_choice",
         "guided_grammar", "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
@@ -189,7 +189,11 @@ class SamplingIn(StrictIn):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
-    user: str | None = Field(default=None, max_length=256)  # informational (OpenAI's end-user id): not used
+    # Who the turn is for (OpenAI's end-user ids): on the turn's span and log line; they change no decision.
+    user: str | None = Field(default=None, max_length=256)
+    safety_identifier: str | None = Field(default=None, max_length=256)
+    # OpenAI's cache key: a session hint when the request names no session (docs/agents.md).
+    prompt_cache_key: str | None = Field(default=None, min_length=1, max_length=1024)
     # Ignored by design: only the scheduler decides what P pulls (a router's kv_transfer_params would be wrong here).
     kv_transfer_params: dict | None = None
     # vLLM's: the prompt's token ids (top level) and each choice's answer ids, as the workers saw them.
@@ -404,7 +408,8 @@ def create_app(runner: TurnRunner, served_model: str, default_max_tokens: int,
         return TurnRequest(session_id=session, tenant=caller.tenant, max_tokens=max_tokens or default_max_tokens,
                            temperature=body.temperature, top_p=body.top_p, seed=body.seed, ignore_eos=body.ignore_eos,
                            stop=stop, disable_pull=body.disable_pull, policy=body.policy, logprobs=logprobs_of(body),
-                           **body.sampling(), **prompt)
+                           cache_key=body.prompt_cache_key or "", end_user=body.user or "",
+                           safety_identifier=body.safety_identifier or "", **body.sampling(), **prompt)
 
     async def respond(body: SamplingIn, req: TurnRequest, shape: _Shape, answer: AnswerShape | None = None):
         turn = await runner.prepare(req)

@@ -92,7 +92,7 @@ class ReasoningIn(StrictIn):
 
 
 class ResponsesIn(StrictIn):
-    KNOWN = frozenset({"include", "truncation", "background", "prompt", "prompt_cache_key", "safety_identifier",
+    KNOWN = frozenset({"include", "truncation", "background", "prompt",
                        "service_tier", "top_logprobs", "conversation", "max_tool_calls", "stream_options",
                        "context_management", "prompt_cache_retention"})
     NEUTRAL = {"include": ([],), "truncation": ("disabled",), "background": (False,),
@@ -113,6 +113,8 @@ class ResponsesIn(StrictIn):
     reasoning: ReasoningIn | None = None
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
     user: str | None = Field(default=None, max_length=256)
+    safety_identifier: str | None = Field(default=None, max_length=256)
+    prompt_cache_key: str | None = Field(default=None, min_length=1, max_length=1024)
     conversation_id: str | None = Field(default=None, max_length=256, pattern=SESSION_ID_PATTERN)
 
 
@@ -431,6 +433,8 @@ def add_responses_routes(app: FastAPI, runner: TurnRunner, served_model: str, de
         messages = chat_messages(items, body.instructions)
         req = TurnRequest(session_id=session, tenant=caller.tenant, messages=messages,
                           session_source="response" if body.previous_response_id else "",
+                          cache_key=body.prompt_cache_key or "", end_user=body.user or "",
+                          safety_identifier=body.safety_identifier or "",
                           template_vars={"tools": [t.chat_tool() for t in body.tools]} if body.tools else {},
                           max_tokens=body.max_output_tokens or default_max_tokens, temperature=body.temperature,
                           top_p=body.top_p, constraint=constraint(body, calls), reasoning_tags=parsers.think_tags,

@@ -102,6 +102,9 @@ class GatewayConfig(TelemetryConfig, TlsConfig):
                                       "port unless --listen is given")
     model_dir: str = setting("", "Model directory (tokenizer + chat template); the workers serve the same model",
                              env="KVSHUTTLE_MODEL_DIR")
+    chat_template: str = setting("", "A chat template file (Jinja) to render chats with instead of the model "
+                                     "directory's (as vLLM's --chat-template): give the workers' reference server "
+                                     "the same one", env="KVSHUTTLE_CHAT_TEMPLATE")
     served_model_name: str = setting("", "Model name clients use (default: the model directory's name)",
                                      env="KVSHUTTLE_SERVED_MODEL_NAME")
     max_model_len: int = setting(0, "Context length in tokens (0: the model's max_position_embeddings)",
@@ -154,6 +157,8 @@ class GatewayConfig(TelemetryConfig, TlsConfig):
         check_listen(self.metrics_listen)
         require(bool(self.model_dir), "--model-dir (KVSHUTTLE_MODEL_DIR) is required")
         require(Path(self.model_dir, "tokenizer.json").is_file(), f"no tokenizer.json in {self.model_dir}")
+        require(not self.chat_template or Path(self.chat_template).is_file(),
+                f"--chat-template {self.chat_template!r} is not a file")
         require(self.default_max_tokens >= 1, "--default-max-tokens must be >= 1")
         require(1 <= self.response_ttl_s <= 30 * 86400, "--response-ttl-s must be between 1 and 2592000 (30 days)")
         require(self.max_prompt_tokens >= 0, "--max-prompt-tokens must be >= 0")
@@ -227,7 +232,8 @@ class GatewayService:
         scheduler_stub = (scheduler.stub if scheduler is not None
                           else scheduler_pb2_grpc.TransferSchedulerStub(self.scheduler_channel))
         self.runner = TurnRunner(
-            GatewayTokenizer(cfg.model_dir), registry_pb2_grpc.SessionRegistryStub(self.registry_channel),
+            GatewayTokenizer(cfg.model_dir, Path(cfg.chat_template).read_text() if cfg.chat_template else None),
+            registry_pb2_grpc.SessionRegistryStub(self.registry_channel),
             scheduler_stub, max_model_len=cfg.context_len(),
             engine_timeout_s=cfg.engine_timeout_s, control_timeout_s=cfg.control_timeout_s,
             session_cache_bytes=cfg.session_cache_mb << 20, first_token_from_prefill=cfg.first_token_from_prefill,

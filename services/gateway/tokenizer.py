@@ -24,6 +24,9 @@ from jinja2.runtime import Context, LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+# Special tokens that end a message, in template families whose EOS tokens end only the model's answers: gpt-oss's
+# Harmony ends every message with <|end|> (answers with <|return|> or <|call|>, its EOS tokens).
+MESSAGE_END_TOKENS = ("<|end|>",)
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 
@@ -109,9 +112,9 @@ def _token_text(value: Any) -> str | None:
 
 
 class GatewayTokenizer:
-    """Tokenizer and chat template of one model directory."""
+    """Tokenizer and chat template of one model directory (``chat_template``: another template instead of its own)."""
 
-    def __init__(self, model_dir: str | Path):
+    def __init__(self, model_dir: str | Path, chat_template: str | None = None):
         root = Path(model_dir)
         self.model_dir = root
         self._tok = Tokenizer.from_file(str(root / "tokenizer.json"))
@@ -124,6 +127,7 @@ class GatewayTokenizer:
         if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
             named = {t["name"]: t["template"] for t in template}
             template = named.get("default")
+        template = chat_template or template
         if not template:
             raise ValueError(f"{root}: no chat template")
         self.chat_template: str = template
@@ -165,8 +169,12 @@ class GatewayTokenizer:
 
     @cached_property
     def end_markers(self) -> list[str]:
-        """The texts of the EOS tokens: where an answer ends in a recorded text (finding sessions by content)."""
-        return sorted({text for i in self.eos_token_ids if (text := self._tok.id_to_token(i))})
+        """Where a message ends in a rendered chat: the texts of the EOS tokens (where an answer ends in a recorded
+        text), and the special tokens that end other messages in a template family whose EOS tokens do not
+        (Harmony's ``<|end|>``). Finding sessions by content cuts prompts there."""
+        eos = {text for i in self.eos_token_ids if (text := self._tok.id_to_token(i))}
+        specials = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
+        return sorted(eos | (specials & set(MESSAGE_END_TOKENS)))
 
     @cached_property
     def eos_token_ids(self) -> list[int]:

@@ -100,6 +100,10 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
                 session_rules.session_ref(request.tenant, request.session_id)
             except session_rules.InvalidArgument as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if request.history_match_tokens and (request.history_match_tokens < 0
+                                             or request.WhichOneof("known_session") != "session_snapshot"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "history_match_tokens must be positive and comes "
+                                "with the session_snapshot whose ids it was counted against")
         try:
             self._planner.policy(request.policy)
         except PolicyError as exc:
@@ -122,7 +126,8 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
                         await context.abort(exc.code, exc.details or "invalid session")
             source = self._workers.get(session.decode_worker_id) if session is not None else None
             loads = self._loads.loads() if self._loads is not None else {}
-            handle = self._handle_view(session, expires_in, source, exclude, loads)
+            verified = request.history_match_tokens if known == "session_snapshot" else 0
+            handle = self._handle_view(session, expires_in, source, exclude, loads, verified)
             turn = self._plan(prompt, handle, session, loads, exclude, request)
             if turn is None:  # the watch may lag behind a registration: ask once, and look at the source again
                 try:
@@ -130,7 +135,7 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
                 except grpc.aio.AioRpcError as exc:
                     log.warning("could not refresh the worker list (%s)", exc.code().name)
                 source = self._workers.get(session.decode_worker_id) if session is not None else None
-                handle = self._handle_view(session, expires_in, source, exclude, loads)
+                handle = self._handle_view(session, expires_in, source, exclude, loads, verified)
                 turn = self._plan(prompt, handle, session, loads, exclude, request)
             if turn is None:
                 missing = "prefill" if not [w for w in self._workers.by_role(common_pb2.WORKER_ROLE_PREFILL)
@@ -256,9 +261,11 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
 
     @staticmethod
     def _handle_view(session: common_pb2.Session | None, expires_in: float, source: common_pb2.Worker | None,
-                     exclude: set[str], loads: Mapping[str, WorkerLoad] | None = None) -> HandleView | None:
+                     exclude: set[str], loads: Mapping[str, WorkerLoad] | None = None,
+                     verified: int = 0) -> HandleView | None:
         """The record as the decision sees it. Its decode worker counts as alive only while registered at the address
-        the handle names, not excluded, and (when loads are polled) answering."""
+        the handle names, not excluded, and (when loads are polled) answering. ``verified``: the caller's count of
+        prompt ids equal to the record's (PlanTurnRequest.history_match_tokens)."""
         if session is None:
             return None
         if not session.kv_transfer_params_json:
@@ -272,7 +279,7 @@ class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
             and session.decode_worker_id not in exclude
             and (loads or {}).get(session.decode_worker_id, UNKNOWN).reachable,
             prefix_digest=session.prefix_digest, kv_freed=session.kv_freed,
-            checkpoints=[(cp.tokens, cp.digest) for cp in session.checkpoints],
+            checkpoints=[(cp.tokens, cp.digest) for cp in session.checkpoints], verified_tokens=verified,
         )
 
     async def _claim(self, request, session: common_pb2.Session, plan: Plan, prompt: list[int], expires_in: float,

@@ -434,9 +434,12 @@ class EtcdStore:
                                                                 session.session_id), codec.summary(record),
                                        lease=lease_id)]
                  if record.decode_worker_id else [])
-        if record.text_key:  # FindSession's index; the replaced record's entry goes with its lease (revoked below)
-            index.append(KVService.txn_op_put(self.keys.content(session.tenant, record.text_key),
-                                              codec.content_value(session.session_id), lease=lease_id))
+        # FindSession's index: the record's whole text and its boundaries (at most 1 + MAX_TEXT_BOUNDARIES keys); the
+        # replaced record's entries go with its lease (revoked below)
+        for content in dict.fromkeys([record.text_key, *(b.key for b in record.text_boundaries)]):
+            if content:
+                index.append(KVService.txn_op_put(self.keys.content(session.tenant, content),
+                                                  codec.content_value(session.session_id), lease=lease_id))
         resp = await self._call("put session", self.kv.txn,
                                 [_mod_revision_is(key, expect_revision)],
                                 [KVService.txn_op_put(key, value, lease=lease_id),
@@ -457,8 +460,8 @@ class EtcdStore:
 
     async def find_session(self, tenant: str, text_keys: Sequence[bytes]) -> tuple[int, common_pb2.Session] | None:
         """The record indexed under the first of ``text_keys`` that names a live record of ``tenant`` (whose own
-        text_key is still that key), and that key's position; None when none does. One transaction reads every index
-        entry, then one read gets the record."""
+        text_key, or one of whose text_boundaries, is still that key), and that key's position; None when none does.
+        One transaction reads every index entry, then one read gets the record."""
         if not text_keys:
             return None
         resp = await self._call("find session", self.kv.txn, [], [
@@ -468,7 +471,7 @@ class EtcdStore:
             if not kvs:
                 continue
             session = await self.get_session(tenant, codec.content_session_id(kvs[0].value))
-            if session is not None and session.text_key == key:
+            if session is not None and (session.text_key == key or any(b.key == key for b in session.text_boundaries)):
                 return i, session
         return None
 

@@ -12,7 +12,8 @@ Under ``prefix`` (default ``/kvshuttle/``; always ends with ``/``)::
                                           the claimed revision (text), put by a claim next to the record's claim key,
                                           on the record's lease: with the index, what each decode worker still holds
     content/{tenant}/{text_key_hex}       the session id whose record's recorded text has this content key
-                                          (Session.text_key), on the record's lease: FindSession's index
+                                          (Session.text_key), or one of whose text boundaries does
+                                          (Session.text_boundaries), on the record's lease: FindSession's index
     responses/{tenant}/{response_id}      a stored Responses API response (StoredResponse proto), on its own lease
     leaders/{name}                        the id of the replica that leads ``name`` (e.g. the scheduler replica that
                                           frees decode KV), on that replica's lease

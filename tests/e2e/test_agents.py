@@ -10,6 +10,7 @@ module only.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
@@ -27,15 +28,33 @@ pytestmark = pytest.mark.e2e
 MAX_TOKENS = 96
 
 
+# API keys of the module's gateway: "unused" runs as the default tenant; each run of a conversation that must find
+# its own sessions (no session id) takes a tenant of its own, since these tests replay one script several times and
+# a later turn would otherwise continue another run's session of the same history (a fork: docs/agents.md)
+RUN_KEYS = [f"run-{i}" for i in range(8)]
+_free_keys = iter(RUN_KEYS)
+
+
+def own_tenant() -> str:
+    """The API key of a tenant no other test uses."""
+    return next(_free_keys)
+
+
 @pytest.fixture(scope="module")
 async def agent_stack(agent_model_dir, tmp_path_factory):
+    work = tmp_path_factory.mktemp("agent-stack")
+    keys = work / "keys.json"
+    keys.write_text(json.dumps({"keys": [{"sha256": hashlib.sha256(k.encode()).hexdigest(), "tenant": tenant}
+                                         for k, tenant in [("unused", "default"),
+                                                           *((k, k.replace("-", "")) for k in RUN_KEYS)]]}))
     cfg = from_namespace(StackConfig, environ={
-        "KVSHUTTLE_STACK_WORK_DIR": str(tmp_path_factory.mktemp("agent-stack")),
+        "KVSHUTTLE_STACK_WORK_DIR": str(work),
         "KVSHUTTLE_MODEL_DIR": str(agent_model_dir), "KVSHUTTLE_STACK_HTTP_PORT": "0",
         "KVSHUTTLE_STACK_GRPC_PORT": "0", "KVSHUTTLE_STACK_MAX_MODEL_LEN": "2048",
         "KVSHUTTLE_STACK_TOOL_CALL_PARSER": "hermes", "KVSHUTTLE_STACK_REASONING_PARSER": "qwen3",
     })
-    stack = Stack(cfg, scheduler_env={"KVSHUTTLE_SCHEDULER_POLICY": "threshold"})
+    stack = Stack(cfg, scheduler_env={"KVSHUTTLE_SCHEDULER_POLICY": "threshold"},
+                  gateway_env={"KVSHUTTLE_GATEWAY_API_KEYS_FILE": str(keys)}, api_key="unused")
     try:
         await stack.start()
         yield stack
@@ -43,8 +62,8 @@ async def agent_stack(agent_model_dir, tmp_path_factory):
         await stack.stop()
 
 
-def openai_client(stack) -> AsyncOpenAI:
-    return AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", timeout=300)
+def openai_client(stack, api_key: str = "unused") -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key=api_key, timeout=300)
 
 
 async def _turn(client: AsyncOpenAI, messages: list[dict], session: str | None, stream: bool) -> dict[str, Any]:
@@ -89,7 +108,7 @@ async def _turn(client: AsyncOpenAI, messages: list[dict], session: str | None, 
 async def test_an_agent_loop_calls_tools_and_every_later_turn_pulls_its_history(agent_stack, stream, named):
     """Without a session id (what SDKs and agent frameworks send), the gateway finds the session by the prompt's
     content: the first turn starts one (``new``), every later turn continues it (``found``) and pulls."""
-    client = openai_client(agent_stack)
+    client = openai_client(agent_stack, own_tenant())
     session = new_session("agent") if named else None
     messages: list[dict] = [{"role": "system", "content": script.SYSTEM}]
     call_ids, sessions = None, set()
@@ -244,7 +263,7 @@ async def test_the_anthropic_client_runs_the_agent_loop_and_every_later_turn_pul
     blocks, no session id."""
     from anthropic import AsyncAnthropic
 
-    client = AsyncAnthropic(base_url=agent_stack.base_url, api_key="unused", timeout=300)
+    client = AsyncAnthropic(base_url=agent_stack.base_url, api_key=own_tenant(), timeout=300)
     tool = {"name": "get_weather", "description": script.WEATHER_TOOL["function"]["description"],
             "input_schema": script.WEATHER_TOOL["function"]["parameters"]}
     messages: list[dict] = []

@@ -649,6 +649,58 @@ async def test_find_session_by_content(stub, decode):
         assert hit.session.text_key == text_key(recorded)
     took.sort()
     print(f"\nFindSession, 64 keys, real etcd: p50 {took[25]:.2f} ms, p90 {took[45]:.2f} ms")
+    # ... and when the match is a record's text boundary (its last answer re-rendered differently): the same one
+    # transaction of at most 64 keys, then one read
+    answer_cut = long_prompt.rindex("answer 39")
+    bounded = long_prompt[:answer_cut - len("<|im_start|>assistant\n") - 1]
+    other = recorded[:answer_cut] + "<think>why</think>answer 39" + end
+    await stub.RecordTurn(turn(decode, uid("bound"), list(range(1, 30)), text=other, text_key=text_key(other),
+                               text_boundaries=[common_pb2.TextBoundary(key=text_key(bounded), chars=len(bounded),
+                                                                        tokens=20, loop_start=True)]))
+    took = []
+    for _ in range(50):
+        t = time.perf_counter()
+        hit = await stub.FindSession(registry_pb2.FindSessionRequest(tenant=TENANT, text_keys=many[1:]))
+        took.append((time.perf_counter() - t) * 1000)
+        assert [b.key for b in hit.session.text_boundaries] == [text_key(bounded)], hit.session.session_id
+    took.sort()
+    print(f"FindSession, 63 keys, a boundary matched: p50 {took[25]:.2f} ms, p90 {took[45]:.2f} ms")
+
+
+async def test_find_session_by_a_text_boundary(stub, decode):
+    """A record is also indexed under its text boundaries: a prompt that re-renders the last answer differently
+    (its reasoning dropped) still finds it, and learns which boundary matched; a later record of the session
+    replaces the boundaries' entries with its own; the index stays at most 1 + MAX_TEXT_BOUNDARIES keys a record."""
+    from kvshuttle.control_plane.continuation import prefix_keys
+
+    sid, end = uid("bound"), "<|im_end|>"
+    head = f"<|im_start|>user\nhi{end}"
+    first = f"{head}\n<|im_start|>assistant\n<think>why</think>hello{end}"
+    boundary = common_pb2.TextBoundary(key=text_key(head), chars=len(head), tokens=5, loop_start=True)
+    await stub.RecordTurn(turn(decode, sid, list(range(1, 12)), text=first, text_key=text_key(first),
+                               text_boundaries=[boundary]))
+    dropped = f"{head}\n<|im_start|>assistant\nhello{end}\n<|im_start|>user\nmore{end}\n<|im_start|>assistant\n"
+    keys = prefix_keys(dropped, [end])
+    found = await stub.FindSession(registry_pb2.FindSessionRequest(tenant=TENANT, text_keys=keys,
+                                                                   include_token_ids=True))
+    assert found.session.session_id == sid and keys[found.matched_key] == boundary.key
+    assert list(found.session.text_boundaries) == [boundary] and list(found.session.token_ids) == list(range(1, 12))
+    await expect_status(stub.FindSession(registry_pb2.FindSessionRequest(tenant="other", text_keys=keys)),
+                        grpc.StatusCode.NOT_FOUND)
+    # the session's next record keeps other boundaries: the old one no longer finds it
+    second = dropped + f"fine{end}"
+    cut = dropped[:dropped.rindex(end) + len(end)]
+    await stub.RecordTurn(turn(decode, sid, list(range(1, 30)), text=second, text_key=text_key(second),
+                               text_boundaries=[common_pb2.TextBoundary(key=text_key(cut), chars=len(cut), tokens=20,
+                                                                        loop_start=True)]))
+    await until(lambda: _not_found(stub, [boundary.key]), 10, "the replaced record's boundary entry to go")
+    again = await stub.FindSession(registry_pb2.FindSessionRequest(
+        tenant=TENANT, text_keys=prefix_keys(cut + "\n<|im_start|>assistant\nfine!", [end])))
+    assert again.session.session_id == sid and again.session.turn == 2
+    await expect_status(stub.RecordTurn(turn(decode, sid, list(range(1, 30)), text=second, text_key=text_key(second),
+                                             text_boundaries=[common_pb2.TextBoundary(key=text_key(cut), chars=3,
+                                                                                      tokens=2)])),
+                        grpc.StatusCode.INVALID_ARGUMENT, "is not the key of the text's first 3 characters")
 
 
 async def _not_found(stub, keys) -> bool:

@@ -201,6 +201,22 @@ async def test_a_session_snapshot_saves_a_read_but_never_makes_a_wrong_pull(plan
     pulled = await plan_with(snapshot, history + [1])
     assert pulled.decision == scheduler_pb2.DECISION_PULL and pulled.figures.reusable_tokens == 99, pulled.reason
 
+    # The caller compared the prompt with the record's ids: 70 are equal, past any checkpoint (it has none). Its
+    # count is pulled in whole blocks; without it, the digests prove nothing short of the whole history.
+    counted = await record(reg, session, d, history)
+    diverging = [*history[:70], 5, *history[71:], 1]
+    alone = await plan_with(counted, diverging)
+    assert alone.decision == scheduler_pb2.DECISION_RECOMPUTE and alone.reason_code == "diverged", alone.reason
+    told = await plan_with(counted, diverging, history_match_tokens=70)
+    assert told.decision == scheduler_pb2.DECISION_PULL and told.reason_code == "pull_prefix", told.reason
+    assert (told.figures.matched_tokens, told.figures.reusable_tokens) == (70, 64)
+    assert json.loads(told.prefill_kv_transfer_params_json)["remote_num_tokens"] == 64
+    for bad in ({"history_match_tokens": -1, "session_snapshot": counted},
+                {"history_match_tokens": 3}):  # a count without the snapshot it was counted against
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await plan(sched, session, diverging, **bad)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "history_match_tokens" in err.value.details()
+
     stale = await record(reg, session, d, history)
     await record(reg, session, d, history)  # the record changes after the caller read it
     late = await plan_with(stale, history + [1])

@@ -12,9 +12,7 @@ import uuid
 import httpx
 from kvshuttle.services.common.grpc_server import client_channel
 from kvshuttle.services.common.processes import ChildProcess
-from kvshuttle.services.devtools.etcd_process import free_port
 from kvshuttle.services.devtools.stack import cpu_binds
-from kvshuttle.services.engine.client import EngineClient
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 from tests.support.waits import until
@@ -31,16 +29,9 @@ def prefill_workers(stack) -> list[common_pb2.Worker]:
 
 
 async def flush_prefill(stack, wait_s: float = 40.0) -> None:
-    """Empty P's own prefix cache, so that any history P does not compute must have come over NIXL.
-
-    vLLM refuses while P holds blocks, e.g. a prefill whose decode worker never read it (an earlier test's failure
-    case) until its KV lease ends (30 s): retry until then."""
-    for w in prefill_workers(stack):
-        client = EngineClient(w.grpc_address, timeout_s=30)
-        try:
-            await until(client.flush_cache, wait_s, f"FlushCache to be accepted on {w.worker_id}", interval_s=0.5)
-        finally:
-            await client.close()
+    """Empty P's own prefix cache, so that any history P does not compute must have come over NIXL
+    (Stack.flush_prefill: retried while P holds blocks)."""
+    await stack.flush_prefill(wait_s)
 
 
 def prompt_token_sources(stack) -> dict[str, float]:
@@ -69,28 +60,9 @@ def user_turn(n: int) -> dict:
 
 
 async def spawn_gateway(stack, name: str, *args: str, env: dict[str, str] | None = None):
-    """One more gateway process on the stack's registry and scheduler (``args``: more gateway flags; ``env``: more
-    environment); returns the child and its base URL once it answers /health. The caller stops it
-    (``child.stop()``)."""
-    http, grpc_port = free_port(), free_port()
-    child = await stack._spawn(name, "gateway", "--grpc-listen", f"127.0.0.1:{grpc_port}",
-                               "--http-listen", f"127.0.0.1:{http}", "--max-model-len",
-                               str(stack.cfg.max_model_len), *args, env=env)
-    stack.children.remove(child)  # the caller stops it
-    base_url = f"http://127.0.0.1:{http}"
-    async with httpx.AsyncClient(base_url=base_url, timeout=5) as client:
-        async def healthy() -> bool:
-            assert child.returncode is None, f"{name} exited:\n{child.log_tail(30)}"
-            try:
-                return (await client.get("/health")).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        try:
-            await until(healthy, 120, f"{name} to answer /health", interval_s=0.3)
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}\n{child.log_tail(30)}") from None
-    return child, base_url
+    """One more gateway process on the stack's registry and scheduler (Stack.spawn_gateway): the child and its base
+    URL once it answers /health. The caller stops it (``child.stop()``)."""
+    return await stack.spawn_gateway(name, *args, env=env)
 
 
 def extra_worker_bind(stack) -> str:

@@ -113,6 +113,19 @@ class Registry:
                 out.session.token_ids.extend(self.history)
         return out
 
+    async def FindSession(self, request, timeout=None):
+        """The record when one of the keys is its whole text's or one of its text boundaries' (the first that is)."""
+        self.reads += 1
+        s = self.session
+        known = {s.text_key, *(b.key for b in s.text_boundaries)} - {b""} if s is not None else set()
+        for i, key in enumerate(request.text_keys):
+            if key in known:
+                out = registry_pb2.FindSessionResponse(session=s, expires_in_s=100, matched_key=i)
+                if request.include_token_ids:
+                    out.session.token_ids.extend(self.history)
+                return out
+        raise _rpc_error(grpc.StatusCode.NOT_FOUND)
+
     async def RecordTurn(self, request, timeout=None):
         kept = registry_pb2.RecordTurnRequest()
         kept.CopyFrom(request)  # as sent: the caller may change and send its request again
@@ -130,6 +143,7 @@ class Registry:
             checkpoints=request.checkpoints, history_tokens=len(ids), history_generation=1,
             head_token_ids=ids[:BLOCK + 1], text_key=request.text_key or (text_key(request.text) if request.text else b""),
             text_chars=len(request.text) if request.text else request.text_chars,
+            text_boundaries=request.text_boundaries,
             turn=(previous.turn if previous is not None else 0) + 1, revision=len(self.recorded) + 10)
         self.session, self.history = stored, ids
         self.histories.append(ids)

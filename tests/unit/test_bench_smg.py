@@ -15,6 +15,8 @@ from kvshuttle.services.devtools.bench.report import build_report, format_table
 from kvshuttle.services.devtools.bench.samples import PULL, RECOMPUTE, SMG, TurnSample
 from kvshuttle.services.devtools.bench.workload import agentic_conversations
 
+from tests.support.clients import AIPERF_VERSION
+
 # ---------------------------------------------------------------------------------------------------------------
 # command line and install
 
@@ -65,8 +67,9 @@ def test_bootstrap_installs_the_version_the_bench_names():
     from pathlib import Path
 
     text = (Path(__file__).resolve().parents[2] / "scripts" / "bootstrap.sh").read_text()
-    assert f"SMG_VERSION={smg_mod.SMG_VERSION}" in text and '"smg==$SMG_VERSION"' in text
-    assert ".smg/bin/pip install" in text  # its own venv, never .venv
+    assert f"SMG_VERSION={smg_mod.SMG_VERSION}" in text and 'venv_tool .smg smg "$SMG_VERSION"' in text
+    assert f"AIPERF_VERSION={AIPERF_VERSION}" in text and 'venv_tool .aiperf aiperf "$AIPERF_VERSION"' in text
+    assert '"$dir/bin/pip" install "$package==$version"' in text  # each its own venv, never .venv
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -36,6 +36,21 @@ def test_divergence_pulls_only_whole_blocks_of_the_last_matching_checkpoint():
     assert plan.choice is Choice.RECOMPUTE and plan.reusable_tokens == 0
 
 
+def test_the_callers_count_of_equal_ids_is_pulled_where_the_digests_prove_fewer():
+    edited = HISTORY.copy()
+    edited[66] = 1  # after checkpoint 37 (2 whole blocks); the caller compared the ids: 66 are equal (4 blocks)
+    plan = decide(edited + [5], handle_view(verified_tokens=66), POLICY)
+    assert plan.choice is Choice.PULL and plan.reusable_tokens == 64 and plan.matched_tokens == 66
+    assert plan.prefill_params["remote_num_tokens"] == 64
+    # never more than the handle covers, nor the prompt's last token
+    assert decide(HISTORY + [5], handle_view(verified_tokens=500), POLICY).reusable_tokens == COVERED
+    short = HISTORY[:50]
+    assert decide(short, handle_view(verified_tokens=50), POLICY).matched_tokens == 50
+    assert decide(short, handle_view(verified_tokens=50), POLICY).reusable_tokens == 48  # 49 usable, 3 blocks
+    # without the count, only the digests' proof counts
+    assert decide(edited + [5], handle_view(), POLICY).reusable_tokens == 32
+
+
 def test_divergence_in_first_block_recomputes():
     edited = HISTORY.copy()
     edited[3] = 1

@@ -94,6 +94,8 @@ def test_checkpoint_lengths_keep_the_boundary_and_valid_previous_ones():
     assert checkpoint_lengths([0, -3, 5, 5, 40], 12, 30) == [5, 12]
     assert checkpoint_lengths([], 0, 10) == []
     assert checkpoint_lengths([], 4, 0) == []
+    # the ends of the prompt's messages (the record's text boundaries) are kept too, below covered
+    assert checkpoint_lengths([5], 20, 30, extra=[17, 31, 0]) == [5, 17, 20]
 
 
 def test_thinning_keeps_at_most_the_limit_and_the_newest():

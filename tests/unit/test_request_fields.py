@@ -54,6 +54,17 @@ async def test_null_or_neutral_values_are_taken_as_absent(extra):
     assert resp.status_code == 503 and len(runner.requests) == 1, resp.text
 
 
+async def test_who_the_turn_is_for_and_the_cache_key_reach_the_turn():
+    resp, runner = await post("/v1/chat/completions", {"messages": CHAT, "user": "u-1", "safety_identifier": "h-2",
+                                                       "prompt_cache_key": "conv-3"})
+    assert resp.status_code == 503, resp.text
+    (req,) = runner.requests
+    assert (req.end_user, req.safety_identifier, req.cache_key) == ("u-1", "h-2", "conv-3")
+    for bad in ({"prompt_cache_key": ""}, {"safety_identifier": "x" * 257}, {"prompt_cache_key": 5}):
+        resp, runner = await post("/v1/chat/completions", {"messages": CHAT, **bad})
+        assert resp.status_code == 400 and not runner.requests and next(iter(bad)) in resp.text, resp.text
+
+
 @pytest.mark.parametrize("message, named", [
     ({"role": "assistant", "content": "x", "function_call": {"name": "f", "arguments": "{}"}}, "function_call"),
     ({"role": "tool", "content": "x", "tool_call_id": "c", "is_error": True}, "is_error"),

@@ -24,6 +24,10 @@ def handle(num_tokens=9, blocks=(1, 2, 3), engine="d-engine", **extra) -> str:
 HISTORY = list(range(100, 110))
 
 
+def _boundary(text: str, tokens: int, loop_start: bool = False) -> common_pb2.TextBoundary:
+    return common_pb2.TextBoundary(key=text_key(text), chars=len(text), tokens=tokens, loop_start=loop_start)
+
+
 def turn(**kw) -> registry_pb2.RecordTurnRequest:
     fields = dict(session_id="s1", tenant="default", decode_worker_id="d1", kv_transfer_params_json=handle(),
                   token_ids=HISTORY, text="hello", text_key=text_key("hello"))
@@ -96,6 +100,16 @@ def test_the_text_is_kept_as_its_length_and_key():
     assert (plan.session.text_chars, plan.session.text_key) == (5, text_key("hello"))  # the key of the text sent
 
 
+def test_the_text_boundaries_are_kept_with_the_record():
+    bounds = [_boundary("he", 2, loop_start=True), _boundary("hell", 7)]
+    plan = rules.build_session(turn(text_boundaries=bounds), decode_worker(), now=NOW, margin_s=30)
+    assert list(plan.session.text_boundaries) == bounds
+    # without the text (only its key and length), the keys cannot be checked: they are kept as the caller's
+    plan = rules.build_session(turn(text="", text_chars=5, text_boundaries=bounds), decode_worker(), now=NOW,
+                               margin_s=30)
+    assert list(plan.session.text_boundaries) == bounds
+
+
 def test_the_callers_digests_are_kept():
     digests = prefix_digests(HISTORY, [3, 6, 9])
     req = turn(prefix_digest=digests[9], checkpoints=[common_pb2.PrefixCheckpoint(tokens=n, digest=digests[n])
@@ -162,6 +176,15 @@ def test_build_session_rejects_handle_beyond_tokens():
           checkpoints=[common_pb2.PrefixCheckpoint(tokens=n, digest=b"x" * 16)
                        for n in range(1, rules.MAX_CHECKPOINTS + 2)]), "at most 32 checkpoints"),
     (turn(base_tokens=10, base_turn=1), "prefix_digest is required with base_tokens"),
+    (turn(text_boundaries=[_boundary("hel", 3)] * (rules.MAX_TEXT_BOUNDARIES + 1)), "at most 4 text_boundaries"),
+    (turn(text_boundaries=[common_pb2.TextBoundary(key=b"k", chars=2, tokens=2)]), r"text_boundaries\[0\].key must"),
+    (turn(text_boundaries=[_boundary("hello", 5)]), r"text_boundaries\[0\].chars must .* within 1..4"),
+    (turn(text_boundaries=[_boundary("hel", 3), _boundary("he", 2)]), r"text_boundaries\[1\].chars must increase"),
+    (turn(text_boundaries=[_boundary("he", 11)]), r"text_boundaries\[0\].tokens must .* within 1..10"),
+    (turn(text_boundaries=[_boundary("he", 0)]), r"text_boundaries\[0\].tokens"),
+    (turn(text_boundaries=[_boundary("he", 3), _boundary("hel", 3)]), r"text_boundaries\[1\].tokens must increase"),
+    (turn(text_boundaries=[common_pb2.TextBoundary(key=text_key("xy"), chars=2, tokens=2)]),
+     r"text_boundaries\[0\].key is not the key of the text's first 2"),
 ])
 def test_build_session_invalid(req, words):
     with pytest.raises(rules.InvalidArgument, match=words):

@@ -19,7 +19,7 @@ from kvshuttle.services.gateway.turns import prompt as prompt_stage
 from kvshuttle.services.gateway.turns import record as record_stage
 from kvshuttle.services.gateway.turns.parse import AnswerEvents
 from kvshuttle.services.gateway.turns.spans import tracer
-from kvshuttle.v1 import common_pb2, scheduler_pb2
+from kvshuttle.v1 import common_pb2, registry_pb2, scheduler_pb2
 
 from tests.support.turn_fakes import PULL_PARAMS, Engine, Registry, Scheduler, Tokenizer, _rpc_error, recorded
 
@@ -158,3 +158,135 @@ async def test_the_parse_stage_puts_the_answer_s_meaning_on_each_delta_and_the_w
     # without parsing, the text is the content
     plain = AnswerEvents(None, "")
     assert plain.feed("a<think>") == [Piece(CONTENT, "a<think>")] and plain.finish() == [] and plain.events
+
+
+class MarkedTokenizer(Tokenizer):
+    """The character tokenizer, with a chat template that ends every message with ``<end>`` (its end marker) and
+    renders an assistant message's reasoning only when it is echoed."""
+
+    end_markers = ["<end>"]
+
+    def render_chat(self, messages, add_generation_prompt=True):
+        def one(m):
+            think = f"<think>{m['reasoning_content']}</think>" if m.get("reasoning_content") else ""
+            return f"<{m['role']}>{think}{m['content']}<end>"
+        return "".join(one(m) for m in messages) + ("<assistant>" if add_generation_prompt else "")
+
+
+ASKED = "<user>hi<end><assistant>"  # the first turn's prompt; its last message ends after "<user>hi<end>"
+ANSWERED = ASKED + "<think>r</think>ok<end>"  # ... and the answer as generated
+
+
+def marked_runner(record: common_pb2.Session | None = None):
+    r, scheduler, registry = runner(registry=Registry(record) if record is not None else None)
+    r.tokenizer = MarkedTokenizer()
+    return r, scheduler, registry
+
+
+def first_record(ids_: list[int]) -> common_pb2.Session:
+    """Turn 1 as recorded: its text ANSWERED, with the boundary where the prompt's last message (the user's) ended."""
+    head = "<user>hi<end>"
+    return recorded(ANSWERED, ids_, revision=3, text_boundaries=[
+        common_pb2.TextBoundary(key=text_key(head), chars=len(head), tokens=len(head), loop_start=True)])
+
+
+async def test_a_history_echoed_without_the_reasoning_continues_the_recorded_ids_up_to_the_boundary():
+    history = [7] * len(ANSWERED)  # ids the text would not tokenize to: the splice must keep them
+    r, scheduler, registry = marked_runner(first_record(history))
+    ctx = context(TurnRequest(session_id="s", messages=[
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"},  # no reasoning_content
+        {"role": "user", "content": "more"}]))
+    await prompt_stage.build(r, ctx)
+    head = len("<user>hi<end>")
+    assert ctx.prompt_text == "<user>hi<end><assistant>ok<end><user>more<end><assistant>"
+    assert ctx.prompt_ids == [7] * head + ids("<assistant>ok<end><user>more<end><assistant>") and ctx.continued
+    assert ctx.history_kept == head and ctx.history_base.revision == 3
+    # the scheduler learns how many ids repeat the record's (here exactly the spliced ones)
+    assert ctx.known_session["history_match_tokens"] == head
+    # the record keeps the cut where this prompt's last message (a user query: a new loop) ends
+    end = len("<user>hi<end><assistant>ok<end><user>more<end>")
+    assert ctx.text_cuts == [(end, end - len("<user>hi<end>") + head, True)]
+    await plan_stage.run(r, ctx)
+    assert scheduler.requests[0].history_match_tokens == head
+    ctx.plan = scheduler_pb2.PlanTurnResponse(decode=common_pb2.Worker(worker_id="d", grpc_address="d:1"))
+    async for _ in decode_stage.run(r, ctx):
+        pass
+    await record_stage.run(r, ctx)
+    sent = registry.recorded[-1]
+    # the history changed past the boundary: the whole of it goes to the registry, with the new boundary
+    assert sent.base_tokens == 0 and list(sent.token_ids) == ctx.prompt_ids + ctx.output_ids
+    (boundary,) = sent.text_boundaries
+    assert (boundary.chars, boundary.tokens, boundary.loop_start) == (end, end, True)
+    assert boundary.key == text_key(ctx.prompt_text[:end])
+
+
+async def test_a_tool_loop_step_keeps_the_loop_s_start_from_the_record_it_continues():
+    history = ids(ANSWERED)
+    r, _, _ = marked_runner(first_record(history))
+    echoed = {"role": "assistant", "content": "ok", "reasoning_content": "r"}  # whole: the text extends the record
+    ctx = context(TurnRequest(session_id="s", messages=[
+        {"role": "user", "content": "hi"}, echoed, {"role": "tool", "content": "21C"}]))
+    await prompt_stage.build(r, ctx)
+    assert ctx.continued and ctx.history_kept == len(history) and ctx.prompt_ids[:len(history)] == history
+    assert ctx.known_session["history_match_tokens"] == len(history)  # all of it: a pull of every covered token
+    end = len(ANSWERED + "<tool>21C<end>")
+    head = len("<user>hi<end>")
+    # a tool result is no new query: the loop still starts where the record's did
+    assert ctx.text_cuts == [(head, head, True), (end, end, False)]
+
+
+async def test_a_first_turn_never_continues_a_session_at_a_boundary():
+    """A new chat that merely starts as another did (same first message) does not take over that session; a later
+    turn whose history diverges only in the last answer does."""
+    r, _, registry = marked_runner(first_record(ids(ANSWERED)))
+    r.find_sessions = True
+    keys_asked = []
+
+    async def find_session(request, timeout=None):
+        keys_asked.append(list(request.text_keys))
+        key = text_key("<user>hi<end>")
+        if key not in request.text_keys:
+            raise _rpc_error(grpc.StatusCode.NOT_FOUND)
+        out = registry_pb2.FindSessionResponse(session=registry.session, expires_in_s=100,
+                                               matched_key=list(request.text_keys).index(key))
+        out.session.token_ids.extend(registry.history)
+        return out
+
+    r.registry.FindSession = find_session  # type: ignore[attr-defined]
+    same_start = context(TurnRequest(messages=[{"role": "user", "content": "hi"}]))
+    await prompt_stage.build(r, same_start)
+    assert same_start.request.session_source == "new" and not same_start.continued
+    dropped = context(TurnRequest(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"},
+                                            {"role": "user", "content": "more"}]))
+    await prompt_stage.build(r, dropped)
+    assert dropped.request.session_source == "found" and dropped.request.session_id == "s"
+    assert dropped.continued and dropped.history_kept == len("<user>hi<end>")
+
+
+async def test_a_prompt_cache_key_names_the_session_its_prompt_continues_and_else_a_new_one():
+    r, _, registry = marked_runner()
+    r.find_sessions = True
+
+    async def find_session(request, timeout=None):
+        raise _rpc_error(grpc.StatusCode.NOT_FOUND)
+
+    r.registry.FindSession = find_session  # type: ignore[attr-defined]
+    ask = [{"role": "user", "content": "hi"}]
+    first = context(TurnRequest(messages=ask, cache_key="conversation 7"))
+    await prompt_stage.build(r, first)
+    keyed = first.request.session_id
+    assert keyed == TurnRequest(cache_key="conversation 7").cache_key_session and keyed.startswith("pck-")
+    assert first.request.session_source == "new"  # the key names no session yet: it starts one under its id
+    # that session recorded, the key's next turn continues it
+    registry.session, registry.history = first_record([]), ids(ANSWERED)  # the record, its ids aside
+    registry.session.session_id = keyed
+    later = context(TurnRequest(messages=[*ask, {"role": "assistant", "content": "ok"},
+                                          {"role": "user", "content": "more"}], cache_key="conversation 7"))
+    await prompt_stage.build(r, later)
+    assert (later.request.session_id, later.request.session_source) == (keyed, "prompt_cache_key")
+    assert later.continued and later.history_kept == len("<user>hi<end>")
+    # another conversation sent with the same key does not take the key's session over
+    other = context(TurnRequest(messages=[{"role": "user", "content": "bye"}, {"role": "assistant", "content": "x"},
+                                          {"role": "user", "content": "more"}], cache_key="conversation 7"))
+    await prompt_stage.build(r, other)
+    assert other.request.session_source == "new" and other.request.session_id.startswith("auto-")

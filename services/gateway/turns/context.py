@@ -74,6 +74,10 @@ class TurnContext:
     prompt_text: str = ""  # the text the ids stand for ('' for raw ids)
     continued: bool = False  # the ids continue the session's recorded ids
     history_base: common_pb2.Session | None = None  # the record whose ids prompt_ids continue (when continued)
+    history_kept: int = 0  # how many of history_base's ids prompt_ids start with (all, or up to a text boundary)
+    # Cuts of the prompt text at message ends that the turn's record keeps (Session.text_boundaries): (chars, tokens,
+    # loop_start), shortest first; prompt_ids[:tokens] stand for prompt_text[:chars].
+    text_cuts: list[tuple[int, int, bool]] = field(default_factory=list)
     known_session: dict[str, Any] = field(default_factory=dict)  # PlanTurnRequest's known-session fields
     # plan stage
     plan: scheduler_pb2.PlanTurnResponse = field(default_factory=scheduler_pb2.PlanTurnResponse)

@@ -57,6 +57,8 @@ async def run(rt: TurnRunner, ctx: TurnContext) -> None:
         "kvshuttle.session_source": req.session_source, "kvshuttle.decision": ctx.kv.decision,
         "kvshuttle.reason": plan.reason, "kvshuttle.reason_code": ctx.kv.reason_code,
         "kvshuttle.prompt_tokens": len(ctx.prompt_ids), "kvshuttle.continued_ids": ctx.continued,
+        "kvshuttle.history_kept_tokens": ctx.history_kept,
+        "kvshuttle.history_match_tokens": ctx.known_session.get("history_match_tokens", 0),
         "kvshuttle.reusable_tokens": plan.figures.reusable_tokens,
         "kvshuttle.prefill_worker": plan.prefill.worker_id, "kvshuttle.decode_worker": plan.decode.worker_id,
         "kvshuttle.policy": plan.figures.policy, **predicted_ttft(plan),

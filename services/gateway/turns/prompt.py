@@ -14,10 +14,17 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 from kvshuttle.control_plane import session as session_rules
-from kvshuttle.control_plane.continuation import plan_continuation, prefix_keys
+from kvshuttle.control_plane.continuation import (
+    Boundary,
+    Continuation,
+    common_prefix,
+    last_message_end,
+    plan_continuation,
+    prefix_keys,
+)
 from kvshuttle.services.gateway.turns.context import TurnContext, TurnError, elapsed_ms
 from kvshuttle.services.gateway.turns.request import TurnRequest
-from kvshuttle.v1 import registry_pb2
+from kvshuttle.v1 import common_pb2, registry_pb2
 
 if TYPE_CHECKING:
     from kvshuttle.services.gateway.turns.runner import TurnRunner
@@ -28,13 +35,14 @@ Known = tuple[registry_pb2.GetSessionResponse | None, dict[str, Any]]
 
 
 async def build(rt: TurnRunner, ctx: TurnContext, *, fresh: bool = False) -> None:
-    """Sets ``ctx.prompt_ids``, ``prompt_text`` ('' for raw ids), ``continued`` (the ids continue recorded ids) and
-    ``known_session`` (the session snapshot for the scheduler). ``fresh``: read the record from the registry, not
-    this gateway's copy (the text is not rendered again). Timings: ``session_ms`` (and ``find_ms``)."""
+    """Sets ``ctx.prompt_ids``, ``prompt_text`` ('' for raw ids), ``continued`` (the ids continue recorded ids),
+    ``known_session`` (the session snapshot for the scheduler, and how many of its ids the prompt repeats) and the
+    cuts the turn's record keeps (``text_cuts``). ``fresh``: read the record from the registry, not this gateway's
+    copy (the text is not rendered again). Timings: ``session_ms`` (and ``find_ms``)."""
     req = ctx.request
     if req.prompt_ids is not None:
         ctx.prompt_ids, ctx.prompt_text, ctx.continued, ctx.known_session = list(req.prompt_ids), "", False, {}
-        ctx.history_base = None
+        ctx.history_base, ctx.history_kept, ctx.text_cuts = None, 0, []
         return
     text = ctx.prompt_text if fresh else await _text(rt, req)
     if req.session_id and not req.session_source:
@@ -42,6 +50,9 @@ async def build(rt: TurnRunner, ctx: TurnContext, *, fresh: bool = False) -> Non
     t = time.perf_counter()
     if req.session_id:
         prev, known = await previous(rt, req, fresh=fresh)
+    elif req.cache_key:
+        prev, known = await by_cache_key(rt, req, text)
+        ctx.timings["find_ms"] = elapsed_ms(t)
     elif rt.find_sessions and req.messages is not None:
         prev, known = await find(rt, req, text)
         ctx.timings["find_ms"] = elapsed_ms(t)
@@ -53,12 +64,63 @@ async def build(rt: TurnRunner, ctx: TurnContext, *, fresh: bool = False) -> Non
         log.warning("the session's exact ids are not available (%s): tokenizing its text again (%d such turns)",
                     prev.history_missing, rt.degraded["history_missing"])
     s = prev.session if prev is not None else None
-    cont = plan_continuation(s.text_chars, s.text_key, s.token_ids, text) if s else plan_continuation(0, b"", [],
-                                                                                                    text)
-    suffix_ids = await asyncio.to_thread(rt.tokenizer.encode, cont.suffix_text, False)
+    cont = (plan_continuation(s.text_chars, s.text_key, s.token_ids, text, boundaries(s)) if s
+            else Continuation((), text))
+    cut = last_message_end(text, end_markers(rt)) if req.messages is not None else 0
+    at = cut - cont.prefix_chars
+    if at <= 0:  # the suffix holds no whole message (or its last one ends where the prefix does)
+        suffix_ids = await asyncio.to_thread(rt.tokenizer.encode, cont.suffix_text, False)
+        cut_tokens = len(cont.prefix_ids) if at == 0 and cont.continues else 0
+    else:  # tokenized in two parts, so that the record knows the ids of the text up to the last message's end
+        head, tail = await asyncio.to_thread(_encode_split, rt.tokenizer, cont.suffix_text, at)
+        suffix_ids, cut_tokens = [*head, *tail], len(cont.prefix_ids) + len(head)
     ctx.prompt_ids, ctx.prompt_text = [*cont.prefix_ids, *suffix_ids], text
     ctx.continued, ctx.known_session = cont.continues, known
-    ctx.history_base = s if cont.continues else None  # the record stage then sends only the ids after s's
+    ctx.history_base = s if cont.continues else None  # the record stage then sends only the ids after the kept ones
+    ctx.history_kept = len(cont.prefix_ids)
+    ctx.text_cuts = text_cuts(cont, s, (cut, cut_tokens) if cut_tokens else None, answers_a_query(req.messages))
+    if s is not None and s.token_ids and "session_snapshot" in known:
+        # how far the prompt repeats the record's ids (by construction at least the continued ones): the scheduler
+        # may pull the whole blocks of that many, where the record's digests prove fewer
+        known["history_match_tokens"] = common_prefix(ctx.prompt_ids, s.token_ids, len(cont.prefix_ids))
+
+
+def _encode_split(tokenizer, text: str, at: int) -> tuple[list[int], list[int]]:
+    return tokenizer.encode(text[:at], False), tokenizer.encode(text[at:], False)
+
+
+def end_markers(rt: TurnRunner) -> list[str]:
+    markers = getattr(rt.tokenizer, "end_markers", None)
+    return markers if isinstance(markers, list) else []
+
+
+def boundaries(s: common_pb2.Session) -> list[Boundary]:
+    return [Boundary(b.key, b.chars, b.tokens, b.loop_start) for b in s.text_boundaries]
+
+
+def answers_a_query(messages: list[dict] | None) -> bool:
+    """Whether the turn answers a user query (its last message is the user's, not a tool result), which starts a
+    new tool loop. As Qwen3's template tells its last query: a user message that is not a wrapped tool response."""
+    if not messages or messages[-1].get("role") != "user":
+        return False
+    content = messages[-1].get("content")
+    return not (isinstance(content, str) and content.startswith("<tool_response>")
+                and content.endswith("</tool_response>"))
+
+
+def text_cuts(cont: Continuation, record: common_pb2.Session | None, cut: tuple[int, int] | None,
+              new_loop: bool) -> list[tuple[int, int, bool]]:
+    """The cuts (chars, tokens, loop_start) the turn's record keeps: where the prompt's last message ends (``cut``),
+    and where the answer to the conversation's last user query began: that same cut when this turn answers one
+    (``new_loop``), else the previous record's loop start while the prompt still holds it (its ids continued)."""
+    out: dict[int, tuple[int, int, bool]] = {}
+    if cut is not None:
+        out[cut[0]] = (*cut, new_loop)
+    loop = None if new_loop or record is None else next((b for b in record.text_boundaries if b.loop_start), None)
+    if (loop is not None and loop.tokens <= len(cont.prefix_ids) and loop.chars <= cont.prefix_chars
+            and out.get(loop.chars, (0, loop.tokens))[1] == loop.tokens):
+        out[loop.chars] = (loop.chars, loop.tokens, True)
+    return [out[c] for c in sorted(out)]
 
 
 async def _text(rt: TurnRunner, req: TurnRequest) -> str:
@@ -101,11 +163,34 @@ async def previous(rt: TurnRunner, req: TurnRequest, *, fresh: bool = False) -> 
         return None, {}
 
 
-async def find(rt: TurnRunner, req: TurnRequest, text: str) -> Known:
-    """A chat without a session id: the session whose recorded text ``text`` extends (found by content key), or
-    a new session id. Sets ``req.session_id`` and ``req.session_source``."""
-    markers = getattr(rt.tokenizer, "end_markers", None) or []
-    keys = prefix_keys(text, markers) if isinstance(markers, list) else []
+async def by_cache_key(rt: TurnRunner, req: TurnRequest, text: str) -> Known:
+    """A request without a session id but with a prompt_cache_key: the session the key names when the prompt
+    continues its record (whole or at a boundary); else the session found by content, or a new one (under the
+    key's id when the key names no session yet). A key many conversations share so finds each its own."""
+    keyed = req.cache_key_session
+    req.session_id = keyed
+    prev, known = await previous(rt, req)
+    s = prev.session if prev is not None else None
+    if s is not None and plan_continuation(s.text_chars, s.text_key, s.token_ids, text, boundaries(s)).continues:
+        req.session_source = "prompt_cache_key"
+        return prev, known
+    req.session_id = ""
+    new_id = keyed if known.get("session_not_found") else ""
+    if rt.find_sessions and req.messages is not None:
+        return await find(rt, req, text, new_id)
+    req.session_id, req.session_source = new_id or f"auto-{uuid.uuid4().hex}", "new"
+    return None, {"session_not_found": True}
+
+
+async def find(rt: TurnRunner, req: TurnRequest, text: str, new_id: str = "") -> Known:
+    """A chat without a session id: the session whose recorded text ``text`` extends, whole or up to one of its
+    boundaries (found by content key), or a new session (``new_id``, else a new id). Sets ``req.session_id`` and
+    ``req.session_source``.
+
+    A conversation's first turn (no assistant message yet) never continues a session at a boundary: a chat that
+    merely starts as another one did (the same system prompt and first question) starts its own session rather than
+    taking that one over. A later turn does: its history up to there is the other session's (a fork)."""
+    keys = prefix_keys(text, end_markers(rt))
     found = None
     if keys:
         try:
@@ -116,8 +201,12 @@ async def find(rt: TurnRunner, req: TurnRequest, text: str) -> Known:
                 rt.degraded["session_read_failed"] += 1
                 log.warning("registry unavailable finding a session (%s: %s): starting a new one",
                             exc.code().name, exc.details())
+    key = keys[found.matched_key] if found is not None and 0 <= found.matched_key < len(keys) else b""
+    if found is not None and found.session.text_key != key and not any(
+            m.get("role") == "assistant" for m in req.messages or []):
+        found = None
     if found is None:
-        req.session_id, req.session_source = f"auto-{uuid.uuid4().hex}", "new"
+        req.session_id, req.session_source = new_id or f"auto-{uuid.uuid4().hex}", "new"
         return None, {"session_not_found": True}
     req.session_id, req.session_source = found.session.session_id, "found"
     rt.sessions_found += 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import time
@@ -97,10 +98,14 @@ async def _record_turn(rt: TurnRunner, ctx: TurnContext, ids: list[int], text: s
         covered = 0  # the registry refuses the handle, and says why
     if not 0 < covered <= len(ids):
         covered, base = 0, None  # nothing to digest here: the registry checks the whole history
-    previous = [*(cp.tokens for cp in base.checkpoints), base.covered_tokens, base.history_tokens] if base else []
-    lengths = checkpoint_lengths(previous, len(ctx.prompt_ids), covered)
+    kept = ctx.history_kept if base is not None else 0
+    previous = [n for n in (*(cp.tokens for cp in base.checkpoints), base.covered_tokens, base.history_tokens)
+                if n <= kept] if base is not None else []
+    cuts = ctx.text_cuts if text else []
+    lengths = checkpoint_lengths(previous, len(ctx.prompt_ids), covered, extra=[tokens for _, tokens, _ in cuts])
     wanted = [*lengths, covered] if covered else []
-    hasher, digests = _resume(rt, req, base, wanted)
+    whole = base is not None and kept == base.history_tokens  # the prompt continued all of base's ids
+    hasher, digests = _resume(rt, req, base if whole else None, wanted)
     # one pass over the ids not hashed yet (all of them without a kept state: ~25 ms at 1M tokens), off the event
     # loop when long
     new = [n for n in wanted if n > hasher.length]
@@ -112,8 +117,9 @@ async def _record_turn(rt: TurnRunner, ctx: TurnContext, ids: list[int], text: s
         session_id=req.session_id, tenant=req.tenant, decode_worker_id=ctx.plan.decode.worker_id,
         kv_transfer_params_json=handle_json, text_chars=len(text), text_key=text_key(text) if text else b"",
         prefix_digest=digests.get(covered, b""),
-        checkpoints=[common_pb2.PrefixCheckpoint(tokens=n, digest=digests[n]) for n in lengths])
-    if base is not None and 0 < base.history_tokens <= len(ids):
+        checkpoints=[common_pb2.PrefixCheckpoint(tokens=n, digest=digests[n]) for n in lengths],
+        text_boundaries=text_boundaries(text, cuts))
+    if whole and 0 < base.history_tokens <= len(ids):
         request.base_tokens, request.base_turn = base.history_tokens, base.turn
         request.token_ids.extend(ids[base.history_tokens:])
         try:
@@ -125,6 +131,17 @@ async def _record_turn(rt: TurnRunner, ctx: TurnContext, ids: list[int], text: s
             request.base_tokens = request.base_turn = 0
     request.token_ids.extend(ids)
     return _kept(rt, req, await rt.registry.RecordTurn(request, timeout=rt.control_timeout_s), hasher)
+
+
+def text_boundaries(text: str, cuts: Sequence[tuple[int, int, bool]]) -> list[common_pb2.TextBoundary]:
+    """The record's boundaries for ``cuts`` (chars, tokens, loop_start) of ``text``, keyed in one pass."""
+    hasher, done, out = hashlib.sha256(), 0, []
+    for chars, tokens, loop_start in cuts:
+        hasher.update(text[done:chars].encode())
+        done = chars
+        out.append(common_pb2.TextBoundary(key=hasher.copy().digest(), chars=chars, tokens=tokens,
+                                           loop_start=loop_start))
+    return out
 
 
 def _resume(rt: TurnRunner, req, base: common_pb2.Session | None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,8 +34,16 @@ class TurnRequest:
     stop: list[str] = field(default_factory=list)
     disable_pull: bool = False
     policy: str = ""  # a named scheduler policy ("": the scheduler's default)
-    # How session_id was known (KvReport.session_source): "client", or set by the runner: "found", "new", "".
+    # How session_id was known (KvReport.session_source): "client", "response", or set by the runner: "found",
+    # "prompt_cache_key", "new", "".
     session_source: str = ""
+    # OpenAI's prompt_cache_key: the session it names (cache_key_session) is continued when the prompt continues its
+    # record (a session hint for clients that send no session id); else the session is found by content.
+    cache_key: str = ""
+    # Who the turn is for, as the client says (OpenAI's user and safety_identifier, Anthropic's metadata.user_id):
+    # on the turn's span and log line only; they change no decision.
+    end_user: str = ""
+    safety_identifier: str = ""
     # vLLM's other sampling parameters (docs/api.md, "Request fields"); the defaults change nothing.
     top_k: int = 0  # 0 or -1: off
     min_p: float = 0.0
@@ -54,6 +63,11 @@ class TurnRequest:
     reasoning_tags: tuple[str, str] | None = None
     logprobs: int | None = None  # None: none; 0: each sampled token's; N: also the N most likely at each position
     parsing: AnswerParsing | None = None  # how the answer is parsed (None: its text is its content)
+
+    @property
+    def cache_key_session(self) -> str:
+        """The session id a prompt_cache_key names (any string: hashed into the session id alphabet)."""
+        return f"pck-{hashlib.sha256(self.cache_key.encode()).hexdigest()[:40]}" if self.cache_key else ""
 
     def engine_sampling(self) -> dict[str, Any]:
         """The sampling parameters both workers get (EngineClient.generate's keywords), min_tokens aside."""

@@ -27,6 +27,7 @@ from kvshuttle.control_plane import session as session_rules
 from kvshuttle.control_plane.lru import BoundedLru
 from kvshuttle.control_plane.prefix import PrefixHasher, ids_bytes
 from kvshuttle.services.common import metrics
+from kvshuttle.services.common.telemetry import hashed
 from kvshuttle.services.engine.client import EngineClient
 from kvshuttle.services.gateway.turns import decode as decoding
 from kvshuttle.services.gateway.turns import plan as planning
@@ -47,6 +48,8 @@ from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_
 from opentelemetry import trace
 
 log = logging.getLogger(__name__)
+# One line per answered turn (an access log of turns; route or silence it by this name).
+turn_log = logging.getLogger("kvshuttle.gateway.turns")
 
 # TurnRunner.degraded: session reads that failed, turns that recomputed because the registry/etcd was unreachable,
 # turns whose record could not be written (their next turn cannot pull them), and turns whose session's exact ids
@@ -201,6 +204,7 @@ class TurnRunner:
                              turn.timings, turn.output_logprobs if req.logprobs is not None else None, held,
                              answer.events)
             # the turn is done (a consumer may close this generator later)
+            log_turn(turn, event)
             turn.span.set_attributes(finished_attributes(turn, event, self.served_model))
             turn.span.end()
             answered = True
@@ -262,6 +266,20 @@ class TurnRunner:
 
 
 _HASHER_BYTES = 512  # a kept digest state, about (a blake2b state and its key)
+
+
+def log_turn(turn: TurnContext, event: Finished) -> None:
+    """The turn's log line: its session (hashed), decision, tokens and record; and, when the client named them, whom
+    it was for (user, safety_identifier)."""
+    if not turn_log.isEnabledFor(logging.INFO):
+        return
+    req, kv = turn.request, turn.kv
+    who = "".join(f" {name}={value!r}" for name, value in (("user", req.end_user),
+                                                           ("safety_identifier", req.safety_identifier)) if value)
+    turn_log.info("turn %s: tenant %s session %s (%s) %s/%s, %d prompt tokens (%d pulled, %d computed), %d "
+                  "generated, record %s%s", turn.id, req.tenant, hashed(req.session_id) if req.session_id else "-",
+                  kv.session_source or "-", kv.decision, kv.reason_code, event.prompt_tokens, kv.pulled_tokens,
+                  kv.computed_tokens, len(event.output_ids), kv.record or "-", who)
 
 
 def _history_identity(session: common_pb2.Session) -> tuple:

@@ -38,6 +38,12 @@ def request_attributes(req: TurnRequest, model: str) -> dict[str, Any]:
         attrs["gen_ai.request.stop_sequences"] = list(req.stop)
     if req.disable_pull:
         attrs["kvshuttle.disable_pull"] = True
+    if req.end_user:  # who the turn is for, as the client said (OpenAI's user, Anthropic's metadata.user_id)
+        attrs["user.id"] = req.end_user
+    if req.safety_identifier:
+        attrs["kvshuttle.safety_identifier"] = req.safety_identifier
+    if req.cache_key:
+        attrs["kvshuttle.prompt_cache_key"] = hashed(req.cache_key)
     return attrs
 
 

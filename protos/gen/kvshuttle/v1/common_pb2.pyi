@@ -48,7 +48,7 @@ class Worker(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., engine_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., nixl_host: _Optional[str] = ..., nixl_port: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_blocks_ttl_s: _Optional[int] = ..., model: _Optional[str] = ..., registered_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., lease_id: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("session_id", "tenant", "decode_worker_id", "kv_transfer_params_json", "covered_tokens", "block_size", "token_ids", "expires_at", "updated_at", "turn", "claimed", "revision", "prefix_digest", "lease_id", "created_at", "kv_freed", "text_key", "checkpoints", "history_tokens", "history_generation", "text_chars", "head_token_ids", "handle_digest")
+    __slots__ = ("session_id", "tenant", "decode_worker_id", "kv_transfer_params_json", "covered_tokens", "block_size", "token_ids", "expires_at", "updated_at", "turn", "claimed", "revision", "prefix_digest", "lease_id", "created_at", "kv_freed", "text_key", "checkpoints", "history_tokens", "history_generation", "text_chars", "head_token_ids", "handle_digest", "text_boundaries")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,7 @@ class Session(_message.Message):
     TEXT_CHARS_FIELD_NUMBER: _ClassVar[int]
     HEAD_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HANDLE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    TEXT_BOUNDARIES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tenant: str
     decode_worker_id: str
@@ -95,7 +96,20 @@ class Session(_message.Message):
     text_chars: int
     head_token_ids: _containers.RepeatedScalarFieldContainer[int]
     handle_digest: bytes
-    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., kv_transfer_params_json: _Optional[str] = ..., covered_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., turn: _Optional[int] = ..., claimed: _Optional[bool] = ..., revision: _Optional[int] = ..., prefix_digest: _Optional[bytes] = ..., lease_id: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., kv_freed: _Optional[str] = ..., text_key: _Optional[bytes] = ..., checkpoints: _Optional[_Iterable[_Union[PrefixCheckpoint, _Mapping]]] = ..., history_tokens: _Optional[int] = ..., history_generation: _Optional[int] = ..., text_chars: _Optional[int] = ..., head_token_ids: _Optional[_Iterable[int]] = ..., handle_digest: _Optional[bytes] = ...) -> None: ...
+    text_boundaries: _containers.RepeatedCompositeFieldContainer[TextBoundary]
+    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., kv_transfer_params_json: _Optional[str] = ..., covered_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., turn: _Optional[int] = ..., claimed: _Optional[bool] = ..., revision: _Optional[int] = ..., prefix_digest: _Optional[bytes] = ..., lease_id: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., kv_freed: _Optional[str] = ..., text_key: _Optional[bytes] = ..., checkpoints: _Optional[_Iterable[_Union[PrefixCheckpoint, _Mapping]]] = ..., history_tokens: _Optional[int] = ..., history_generation: _Optional[int] = ..., text_chars: _Optional[int] = ..., head_token_ids: _Optional[_Iterable[int]] = ..., handle_digest: _Optional[bytes] = ..., text_boundaries: _Optional[_Iterable[_Union[TextBoundary, _Mapping]]] = ...) -> None: ...
+
+class TextBoundary(_message.Message):
+    __slots__ = ("key", "chars", "tokens", "loop_start")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    CHARS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOOP_START_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    chars: int
+    tokens: int
+    loop_start: bool
+    def __init__(self, key: _Optional[bytes] = ..., chars: _Optional[int] = ..., tokens: _Optional[int] = ..., loop_start: _Optional[bool] = ...) -> None: ...
 
 class PrefixCheckpoint(_message.Message):
     __slots__ = ("tokens", "digest")

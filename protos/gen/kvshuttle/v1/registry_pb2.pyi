@@ -111,7 +111,7 @@ class GetSessionResponse(_message.Message):
     def __init__(self, session: _Optional[_Union[_common_pb2.Session, _Mapping]] = ..., expires_in_s: _Optional[float] = ..., history_missing: _Optional[str] = ...) -> None: ...
 
 class RecordTurnRequest(_message.Message):
-    __slots__ = ("session_id", "tenant", "decode_worker_id", "kv_transfer_params_json", "token_ids", "text", "finished_at", "text_key", "base_tokens", "base_turn", "prefix_digest", "checkpoints", "text_chars")
+    __slots__ = ("session_id", "tenant", "decode_worker_id", "kv_transfer_params_json", "token_ids", "text", "finished_at", "text_key", "base_tokens", "base_turn", "prefix_digest", "checkpoints", "text_chars", "text_boundaries")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +125,7 @@ class RecordTurnRequest(_message.Message):
     PREFIX_DIGEST_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     TEXT_CHARS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_BOUNDARIES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tenant: str
     decode_worker_id: str
@@ -138,7 +139,8 @@ class RecordTurnRequest(_message.Message):
     prefix_digest: bytes
     checkpoints: _containers.RepeatedCompositeFieldContainer[_common_pb2.PrefixCheckpoint]
     text_chars: int
-    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., kv_transfer_params_json: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., text_key: _Optional[bytes] = ..., base_tokens: _Optional[int] = ..., base_turn: _Optional[int] = ..., prefix_digest: _Optional[bytes] = ..., checkpoints: _Optional[_Iterable[_Union[_common_pb2.PrefixCheckpoint, _Mapping]]] = ..., text_chars: _Optional[int] = ...) -> None: ...
+    text_boundaries: _containers.RepeatedCompositeFieldContainer[_common_pb2.TextBoundary]
+    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., kv_transfer_params_json: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., text_key: _Optional[bytes] = ..., base_tokens: _Optional[int] = ..., base_turn: _Optional[int] = ..., prefix_digest: _Optional[bytes] = ..., checkpoints: _Optional[_Iterable[_Union[_common_pb2.PrefixCheckpoint, _Mapping]]] = ..., text_chars: _Optional[int] = ..., text_boundaries: _Optional[_Iterable[_Union[_common_pb2.TextBoundary, _Mapping]]] = ...) -> None: ...
 
 class RecordTurnResponse(_message.Message):
     __slots__ = ("session",)
