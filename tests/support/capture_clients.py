@@ -8,7 +8,7 @@ see, and is written to CLIENT_CONVERSATIONS_FILE:
 
     .venv/bin/python -m tests.support.capture_clients      # after a client's version changes
 
-tests/integration/test_client_conversations.py captures again and fails when the file is stale.
+tests/e2e/test_client_conversations.py captures again and fails when the file is stale.
 """
 
 from __future__ import annotations
