@@ -134,14 +134,18 @@ def lease_ttl_for(expires_at: float, now: float) -> int:
 @dataclass(frozen=True)
 class SessionPlan:
     """A Session record to store, the TTL of the lease to attach it to, and the history store's part: the ids to
-    write at ``history_start`` of lineage ``session.history_generation``, and the lineage this record replaces (to
-    drop once the record is stored), if any."""
+    write at ``history_start`` of lineage ``session.history_generation`` (after copying the first
+    ``history_start`` ids of lineage ``copy_from`` into it, when set), and the lineage this record replaces (to drop
+    once the record is stored), if any."""
 
     session: common_pb2.Session
     lease_ttl_s: int
     history_start: int = 0
     history_ids: bytes = b""
     replaces_generation: int = 0
+    # A new lineage that begins as the first history_start ids of this one (a history that continues only part of
+    # the previous record's): the history store copies them itself.
+    copy_from: int = 0
 
 
 RESPONSE_TTL_RANGE_S = (1, 30 * 86400)  # how long a stored response may be kept
@@ -188,7 +192,8 @@ def build_session(req: registry_pb2.RecordTurnRequest, worker: common_pb2.Worker
     """The Session record for a finished turn on ``worker`` (the decode worker, looked up by the caller).
 
     covered_tokens is the handle's ``remote_num_tokens``. The ids are the request's ``token_ids`` after the first
-    ``base_tokens`` of ``previous``'s history (which must then be at turn ``base_turn`` with exactly that many ids):
+    ``base_tokens`` of ``previous``'s history (which must then be at turn ``base_turn`` with at least that many ids;
+    fewer than all of them start a new lineage that the history store copies those from):
     the record keeps their digests, count and first block, never the ids (the plan says where they go in the
     history store, and so does the handle when it is longer than ``handle_inline_bytes``: the record then carries its
     ``handle_digest``). The handle expires at ``finished_at + kv_blocks_ttl_s - margin_s``; a ``finished_at`` in the
@@ -217,12 +222,12 @@ def build_session(req: registry_pb2.RecordTurnRequest, worker: common_pb2.Worker
         raise InvalidArgument(f"the handle covers {covered} tokens (remote_num_tokens) but the history holds only "
                               f"{total} ids ({base} recorded + {len(ids)} given)")
     digest, checkpoints = _digests(req, covered)
-    if base and (previous is None or previous.turn != req.base_turn or previous.history_tokens != base
+    if base and (previous is None or previous.turn != req.base_turn or previous.history_tokens < base
                  or not previous.history_generation):
         have = (f"at turn {previous.turn} with {previous.history_tokens} ids" if previous is not None
                 else "absent")
         raise FailedPrecondition(f"the session's recorded history changed (the record is {have}, not at turn "
-                                 f"{req.base_turn} with {base} ids): send the whole history (base_tokens 0)")
+                                 f"{req.base_turn} with at least {base} ids): send the whole history (base_tokens 0)")
     if worker is None:
         raise FailedPrecondition(f"decode worker {req.decode_worker_id!r} is not registered")
     if worker.role != common_pb2.WORKER_ROLE_DECODE:
@@ -246,10 +251,18 @@ def build_session(req: registry_pb2.RecordTurnRequest, worker: common_pb2.Worker
                                  f"TTL {worker.kv_blocks_ttl_s}s minus {margin_s:g}s margin")
 
     head_len = worker.block_size + 1
+    copy_from = 0
     if base:
-        generation, head = previous.history_generation, list(previous.head_token_ids)
+        head = list(previous.head_token_ids[:base])
         if len(head) == base:
             head.extend(ids[: head_len - base])
+        if base == previous.history_tokens:  # appended to the previous lineage
+            generation = previous.history_generation
+        else:  # the first base ids of the previous one, then these: a new lineage, copied from that one
+            generation = new_generation if new_generation is not None else int(now * 1_000_000)
+            copy_from = previous.history_generation
+            if generation == copy_from:
+                generation += 1
     else:
         generation = new_generation if new_generation is not None else int(now * 1_000_000)
         head = ids[:head_len]
@@ -277,7 +290,7 @@ def build_session(req: registry_pb2.RecordTurnRequest, worker: common_pb2.Worker
     replaced = (previous.history_generation if previous is not None and previous.history_generation
                 and previous.history_generation != generation else 0)
     return SessionPlan(session, lease_ttl_for(expires_at, now), history_start=base, history_ids=ids_bytes(ids),
-                       replaces_generation=replaced)
+                       replaces_generation=replaced, copy_from=copy_from)
 
 
 def handle_digest(handle_json: str) -> bytes:

@@ -20,7 +20,7 @@ import grpc.aio
 from kvshuttle.control_plane import session as rules
 from kvshuttle.services.common.telemetry import hashed
 from kvshuttle.services.store.etcd_store import EtcdStore, StoreError, StoreUnavailable
-from kvshuttle.services.store.history import HistoryStore, HistoryUnavailable, bytes_to_ids
+from kvshuttle.services.store.history import HistoryGone, HistoryStore, HistoryUnavailable, bytes_to_ids
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 from opentelemetry import trace
 
@@ -202,9 +202,14 @@ class SessionRegistryServicer(registry_pb2_grpc.SessionRegistryServicer):
                 record = plan.session
                 handle = ((record.handle_digest, record.kv_transfer_params_json.encode()) if record.handle_digest
                           else None)
-                await self.history.append(record.tenant, record.session_id, record.history_generation,
-                                          plan.history_start, plan.history_ids,
-                                          plan.lease_ttl_s + rules.HISTORY_GRACE_S, handle=handle)
+                try:
+                    await self.history.append(record.tenant, record.session_id, record.history_generation,
+                                              plan.history_start, plan.history_ids,
+                                              plan.lease_ttl_s + rules.HISTORY_GRACE_S, handle=handle,
+                                              copy_from=plan.copy_from)
+                except HistoryGone as exc:
+                    raise rules.FailedPrecondition(f"the session's recorded history changed ({exc}): send the "
+                                                   "whole history (base_tokens 0)") from None
                 lease_id, _ = await self.store.grant_lease(plan.lease_ttl_s)
                 try:
                     stored = await self.store.put_session(record, lease_id,

@@ -23,6 +23,11 @@ class HistoryUnavailable(Exception):
     """The history's backing store cannot be reached, failed, or did not answer in time."""
 
 
+class HistoryGone(Exception):
+    """An append that continues part of another lineage (``copy_from``) found it no longer holding those ids
+    (expired, dropped): the caller must send the whole history."""
+
+
 class HistoryStore(Protocol):
     """Segments of token ids per lineage. Failures raise ``HistoryUnavailable``."""
 
@@ -31,11 +36,16 @@ class HistoryStore(Protocol):
     async def close(self) -> None: ...
 
     async def append(self, tenant: str, session_id: str, generation: int, start: int, ids: bytes,
-                     ttl_s: int, handle: tuple[bytes, bytes] | None = None) -> None:
+                     ttl_s: int, handle: tuple[bytes, bytes] | None = None, copy_from: int = 0) -> None:
         """Store ``ids`` (int32 little-endian, 4 bytes per id) as the segment at offset ``start`` (in ids) of the
         lineage; a segment already at that offset is replaced (upsert). With ``handle`` (digest, value), the
         lineage also keeps that KV handle under its digest, in the same write. The whole lineage (segments and
-        handles) now expires ``ttl_s`` seconds from now."""
+        handles) now expires ``ttl_s`` seconds from now.
+
+        ``copy_from``: a new lineage that begins as the first ``start`` ids of lineage ``copy_from`` of the same
+        session: they are copied inside the store, in the same write (a history that continues only part of the
+        previous one; the previous lineage stays as it was for whoever still reads it). Raises ``HistoryGone``
+        when that lineage no longer holds them (nothing is written then)."""
         ...
 
     async def read_handle(self, tenant: str, session_id: str, generation: int, digest: bytes) -> bytes | None:
@@ -79,6 +89,24 @@ def assemble(segments: Iterable[tuple[int, bytes]], length: int) -> bytes | None
         return None
     out = b"".join(parts)
     return out if len(out) == need else out[:need]
+
+
+def truncated(segments: Iterable[tuple[int, bytes]], length: int) -> list[tuple[int, bytes]]:
+    """The segments that hold the first ``length`` ids (as :func:`assemble` reads them), the last one cut at
+    ``length``; [] when they do not cover ``[0, length)``. What a lineage copied from another starts with."""
+    out: list[tuple[int, bytes]] = []
+    pos, need = 0, length * ID_BYTES
+    for start, ids in sorted(segments, key=lambda s: s[0]):
+        if pos >= need:
+            break
+        begin = start * ID_BYTES
+        if begin < pos:
+            continue
+        if begin > pos:
+            return []
+        out.append((start, ids[:need - pos]))
+        pos += len(out[-1][1])
+    return out if pos >= need else []
 
 
 def bytes_to_ids(b: bytes) -> list[int]:

@@ -13,13 +13,44 @@ from collections.abc import Awaitable
 from typing import TypeVar
 
 import redis.asyncio as aioredis
-from kvshuttle.services.store.history import HistoryUnavailable, assemble
+from kvshuttle.services.store.history import HistoryGone, HistoryUnavailable, assemble
 from kvshuttle.services.store.keys import DEFAULT_PREFIX, normalized_prefix
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import RedisError
 
 T = TypeVar("T")
+
+# Copies the first ARGV[1] ids of lineage KEYS[1] into lineage KEYS[2], inside Redis (no ids cross the network), as
+# history.truncated reads them: segments in offset order from 0, stale ones (starting inside the ids taken) skipped,
+# the last one cut. Returns 1, or 0 (nothing written) when they do not cover the length.
+_COPY_PREFIX = """
+local need = tonumber(ARGV[1]) * 4
+local fields = redis.call('HGETALL', KEYS[1])
+local starts, by_start = {}, {}
+for i = 1, #fields, 2 do
+  local start = tonumber(fields[i])
+  table.insert(starts, start)
+  by_start[start] = fields[i + 1]
+end
+table.sort(starts)
+local pos, out = 0, {}
+for _, start in ipairs(starts) do
+  if pos >= need then break end
+  local begin = start * 4
+  if begin > pos then return 0 end
+  if begin == pos then
+    local ids = by_start[start]
+    if #ids > need - pos then ids = string.sub(ids, 1, need - pos) end
+    table.insert(out, tostring(start))
+    table.insert(out, ids)
+    pos = pos + #ids
+  end
+end
+if pos < need then return 0 end
+for i = 1, #out, 2 do redis.call('HSET', KEYS[2], out[i], out[i + 1]) end
+return 1
+"""
 
 
 class RedisHistoryStore:
@@ -76,10 +107,15 @@ class RedisHistoryStore:
     # -- the interface ---------------------------------------------------------------------------------------
 
     async def append(self, tenant: str, session_id: str, generation: int, start: int, ids: bytes,
-                     ttl_s: int, handle: tuple[bytes, bytes] | None = None) -> None:
-        await self._call("append", self._append(self.key(tenant, session_id, generation),
-                                                self.handles_key(tenant, session_id, generation), start, ids, ttl_s,
-                                                handle))
+                     ttl_s: int, handle: tuple[bytes, bytes] | None = None, copy_from: int = 0) -> None:
+        key = self.key(tenant, session_id, generation)
+        if copy_from and start:
+            copied = await self._call("copy", self.client.eval(
+                _COPY_PREFIX, 2, self.key(tenant, session_id, copy_from), key, start))
+            if not copied:
+                raise HistoryGone(f"lineage {copy_from} no longer holds the {start} ids to continue")
+        await self._call("append", self._append(key, self.handles_key(tenant, session_id, generation), start, ids,
+                                                ttl_s, handle))
 
     async def _append(self, key: str, handles: str, start: int, ids: bytes, ttl_s: int,
                       handle: tuple[bytes, bytes] | None) -> None:

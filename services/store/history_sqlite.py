@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from kvshuttle.services.store.history import HistoryUnavailable, assemble
+from kvshuttle.services.store.history import HistoryGone, HistoryUnavailable, assemble, truncated
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -120,11 +120,11 @@ class SqliteHistoryStore:
     # -- the interface ---------------------------------------------------------------------------------------
 
     async def append(self, tenant: str, session_id: str, generation: int, start: int, ids: bytes,
-                     ttl_s: int, handle: tuple[bytes, bytes] | None = None) -> None:
-        await self._run(self._append, (tenant, session_id, generation), start, ids, ttl_s, handle)
+                     ttl_s: int, handle: tuple[bytes, bytes] | None = None, copy_from: int = 0) -> None:
+        await self._run(self._append, (tenant, session_id, generation), start, ids, ttl_s, handle, copy_from)
 
     def _append(self, lineage: tuple[str, str, int], start: int, ids: bytes, ttl_s: int,
-                handle: tuple[bytes, bytes] | None) -> None:
+                handle: tuple[bytes, bytes] | None, copy_from: int = 0) -> None:
         now = time.time()
         with self._transaction() as db:
             row = db.execute("SELECT expires_at FROM lineages WHERE tenant=? AND session=? AND gen=?",
@@ -132,6 +132,17 @@ class SqliteHistoryStore:
             if row is not None and row[0] <= now:  # expired, not yet swept: start afresh, as if it were gone
                 db.execute("DELETE FROM segments WHERE tenant=? AND session=? AND gen=?", lineage)
                 db.execute("DELETE FROM handles WHERE tenant=? AND session=? AND gen=?", lineage)
+            if copy_from and start:
+                source = (*lineage[:2], copy_from)
+                alive = db.execute("SELECT expires_at FROM lineages WHERE tenant=? AND session=? AND gen=?",
+                                   source).fetchone()
+                kept = truncated(db.execute("SELECT start, ids FROM segments WHERE tenant=? AND session=? AND gen=? "
+                                            "AND start < ?", (*source, start)).fetchall(), start) \
+                    if alive is not None and alive[0] > now else []
+                if not kept:
+                    raise HistoryGone(f"lineage {copy_from} no longer holds the {start} ids to continue")
+                db.executemany("INSERT INTO segments VALUES (?, ?, ?, ?, ?) ON CONFLICT (tenant, session, gen, "
+                               "start) DO UPDATE SET ids=excluded.ids", [(*lineage, s, b) for s, b in kept])
             db.execute("INSERT INTO segments VALUES (?, ?, ?, ?, ?) "
                        "ON CONFLICT (tenant, session, gen, start) DO UPDATE SET ids=excluded.ids",
                        (*lineage, start, ids))

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 from kvshuttle.control_plane.prefix import ids_bytes as ids_to_bytes
 from kvshuttle.services.devtools.etcd_process import free_port
-from kvshuttle.services.store.history import HistoryStore, HistoryUnavailable, bytes_to_ids
+from kvshuttle.services.store.history import HistoryGone, HistoryStore, HistoryUnavailable, bytes_to_ids
 from kvshuttle.services.store.history_redis import RedisHistoryStore
 from kvshuttle.services.store.history_sqlite import SqliteHistoryStore
 
@@ -47,6 +47,26 @@ async def test_an_append_at_the_same_offset_replaces_the_segment(store, lineage)
     await store.append(*lineage, 2, ids_to_bytes([3]), TTL)
     await store.append(*lineage, 2, ids_to_bytes([30, 40]), TTL)
     assert bytes_to_ids(await store.read(*lineage, 4)) == [1, 2, 30, 40]
+
+
+async def test_a_new_lineage_may_begin_as_part_of_another_copied_inside_the_store(store, lineage):
+    """A turn that continued only part of the session's history (up to a text boundary): the new lineage starts as
+    the previous one's first ids, copied by the store itself; the previous lineage is untouched (a reader of the
+    record it belongs to still reads it)."""
+    tenant, session, old = lineage
+    await store.append(tenant, session, old, 0, ids_to_bytes([1, 2, 3, 4]), TTL)
+    await store.append(tenant, session, old, 4, ids_to_bytes([5, 6, 7]), TTL)
+    await store.append(tenant, session, 2, 5, ids_to_bytes([60, 70, 80]), TTL, copy_from=old)
+    assert bytes_to_ids(await store.read(tenant, session, 2, 8)) == [1, 2, 3, 4, 5, 60, 70, 80]
+    assert bytes_to_ids(await store.read(tenant, session, old, 7)) == [1, 2, 3, 4, 5, 6, 7]
+    await store.append(tenant, session, 3, 2, ids_to_bytes([9]), TTL, copy_from=2)  # a copy of a copy
+    assert bytes_to_ids(await store.read(tenant, session, 3, 3)) == [1, 2, 9]
+    # a lineage that no longer holds the ids: nothing is written, and the caller learns it must send them all
+    with pytest.raises(HistoryGone):
+        await store.append(tenant, session, 4, 9, ids_to_bytes([1]), TTL, copy_from=old)
+    with pytest.raises(HistoryGone):
+        await store.append(tenant, session, 5, 2, ids_to_bytes([1]), TTL, copy_from=99)
+    assert await store.read(tenant, session, 4, 1) is None and await store.read(tenant, session, 5, 1) is None
 
 
 async def test_a_gap_or_too_few_ids_reads_none(store, lineage):

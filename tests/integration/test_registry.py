@@ -272,7 +272,7 @@ async def test_turns_append_to_the_recorded_history(stub, decode):
     # Appending to a history the record no longer has: refused, nothing changes.
     await expect_status(stub.RecordTurn(appended(decode, sid, rec2, [*ids3, 4])), PRECONDITION, "history changed")
     wrong_count = appended(decode, sid, rec3, [*ids3, 4])
-    wrong_count.base_tokens = 19
+    wrong_count.base_tokens = 21  # more ids than the record holds
     await expect_status(stub.RecordTurn(wrong_count), PRECONDITION, "history changed")
     no_digest = appended(decode, sid, rec3, [*ids3, 4])
     no_digest.prefix_digest = b""
@@ -281,10 +281,25 @@ async def test_turns_append_to_the_recorded_history(stub, decode):
     got = await history(stub, sid)
     assert got.session.revision == rec3.revision and list(got.session.token_ids) == ids3
 
+    # A turn that kept only the first 15 ids (the history re-rendered otherwise past a text boundary): only the ids
+    # after them are sent; the record names a new lineage, the kept ids copied inside the history store.
+    kept = [*ids3[:15], *range(5000, 5006)]
+    part = appended(decode, sid, rec3, kept)
+    part.base_tokens = 15
+    del part.token_ids[:]
+    part.token_ids.extend(kept[15:])
+    part.checkpoints.clear()
+    part.checkpoints.add(tokens=15, digest=prefix_digest(kept, 15))
+    rec3b = (await stub.RecordTurn(part)).session
+    assert rec3b.turn == 4 and rec3b.history_tokens == 21 and rec3b.history_generation != rec3.history_generation
+    got = await history(stub, sid)
+    assert list(got.session.token_ids) == kept and not got.history_missing
+    rec3 = rec3b
+
     # The whole history again (an edited conversation): a new lineage.
     ids4 = [7] * 12
     rec4 = (await stub.RecordTurn(turn(decode, sid, ids4))).session
-    assert rec4.turn == 4 and rec4.history_generation != rec1.history_generation and rec4.history_tokens == 12
+    assert rec4.turn == 5 and rec4.history_generation != rec1.history_generation and rec4.history_tokens == 12
     assert list((await history(stub, sid)).session.token_ids) == ids4
     assert (await stub.DeleteSession(registry_pb2.DeleteSessionRequest(session_id=sid, tenant=TENANT))).deleted
     await expect_status(stub.RecordTurn(appended(decode, sid, rec4, [*ids4, 1])), PRECONDITION, "history changed")

@@ -131,7 +131,7 @@ class Registry:
         kept.CopyFrom(request)  # as sent: the caller may change and send its request again
         self.recorded.append(kept)
         base, previous = request.base_tokens, self.session
-        if base and (previous is None or previous.turn != request.base_turn or previous.history_tokens != base):
+        if base and (previous is None or previous.turn != request.base_turn or previous.history_tokens < base):
             raise _rpc_error(grpc.StatusCode.FAILED_PRECONDITION, "the session's recorded history changed: send "
                                                                   "the whole history (base_tokens 0)")
         if base and not request.prefix_digest:

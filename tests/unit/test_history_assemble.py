@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from kvshuttle.control_plane.prefix import ids_bytes as ids_to_bytes
-from kvshuttle.services.store.history import assemble, bytes_to_ids
+from kvshuttle.services.store.history import assemble, bytes_to_ids, truncated
 
 
 def seg(start: int, ids: list[int]) -> tuple[int, bytes]:
@@ -49,3 +49,12 @@ def test_a_gap_or_too_few_ids_is_none():
 def test_segments_past_the_length_do_not_matter():
     # a gap after the ids asked for is no gap for this read
     assert bytes_to_ids(assemble([seg(0, [0, 1]), seg(9, [9])], 2)) == [0, 1]
+
+
+def test_the_first_ids_of_a_lineage_are_its_segments_up_to_there_the_last_one_cut():
+    segments = [seg(0, [0, 1, 2]), seg(1, [91]), seg(3, [3, 4, 5]), seg(6, [6])]
+    assert truncated(segments, 5) == [seg(0, [0, 1, 2]), seg(3, [3, 4])]  # the stale one at 1 skipped
+    assert truncated(segments, 3) == [seg(0, [0, 1, 2])]
+    assert b"".join(ids for _, ids in truncated(segments, 7)) == assemble(segments, 7)
+    assert truncated([seg(0, [0]), seg(2, [2])], 3) == []  # a gap: nothing
+    assert truncated(segments, 9) == []  # fewer ids than asked for

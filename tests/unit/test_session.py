@@ -358,13 +358,34 @@ def test_an_append_to_a_changed_history_is_refused(change):
     if change == "turn":
         req.base_turn = 2
     elif change == "tokens":
-        first.history_tokens = 11  # another turn's history, same turn number
+        first.history_tokens = 9  # another turn's history, same turn number: fewer ids than the base
     elif change == "absent":
         first = None
     else:
         first.history_generation = 0  # a record written before the history store
     with pytest.raises(rules.FailedPrecondition, match="history changed"):
         rules.build_session(req, decode_worker(), now=NOW, margin_s=30, previous=first)
+
+
+def test_a_turn_that_continues_part_of_the_history_starts_a_lineage_copied_from_it():
+    """The prompt continued the record's ids only up to a text boundary (its last answer re-rendered otherwise): the
+    caller sends the ids after that many; the history store copies the first ones from the previous lineage."""
+    first = first_record()  # 10 ids
+    kept, new = 6, [7, 7, 7, 7, 7, 7]
+    whole = [*HISTORY[:kept], *new]
+    digests = prefix_digests(whole, [kept, 11])
+    req = turn(token_ids=new, base_tokens=kept, base_turn=first.turn, prefix_digest=digests[11],
+               checkpoints=[common_pb2.PrefixCheckpoint(tokens=kept, digest=digests[kept])],
+               kv_transfer_params_json=handle(num_tokens=11))
+    plan = rules.build_session(req, decode_worker(), now=NOW + 1, margin_s=30, previous=first)
+    s = plan.session
+    assert s.history_tokens == 12 and s.turn == 2 and list(s.head_token_ids) == whole[:5]
+    assert s.history_generation != first.history_generation
+    assert (plan.copy_from, plan.replaces_generation) == (first.history_generation, first.history_generation)
+    assert (plan.history_start, plan.history_ids) == (kept, ids_bytes(new))  # only the ids after the kept ones
+    # all of the history kept: appended to the same lineage, nothing copied
+    plan = rules.build_session(append(first), decode_worker(), now=NOW + 5, margin_s=30, previous=first)
+    assert plan.copy_from == 0 and plan.session.history_generation == first.history_generation
 
 
 def test_a_whole_history_replaces_the_previous_lineage():

@@ -21,7 +21,7 @@ from kvshuttle.services.gateway.turns.parse import AnswerEvents
 from kvshuttle.services.gateway.turns.spans import tracer
 from kvshuttle.v1 import common_pb2, registry_pb2, scheduler_pb2
 
-from tests.support.turn_fakes import PULL_PARAMS, Engine, Registry, Scheduler, Tokenizer, _rpc_error, recorded
+from tests.support.turn_fakes import BLOCK, PULL_PARAMS, Engine, Registry, Scheduler, Tokenizer, _rpc_error, recorded
 
 
 def runner(decision=scheduler_pb2.DECISION_RECOMPUTE, registry=None, prefill=None, decode=None,
@@ -211,13 +211,21 @@ async def test_a_history_echoed_without_the_reasoning_continues_the_recorded_ids
     ctx.plan = scheduler_pb2.PlanTurnResponse(decode=common_pb2.Worker(worker_id="d", grpc_address="d:1"))
     async for _ in decode_stage.run(r, ctx):
         pass
+    n = len(ctx.prompt_ids) + len(ctx.output_ids) - 1  # D's handle covers all but the last token
+    ctx.final.kv_transfer_params = {"do_remote_decode": True, "remote_block_ids": [list(range(n // BLOCK + 1))],
+                                    "remote_engine_id": "e", "remote_host": "h", "remote_port": 1,
+                                    "remote_num_tokens": n}
     await record_stage.run(r, ctx)
     sent = registry.recorded[-1]
-    # the history changed past the boundary: the whole of it goes to the registry, with the new boundary
-    assert sent.base_tokens == 0 and list(sent.token_ids) == ctx.prompt_ids + ctx.output_ids
+    # the history changed past the boundary: only the ids after the kept ones go to the registry (whose history
+    # store copies the kept ones into a new lineage), with the new boundary
+    assert (sent.base_tokens, sent.base_turn) == (head, 1)
+    assert list(sent.token_ids) == (ctx.prompt_ids + ctx.output_ids)[head:]
+    assert registry.histories[-1] == ctx.prompt_ids + ctx.output_ids
     (boundary,) = sent.text_boundaries
     assert (boundary.chars, boundary.tokens, boundary.loop_start) == (end, end, True)
     assert boundary.key == text_key(ctx.prompt_text[:end])
+    assert {head, end} <= {cp.tokens for cp in sent.checkpoints}  # digests at both: the scheduler can prove them
 
 
 async def test_a_tool_loop_step_keeps_the_loop_s_start_from_the_record_it_continues():

@@ -88,9 +88,9 @@ async def _record(rt: TurnRunner, ctx: TurnContext) -> None:
 
 async def _record_turn(rt: TurnRunner, ctx: TurnContext, ids: list[int], text: str,
                        handle_json: str) -> registry_pb2.RecordTurnResponse:
-    """RecordTurn with only the ids after the recorded history when the prompt continued it (the history store
-    keeps the rest), and the prefix digests computed here over all ``ids``; once more with the whole history if
-    the record changed meanwhile."""
+    """RecordTurn with only the ids after those the prompt kept of the recorded history when it continued it (all
+    of them, or those up to a text boundary: the history store keeps them), and the prefix digests computed here
+    over all ``ids``; once more with the whole history if the record changed meanwhile."""
     req, base = ctx.request, ctx.history_base
     try:
         covered = kv_params.parse_handle(handle_json).num_tokens
@@ -102,7 +102,8 @@ async def _record_turn(rt: TurnRunner, ctx: TurnContext, ids: list[int], text: s
     previous = [n for n in (*(cp.tokens for cp in base.checkpoints), base.covered_tokens, base.history_tokens)
                 if n <= kept] if base is not None else []
     cuts = ctx.text_cuts if text else []
-    lengths = checkpoint_lengths(previous, len(ctx.prompt_ids), covered, extra=[tokens for _, tokens, _ in cuts])
+    lengths = checkpoint_lengths(previous, len(ctx.prompt_ids), covered,
+                                 extra=[kept, *(tokens for _, tokens, _ in cuts)])
     wanted = [*lengths, covered] if covered else []
     whole = base is not None and kept == base.history_tokens  # the prompt continued all of base's ids
     hasher, digests = _resume(rt, req, base if whole else None, wanted)
@@ -119,9 +120,11 @@ async def _record_turn(rt: TurnRunner, ctx: TurnContext, ids: list[int], text: s
         prefix_digest=digests.get(covered, b""),
         checkpoints=[common_pb2.PrefixCheckpoint(tokens=n, digest=digests[n]) for n in lengths],
         text_boundaries=text_boundaries(text, cuts))
-    if whole and 0 < base.history_tokens <= len(ids):
-        request.base_tokens, request.base_turn = base.history_tokens, base.turn
-        request.token_ids.extend(ids[base.history_tokens:])
+    if base is not None and 0 < kept <= min(base.history_tokens, len(ids)):
+        # only the ids after those the prompt kept of the record's (the registry appends them to its lineage, or
+        # starts a new lineage with the kept ones copied inside the history store)
+        request.base_tokens, request.base_turn = kept, base.turn
+        request.token_ids.extend(ids[kept:])
         try:
             return _kept(rt, req, await rt.registry.RecordTurn(request, timeout=rt.control_timeout_s), hasher)
         except grpc.aio.AioRpcError as exc:
