@@ -67,33 +67,17 @@ class HistoryStore(Protocol):
 
 
 def assemble(segments: Iterable[tuple[int, bytes]], length: int) -> bytes | None:
-    """The first ``length`` ids of ``(start, ids bytes)`` segments, or None when they do not cover ``[0, length)``.
-
-    In offset order from pos=0: a segment starting at pos extends it; one starting before pos is skipped (stale: a
-    later, longer append covered it); one starting after pos leaves a gap -> None. The result is exactly 4*length bytes.
-    """
-    need = length * ID_BYTES
-    parts: list[bytes] = []
-    pos = 0
-    for start, ids in sorted(segments, key=lambda s: s[0]):
-        if pos >= need:
-            break
-        begin = start * ID_BYTES
-        if begin < pos:
-            continue
-        if begin > pos:
-            return None
-        parts.append(ids)
-        pos += len(ids)
-    if pos < need:
-        return None
-    out = b"".join(parts)
-    return out if len(out) == need else out[:need]
+    """The first ``length`` ids of ``(start, ids bytes)`` segments, or None when they do not cover ``[0, length)``
+    (:func:`truncated`'s segments, joined): exactly 4*length bytes."""
+    kept = truncated(segments, length)
+    return b"".join(ids for _, ids in kept) if kept or not length else None
 
 
 def truncated(segments: Iterable[tuple[int, bytes]], length: int) -> list[tuple[int, bytes]]:
-    """The segments that hold the first ``length`` ids (as :func:`assemble` reads them), the last one cut at
-    ``length``; [] when they do not cover ``[0, length)``. What a lineage copied from another starts with."""
+    """The segments that hold the first ``length`` ids, the last one cut at ``length``; [] when they do not cover
+    ``[0, length)`` (or ``length`` is 0). In offset order from pos=0: a segment starting at pos extends it; one
+    starting before pos is skipped (stale: a later, longer append covered it); one starting after pos leaves a gap.
+    What a read assembles, and what a lineage copied from another starts with."""
     out: list[tuple[int, bytes]] = []
     pos, need = 0, length * ID_BYTES
     for start, ids in sorted(segments, key=lambda s: s[0]):
@@ -104,7 +88,7 @@ def truncated(segments: Iterable[tuple[int, bytes]], length: int) -> list[tuple[
             continue
         if begin > pos:
             return []
-        out.append((start, ids[:need - pos]))
+        out.append((start, ids if len(ids) <= need - pos else ids[:need - pos]))  # only the last one is cut
         pos += len(out[-1][1])
     return out if pos >= need else []
 
