@@ -1,4 +1,5 @@
-# kvshuttle: `make demo` runs the whole local stack and a multi-turn conversation; `make test` runs every test.
+# kvshuttle: `make demo` runs the whole local stack and a multi-turn conversation; `make test` runs every test,
+# `make test-fast` the quick ones (unit, integration).
 PY := .venv/bin/python
 
 .PHONY: install demo up bench test test-fast protos lint chart chart-schema docs clean
@@ -15,16 +16,27 @@ up: install
 bench: install
 	@$(PY) -m kvshuttle.services.commands bench
 
+# Every test; CI runs this (.ci/run). Two passes: tests/unit and tests/integration in parallel (2 workers), then
+# tests/slow, tests/e2e and tests/deploy in one process (the e2e tests share one vLLM pair per session). Both passes
+# always run; each ends with its time by folder (tests/conftest.py).
 test: install
-	@$(PY) -m pytest
+	@$(PY) -m pytest -n 2 tests/unit tests/integration; fast=$$?; \
+	$(PY) -m pytest tests/slow tests/e2e tests/deploy; rest=$$?; \
+	exit $$(( fast || rest ))
 
+# The inner loop: tests/unit and tests/integration (real etcd and Redis) in parallel, under 2 minutes on 2 cores;
+# not tests/slow (subprocesses, model builds), tests/e2e (vLLM) or tests/deploy (Helm, wheel, docs site). Workers:
+# the integration tests mostly wait on their servers, so twice the cores pays; `make test-fast JOBS=8` for more.
+# Each worker loads pytest's plugins: the two that only tests/e2e use (~2 s a process) are left out.
+JOBS ?= 4
 test-fast: install
-	@$(PY) -m pytest -m "not e2e"
+	@$(PY) -m pytest -n $(JOBS) -p no:schemathesis -p no:langsmith_plugin tests/unit tests/integration
 
 protos:
 	@$(PY) protos/generate.py
 
 lint:
+	@.venv/bin/ruff check .
 	@cd protos && ../.venv/bin/buf lint
 
 # The Helm chart's checks (lint, render 3 profiles, offline schema validation, command-line parity): tests/deploy.

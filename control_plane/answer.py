@@ -1,11 +1,11 @@
 """What a model's answer means to an agent: its reasoning, its content and its tool calls, parsed as it streams.
 
-The reasoning parser (reasoning.py) runs first; its content goes through the tool-call parser (tool_calls.py).
+The reasoning parser (reasoning.py) runs first; its content goes through the tool-call parser (tool_calls/).
 Streaming and whole answers take the same path, so the pieces a stream sends concatenate to what the whole answer
 reports (tests/unit/test_answer_parsing.py splits answers at every position to check it).
 
 Harmony (``openai``, gpt-oss) writes reasoning and calls in one syntax: when either parser is Harmony's, one
-harmony.HarmonyParser parses the answer, the part whose parser is not set passed on as content as written.
+tool_calls.harmony.HarmonyParser parses the answer, the part whose parser is not set passed on as content as written.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from kvshuttle.control_plane.harmony import HarmonyEvent, HarmonyParser
 from kvshuttle.control_plane.reasoning import CONTENT, REASONING, Harmony, ReasoningRules, ReasoningSplitter
 from kvshuttle.control_plane.tool_calls import HarmonyCalls, ParsedCall, ToolCallParserFactory, Tools
+from kvshuttle.control_plane.tool_calls.harmony import HarmonyEvent, HarmonyParser
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,10 @@ The constraint is one of vLLM's (``json_schema``, ``json_object``, ``regex``, ``
 - **Forced tool calls** (``tool_choice`` ``required`` or a named function): a structural tag (xgrammar's format, which
   vLLM's engine takes) that makes the model write its calls in its *own* syntax, the one its chat template renders
   (hermes: ``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>``, calls joined by a newline), with the
-  arguments held to the tool's parameter schema. An answer in the model's own syntax re-renders to the same text
-  when the client echoes it back, so the next turn still continues the exact token ids (vLLM's own required mode
-  has the model write a JSON array instead, which the template then renders differently).
+  arguments held to the tool's parameter schema. Each tool-call family knows its syntax (control_plane/tool_calls/,
+  ``CALL_SYNTAX``); one whose syntax cannot be forced says why (``not_forced``). An answer in the model's own syntax
+  re-renders to the same text when the client echoes it back, so the next turn still continues the exact token ids
+  (vLLM's own required mode has the model write a JSON array instead, which the template then renders differently).
 - **A reasoning model** (a reasoning parser is set): :func:`after_reasoning` places the constraint after the reasoning
   the rendered prompt leaves room for (none when the prompt closed the reasoning block, as vLLM does).
 
@@ -21,6 +22,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from kvshuttle.control_plane.tool_calls import FORCED_CALLS, ForcedCalls, not_forced
+
+__all__ = ["CALL_SYNTAX", "Constraint", "after_reasoning", "forced_tool_calls", "json_answer", "not_forced"]
+
 
 @dataclass(frozen=True)
 class Constraint:
@@ -31,40 +36,22 @@ class Constraint:
     value: Any
 
 
-@dataclass(frozen=True)
-class CallSyntax:
-    """How a model writes one tool call: ``begin`` + the function's name + ``middle`` + the arguments object + ``end``;
-    several calls are joined by ``separator``."""
-
-    begin: str
-    middle: str
-    end: str
-    separator: str
-
-
-# Tool-call parsers whose syntax can be forced (the others refuse tool_choice required/named).
-CALL_SYNTAX: dict[str, CallSyntax] = {
-    "hermes": CallSyntax('<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>", "\n"),
-}
-
-
-def _parameters(tool: dict[str, Any]) -> dict[str, Any] | bool:
-    params = tool["function"].get("parameters")
-    return params if params is not None else {"type": "object"}
+# The tool-call parsers whose calls can be forced, by name: each family's own syntax (tool_calls.FORCED_CALLS). A
+# parser missing here refuses tool_choice required/named; tool_calls.not_forced(parser) says why.
+CALL_SYNTAX: dict[str, ForcedCalls] = FORCED_CALLS
 
 
 def _structural_tag(fmt: dict[str, Any]) -> Constraint:
     return Constraint("structural_tag", json.dumps({"type": "structural_tag", "format": fmt}, ensure_ascii=False))
 
 
-def forced_tool_calls(syntax: CallSyntax, tools: list[dict[str, Any]], named: str | None) -> Constraint:
-    """``tool_choice`` ``required`` (``named`` None: one or more calls of any of ``tools``) or a named function (exactly
-    one call of it)."""
-    chosen = [t for t in tools if named is None or t["function"]["name"] == named]
-    tags = [{"type": "tag", "begin": syntax.begin + t["function"]["name"] + syntax.middle,
-             "content": {"type": "json_schema", "json_schema": _parameters(t)}, "end": syntax.end} for t in chosen]
-    return _structural_tag({"type": "tags_with_separator", "tags": tags, "separator": syntax.separator,
-                            "at_least_one": True, "stop_after_first": named is not None})
+def forced_tool_calls(syntax: ForcedCalls, tools: list[dict[str, Any]], named: str | None, *,
+                      one_call: bool = False) -> Constraint:
+    """``tool_choice`` ``required`` (``named`` None: one or more calls of any of ``tools``; exactly one with
+    ``one_call``, which a request with ``parallel_tool_calls`` false asks for) or a named function (exactly one call of
+    it), in the family's syntax (``CALL_SYNTAX[parser]``). Without ``one_call`` the number of calls is not bounded: a
+    model that goes on writing calls stops at max_tokens, the last one cut off."""
+    return _structural_tag(syntax.format(tools, named, one_call=one_call))
 
 
 def json_answer(schema: dict[str, Any] | None) -> Constraint:

@@ -29,8 +29,8 @@ from kvshuttle.control_plane.policies import (
     Outcome,
     Policy,
     PolicyError,
+    PolicyInputs,
     RegretMeter,
-    TurnContext,
     plan_turn,
 )
 from kvshuttle.control_plane.prefill_cache import PrefillCacheHints
@@ -116,7 +116,7 @@ class Planner(Generic[W]):
         load = loads.get(p.worker.worker_id, UNKNOWN)
         wait_ms = load.queued * prefill_ms(p.worker.worker_id)
         prediction = predictions[p.worker.worker_id]
-        ctx = TurnContext(p.worker.worker_id, source_worker, prediction if can_pull else None, wait_ms,
+        ctx = PolicyInputs(p.worker.worker_id, source_worker, prediction if can_pull else None, wait_ms,
                           handle.expires_in_s if handle else 0.0)
         final = plan_turn(chosen_policy, safe, ctx)
         if session is not None:

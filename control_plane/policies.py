@@ -30,7 +30,7 @@ class PolicyError(ValueError):
 
 
 @dataclass(frozen=True)
-class TurnContext:
+class PolicyInputs:
     """What a policy knows about the chosen workers, besides the safe plan."""
 
     prefill_worker: str
@@ -72,7 +72,7 @@ class ThresholdPolicy:
         self.name = name
         self.safety = PullPolicy(pull_threshold_tokens, expiry_guard_s)
 
-    def choose(self, plan: Plan, ctx: TurnContext) -> Plan:
+    def choose(self, plan: Plan, ctx: PolicyInputs) -> Plan:
         return plan  # decide() already applied the threshold
 
 
@@ -97,7 +97,7 @@ class CostPolicy:
         self.model = model
         self._eligible: dict[tuple[str, str], int] = {}
 
-    def choose(self, plan: Plan, ctx: TurnContext) -> Plan:
+    def choose(self, plan: Plan, ctx: PolicyInputs) -> Plan:
         predicted = ctx.prediction
         if plan.choice is not Choice.PULL or predicted is None or predicted.pull_ms is None:
             return plan
@@ -124,7 +124,7 @@ class CostPolicy:
 Policy = ThresholdPolicy | CostPolicy
 
 
-def plan_turn(policy: Policy, plan: Plan, ctx: TurnContext) -> Plan:
+def plan_turn(policy: Policy, plan: Plan, ctx: PolicyInputs) -> Plan:
     """The policy's choice, then the rule for every policy: a pull must end before the handle's expiry guard."""
     plan = policy.choose(plan, ctx)
     if plan.choice is Choice.PULL and ctx.prediction is not None and ctx.prediction.pull_ms is not None:

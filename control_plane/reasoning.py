@@ -16,7 +16,7 @@ An answer cut off inside its reasoning is all reasoning.
 
 ``openai_gptoss`` (gpt-oss; also ``openai``, the name of its tool-call parser) is no think-tag parser: its Harmony
 format carries reasoning and tool calls in one syntax of messages on channels, so its rules are :class:`Harmony`,
-which answer.AnswerParser parses with control_plane/harmony.py (reasoning and calls at once) instead of a
+which answer.AnswerParser parses with control_plane/tool_calls/harmony.py (reasoning and calls at once) instead of a
 :class:`ReasoningSplitter`.
 """
 
@@ -47,8 +47,8 @@ class ThinkTags:
 @dataclass(frozen=True)
 class Harmony:
     """The ``openai_gptoss`` reasoning parser's rules: gpt-oss's Harmony format, whose ``analysis`` channel's messages
-    are the reasoning (control_plane/harmony.py). Its markers (``<|channel|>``, ``<|message|>``, ...) are special
-    tokens, so the answer must be decoded keeping them (``skip_special_tokens=False``)."""
+    are the reasoning (control_plane/tool_calls/harmony.py). Its markers (``<|channel|>``, ``<|message|>``, ...) are
+    special tokens, so the answer must be decoded keeping them (``skip_special_tokens=False``)."""
 
     name: str
     keeps_special_tokens: ClassVar[bool] = True

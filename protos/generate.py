@@ -1,7 +1,7 @@
 """Generate the Python stubs for kvshuttle's protos: `python protos/generate.py [OUT_DIR]`.
 
 Stubs go to protos/gen/ (importable as `kvshuttle.v1`). Never edit them by hand; run this instead.
-tests/unit/test_protos.py fails when the committed stubs differ from a fresh generation.
+tests/slow/test_protos.py fails when the committed stubs differ from a fresh generation.
 """
 
 from __future__ import annotations

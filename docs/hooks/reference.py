@@ -241,9 +241,9 @@ def config_page() -> str:
 # -- metrics ------------------------------------------------------------------------------------------------------
 
 def etcd_operations() -> list[str]:
-    """The `op` label's values: the operation names the etcd store (services/store/) passes to its `_call`."""
+    """The `op` label's values: the operation names the etcd store (services/store/) passes to its `call`."""
     ops = {op.replace(" ", "_").replace("-", "_") for path in sorted((ROOT / "services/store").glob("*.py"))
-           for op in re.findall(r'_call\(\s*"([a-z -]+)"', path.read_text())}
+           for op in re.findall(r'\b_?call\(\s*"([a-z -]+)"', path.read_text())}
     return sorted(ops)
 
 

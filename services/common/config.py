@@ -4,6 +4,13 @@ Declare a dataclass whose fields use :func:`setting`; :func:`load` fills it from
 command-line flags, environment variables, then defaults, converts types and runs the class's ``validate``.
 The env var of a field is ``<ENV_PREFIX><FIELD_NAME upper>`` unless the field names its own (shared settings such
 as ``KVSHUTTLE_ETCD_ENDPOINTS``).
+
+No flag silently does nothing: a ``validate`` calls :func:`require_effect` for each setting whose effect depends on
+another one, and a setting that was *given* a value other than its default while the other makes it a no-op is
+a :class:`ConfigError` naming both (``load`` turns it into argparse's usage error, exit status 2). Given means: on
+the command line, or in the command's own (prefixed) env var. A shared env var (a field's own ``env``: set for a
+whole group of processes, as the local stack and the chart set ``KVSHUTTLE_OTLP_ENDPOINT``) and a config built in
+code count as not given.
 """
 
 from __future__ import annotations
@@ -68,10 +75,12 @@ def from_namespace(cls: type[T], ns: argparse.Namespace | None = None, environ: 
     environ = os.environ if environ is None else environ
     hints = typing.get_type_hints(cls)
     values: dict[str, Any] = {}
+    given_at: dict[str, str] = {}  # field -> the flag or env var it was given by (require_effect)
     for f in dataclasses.fields(cls):
         cli = getattr(ns, f.name, None) if ns is not None else None
         if cli is not None:
             values[f.name] = cli
+            given_at[f.name] = flag_name(f)
             continue
         env = env_name(cls, f)
         if env in environ:
@@ -80,7 +89,10 @@ def from_namespace(cls: type[T], ns: argparse.Namespace | None = None, environ: 
             if choices and value not in choices:
                 raise ConfigError(f"{env}: {value!r} is not one of {list(choices)}")
             values[f.name] = value
+            if not f.metadata.get("env"):  # the command's own env var, not one shared by a group of processes
+                given_at[f.name] = env
     obj = cls(**values)
+    object.__setattr__(obj, _GIVEN, given_at)
     validate = getattr(obj, "validate", None)
     if validate is not None:
         validate()
@@ -102,6 +114,30 @@ def load(cls: type[T], argv: Sequence[str] | None = None, prog: str | None = Non
 def require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
+
+
+_GIVEN = "_config_given"  # the attribute from_namespace leaves on a config: {field: flag or env var it came from}
+
+
+def given(cfg: object) -> dict[str, str]:
+    """The fields of ``cfg`` given on its command line or in its own env var, each with where it came from (the flag
+    or the env var); empty for a config built in code."""
+    return dict(getattr(cfg, _GIVEN, {}))
+
+
+def require_effect(cfg: object, name: str, effective: bool, why: str) -> None:
+    """Refuse field ``name`` when it was given (see :func:`given`) but has no effect (``effective`` false) because of
+    another setting: ``why`` completes "--flag has no effect ..." and names that other flag, e.g. "without
+    record_turn in --operations". A setting not given, given only by a shared env var, or given its default value
+    (``--history-store ''``: what a caller passes to say "none") passes."""
+    source = given(cfg).get(name)
+    if effective or source is None:
+        return
+    f = next(f for f in dataclasses.fields(cfg) if f.name == name)  # type: ignore[arg-type]
+    if getattr(cfg, name) == f.default:
+        return
+    origin = "" if source == flag_name(f) else f" (set by {source})"
+    raise ConfigError(f"{flag_name(f)}{origin} has no effect {why}: drop it, or change the other setting")
 
 
 @dataclasses.dataclass

@@ -1,6 +1,6 @@
 """Every ``kvshuttle.*`` attribute the services put on their trace spans, with what it means (pure data).
 
-The services set these names as literals (services/gateway/turns/, services/scheduler/servicer.py,
+The services set these names as literals (services/gateway/turns/, services/scheduler/planning.py,
 services/registry/servicer.py); tests/unit/test_tracing_docs.py checks that every literal used there is listed here
 and that nothing listed here is unused. The documentation's span-attribute reference is generated from this
 catalogue (docs/hooks/reference.py), and docs/tracing.md says which span carries which attribute.

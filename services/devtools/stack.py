@@ -19,7 +19,7 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from kvshuttle.services.common.config import TelemetryConfig, load, require, setting
+from kvshuttle.services.common.config import TelemetryConfig, load, require, require_effect, setting
 from kvshuttle.services.common.processes import ChildProcess
 from kvshuttle.services.devtools.etcd_process import EtcdCluster, EtcdProcess, free_port
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
@@ -27,6 +27,13 @@ from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 log = logging.getLogger("kvshuttle.stack")
 REPO = Path(__file__).resolve().parent.parent
 MODEL_VARIANTS = ("tiny", "tiny-tools", "medium", "agent")  # workers/model_builder.py's VARIANTS
+# The settings that only shape the local stack a command starts, so do nothing when it drives a running gateway
+# (--gateway-url) instead. Not here: the model directory (the bench reads its tokenizer there), the work directory
+# and the start-up timeout (the bench's SMG mode uses them too), telemetry and the log level.
+STACK_ONLY = ("model_variant", "tool_call_parser", "reasoning_parser", "http_port", "grpc_port", "prefill_workers",
+              "decode_workers", "dtype", "decoder_kv_blocks_ttl", "expiry_margin_s", "max_model_len", "etcd_members",
+              "cpu_bind", "nixl_progress_delay_us", "vllm_idle_spin_ms", "worker_nice", "gpus", "prefill_extra_args",
+              "decode_extra_args")
 
 
 @dataclasses.dataclass
@@ -79,6 +86,14 @@ class StackConfig(TelemetryConfig):
                 "--gpus needs one GPU id per worker")
         require(self.decoder_kv_blocks_ttl > self.expiry_margin_s, "the decode TTL must exceed the expiry margin")
         require(self.etcd_members in (1, 3), "--etcd-members must be 1 or 3")
+
+    def require_stack_started(self, gateway_url: str, also: Sequence[str] = (), keep: Sequence[str] = ()) -> None:
+        """For commands that start the stack unless given --gateway-url: with one, the stack-only settings (and
+        ``also``, less ``keep``) have no effect, and giving one is an error naming both."""
+        for name in (*STACK_ONLY, *also):
+            if name not in keep:
+                require_effect(self, name, not gateway_url,
+                               "with --gateway-url (it configures the local stack, which is then not started)")
 
 
 @dataclasses.dataclass

@@ -48,32 +48,24 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from kvshuttle.control_plane.answer import Event
-from kvshuttle.control_plane.constraints import CALL_SYNTAX, Constraint, forced_tool_calls
 from kvshuttle.control_plane.reasoning import REASONING
 from kvshuttle.control_plane.tool_calls import ParsedCall
+from kvshuttle.services.gateway.api_errors import ANTHROPIC_ERRORS, SESSION_HEADER, anthropic_error_body
 from kvshuttle.services.gateway.auth import OPEN
-from kvshuttle.services.gateway.chat_tools import (
-    FUNCTION_NAME,
-    MAX_TOOLS,
-    FieldError,
-    FunctionIn,
-    NamedFunction,
-    NamedToolChoice,
-    ToolChoice,
-    ToolIn,
-    check_tools,
-)
+from kvshuttle.services.gateway.chat_tools import FUNCTION_NAME, MAX_TOOLS, FieldError, FunctionIn
 from kvshuttle.services.gateway.http_guard import principal
-from kvshuttle.services.gateway.openai_api import SESSION_HEADER, StrictIn, drain, kv_body, kv_headers
-from kvshuttle.services.gateway.turns import (
-    Delta,
-    KvOutcome,
-    TurnContext,
-    TurnError,
-    TurnRequest,
-    TurnRunner,
+from kvshuttle.services.gateway.request_model import StrictIn
+from kvshuttle.services.gateway.turns import Delta, TurnContext, TurnError, TurnRunner
+from kvshuttle.services.gateway.turns.builder import (
+    ANTHROPIC_TOOLS,
+    NamedTool,
+    ToolChoice,
+    ToolUse,
+    TurnBuilder,
+    check_tools,
+    template_tools,
 )
-from kvshuttle.services.gateway.turns.parse import Parsers
+from kvshuttle.services.gateway.turns.reply import Usage, drain, kv_body, kv_headers
 from pydantic import BeforeValidator, Field
 from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -190,9 +182,10 @@ class ToolDefIn(StrictIn):
     strict: bool | None = None  # given to the template as the chat route gives a function's `strict`
     cache_control: CacheControlIn | None = None
 
-    def openai(self) -> ToolIn:
-        return ToolIn(type="function", function=FunctionIn(name=self.name, description=self.description,
-                                                           parameters=self.input_schema, strict=self.strict))
+    def function(self) -> FunctionIn:
+        """The tool as the chat route's function definition."""
+        return FunctionIn(name=self.name, description=self.description, parameters=self.input_schema,
+                          strict=self.strict)
 
 
 class ToolChoiceAutoIn(StrictIn):
@@ -273,11 +266,6 @@ class CountTokensIn(PromptIn):
 # -- the request as the chat route gives it to the template --------------------------------------------------------
 
 
-def _tool_param(param: str) -> str:
-    """chat_tools' OpenAI field names as Anthropic's."""
-    return param.replace(".function.parameters", ".input_schema").replace(".function.name", ".name")
-
-
 def chat_messages(body: PromptIn) -> list[dict[str, Any]]:
     """The messages as the chat route gives them to the template (ChatMessageIn.plain()'s shape)."""
     out: list[dict[str, Any]] = []
@@ -328,31 +316,25 @@ def chat_messages(body: PromptIn) -> list[dict[str, Any]]:
     return out
 
 
-def chat_tools(body: PromptIn) -> tuple[list[ToolIn], ToolChoice | None, bool]:
-    """The tools as the chat route's, its ``tool_choice``, and whether parallel calls are kept; checked as the chat
-    route checks them."""
-    tools = [t.openai() for t in body.tools or []]
+def chat_tools(body: PromptIn) -> tuple[list[FunctionIn], ToolChoice, bool]:
+    """The tools as the chat route's functions, the ``tool_choice`` (``any`` is ``required``, ``tool`` names one),
+    and whether parallel calls are kept."""
+    tools = [t.function() for t in body.tools or []]
     choice = body.tool_choice
-    openai_choice: ToolChoice | None
+    neutral: ToolChoice
     if choice is None:
-        openai_choice = None
+        neutral = None
     elif choice.type == "tool":
-        openai_choice = NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
+        neutral = NamedTool(choice.name)
     else:
-        openai_choice = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
-    if choice is not None and choice.type in ("any", "tool") and not tools:
-        raise FieldError("tool_choice", f"tool_choice {choice.type!r} needs tools")
-    try:
-        check_tools(tools, openai_choice)
-    except FieldError as exc:
-        raise FieldError(_tool_param(exc.param), str(exc)) from None
-    return tools, openai_choice, not getattr(choice, "disable_parallel_tool_use", False)
+        neutral = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+    return tools, neutral, not getattr(choice, "disable_parallel_tool_use", False)
 
 
-def template_vars(body: PromptIn, tools: list[ToolIn]) -> dict[str, Any]:
+def template_vars(body: PromptIn, tools: ToolUse) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    if tools:  # given to the template even with tool_choice none, as the chat route gives them
-        out["tools"] = [t.template_dict() for t in tools]
+    if tools.tools:  # given to the template even with tool_choice none, as the chat route gives them
+        out["tools"] = tools.tools
     if body.thinking is not None:
         out["enable_thinking"] = body.thinking.type != "disabled"
     return out
@@ -450,26 +432,14 @@ def stop_reason(finish_reason: str, text: str, stop: list[str], called: bool) ->
     return "end_turn", None
 
 
-def usage(prompt: int, output: int, kv: KvOutcome) -> dict[str, int]:
+def usage(used: Usage) -> dict[str, int]:
     """Anthropic's usage: the prompt split into what this turn computed (``input_tokens``) and what it did not
     (``cache_read_input_tokens``: pulled from the decode worker or found in P's prefix cache)."""
-    cached = max(prompt - kv.computed_tokens, 0)
-    return {"input_tokens": prompt - cached, "output_tokens": output, "cache_read_input_tokens": cached,
-            "cache_creation_input_tokens": 0}
+    return {"input_tokens": used.prompt - used.cached, "output_tokens": used.completion,
+            "cache_read_input_tokens": used.cached, "cache_creation_input_tokens": 0}
 
 
 # -- errors ---------------------------------------------------------------------------------------------------------
-
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 413: "request_too_large", 429: "overloaded_error", 503: "overloaded_error",
-                529: "overloaded_error", 504: "timeout_error"}
-
-
-def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
-    """Anthropic's error object for an HTTP status."""
-    kind = _ERROR_TYPES.get(status) or ("invalid_request_error" if status < 500 else "api_error")
-    return {"type": "error", "error": {"type": kind, "message": message}}
-
 
 def anthropic_error(status: int, message: str, headers: Mapping[str, str] | None = None) -> JSONResponse:
     return JSONResponse(anthropic_error_body(status, message), status_code=status, headers=dict(headers or {}))
@@ -512,21 +482,12 @@ class AnthropicRoute(APIRoute):
         return route
 
 
-_ERROR_SCHEMA = {"type": "object", "required": ["type", "error"], "properties": {
-    "type": {"const": "error"},
-    "error": {"type": "object", "required": ["type", "message"],
-              "properties": {"type": {"type": "string"}, "message": {"type": "string"}}}}}
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    status: {"description": text, "content": {"application/json": {"schema": _ERROR_SCHEMA}}}
-    for status, text in [(400, "Invalid request"), (401, "Missing or unknown API key"), (404, "Unknown model"),
-                         (413, "Request body too large"), (429, "Overloaded"), (503, "No worker could serve it"),
-                         (504, "A deadline passed")]}
 MESSAGE_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"description": "The message; with `stream: true`, server-sent events (message_start, content blocks, "
                          "message_delta, message_stop)",
           "content": {"application/json": {"schema": {"type": "object"}},
                       "text/event-stream": {"schema": {"type": "string"}}}},
-    **_ERRORS}
+    **ANTHROPIC_ERRORS}
 
 
 def _sse(kind: str, payload: dict[str, Any]) -> bytes:
@@ -541,57 +502,33 @@ def anthropic_routes(runner: TurnRunner, served_model: str, default_max_tokens: 
     """The Messages API's routes, for ``app.include_router``. The parsers are create_app's (tool_calls.
     TOOL_CALL_PARSERS, reasoning.REASONING_PARSERS; "" leaves that part unparsed, and a request with tools is then
     refused unless tool_choice is none). ``default_max_tokens`` is not used: Anthropic's ``max_tokens`` is required."""
-    del default_max_tokens
-    parsers = Parsers(tool_call_parser, reasoning_parser)
-    call_tags = parsers.tools
+    builder = TurnBuilder(served_model, default_max_tokens, tool_call_parser=tool_call_parser,
+                          reasoning_parser=reasoning_parser)
     router = APIRouter(route_class=AnthropicRoute, tags=["anthropic"])
-
-    def check_model(body: PromptIn) -> None:
-        if body.model != served_model:
-            raise TurnError(404, grpc.StatusCode.NOT_FOUND,
-                            f"model {body.model!r} not found; this gateway serves {served_model!r}")
-
-    def forced_calls(tools: list[ToolIn], choice: ToolChoice | None) -> Constraint | None:
-        if choice in (None, "auto"):
-            return None
-        syntax = CALL_SYNTAX.get(tool_call_parser)
-        if syntax is None:
-            raise FieldError("tool_choice", f"tool_choice 'any' or 'tool' cannot be forced with --tool-call-parser "
-                                            f"{tool_call_parser} yet (only with {', '.join(sorted(CALL_SYNTAX))}); "
-                                            "use 'auto'")
-        named = None if choice == "required" else choice.function.name
-        return forced_tool_calls(syntax, [t.template_dict() for t in tools], named)
 
     @router.post(MESSAGES_PATH, responses=MESSAGE_RESPONSES, openapi_extra=SESSION_HEADER)
     async def messages(body: MessagesIn, request: Request) -> Response:
         """Anthropic's Messages API (Claude-Code-style agents): one assistant turn, streamed or whole."""
-        check_model(body)
+        builder.check_model(body.model, required=True)
         budget = getattr(body.thinking, "budget_tokens", None)
         if budget is not None and budget < body.max_tokens - 1:
             raise FieldError("thinking.budget_tokens", f"thinking.budget_tokens {budget} cannot be enforced (the "
                                                        "workers cannot stop the reasoning early): send max_tokens - 1 "
                                                        f"({body.max_tokens - 1}), or thinking {{\"type\": "
                                                        "\"adaptive\"}")
-        tools, choice, parallel = chat_tools(body)
+        functions, choice, parallel = chat_tools(body)
+        tools = builder.tools(functions, choice, ANTHROPIC_TOOLS, parallel=parallel)
         messages = chat_messages(body)
         if body.messages[-1].role == "assistant":
             raise FieldError(f"messages.{len(body.messages) - 1}", "a final assistant message (prefill) is not "
                                                                     "supported: end with a user message")
-        calls = bool(tools) and choice != "none"
-        if calls and call_tags is None:
-            raise FieldError("tools", "this gateway parses no tool calls: start it with --tool-call-parser (e.g. "
-                                      "hermes) to use tools, or send tool_choice {\"type\": \"none\"}")
         stop = list(body.stop_sequences or [])
         caller = principal(request) or OPEN  # the tenant comes from the API key only (no guard: open gateway)
-        req = TurnRequest(session_id=request.headers.get("x-session-id") or "", tenant=caller.tenant,
-                          messages=messages, template_vars=template_vars(body, tools), max_tokens=body.max_tokens,
-                          temperature=body.temperature, top_p=1.0 if body.top_p is None else body.top_p,
-                          top_k=body.top_k or 0, stop=stop, constraint=forced_calls(tools, choice) if calls else None,
-                          reasoning_tags=parsers.think_tags,
-                          parsing=parsers.parsing(calls, [t.template_dict() for t in tools] or None),
-                          end_user=(body.metadata.user_id if body.metadata else None) or "")
-        if calls or parsers.keeps_special_tokens:  # as vLLM's tool parsers ask: call tags (Harmony's channel
-            req.skip_special_tokens = False  # markers) that are special tokens must stay in the text
+        req = builder.request(tools, session_id=request.headers.get("x-session-id") or "", tenant=caller.tenant,
+                              messages=messages, template_vars=template_vars(body, tools), max_tokens=body.max_tokens,
+                              temperature=body.temperature, top_p=1.0 if body.top_p is None else body.top_p,
+                              top_k=body.top_k or 0, stop=stop, constraint=builder.constraint(None, "", tools),
+                              end_user=(body.metadata.user_id if body.metadata else None) or "")
         turn = await runner.prepare(req)
         blocks = ContentBlocks(parallel)
         if body.stream:
@@ -605,7 +542,7 @@ def anthropic_routes(runner: TurnRunner, served_model: str, default_max_tokens: 
         return JSONResponse({
             "id": f"msg_{turn.id}", "type": "message", "role": "assistant", "model": served_model,
             "content": blocks.content, "stop_reason": reason, "stop_sequence": sequence,
-            "usage": usage(finished.prompt_tokens, len(finished.output_ids), finished.kv),
+            "usage": usage(Usage.of(finished)),
             "kvshuttle": kv_body(finished.kv, finished.timings),
         }, headers={**kv_headers(finished.kv), "X-Session-ID": req.session_id, "request-id": turn.id})
 
@@ -613,11 +550,13 @@ def anthropic_routes(runner: TurnRunner, served_model: str, default_max_tokens: 
                                                      "content": {"application/json": {"schema": {
                                                          "type": "object", "required": ["input_tokens"],
                                                          "properties": {"input_tokens": {"type": "integer"}}}}}},
-                                               **_ERRORS})
+                                               **ANTHROPIC_ERRORS})
     async def count_tokens(body: CountTokensIn) -> Response:
         """The prompt's tokens for the same body, as /v1/messages would render it (no turn runs)."""
-        check_model(body)
-        tools, _, _ = chat_tools(body)
+        builder.check_model(body.model, required=True)
+        functions, choice, _ = chat_tools(body)
+        check_tools(functions, choice, ANTHROPIC_TOOLS)  # counted as rendered, whatever the gateway parses
+        tools = ToolUse(template_tools(functions))
         messages = chat_messages(body)
         tokenizer = runner.tokenizer
         try:
@@ -634,7 +573,7 @@ async def _stream(runner: TurnRunner, turn: TurnContext, model: str, blocks: Con
                   stop: list[str]) -> AsyncIterator[bytes]:
     yield _sse("message_start", {"type": "message_start", "message": {
         "id": f"msg_{turn.id}", "type": "message", "role": "assistant", "model": model, "content": [],
-        "stop_reason": None, "stop_sequence": None, "usage": usage(len(turn.prompt_ids), 0, turn.kv)}})
+        "stop_reason": None, "stop_sequence": None, "usage": usage(Usage.at(len(turn.prompt_ids), 0, turn.kv))}})
     finished = False
     try:
         async for event in runner.decode(turn):
@@ -647,7 +586,7 @@ async def _stream(runner: TurnRunner, turn: TurnContext, model: str, blocks: Con
             reason, sequence = stop_reason(event.finish_reason, event.text, stop, bool(blocks.calls))
             yield _sse("message_delta", {
                 "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                "usage": usage(event.prompt_tokens, len(event.output_ids), event.kv),
+                "usage": usage(Usage.of(event)),
                 "kvshuttle": kv_body(event.kv, event.timings)})
             yield _sse("message_stop", {"type": "message_stop"})
             finished = True

@@ -1,4 +1,5 @@
-"""The gateway's gRPC API (kvshuttle.v1.Gateway): the same turns as the HTTP API, as protobuf."""
+"""The gateway's gRPC API (kvshuttle.v1.Gateway): the same turns as the HTTP API, as protobuf. It translates the
+protos' spelling only: the turn's rules are turns/builder.py's (its answers are the raw text: no parsers)."""
 
 from __future__ import annotations
 
@@ -6,15 +7,9 @@ import grpc
 from google.protobuf import unknown_fields
 from google.protobuf.message import Message
 from kvshuttle.services.gateway.auth import AuthError, KeyRing, Principal
-from kvshuttle.services.gateway.turns import (
-    Delta,
-    Finished,
-    KvOutcome,
-    TurnContext,
-    TurnError,
-    TurnRequest,
-    TurnRunner,
-)
+from kvshuttle.services.gateway.turns import Delta, Finished, KvOutcome, TurnContext, TurnError, TurnRequest, TurnRunner
+from kvshuttle.services.gateway.turns.builder import TurnBuilder
+from kvshuttle.services.gateway.turns.reply import Usage
 from kvshuttle.v1 import gateway_pb2, gateway_pb2_grpc, scheduler_pb2
 
 _DECISIONS = {"pull": scheduler_pb2.DECISION_PULL, "recompute": scheduler_pb2.DECISION_RECOMPUTE}
@@ -34,9 +29,9 @@ def turn_timings(t: dict[str, float]) -> gateway_pb2.TurnTimings:
 
 
 def usage(f: Finished) -> gateway_pb2.Usage:
-    return gateway_pb2.Usage(prompt_tokens=f.prompt_tokens, completion_tokens=len(f.output_ids),
-                             total_tokens=f.prompt_tokens + len(f.output_ids),
-                             cached_tokens=max(f.prompt_tokens - f.kv.computed_tokens, 0))
+    used = Usage.of(f)
+    return gateway_pb2.Usage(prompt_tokens=used.prompt, completion_tokens=used.completion, total_tokens=used.total,
+                             cached_tokens=used.cached)
 
 
 def unknown_field(msg: Message, path: str = "") -> str | None:
@@ -62,7 +57,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         tenant."""
         self.runner = runner
         self.served_model = served_model
-        self.default_max_tokens = default_max_tokens
+        self.builder = TurnBuilder(served_model, default_max_tokens)
         self.keys = keys or KeyRing()
 
     def _caller(self, context) -> Principal:
@@ -89,26 +84,24 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return gateway_pb2.EndSessionResponse(deleted=deleted, kv_released=released)
 
     def _request(self, msg, **prompt) -> TurnRequest:
-        if msg.model and msg.model != self.served_model:
-            raise TurnError(404, grpc.StatusCode.NOT_FOUND,
-                            f"model {msg.model!r} not found; this gateway serves {self.served_model!r}")
+        self.builder.check_model(msg.model)
         unknown = unknown_field(msg)
         if unknown:
             raise TurnError(400, grpc.StatusCode.INVALID_ARGUMENT,
                             f"unknown field {unknown}: this gateway does not apply it")
         s = msg.sampling
-        return TurnRequest(session_id=msg.session_id, max_tokens=s.max_tokens or self.default_max_tokens,
-                           temperature=s.temperature, top_p=s.top_p or 1.0,
-                           seed=s.seed if s.HasField("seed") else None, ignore_eos=s.ignore_eos, stop=list(s.stop),
-                           disable_pull=msg.disable_pull, policy=msg.policy, top_k=s.top_k, min_p=s.min_p,
-                           presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-                           repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
-                           min_tokens=s.min_tokens, stop_token_ids=list(s.stop_token_ids),
-                           logit_bias=dict(s.logit_bias), include_stop_str_in_output=s.include_stop_str_in_output,
-                           skip_special_tokens=s.skip_special_tokens if s.HasField("skip_special_tokens") else True,
-                           spaces_between_special_tokens=(s.spaces_between_special_tokens
-                                                          if s.HasField("spaces_between_special_tokens") else True),
-                           **prompt)
+        return self.builder.request(
+            session_id=msg.session_id, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p or 1.0,
+            seed=s.seed if s.HasField("seed") else None, ignore_eos=s.ignore_eos, stop=list(s.stop),
+            disable_pull=msg.disable_pull, policy=msg.policy, top_k=s.top_k, min_p=s.min_p,
+            presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+            repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+            min_tokens=s.min_tokens, stop_token_ids=list(s.stop_token_ids), logit_bias=dict(s.logit_bias),
+            include_stop_str_in_output=s.include_stop_str_in_output,
+            skip_special_tokens=s.skip_special_tokens if s.HasField("skip_special_tokens") else True,
+            spaces_between_special_tokens=(s.spaces_between_special_tokens
+                                           if s.HasField("spaces_between_special_tokens") else True),
+            **prompt)
 
     def _complete_request(self, msg: gateway_pb2.CompleteRequest) -> TurnRequest:
         if msg.prompt and msg.prompt_token_ids:

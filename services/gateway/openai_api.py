@@ -1,12 +1,15 @@
 """OpenAI-compatible HTTP API of the gateway: /v1/chat/completions, /v1/completions, /v1/models, health.
 
-The session (conversation) id comes from the `X-Session-ID` header or the body's `conversation_id`. Clients'
-`kv_transfer_params` are ignored: only the scheduler decides what P pulls. Every response says what happened to the
+The session (conversation) id comes from the `X-Session-ID` header or the body's `conversation_id`. Only the
+scheduler decides what P pulls: a client's `kv_transfer_params` is a 400. Every response says what happened to the
 KV (`X-KV-Decision`, `X-KV-Reason`, ... headers, and a `kvshuttle` object in the body / last stream chunk).
 
-Nothing a client sends is dropped silently: a field this gateway does not apply (tools, response_format, logprobs,
-...; any unknown one) is a 400 naming it, except at a value that asks for nothing (null, ``logprobs: false``, ...).
-docs/api.md lists every field and what becomes of it.
+Nothing a client sends is dropped silently: a field this gateway does not apply (any unknown one, and the OpenAI and
+vLLM fields listed in ``SamplingIn.KNOWN``) is a 400 naming it, except at a value that asks for nothing (null,
+``store: false``, ...). docs/api.md lists every field and what becomes of it.
+
+This module only translates the API's spelling: the turn's rules (model, tools, constraint, parsing) are
+turns/builder.py's, what it reports turns/reply.py's.
 """
 
 from __future__ import annotations
@@ -16,84 +19,41 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
-import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from kvshuttle.control_plane.constraints import CALL_SYNTAX, Constraint, forced_tool_calls
+from kvshuttle.control_plane.constraints import Constraint
 from kvshuttle.services.engine.client import TokenLogprob
+from kvshuttle.services.gateway.api_errors import SESSION_HEADER, TURN_RESPONSES, error_body
 from kvshuttle.services.gateway.auth import OPEN
 from kvshuttle.services.gateway.chat_answer import AnswerShape, finish_reason
 from kvshuttle.services.gateway.chat_tools import (
     MAX_TOOLS,
     FieldError,
+    NamedToolChoice,
     ToolCallIn,
     ToolChoice,
     ToolIn,
     check_tool_results,
-    check_tools,
     template_tool_calls,
 )
 from kvshuttle.services.gateway.http_guard import principal
 from kvshuttle.services.gateway.logprob_format import Spell, chat_content, completion_logprobs, speller
+from kvshuttle.services.gateway.request_model import SESSION_ID_PATTERN, UNSUPPORTED, StrictIn
 from kvshuttle.services.gateway.structured_output import (
     ResponseFormatIn,
     StructuredOutputsIn,
     requested_constraint,
 )
-from kvshuttle.services.gateway.turns import (
-    AnswerParsing,
-    Delta,
-    Finished,
-    KvOutcome,
-    TurnContext,
-    TurnError,
-    TurnRequest,
-    TurnRunner,
-)
-from kvshuttle.services.gateway.turns.parse import Parsers
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-from pydantic_core import PydanticCustomError
+from kvshuttle.services.gateway.turns import Delta, Finished, TurnContext, TurnError, TurnRequest, TurnRunner
+from kvshuttle.services.gateway.turns.builder import NamedTool, TurnBuilder
+from kvshuttle.services.gateway.turns.reply import Usage, drain, kv_body, kv_headers
+from pydantic import Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
-
-
-UNSUPPORTED = "unsupported_fields"  # the pydantic error type of fields the gateway does not apply
-
-
-def _same(value: Any, neutral: Any) -> bool:
-    return type(value) is type(neutral) and value == neutral
-
-
-class StrictIn(BaseModel):
-    """A request object: JSON types exactly as documented (strict: no "5" for 5, 0 for false or false for a token
-    id, as the fuzzer expects), and no field dropped. A field it does not declare is refused (error type
-    ``unsupported_fields``, naming them all), except a known one (``KNOWN``: fields of OpenAI's or vLLM's API that
-    this gateway does not apply yet) that is null or at a value in ``NEUTRAL`` (one that asks for nothing)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-    KNOWN: ClassVar[frozenset[str]] = frozenset()
-    NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {}
-
-    @model_validator(mode="before")
-    @classmethod
-    def _unsupported(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        kept, refused = {}, []
-        for key, value in data.items():
-            if key in cls.model_fields:
-                kept[key] = value
-            elif not ((value is None and key in cls.KNOWN)
-                      or any(_same(value, n) for n in cls.NEUTRAL.get(key, ()))):
-                refused.append(key)
-        if refused:
-            raise PydanticCustomError(UNSUPPORTED, "unsupported field(s): {fields}",
-                                      {"fields": ", ".join(map(str, refused)), "first": str(refused[0])})
-        return kept
 
 
 class TextPart(StrictIn):
@@ -140,10 +100,6 @@ class StreamOptions(StrictIn):
     include_usage: bool = False
 
 
-# kvshuttle.control_plane.session.validate_id's alphabet; "" means no session.
-SESSION_ID_PATTERN = r"^[A-Za-z0-9._:@=+-]*$"
-
-
 TOKEN_ID = Annotated[int, Field(ge=0, le=2**31 - 1)]
 # OpenAI's logit_bias: token ids as JSON object keys (strings), each to a bias in [-100, 100].
 LOGIT_BIAS_KEY = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
@@ -159,7 +115,9 @@ class SamplingIn(StrictIn):
         "truncate_prompt_tokens", "guided_json", "guided_regex", "guided_choice",
         "guided_grammar", "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
         "add_special_tokens", "documents", "priority", "request_id", "return_tokens_as_token_ids", "cache_salt",
-        "mm_processor_kwargs", "vllm_xargs", "include_reasoning"})
+        "mm_processor_kwargs", "vllm_xargs", "include_reasoning",
+        # Only the scheduler decides what P pulls: a router's or client's kv_transfer_params would be wrong here.
+        "kv_transfer_params"})
     NEUTRAL = {"top_logprobs": (0,), "store": (False,), "echo": (False,), "best_of": (1,),
                "service_tier": ("auto", "default"), "modalities": (["text"],), "parallel_tool_calls": (True, False),
                "use_beam_search": (False,)}
@@ -194,8 +152,6 @@ class SamplingIn(StrictIn):
     safety_identifier: str | None = Field(default=None, max_length=256)
     # OpenAI's cache key: a session hint when the request names no session (docs/agents.md).
     prompt_cache_key: str | None = Field(default=None, min_length=1, max_length=1024)
-    # Ignored by design: only the scheduler decides what P pulls (a router's kv_transfer_params would be wrong here).
-    kv_transfer_params: dict | None = None
     # vLLM's: the prompt's token ids (top level) and each choice's answer ids, as the workers saw them.
     return_token_ids: bool | None = None
     # Structured output (guided decoding on D): OpenAI's response_format, or vLLM's structured_outputs.
@@ -262,70 +218,10 @@ def logprobs_of(body: SamplingIn) -> int | None:
     return getattr(body, "logprobs", None)
 
 
-def error_body(status: int, message: str, kind: str | None = None, code: str | None = None,
-               param: str | None = None) -> dict[str, Any]:
-    kind = kind or ("invalid_request_error" if status < 500 else "server_error")
-    error = {"message": message, "type": kind, "code": code or status}
-    if param is not None:
-        error["param"] = param
-    return {"error": error}
-
-
-def kv_headers(kv: KvOutcome) -> dict[str, str]:
-    return {
-        "X-KV-Decision": kv.decision,
-        "X-KV-Reason": kv.reason.encode("ascii", "replace").decode(),
-        "X-KV-Reason-Code": kv.reason_code,
-        "X-KV-Pulled-Tokens": str(kv.pulled_tokens),
-        "X-KV-Computed-Tokens": str(kv.computed_tokens),
-        "X-KV-Prefill-Worker": kv.prefill_worker_id,
-        "X-KV-Decode-Worker": kv.decode_worker_id,
-        **({"X-Session-Source": kv.session_source} if kv.session_source else {}),
-        **({"X-KV-Record": kv.record} if kv.record else {}),  # known once answered (not on a stream's headers)
-    }
-
-
-def kv_body(kv: KvOutcome, timings: dict[str, float]) -> dict[str, Any]:
-    fig = kv.figures
-    return {
-        "decision": kv.decision, "reason": kv.reason, "reason_code": kv.reason_code, "pulled_tokens": kv.pulled_tokens,
-        "computed_tokens": kv.computed_tokens, "retried_as_recompute": kv.retried_as_recompute,
-        "session_source": kv.session_source, "prefill_worker": kv.prefill_worker_id, "decode_worker": kv.decode_worker_id,
-        "matched_tokens": fig.matched_tokens if fig else 0, "covered_tokens": fig.covered_tokens if fig else 0,
-        "policy": fig.policy if fig else "", "pullable_tokens": fig.pullable_tokens if fig else 0,
-        "predicted_pull_ms": fig.predicted_pull_ms if fig else 0.0,
-        "predicted_recompute_ms": fig.predicted_recompute_ms if fig else 0.0,
-        "worker_choice": fig.worker_choice if fig else "", "worker_failures": kv.worker_failures,
-        "record": kv.record, **({"record_error": kv.record_error} if kv.record_error else {}),
-        "timings_ms": timings,
-    }
-
-
-def usage(prompt: int, completion: int, kv: KvOutcome) -> dict[str, Any]:
-    """OpenAI's usage; ``cached_tokens``: the prompt tokens not computed this turn (pulled from the decode worker or
-    found in P's own prefix cache), the figure benchmark clients read."""
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": max(prompt - kv.computed_tokens, 0)}}
-
-
-_ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
-    "type": "object", "required": ["message"],
-    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                   "code": {"anyOf": [{"type": "integer"}, {"type": "string"}]}, "param": {"type": "string"}}}}}
-# What a turn can answer, for the OpenAI routes' OpenAPI document (validation errors are 400s, not FastAPI's 422).
-TURN_RESPONSES: dict[int | str, dict[str, Any]] = {
-    200: {"description": "The answer; with `stream: true`, server-sent events (JSON chunks, then `[DONE]`)",
-          "content": {"text/event-stream": {"schema": {"type": "object", "required": ["data"],
-                                                       "properties": {"data": {"type": "string"}}}}}},
-    **{status: {"description": text, "content": {"application/json": {"schema": _ERROR_SCHEMA}}}
-       for status, text in [(400, "Invalid request"), (401, "Missing or unknown API key"), (404, "Unknown model"),
-                            (413, "Request body too large"), (429, "Overloaded"), (503, "No worker could serve it"),
-                            (504, "A deadline passed")]},
-}
-SESSION_HEADER = {"parameters": [{
-    "name": "X-Session-ID", "in": "header", "required": False,
-    "description": "Conversation id (else the body's conversation_id): turns with the same id reuse each other's KV",
-    "schema": {"type": "string", "maxLength": 256, "pattern": SESSION_ID_PATTERN}}]}
+def usage(used: Usage) -> dict[str, Any]:
+    """OpenAI's usage (``cached_tokens``: see reply.Usage)."""
+    return {"prompt_tokens": used.prompt, "completion_tokens": used.completion, "total_tokens": used.total,
+            "prompt_tokens_details": {"cached_tokens": used.cached}}
 
 
 def _without_422(openapi):
@@ -346,8 +242,8 @@ def create_app(runner: TurnRunner, served_model: str, default_max_tokens: int,
     """``tool_call_parser`` / ``reasoning_parser``: the parsers' names (tool_calls.TOOL_CALL_PARSERS,
     reasoning.REASONING_PARSERS); "" leaves tool calls (a request with tools is then refused) or reasoning
     unparsed."""
-    parsers = Parsers(tool_call_parser, reasoning_parser)
-    call_tags = parsers.tools
+    builder = TurnBuilder(served_model, default_max_tokens, tool_call_parser=tool_call_parser,
+                          reasoning_parser=reasoning_parser)
     app = FastAPI(title="kvshuttle gateway", version="0.1.0",
                   description="OpenAI-compatible API over P/D-disaggregated vLLM with KV reuse across turns.")
     for route in extra_routes or []:
@@ -400,16 +296,16 @@ def create_app(runner: TurnRunner, served_model: str, default_max_tokens: int,
                 "data": [{"id": served_model, "object": "model", "created": 0, "owned_by": "kvshuttle"}]}
 
     def turn_request(body: SamplingIn, request: Request, max_tokens: int | None, **prompt: Any) -> TurnRequest:
-        if body.model and body.model != served_model:
-            raise TurnError(404, grpc.StatusCode.NOT_FOUND, f"model {body.model!r} not found; this gateway serves {served_model!r}")
+        builder.check_model(body.model)
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         session = request.headers.get("x-session-id") or body.conversation_id or ""
         caller = principal(request) or OPEN  # the tenant comes from the API key only (no guard: open gateway)
-        return TurnRequest(session_id=session, tenant=caller.tenant, max_tokens=max_tokens or default_max_tokens,
-                           temperature=body.temperature, top_p=body.top_p, seed=body.seed, ignore_eos=body.ignore_eos,
-                           stop=stop, disable_pull=body.disable_pull, policy=body.policy, logprobs=logprobs_of(body),
-                           cache_key=body.prompt_cache_key or "", end_user=body.user or "",
-                           safety_identifier=body.safety_identifier or "", **body.sampling(), **prompt)
+        return builder.request(session_id=session, tenant=caller.tenant, max_tokens=max_tokens,
+                               temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+                               ignore_eos=body.ignore_eos, stop=stop, disable_pull=body.disable_pull,
+                               policy=body.policy, logprobs=logprobs_of(body), cache_key=body.prompt_cache_key or "",
+                               end_user=body.user or "", safety_identifier=body.safety_identifier or "",
+                               **body.sampling(), **prompt)
 
     async def respond(body: SamplingIn, req: TurnRequest, shape: _Shape, answer: AnswerShape | None = None):
         turn = await runner.prepare(req)
@@ -433,78 +329,43 @@ def create_app(runner: TurnRunner, served_model: str, default_max_tokens: int,
             choice["token_ids"] = list(finished.output_ids)
         return JSONResponse({
             "id": turn.id, "object": shape.object, "created": int(time.time()), "model": served_model,
-            "choices": [choice], "usage": usage(finished.prompt_tokens, len(finished.output_ids), finished.kv),
-            **token_ids, "kvshuttle": kv_body(finished.kv, finished.timings),
+            "choices": [choice], "usage": usage(Usage.of(finished)), **token_ids,
+            "kvshuttle": kv_body(finished.kv, finished.timings),
         }, headers={**kv_headers(finished.kv), "X-Session-ID": req.session_id})
 
-    def answer_shape(body: ChatCompletionIn) -> tuple[AnswerShape, AnswerParsing, Constraint | None]:
-        """How the chat's answer is parsed and spelled, and the constraint that forces its tool calls (tool_choice
-        required or named); refuses tools the gateway cannot honour."""
-        check_tools(body.tools, body.tool_choice)
-        calls = bool(body.tools) and body.tool_choice != "none"
-        if calls and call_tags is None:
-            raise FieldError("tools", "this gateway parses no tool calls: start it with --tool-call-parser (e.g. "
-                                      "hermes) to use tools, or send tool_choice 'none'")
-        forced = None
-        if calls and body.tool_choice not in (None, "auto"):
-            syntax = CALL_SYNTAX.get(tool_call_parser)
-            if syntax is None:
-                raise FieldError("tool_choice", f"tool_choice 'required' or a named function cannot be forced with "
-                                                f"--tool-call-parser {tool_call_parser} yet (only with "
-                                                f"{', '.join(sorted(CALL_SYNTAX))}); use 'auto'")
-            named = None if body.tool_choice == "required" else body.tool_choice.function.name
-            forced = forced_tool_calls(syntax, [t.template_dict() for t in body.tools], named)
-        parsing = parsers.parsing(calls, [t.template_dict() for t in body.tools] if calls else None)
-        shape = AnswerShape(parsed=parsers.reasoning is not None or calls, calls=calls,
-                            parallel_tool_calls=body.parallel_tool_calls, include_reasoning=body.include_reasoning)
-        return shape, parsing, forced
-
-    def constraint(body: SamplingIn, forced: Constraint | None) -> Constraint | None:
-        asked = requested_constraint(body.response_format, body.structured_outputs)
-        if asked is not None and not parsers.constrains:
-            raise FieldError("response_format" if body.response_format else "structured_outputs",
-                             f"structured output cannot be applied to answers in the {tool_call_parser or reasoning_parser} "
-                             "parser's format yet (gpt-oss's Harmony channels): leave it out")
-        if asked is not None and forced is not None:
-            raise FieldError("response_format" if body.response_format else "structured_outputs",
-                             "structured output and a forced tool call (tool_choice required or named) exclude each "
-                             "other")
-        return asked or forced
+    def structured(body: SamplingIn) -> tuple[Constraint | None, str]:
+        """The structured output the body asks for, and the field that asked."""
+        return (requested_constraint(body.response_format, body.structured_outputs),
+                "response_format" if body.response_format else "structured_outputs")
 
     @app.post("/v1/chat/completions", responses=TURN_RESPONSES, openapi_extra=SESSION_HEADER)
     async def chat(body: ChatCompletionIn, request: Request):
-        answer, parsing, forced = answer_shape(body)
+        choice = body.tool_choice
+        tools = builder.tools([t.function for t in body.tools or []],
+                              NamedTool(choice.function.name) if isinstance(choice, NamedToolChoice) else choice,
+                              parallel=body.parallel_tool_calls)
         check_tool_results(body.messages)
         messages = [m.plain(f"messages.{i}") for i, m in enumerate(body.messages)]
+        asked, param = structured(body)
         req = turn_request(body, request, body.max_completion_tokens or body.max_tokens, messages=messages,
-                           template_vars=body.template_vars(), constraint=constraint(body, forced), parsing=parsing)
-        if req.constraint is not None and (forced is not None or body.response_format is not None):
-            req.reasoning_tags = parsers.think_tags  # the gateway's own constraint: after the prompt's reasoning
-        if (answer.calls or parsers.keeps_special_tokens) and req.skip_special_tokens:
-            # As vLLM's tool parsers ask: a model whose call tags are special tokens must keep them in the text
-            # (Harmony's channel markers too, tools or not).
-            req.skip_special_tokens = False
+                           template_vars=body.template_vars(), constraint=builder.constraint(asked, param, tools),
+                           tools=tools, constraint_after_reasoning=body.structured_outputs is None)
+        answer = AnswerShape(parsed=builder.parsers.reasoning is not None or tools.calls, calls=tools.calls,
+                             parallel_tool_calls=body.parallel_tool_calls, include_reasoning=body.include_reasoning)
         return await respond(body, req, CHAT, answer)
 
     @app.post("/v1/completions", responses=TURN_RESPONSES, openapi_extra=SESSION_HEADER)
     async def completions(body: CompletionIn, request: Request):
         prompt = {"prompt_text": body.prompt} if isinstance(body.prompt, str) else {"prompt_ids": body.prompt}
-        return await respond(body, turn_request(body, request, body.max_tokens, constraint=constraint(body, None),
-                                                **prompt), COMPLETION)
+        asked, param = structured(body)
+        return await respond(body, turn_request(body, request, body.max_tokens, constraint=builder.constraint(
+            asked, param), constraint_after_reasoning=False, **prompt), COMPLETION)
 
     return app
 
 
 def _stream_headers(turn: TurnContext) -> dict[str, str]:
     return {**kv_headers(turn.kv), "X-Session-ID": turn.request.session_id, "Cache-Control": "no-cache"}
-
-
-async def drain(runner: TurnRunner, turn: TurnContext) -> Finished:
-    """Run a prepared turn to its end (the whole answer, not streamed): its summary."""
-    async for event in runner.decode(turn):
-        if isinstance(event, Finished):
-            return event
-    raise TurnError(503, grpc.StatusCode.UNAVAILABLE, "decode ended without a result")
 
 
 def _sse(payload: dict[str, Any] | str) -> bytes:
@@ -600,6 +461,5 @@ async def _stream(runner: TurnRunner, turn: TurnContext, model: str, include_usa
                 last = {**base, "choices": [shape.choice("", event.finish_reason)]}
             yield _sse({**last, "kvshuttle": kv_body(event.kv, event.timings)})
             if include_usage:
-                yield _sse({**base, "choices": [], "usage": usage(event.prompt_tokens, len(event.output_ids),
-                                                                  event.kv)})
+                yield _sse({**base, "choices": [], "usage": usage(Usage.of(event))})
     yield _sse("[DONE]")

@@ -23,30 +23,17 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from kvshuttle.control_plane.answer import Event, Piece
-from kvshuttle.control_plane.constraints import CALL_SYNTAX, Constraint, forced_tool_calls, json_answer
+from kvshuttle.control_plane.constraints import Constraint, json_answer
 from kvshuttle.control_plane.reasoning import REASONING
 from kvshuttle.control_plane.tool_calls import ParsedCall
+from kvshuttle.services.gateway.api_errors import SESSION_HEADER, TURN_RESPONSES
 from kvshuttle.services.gateway.auth import OPEN
 from kvshuttle.services.gateway.chat_tools import MAX_TOOLS, FieldError, FunctionIn, check_schema
 from kvshuttle.services.gateway.http_guard import principal
-from kvshuttle.services.gateway.openai_api import (
-    SESSION_HEADER,
-    SESSION_ID_PATTERN,
-    TURN_RESPONSES,
-    StrictIn,
-    drain,
-    kv_body,
-    kv_headers,
-)
-from kvshuttle.services.gateway.turns import (
-    Delta,
-    Finished,
-    TurnContext,
-    TurnError,
-    TurnRequest,
-    TurnRunner,
-)
-from kvshuttle.services.gateway.turns.parse import Parsers
+from kvshuttle.services.gateway.request_model import SESSION_ID_PATTERN, StrictIn
+from kvshuttle.services.gateway.turns import Delta, Finished, TurnContext, TurnError, TurnRunner
+from kvshuttle.services.gateway.turns.builder import RESPONSES_TOOLS, NamedTool, TurnBuilder
+from kvshuttle.services.gateway.turns.reply import Usage, drain, kv_body, kv_headers
 from kvshuttle.v1 import registry_pb2
 from pydantic import Field
 
@@ -362,8 +349,8 @@ def add_responses_routes(app: FastAPI, runner: TurnRunner, served_model: str, de
                          tool_call_parser: str = "", reasoning_parser: str = "", response_ttl_s: int = 86400) -> None:
     """Adds the Responses API to the gateway's app (errors in OpenAI's shape through the app's handlers). The parsers
     are create_app's."""
-    parsers = Parsers(tool_call_parser, reasoning_parser)
-    call_tags = parsers.tools
+    builder = TurnBuilder(served_model, default_max_tokens, tool_call_parser=tool_call_parser,
+                          reasoning_parser=reasoning_parser)
 
     async def load(tenant: str, response_id: str, param: str) -> tuple[registry_pb2.StoredResponse, dict[str, Any]]:
         if not re.fullmatch(RESPONSE_ID, response_id):
@@ -382,48 +369,24 @@ def add_responses_routes(app: FastAPI, runner: TurnRunner, served_model: str, de
                             retry_after_s=1) from None
         return found.response, json.loads(found.response.body_json)
 
-    def constraint(body: ResponsesIn, calls: bool) -> Constraint | None:
+    def structured(body: ResponsesIn) -> Constraint | None:
+        """The JSON answer ``text.format`` asks for (None: text)."""
         fmt = body.text.format if body.text else None
-        wants_json = fmt is not None and fmt.type != "text"
-        forced = calls and body.tool_choice not in (None, "auto")
-        if wants_json and forced:
-            raise FieldError("text.format", "structured output and a forced tool call exclude each other")
-        if wants_json and not parsers.constrains:
-            raise FieldError("text.format", f"structured output cannot be applied to answers in the "
-                                            f"{tool_call_parser or reasoning_parser} parser's format yet (gpt-oss's "
-                                            "Harmony channels): leave it out")
-        if wants_json:
-            schema = None
-            if fmt.type == "json_schema":
-                schema = fmt.schema_ if fmt.schema_ is not None else {}
-                check_schema(schema, "text.format.schema", "text.format's schema")
-            return json_answer(schema)
-        if not forced:
+        if fmt is None or fmt.type == "text":
             return None
-        syntax = CALL_SYNTAX.get(tool_call_parser)
-        if syntax is None:
-            raise FieldError("tool_choice", f"tool_choice cannot be forced with --tool-call-parser {tool_call_parser}")
-        named = None if body.tool_choice == "required" else body.tool_choice.name
-        if named is not None and named not in {t.name for t in body.tools or []}:
-            raise FieldError("tool_choice", f"tool_choice names {named!r}, which is not among the tools")
-        return forced_tool_calls(syntax, [t.chat_tool() for t in body.tools or []], named)
+        schema = None
+        if fmt.type == "json_schema":
+            schema = fmt.schema_ if fmt.schema_ is not None else {}
+            check_schema(schema, "text.format.schema", "text.format's schema")
+        return json_answer(schema)
 
     @app.post("/v1/responses", responses=TURN_RESPONSES, openapi_extra=SESSION_HEADER)
     async def create(body: ResponsesIn, request: Request):
-        if body.model and body.model != served_model:
-            raise TurnError(404, grpc.StatusCode.NOT_FOUND,
-                            f"model {body.model!r} not found; this gateway serves {served_model!r}")
+        builder.check_model(body.model)
         caller = principal(request) or OPEN
-        names = [t.name for t in body.tools or []]
-        if len(set(names)) != len(names):
-            raise FieldError("tools", "two tools have the same name")
-        for i, tool in enumerate(body.tools or []):
-            if tool.parameters is not None:
-                check_schema(tool.parameters, f"tools.{i}.parameters", f"tool {tool.name!r}: parameters")
-        calls = bool(body.tools) and body.tool_choice != "none"
-        if calls and call_tags is None:
-            raise FieldError("tools", "this gateway parses no tool calls: start it with --tool-call-parser (e.g. "
-                                      "hermes) to use tools, or send tool_choice 'none'")
+        choice = body.tool_choice
+        tools = builder.tools(body.tools or [], NamedTool(choice.name) if isinstance(choice, NamedFunctionChoice)
+                              else choice, RESPONSES_TOOLS, parallel=body.parallel_tool_calls)
         history: list[dict[str, Any]] = []
         session = request.headers.get("x-session-id") or body.conversation_id or ""
         if body.previous_response_id:
@@ -431,33 +394,32 @@ def add_responses_routes(app: FastAPI, runner: TurnRunner, served_model: str, de
             history, session = previous["items"], stored.session_id
         items = [*history, *normalized_items(body.input)]
         messages = chat_messages(items, body.instructions)
-        req = TurnRequest(session_id=session, tenant=caller.tenant, messages=messages,
-                          session_source="response" if body.previous_response_id else "",
-                          cache_key=body.prompt_cache_key or "", end_user=body.user or "",
-                          safety_identifier=body.safety_identifier or "",
-                          template_vars={"tools": [t.chat_tool() for t in body.tools]} if body.tools else {},
-                          max_tokens=body.max_output_tokens or default_max_tokens, temperature=body.temperature,
-                          top_p=body.top_p, constraint=constraint(body, calls), reasoning_tags=parsers.think_tags,
-                          skip_special_tokens=not (calls or parsers.keeps_special_tokens),
-                          parsing=parsers.parsing(calls, [t.chat_tool() for t in body.tools] if calls else None))
+        req = builder.request(tools, session_id=session, tenant=caller.tenant, messages=messages,
+                              session_source="response" if body.previous_response_id else "",
+                              cache_key=body.prompt_cache_key or "", end_user=body.user or "",
+                              safety_identifier=body.safety_identifier or "",
+                              template_vars={"tools": tools.tools} if tools.tools else {},
+                              max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p,
+                              constraint=builder.constraint(structured(body), "text.format", tools))
         turn = await runner.prepare(req)
-        builder = OutputBuilder(parallel_tool_calls=body.parallel_tool_calls)
+        output = OutputBuilder(parallel_tool_calls=body.parallel_tool_calls)
         response = _response(body, turn, served_model)
 
         async def finished(event: Finished) -> dict[str, Any]:
-            out = {**response, "output": builder.items, **_outcome(event, builder.items, runner),
+            used = await Usage.of(event).with_reasoning(runner.tokenizer, event.answer_events)
+            out = {**response, "output": output.items, **_outcome(event, used),
                    "kvshuttle": kv_body(event.kv, event.timings)}
             if body.store:
-                await _store(runner, out, [*items, *stored_items(builder.items)], event.kv.session_id or session,
+                await _store(runner, out, [*items, *stored_items(output.items)], event.kv.session_id or session,
                              caller.tenant, response_ttl_s)
             return out
 
         if body.stream:
-            return StreamingResponse(_stream(runner, turn, builder, response, finished),
+            return StreamingResponse(_stream(runner, turn, output, response, finished),
                                      media_type="text/event-stream", headers=_headers(turn))
         done = await drain(runner, turn)
-        builder.feed(done.answer_events)  # the events a stream would have carried, in order
-        builder.finish()
+        output.feed(done.answer_events)  # the events a stream would have carried, in order
+        output.finish()
         return JSONResponse(await finished(done), headers={**kv_headers(done.kv), **_headers(turn)})
 
     @app.get("/v1/responses/{response_id}", responses={404: TURN_RESPONSES[404]})
@@ -502,19 +464,14 @@ def _response(body: ResponsesIn, turn: TurnContext, model: str) -> dict[str, Any
             "incomplete_details": None, "usage": None}
 
 
-def _outcome(event: Finished, items: list[dict[str, Any]], runner: TurnRunner) -> dict[str, Any]:
-    """Status and usage of a finished turn. Reasoning tokens: the reasoning text re-tokenized (an estimate)."""
-    reasoning = "".join(i["content"][0]["text"] for i in items if i["type"] == "reasoning")
-    reasoning_tokens = len(runner.tokenizer.encode(reasoning)) if reasoning else 0
-    prompt, output = event.prompt_tokens, len(event.output_ids)
+def _outcome(event: Finished, used: Usage) -> dict[str, Any]:
+    """Status and usage of a finished turn (reasoning tokens: the reasoning text re-tokenized, an estimate)."""
     cut = event.finish_reason == "length"
     return {"status": "incomplete" if cut else "completed",
             "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
-            "usage": {"input_tokens": prompt,
-                      "input_tokens_details": {"cached_tokens": max(prompt - event.kv.computed_tokens, 0)},
-                      "output_tokens": output, "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens,
-                                                                                                 output)},
-                      "total_tokens": prompt + output}}
+            "usage": {"input_tokens": used.prompt, "input_tokens_details": {"cached_tokens": used.cached},
+                      "output_tokens": used.completion,
+                      "output_tokens_details": {"reasoning_tokens": used.reasoning}, "total_tokens": used.total}}
 
 
 async def _store(runner: TurnRunner, response: dict[str, Any], items: list[dict[str, Any]], session_id: str,

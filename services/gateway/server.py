@@ -27,7 +27,8 @@ from kvshuttle.services.gateway.grpc_api import GatewayServicer
 from kvshuttle.services.gateway.http_guard import HttpGuard, principal
 from kvshuttle.services.gateway.http_metrics import HttpMetrics
 from kvshuttle.services.gateway.http_tracing import HttpTracing
-from kvshuttle.services.gateway.openai_api import SESSION_ID_PATTERN, create_app
+from kvshuttle.services.gateway.openai_api import create_app
+from kvshuttle.services.gateway.request_model import SESSION_ID_PATTERN
 from kvshuttle.services.gateway.responses_api import add_responses_routes
 from kvshuttle.services.gateway.rest_bridge import (
     DEFAULT_FORWARD_HEADERS,
@@ -39,7 +40,7 @@ from kvshuttle.services.gateway.rest_bridge import (
 )
 from kvshuttle.services.gateway.tokenizer import GatewayTokenizer
 from kvshuttle.services.gateway.turns import TurnRunner
-from kvshuttle.services.gateway.turns.parse import Parsers
+from kvshuttle.services.gateway.turns.parsers import Parsers
 from kvshuttle.v1 import gateway_pb2_grpc, registry_pb2_grpc, scheduler_pb2_grpc
 from starlette.requests import Request
 

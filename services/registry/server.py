@@ -7,7 +7,7 @@ import logging
 from collections.abc import Sequence
 
 from kvshuttle.services.common import metrics
-from kvshuttle.services.common.config import TelemetryConfig, require, setting
+from kvshuttle.services.common.config import TelemetryConfig, require, require_effect, setting
 from kvshuttle.services.common.grpc_server import Server, service_main
 from kvshuttle.services.common.metrics_http import MetricsServer, check_listen
 from kvshuttle.services.common.tls import EtcdSecurityConfig, TlsConfig
@@ -69,6 +69,8 @@ class RegistryConfig(TelemetryConfig, TlsConfig, EtcdSecurityConfig):
     def validate(self) -> None:
         check_listen(self.metrics_listen)
         require(self.census_interval_s > 0, "--census-interval-s must be > 0")
+        require_effect(self, "census_interval_s", bool(self.metrics_listen),
+                       "without --metrics-listen (the census feeds the metrics endpoint's gauges)")
         try:
             parse_endpoints(self.etcd_endpoints)
         except ValueError:

@@ -1,7 +1,8 @@
 """The transfer scheduler inside another process (the gateway's ``--scheduler local``): its stub, answered in-process.
 
-``InProcessScheduler`` has the generated stub's ``PlanTurn``, ``ReportOutcome`` and ``GetStats`` (same requests,
-responses, ``timeout`` and errors: a refusal raises ``grpc.aio.AioRpcError`` with the servicer's status), so the
+``InProcessScheduler`` has the generated stub's ``PlanTurn``, ``ReportOutcome`` and ``GetStats`` over the
+scheduler's PlanningService (same requests, responses, ``timeout`` and errors: a refusal raises
+``grpc.aio.AioRpcError`` with the servicer's status and details, built from the typed error by ``rpc_error``), so the
 gateway's turn code does not know which it talks to. A plan then costs no serialization, no network hop and no
 second process's CPU; the planner's learned state is shared with the other replicas through etcd
 (services/scheduler/learning.py), and claims go to etcd itself, so several gateways each planning in-process
@@ -18,54 +19,55 @@ import asyncio
 import dataclasses
 import os
 import shlex
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from typing import TypeVar
 
 import grpc
 import grpc.aio
 from kvshuttle.services.common.config import ConfigError, add_arguments, env_name, from_namespace
 from kvshuttle.services.common.tls import TlsConfig
+from kvshuttle.services.scheduler.errors import PlanningError
+from kvshuttle.services.scheduler.planning import PlanningService
 from kvshuttle.services.scheduler.server import SchedulerConfig, SchedulerService
-from kvshuttle.services.scheduler.servicer import TransferSchedulerServicer
 from kvshuttle.v1 import scheduler_pb2
 
-Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 
 
-class _Context:
-    """The part of grpc.aio.ServicerContext the servicer uses: ``abort`` raises what a client would see."""
-
-    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()) -> None:
-        raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    """What a client of the gRPC servicer gets for a refusal with ``code`` and ``details``."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
 class InProcessScheduler:
-    """The TransferScheduler stub, answered by a servicer in this process."""
+    """The TransferScheduler stub, answered by a PlanningService in this process."""
 
-    def __init__(self, servicer: TransferSchedulerServicer):
-        self._servicer = servicer
+    def __init__(self, planning: PlanningService):
+        self._planning = planning
 
     async def PlanTurn(self, request: scheduler_pb2.PlanTurnRequest,  # noqa: N802 - the stub's names
                        timeout: float | None = None) -> scheduler_pb2.PlanTurnResponse:
-        return await _call(self._servicer.PlanTurn, request, timeout)
+        return await _call(self._planning.plan_turn(request), timeout)
 
     async def ReportOutcome(self, request: scheduler_pb2.ReportOutcomeRequest,  # noqa: N802
                             timeout: float | None = None) -> scheduler_pb2.ReportOutcomeResponse:
-        return await _call(self._servicer.ReportOutcome, request, timeout)
+        return await _call(self._planning.report_outcome(request), timeout)
 
     async def GetStats(self, request: scheduler_pb2.GetStatsRequest,  # noqa: N802
                        timeout: float | None = None) -> scheduler_pb2.GetStatsResponse:
-        return await _call(self._servicer.GetStats, request, timeout)
+        return self._planning.stats()
 
 
-async def _call(method: Callable[[Req, _Context], Awaitable[Resp]], request: Req, timeout: float | None) -> Resp:
+async def _call(answer: Awaitable[Resp], timeout: float | None) -> Resp:
+    """``answer`` awaited as the servicer would be, within ``timeout``: a refusal or the deadline raise the
+    ``grpc.aio.AioRpcError`` the stub would."""
     try:
         async with asyncio.timeout(timeout):
-            return await method(request, _Context())
+            return await answer
+    except PlanningError as exc:
+        raise rpc_error(exc.code, exc.message) from None
     except TimeoutError:
-        raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                   "Deadline Exceeded (in-process scheduler)") from None
+        raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded (in-process scheduler)") from None
 
 
 class EmbeddedScheduler:
@@ -74,7 +76,7 @@ class EmbeddedScheduler:
 
     def __init__(self, cfg: SchedulerConfig):
         self.service = SchedulerService(cfg)
-        self.stub = InProcessScheduler(self.service.servicer)
+        self.stub = InProcessScheduler(self.service.planning)
         self.address = self.service.address
 
     async def start(self) -> None:

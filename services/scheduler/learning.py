@@ -34,14 +34,14 @@ import socket
 import time
 import zlib
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import AsyncIterator, Hashable
+from typing import Protocol
 
 from kvshuttle.control_plane import session as session_rules
 from kvshuttle.control_plane.decision import Choice
 from kvshuttle.control_plane.planner import Planner
 from kvshuttle.control_plane.policies import Outcome
 from kvshuttle.services.common import metrics
-from kvshuttle.services.store.etcd_store import EtcdStore
 from kvshuttle.services.store.interface import StoreError
 from kvshuttle.v1 import scheduler_pb2
 
@@ -94,6 +94,41 @@ def apply(planner: Planner, request: scheduler_pb2.ReportOutcomeRequest) -> bool
     return True
 
 
+class Learning(Protocol):
+    """How the servicer hands reported outcomes to the planner: ``LocalLearning`` or ``SharedLearning``."""
+
+    mode: str  # "local" or "shared" (GetStats)
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    async def learn(self, request: scheduler_pb2.ReportOutcomeRequest, wait_s: float = 0.0) -> bool:
+        """Take one valid report (checked with :func:`outcome_of`); whether it was learned within ``wait_s``."""
+        ...
+
+    def fill_stats(self, out: scheduler_pb2.LearningStats) -> None: ...
+
+
+class LearningStore(Protocol):
+    """What ``SharedLearning`` needs of the store (``EtcdStore`` has it: its outcome log, learned snapshots, leases
+    and leader campaigns)."""
+
+    async def grant_lease(self, ttl_s: int) -> tuple[int, int]: ...
+
+    async def put_outcome_batch(self, replica: str, seq: int, batch: bytes, lease_id: int) -> int: ...
+
+    async def outcome_batches(self, after_revision: int, page: int = 512) -> tuple[list[tuple[int, bytes]], int]: ...
+
+    def watch_outcome_batches(self, from_revision: int) -> AsyncIterator[tuple[int, bytes]]: ...
+
+    async def put_learned_snapshot(self, manifest: dict, blob: bytes, chunk_bytes: int = 1 << 20) -> None: ...
+
+    async def get_learned_snapshot(self) -> tuple[dict, bytes] | None: ...
+
+    async def campaign(self, name: str, holder: str, ttl_s: int) -> bool: ...
+
+
 class LocalLearning:
     """Learn from the outcomes reported to this process only."""
 
@@ -124,7 +159,7 @@ class SharedLearning:
 
     mode = "shared"
 
-    def __init__(self, store: EtcdStore, planner: Planner, *, replica: str = "", flush_interval_s: float = 0.02,
+    def __init__(self, store: LearningStore, planner: Planner, *, replica: str = "", flush_interval_s: float = 0.02,
                  max_batch: int = 512, max_pending: int = 100_000, batch_ttl_s: int = 120,
                  snapshot_interval_s: float = 30.0):
         if flush_interval_s <= 0 or max_batch < 1 or max_pending < 1 or batch_ttl_s < 10 or snapshot_interval_s <= 0:

@@ -19,13 +19,13 @@ from kvshuttle.control_plane.policies import (
 )
 from kvshuttle.control_plane.selection import SELECTORS, make_selector
 from kvshuttle.services.common import metrics
-from kvshuttle.services.common.config import TelemetryConfig, require, setting
+from kvshuttle.services.common.config import TelemetryConfig, require, require_effect, setting
 from kvshuttle.services.common.grpc_server import Server, client_channel, service_main
 from kvshuttle.services.common.metrics_http import MetricsServer, check_listen
 from kvshuttle.services.common.tls import EtcdSecurityConfig, TlsConfig
 from kvshuttle.services.scheduler.claims import EtcdClaims, RegistryClaims, SessionClaims
 from kvshuttle.services.scheduler.kv_manager import KvManager
-from kvshuttle.services.scheduler.learning import LocalLearning, SharedLearning
+from kvshuttle.services.scheduler.learning import Learning, LocalLearning, SharedLearning
 from kvshuttle.services.scheduler.load_monitor import LoadMonitor
 from kvshuttle.services.scheduler.servicer import TransferSchedulerServicer
 from kvshuttle.services.scheduler.worker_view import WorkerView
@@ -143,6 +143,15 @@ class SchedulerConfig(TelemetryConfig, TlsConfig, EtcdSecurityConfig):
             self.key_prefix += "/"
         require(self.load_poll_interval_s >= 0 and self.load_timeout_s > 0,
                 "--load-poll-interval-s must be >= 0 and --load-timeout-s > 0")
+        require_effect(self, "load_timeout_s", self.load_poll_interval_s > 0, "with --load-poll-interval-s 0 (no polls)")
+        for name in ("kv_high_water", "kv_low_water", "kv_held_budget", "kv_idle_limit_s", "kv_eviction_ranking",
+                     "kv_interval_s", "kv_room_timeout_s"):
+            require_effect(self, name, self.kv_manage, "with --no-kv-manage")
+        for name in ("learning_snapshot_interval_s", "learning_batch_ttl_s"):
+            require_effect(self, name, self.learning == "shared", "with --learning local")
+        for name in ("history_store", "key_prefix"):
+            require_effect(self, name, bool(self.etcd_endpoints),
+                           "without --etcd-endpoints (the scheduler then reads records through the registry)")
         self.validate_tls()
         self.validate_etcd_security()
         try:
@@ -184,14 +193,15 @@ class SchedulerService:
                              cfg.kv_eviction_ranking, interval_s=cfg.kv_interval_s,
                              room_timeout_s=cfg.kv_room_timeout_s)
                    if cfg.kv_manage and isinstance(self.claims, EtcdClaims) else None)
-        self.learning = (SharedLearning(self.claims.store, self.planner,
-                                        snapshot_interval_s=cfg.learning_snapshot_interval_s,
-                                        batch_ttl_s=cfg.learning_batch_ttl_s)
-                         if cfg.learning == "shared" and isinstance(self.claims, EtcdClaims)
-                         else LocalLearning(self.planner))
+        self.learning: Learning = (SharedLearning(self.claims.store, self.planner,
+                                                  snapshot_interval_s=cfg.learning_snapshot_interval_s,
+                                                  batch_ttl_s=cfg.learning_batch_ttl_s)
+                                   if cfg.learning == "shared" and isinstance(self.claims, EtcdClaims)
+                                   else LocalLearning(self.planner))
         self.servicer = servicer = TransferSchedulerServicer(
             registry, self.workers, self.planner, cfg.registry_timeout_s, self.claims, self.loads, self.kv,
             self.learning)
+        self.planning = servicer.planning  # the same, without gRPC (in_process.InProcessScheduler)
         self.server = Server(cfg.listen, [SERVICE_NAME],
                              [lambda s: scheduler_pb2_grpc.add_TransferSchedulerServicer_to_server(servicer, s)],
                              tls=cfg.server_tls(), max_message_bytes=cfg.max_message_bytes,
@@ -265,7 +275,7 @@ class SchedulerService:
         await self.channel.close()
 
 
-def cfg_shared_but_local(cfg: SchedulerConfig, learning: LocalLearning | SharedLearning) -> bool:
+def cfg_shared_but_local(cfg: SchedulerConfig, learning: Learning) -> bool:
     return cfg.learning == "shared" and isinstance(learning, LocalLearning)
 
 

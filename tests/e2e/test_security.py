@@ -1,5 +1,5 @@
 """Security on the real stack (real etcd, services and vLLM P/D): API keys and tenants, client-supplied
-kv_transfer_params, and no keys or session ids in logs or traces.
+kv_transfer_params (refused by name), and no keys or session ids in logs or traces.
 
 A second gateway with an API keys file joins the shared stack (same registry and scheduler, its own ports and log in
 ``stack.logs``). Keys and session ids are distinctive strings, so a leak anywhere is found by a plain search.
@@ -112,9 +112,14 @@ async def test_tenants_only_reach_their_own_sessions_and_client_params_are_dropp
         assert kv["decision"] == "recompute" and "no recorded KV" in kv["reason"], kv
         assert kv["covered_tokens"] == 0 and kv["matched_tokens"] == 0 and kv["pulled_tokens"] == 0
 
-        # A's own next turn still pulls A's history (B neither consumed nor replaced it). The client's bogus
-        # kv_transfer_params are dropped: P pulls from the decode worker the scheduler chose, and succeeds.
-        second = await chat(client, KEY_A, session, messages, kv_transfer_params=BOGUS_PARAMS)
+        # A client's own kv_transfer_params are refused by name (only the scheduler decides what P pulls), and the
+        # refused turn changes nothing.
+        bogus = await client.post("/v1/chat/completions", headers={**key(KEY_A), "X-Session-ID": session},
+                                  json={"messages": messages, "max_tokens": 8, "kv_transfer_params": BOGUS_PARAMS})
+        assert bogus.status_code == 400 and bogus.json()["error"]["param"] == "kv_transfer_params", bogus.text
+        # A's own next turn still pulls A's history (B neither consumed nor replaced it), from the decode worker the
+        # scheduler chose.
+        second = await chat(client, KEY_A, session, messages)
         kv = second["kvshuttle"]
         assert kv["decision"] == "pull" and not kv["retried_as_recompute"], kv
         assert kv["pulled_tokens"] >= 128 and kv["decode_worker"] != "evil"

@@ -182,7 +182,7 @@ async def test_an_in_process_planner_is_one_more_replica_and_bad_outcomes_are_ne
     embedded = SchedulerService(cfg)
     await embedded.start()
     replicas.services.append(embedded)
-    local = InProcessScheduler(embedded.servicer)
+    local = InProcessScheduler(embedded.planning)
 
     # Plans in-process: the same answer type as over gRPC, and a refusal is the same AioRpcError.
     plan = await first_plan(local, scheduler_pb2.PlanTurnRequest(session_id="s-in", prompt_token_ids=[1, 2, 3]))

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import grpc
 from kvshuttle.services.gateway.turns import Delta, Finished, KvOutcome, TurnError, TurnRequest
-from kvshuttle.services.gateway.turns.parse import AnswerEvents
+from kvshuttle.services.gateway.turns.parsers import AnswerEvents
 
 PROMPT_TOKENS, COMPUTED_TOKENS, OUTPUT_IDS = 40, 10, list(range(7))
 

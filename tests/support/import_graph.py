@@ -87,3 +87,52 @@ def violations(mods: dict[str, Path], layers: list[tuple[str, ...]], *, independ
             if a != b and (mine in independent or b not in allowed_within.get(a, set())):
                 found.append(f"{name}:{imp.line} imports {imp.imported} (a sibling: {a} -> {b})")
     return found
+
+
+def dependencies(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
+    """The modules of ``mods`` that ``name`` imports anywhere (function-level and ``TYPE_CHECKING`` imports too: a
+    cycle they hide is still a cycle in the design). ``from pkg import x`` names ``pkg.x`` when that is a module,
+    else ``pkg`` itself."""
+    out = set()
+    for imp in imports(name, path):
+        target = imp.imported if imp.imported in mods else imp.imported.rpartition(".")[0]
+        if target in mods and target != name:
+            out.add(target)
+    return out
+
+
+def import_cycles(mods: dict[str, Path]) -> list[list[str]]:
+    """The import cycles among ``mods``: Tarjan's strongly connected components of two or more modules, each
+    sorted; [] when no module depends on itself through others."""
+    graph = {name: sorted(dependencies(name, path, mods)) for name, path in mods.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def strong(v: str) -> None:  # recursive: the graph's paths are a few dozen modules deep at most
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                out.append(sorted(group))
+
+    for v in graph:
+        if v not in index:
+            strong(v)
+    return sorted(out)

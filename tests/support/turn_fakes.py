@@ -12,7 +12,7 @@ from kvshuttle.control_plane import kv_params
 from kvshuttle.control_plane.continuation import text_key
 from kvshuttle.services.engine.client import Chunk, EngineClient, EngineError, Final, TokenLogprob
 from kvshuttle.services.gateway.turns import Delta, Finished, KvOutcome, TurnError, TurnRequest, TurnRunner
-from kvshuttle.services.gateway.turns.parse import AnswerEvents
+from kvshuttle.services.gateway.turns.parsers import AnswerEvents
 from kvshuttle.services.scheduler.servicer import prompt_of
 from kvshuttle.v1 import common_pb2, registry_pb2, scheduler_pb2
 

@@ -194,7 +194,8 @@ async def test_thinking_and_tool_choice_become_template_variables_and_constraint
     assert forced.template_vars["enable_thinking"] is True and named_req.template_vars["enable_thinking"] is False
     assert "enable_thinking" not in none.template_vars and none.template_vars["tools"]
     assert forced.constraint.kind == "structural_tag"
-    assert not json.loads(forced.constraint.value)["format"]["stop_after_first"]
+    # disable_parallel_tool_use: the grammar forces exactly one call (the record holds no call the client never sees)
+    assert json.loads(forced.constraint.value)["format"]["stop_after_first"]
     assert json.loads(named_req.constraint.value)["format"]["stop_after_first"]
     assert forced.reasoning_tags == ("<think>", "</think>")  # placed after the prompt's reasoning by the runner
     assert none.constraint is None and none.skip_special_tokens

@@ -10,10 +10,13 @@ from types import SimpleNamespace
 
 import grpc
 import pytest
+from kvshuttle.services.common.config import ConfigError
 from kvshuttle.services.devtools.bench import services_bench as sb
 from kvshuttle.services.devtools.etcd_process import free_port
 from kvshuttle.services.store.etcd_store import EtcdStore, claim_txn
 from kvshuttle.v1 import common_pb2
+
+from tests.support.configs import parse_config
 
 
 def _cell(op: str, concurrency: int, ops_per_s: float, p99_ms: float = 5.0) -> sb.CellResult:
@@ -137,3 +140,58 @@ def test_cells_run_operation_by_operation_or_level_by_level():
     assert cfg.cells() == [("grpc_echo", 1), ("grpc_echo", 4), ("etcd_claim", 1), ("etcd_claim", 4)]
     cfg.order = "level"
     assert cfg.cells() == [("grpc_echo", 1), ("etcd_claim", 1), ("grpc_echo", 4), ("etcd_claim", 4)]
+
+
+# -- settings that other settings make no-ops ------------------------------------------------------------------
+
+def test_scale_history_tokens_needs_a_scaled_operation(capsys):
+    with pytest.raises(ConfigError, match=r"--scale-history-tokens has no effect without record_turn, claim_session "
+                                          r"or get_session in --operations"):
+        parse_config(sb.ServicesBenchConfig, "--scale-history-tokens", "1024,131072", "--operations",
+                     "plan_pull,plan_recompute")
+    with pytest.raises(SystemExit) as exc:  # the command line: a usage error before anything starts
+        sb.main(["--scale-history-tokens", "1024,131072", "--operations", "plan_pull"])
+    assert exc.value.code == 2
+    assert "--scale-history-tokens has no effect" in capsys.readouterr().err
+    for ops in ("record_turn", "plan_pull,get_session", "claim_session"):
+        cfg = parse_config(sb.ServicesBenchConfig, "--scale-history-tokens", "1024,131072", "--operations", ops)
+        assert cfg.scale_sizes() == [1024, 131072]
+    assert parse_config(sb.ServicesBenchConfig, "--scale-history-tokens", "1024").scale_sizes() == [1024]  # default ops
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["--turn-tokens", "64", "--operations", "claim_session"], "--turn-tokens has no effect without record_turn"),
+    (["--new-tokens", "8", "--operations", "record_turn,etcd_claim"], "--new-tokens has no effect without plan_"),
+    (["--claims", "registry", "--operations", "plan_disable_pull,record_turn"], "--claims has no effect without "
+                                                                                "plan_recompute"),
+    (["--channels", "4", "--operations", "local_recompute,etcd_claim"], "--channels has no effect when --operations "
+                                                                        "holds only in-process plans and etcd_claim"),
+    (["--order", "level", "--concurrency", "1", "--operations", "plan_pull,record_turn"], "--order has no effect"),
+    (["--order", "level", "--operations", "plan_pull"], "--order has no effect unless --operations lists more"),
+])
+def test_settings_only_some_operations_use_need_one_of_them(argv, words):
+    with pytest.raises(ConfigError, match=words):
+        parse_config(sb.ServicesBenchConfig, *argv)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--turn-tokens", "64", "--operations", "record_turn"],
+    ["--new-tokens", "8", "--operations", "grpc_echo"],
+    ["--new-tokens", "8", "--operations", "local_disable_pull"],
+    ["--claims", "registry", "--operations", "local_pull_snapshot"],
+    ["--claims", "etcd", "--operations", "record_turn"],  # the default value: nothing to refuse
+    ["--channels", "4", "--operations", "grpc_echo"],
+    ["--order", "level", "--concurrency", "1,4", "--operations", "plan_pull,record_turn"],
+    ["--order", "operation", "--operations", "plan_pull"],
+    ["--turn-tokens", "64", "--new-tokens", "8", "--claims", "registry", "--channels", "2", "--order", "level",
+     "--scale-history-tokens", "1024,4096"],  # every operation (the default): every setting has its effect
+])
+def test_the_valid_combinations_still_load(argv):
+    parse_config(sb.ServicesBenchConfig, *argv)
+
+
+def test_the_commands_own_env_vars_count_as_given():
+    with pytest.raises(ConfigError, match=r"--turn-tokens \(set by KVSHUTTLE_BENCH_SERVICES_TURN_TOKENS\) has no "
+                                          r"effect without record_turn"):
+        parse_config(sb.ServicesBenchConfig, "--operations", "plan_pull",
+                     environ={"KVSHUTTLE_BENCH_SERVICES_TURN_TOKENS": "64"})

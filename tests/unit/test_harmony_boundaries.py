@@ -120,6 +120,6 @@ async def test_a_new_question_after_a_harmony_tool_loop_continues_from_where_the
     assert rendered[:boundary.chars].endswith("Weather in Paris?<|end|>")
     # the scheduler is told the longest common prefix of the prompt with the held ids: the loop's start and the
     # generation prompt's "<|start|>assistant", up to where the analysis was
-    match = third.known_session["history_match_tokens"]
+    match = third.known_session.history_match_tokens
     assert match == common_prefix(third.prompt_ids, held) > boundary.tokens
     assert tok.decode(third.prompt_ids[boundary.tokens:match], False) == "<|start|>assistant"

@@ -15,7 +15,7 @@ from kvshuttle.services.gateway.anthropic_api import anthropic_routes
 from kvshuttle.services.gateway.openai_api import create_app
 from kvshuttle.services.gateway.responses_api import add_responses_routes
 from kvshuttle.services.gateway.server import GatewayConfig
-from kvshuttle.services.gateway.turns.parse import Parsers
+from kvshuttle.services.gateway.turns.parsers import Parsers
 
 from tests.support.turn_fakes import AnsweringRunner
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.support.import_graph import ROOTS, imports, modules, violations
+from tests.support.import_graph import ROOTS, import_cycles, imports, modules, violations
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -37,6 +37,22 @@ def test_imports_run_one_way():
     mods = modules(REPO)
     assert len(mods) > 60 and "kvshuttle.services.gateway.server" in mods
     assert check(REPO) == []
+
+
+def test_no_module_depends_on_itself():
+    """No import cycle anywhere in kvshuttle.*, counting function-level and TYPE_CHECKING imports: the turn's stages
+    are typed against turns.services.TurnServices, not the runner that calls them."""
+    assert import_cycles(modules(REPO)) == []
+
+
+def test_the_cycle_check_finds_a_cycle_a_type_checking_import_hides(tmp_path):
+    for folder in ROOTS.values():
+        (tmp_path / folder).mkdir()
+    (tmp_path / "services" / "runner.py").write_text("from kvshuttle.services import stage\n")
+    (tmp_path / "services" / "stage.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kvshuttle.services.runner import Runner\n")
+    (tmp_path / "services" / "other.py").write_text("from kvshuttle.services import stage\n")
+    assert import_cycles(modules(tmp_path)) == [["kvshuttle.services.runner", "kvshuttle.services.stage"]]
 
 
 def test_the_check_fails_on_an_import_the_wrong_way(tmp_path):

@@ -8,7 +8,7 @@ from array import array
 
 import pytest
 from kvshuttle.control_plane.prefix import ids_bytes, prefix_digests
-from kvshuttle.services.scheduler.servicer import prompt_of
+from kvshuttle.services.scheduler.planning import prompt_of
 from kvshuttle.v1 import scheduler_pb2
 
 

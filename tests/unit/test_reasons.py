@@ -13,7 +13,7 @@ from kvshuttle.control_plane.load import WorkerLoad
 from kvshuttle.control_plane.policies import Outcome
 from kvshuttle.control_plane.prefix import prefix_digest
 from kvshuttle.services.scheduler.claims import ClaimsError
-from kvshuttle.services.scheduler.servicer import _demote, _store_failure
+from kvshuttle.services.scheduler.planning import demote, store_failure
 
 from tests.support.planning import COVERED, HISTORY, PROMPT, handle_view, plan, planner
 
@@ -91,9 +91,9 @@ def test_policy_decisions_have_their_codes():
     (grpc.StatusCode.INTERNAL, reasons.STORE_ERROR), (grpc.StatusCode.PERMISSION_DENIED, reasons.STORE_ERROR),
 ])
 def test_the_scheduler_s_store_failures_have_their_codes(code, want):
-    got, text = _store_failure(ClaimsError(code, "x"), "could not claim the KV handle")
+    got, text = store_failure(ClaimsError(code, "x"), "could not claim the KV handle")
     assert got == want and text.endswith("recompute")
-    demoted = _demote(decide(PROMPT, handle_view(), POLICY), got, text)
+    demoted = demote(decide(PROMPT, handle_view(), POLICY), got, text)
     assert demoted.choice is Choice.RECOMPUTE and demoted.code == want
 
 

@@ -32,6 +32,8 @@ async def post(path: str, body: dict) -> tuple[httpx.Response, CapturingRunner]:
     ({"reasoning_effort": "low"}, "reasoning_effort"),
     ({"audio": {"voice": "x"}, "modalities": ["text", "audio"]}, "audio, modalities"),
     ({"use_beam_search": True}, "use_beam_search"),
+    # only the scheduler decides what P pulls: a router's params would be ignored, so they are refused
+    ({"kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params"),
     ({"some_new_field": 1}, "some_new_field"),
     ({"some_new_field": None}, "some_new_field"),  # null is "absent" only for fields known to exist
 ])
@@ -46,7 +48,7 @@ async def test_a_field_the_gateway_does_not_apply_is_a_400_naming_it(extra, name
 @pytest.mark.parametrize("extra", [
     {"tools": None, "tool_choice": None, "response_format": None, "logprobs": None, "top_logprobs": None},
     {"logprobs": False, "top_logprobs": 0, "store": False, "service_tier": "auto", "parallel_tool_calls": True},
-    {"user": "u-1", "n": 1, "stream_options": None, "kv_transfer_params": {"do_remote_decode": True}},
+    {"user": "u-1", "n": 1, "stream_options": None, "kv_transfer_params": None},
     {"modalities": ["text"], "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": False}},
 ])
 async def test_null_or_neutral_values_are_taken_as_absent(extra):

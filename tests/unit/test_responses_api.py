@@ -124,6 +124,11 @@ async def test_streamed_events_build_the_same_response(pieces):
     ({"input": "x", "background": True}, "background", "unsupported"),
     ({"input": "x", "tools": [TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice",
      "not among the tools"),
+    # the chat route's tool checks, which this route had lost: one check_tools (turns/builder.py) for every API
+    ({"input": "x", "tool_choice": "required"}, "tool_choice", "'required' needs tools"),
+    ({"input": "x", "tools": [{**TOOL, "parameters": {"type": "array"}}]}, "tools.0.parameters",
+     "must be a JSON Schema of type 'object'"),
+    ({"input": "x", "tools": [TOOL, TOOL]}, "tools.1.name", "two tools are named"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]}, "input.0.arguments",
      "JSON object"),
 ])

@@ -26,6 +26,8 @@ from kvshuttle.services.devtools.simulator.workload import (
     read_mooncake,
 )
 
+from tests.support.configs import parse_config
+
 PROFILE = dataclasses.replace(profile("h200-32b-400g"), noise=0.0)
 
 
@@ -240,3 +242,38 @@ def test_validation_fits_a_profile_and_reproduces_its_own_turns(tmp_path):
     with pytest.raises(v.ValidationError, match="no samples of mode"):
         (tmp_path / "other.jsonl").write_text(json.dumps({**rows[0], "mode": "smg"}) + "\n")
         v.validate(tmp_path / "other.jsonl")
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["--validate-profile", "h200-32b-400g"], "--validate-profile has no effect without --validate-samples"),
+    (["--validate-warm-up", "0"], "--validate-warm-up has no effect without --validate-samples"),
+    (["--trace-block", "16"], "--trace-block has no effect without --trace"),
+    (["--trace", "TRACE", "--sessions", "10"], "--sessions has no effect with --trace"),
+    (["--trace", "TRACE", "--agent-share", "0.5"], "--agent-share has no effect with --trace"),
+    (["--validate-samples", "TRACE", "--write-trace", "out.jsonl"], "--write-trace has no effect with "
+                                                                    "--validate-samples"),
+    (["--validate-samples", "TRACE", "--trace", "TRACE"], "--trace has no effect with --validate-samples"),
+    (["--strategies", "kvshuttle,recompute", "--pull-threshold-tokens", "64"], "--pull-threshold-tokens has no "
+                                                                               "effect without threshold in "
+                                                                               "--strategies"),
+    (["--strategies", "threshold,cache_aware", "--idle-limit-s", "60"], "--idle-limit-s has no effect without "
+                                                                        "kvshuttle in --strategies"),
+])
+def test_simulate_refuses_settings_that_others_make_no_ops(tmp_path, argv, words):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("")
+    with pytest.raises(ConfigError, match=words):
+        parse_config(SimulateConfig, *(str(trace) if a == "TRACE" else a for a in argv))
+
+
+def test_simulate_still_takes_the_valid_combinations(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("")
+    for argv in (["--validate-samples", str(trace), "--validate-profile", "h200-32b-400g", "--validate-warm-up", "0",
+                  "--prefill-cache-tokens", "1000"],
+                 ["--trace", str(trace), "--trace-block", "16", "--write-trace", str(tmp_path / "out.jsonl"),
+                  "--seed", "3"],
+                 ["--sessions", "10", "--agent-share", "0.5", "--pull-threshold-tokens", "64", "--idle-limit-s", "60"],
+                 ["--strategies", "threshold", "--pull-threshold-tokens", "64"],
+                 ["--strategies", "kvshuttle", "--high-water", "0.9", "--low-water", "0.5"]):
+        parse_config(SimulateConfig, *argv)

@@ -122,3 +122,16 @@ def test_the_store_does_not_import_the_metrics():
     for path in (REPO / "services" / "store").glob("*.py"):
         assert not [imp for imp in imports("kvshuttle.services.store.x", path)
                     if "metrics" in imp.imported], path
+
+
+def test_the_store_is_one_connection_with_one_part_per_kind_of_record():
+    """EtcdStore composes the record stores (services/store/etcd_*.py) on itself, its connection: a part's
+    operations go through the same channel, retries and ``on_op``."""
+    store = EtcdStore("127.0.0.1:1", "/kv")
+    parts = {name: getattr(store, name) for name in ("leases", "elections", "workers", "sessions", "claims",
+                                                     "responses", "outcomes", "snapshots")}
+    assert all(part._conn is store for part in parts.values())
+    assert store.sessions.key("t", "s") == store.session_key("t", "s") and store.claims.key("t", "s") == \
+        store.claim_key("t", "s")
+    for path in (REPO / "services" / "store").glob("etcd_*.py"):
+        assert len(path.read_text().splitlines()) <= 300, f"{path.name}: keep each store small"

@@ -10,7 +10,7 @@ from kvshuttle.services.common.span_attributes import SPAN_ATTRIBUTES
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACED = [*(str(p.relative_to(ROOT)) for p in sorted((ROOT / "services/gateway/turns").glob("*.py"))),
-          "services/scheduler/servicer.py", "services/registry/servicer.py"]
+          "services/scheduler/planning.py", "services/registry/servicer.py"]
 NOT_ATTRIBUTES = {"kvshuttle.turn", "kvshuttle.gateway", "kvshuttle.scheduler"}  # span and tracer names
 
 

@@ -6,18 +6,22 @@ from __future__ import annotations
 import json
 
 import grpc
+import pytest
 from kvshuttle.control_plane import kv_params
 from kvshuttle.control_plane.answer import Piece
 from kvshuttle.control_plane.constraints import json_answer
 from kvshuttle.control_plane.continuation import text_key
 from kvshuttle.control_plane.reasoning import CONTENT, REASONING, REASONING_PARSERS
+from kvshuttle.services.engine.client import EngineError
 from kvshuttle.services.gateway.turns import AnswerParsing, TurnContext, TurnRequest, TurnRunner
 from kvshuttle.services.gateway.turns import decode as decode_stage
 from kvshuttle.services.gateway.turns import plan as plan_stage
 from kvshuttle.services.gateway.turns import prefill as prefill_stage
 from kvshuttle.services.gateway.turns import prompt as prompt_stage
 from kvshuttle.services.gateway.turns import record as record_stage
-from kvshuttle.services.gateway.turns.parse import AnswerEvents
+from kvshuttle.services.gateway.turns.context import KnownSession, KvOutcome
+from kvshuttle.services.gateway.turns.errors import DecodeFailed, SnapshotStale, TurnError, WorkerDown
+from kvshuttle.services.gateway.turns.parsers import AnswerEvents
 from kvshuttle.services.gateway.turns.spans import tracer
 from kvshuttle.v1 import common_pb2, registry_pb2, scheduler_pb2
 
@@ -49,8 +53,8 @@ async def test_the_prompt_stage_continues_the_recorded_ids_and_tokenizes_only_th
     await prompt_stage.build(r, ctx)
     assert ctx.prompt_text == "<user>hi<assistant>ok<user>more<assistant>"
     assert ctx.prompt_ids == [7] * 21 + ids("<user>more<assistant>") and ctx.continued
-    assert ctx.known_session["session_snapshot"].session.revision == 3
-    assert not ctx.known_session["session_snapshot"].session.token_ids  # the scheduler gets no history
+    assert ctx.known_session.snapshot.session.revision == 3
+    assert not ctx.known_session.snapshot.session.token_ids  # the scheduler gets no history
     assert ctx.history_base.revision == 3 and ctx.history_base.history_tokens == 21  # the record stage appends to it
     assert ctx.request.session_source == "client" and registry.reads == 1 and "session_ms" in ctx.timings
 
@@ -67,10 +71,10 @@ async def test_the_prompt_stage_starts_a_new_session_for_a_chat_without_an_id_wh
     ctx = context(TurnRequest(messages=[{"role": "user", "content": "hi<end>again"}]))
     await prompt_stage.build(r, ctx)
     assert ctx.request.session_id.startswith("auto-") and ctx.request.session_source == "new"
-    assert ctx.known_session == {"session_not_found": True} and not ctx.continued and "find_ms" in ctx.timings
+    assert ctx.known_session == KnownSession(not_found=True) and not ctx.continued and "find_ms" in ctx.timings
 
 
-async def test_the_plan_stage_rebuilds_the_prompt_once_when_its_snapshot_is_stale():
+async def test_the_plan_stage_says_when_its_snapshot_is_stale_and_the_runner_plans_again_on_a_fresh_read():
     record = recorded("<user>a", ids("<user>a"), revision=1)
     r, scheduler, registry = runner(registry=Registry(record))
     r.keep_record("default", "s", record)
@@ -78,8 +82,12 @@ async def test_the_plan_stage_rebuilds_the_prompt_once_when_its_snapshot_is_stal
     ctx = context(TurnRequest(session_id="s", prompt_text="<user>a<user>b"))
     await prompt_stage.build(r, ctx)
     assert registry.reads == 0  # this gateway's own copy
-    await plan_stage.run(r, ctx)
-    assert registry.reads == 1 and len(scheduler.requests) == 2  # read afresh, planned again
+    with pytest.raises(SnapshotStale):  # the stage alone: it neither reads the record nor plans again itself
+        await plan_stage.run(r, ctx)
+    assert registry.reads == 0 and len(scheduler.requests) == 1
+    scheduler.stale = 1
+    await r._plan(ctx)  # the runner's loop, on the same hand-built context: stale once more, then read afresh
+    assert registry.reads == 1 and len(scheduler.requests) == 3
     assert ctx.plan.prefill.worker_id == "p" and ctx.kv.decision == "recompute" and ctx.kv.session_id == "s"
     assert r.own_record("default", "s") is None and "plan_ms" in ctx.timings
 
@@ -202,7 +210,7 @@ async def test_a_history_echoed_without_the_reasoning_continues_the_recorded_ids
     assert ctx.prompt_ids == [7] * head + ids("<assistant>ok<end><user>more<end><assistant>") and ctx.continued
     assert ctx.history_kept == head and ctx.history_base.revision == 3
     # the scheduler learns how many ids repeat the record's (here exactly the spliced ones)
-    assert ctx.known_session["history_match_tokens"] == head
+    assert ctx.known_session.history_match_tokens == head
     # the record keeps the cut where this prompt's last message (a user query: a new loop) ends
     end = len("<user>hi<end><assistant>ok<end><user>more<end>")
     assert ctx.text_cuts == [(end, end - len("<user>hi<end>") + head, True)]
@@ -236,7 +244,7 @@ async def test_a_tool_loop_step_keeps_the_loop_s_start_from_the_record_it_contin
         {"role": "user", "content": "hi"}, echoed, {"role": "tool", "content": "21C"}]))
     await prompt_stage.build(r, ctx)
     assert ctx.continued and ctx.history_kept == len(history) and ctx.prompt_ids[:len(history)] == history
-    assert ctx.known_session["history_match_tokens"] == len(history)  # all of it: a pull of every covered token
+    assert ctx.known_session.history_match_tokens == len(history)  # all of it: a pull of every covered token
     end = len(ANSWERED + "<tool>21C<end>")
     head = len("<user>hi<end>")
     # a tool result is no new query: the loop still starts where the record's did
@@ -298,3 +306,47 @@ async def test_a_prompt_cache_key_names_the_session_its_prompt_continues_and_els
                                           {"role": "user", "content": "more"}], cache_key="conversation 7"))
     await prompt_stage.build(r, other)
     assert other.request.session_source == "new" and other.request.session_id.startswith("auto-")
+
+
+async def test_the_decode_stage_alone_says_when_d_fails_and_the_runner_resumes_it_on_another():
+    # stage alone: D dies after 2 tokens, the stage raises DecodeFailed with what was streamed kept in the context
+    scheduler = Scheduler(scheduler_pb2.DECISION_RECOMPUTE, decodes=("d", "d2"))
+    r = TurnRunner(Tokenizer(), Registry(), scheduler, max_model_len=1000, first_token_from_prefill=False)
+    r._engines = {"p:1": Engine(answer="a"), "d:1": Engine(answer="abcdef", die_after=2), "d2:1": Engine(answer="cdef")}
+    plan = scheduler_pb2.PlanTurnResponse(decode=common_pb2.Worker(worker_id="d", grpc_address="d:1"))
+    ctx = context(TurnRequest(prompt_ids=[1, 2], max_tokens=6), prompt_ids=[1, 2], plan=plan, decode_params={})
+    with pytest.raises(DecodeFailed) as failed:
+        async for _ in decode_stage.run(r, ctx):
+            pass
+    assert failed.value.worker_id == "d" and ctx.output_ids == ids("ab")
+    # the runner's resume, on the same hand-built context: P prefills the prompt plus "ab", the turn moves to d2
+    d_prompt = await r._resume(ctx, failed.value, 1)
+    assert d_prompt == [1, 2, *ids("ab")] and ctx.plan.decode.worker_id == "d2" and ctx.excluded == ["d"]
+    assert list(scheduler.requests[-1].exclude_worker_ids) == ["d"] and ctx.kv.decode_worker_id == "d2"
+    assert ctx.kv.worker_failures[-1].startswith("decode worker d failed after 2 tokens")
+    with pytest.raises(TurnError) as err:  # no retries left
+        await r._resume(ctx, failed.value, r.worker_retries + 1)
+    assert err.value.http_status == 503 and "no retries left" in err.value.message
+
+
+async def test_the_runner_moves_a_turn_whose_p_fails_to_another_p():
+    scheduler = Scheduler(scheduler_pb2.DECISION_RECOMPUTE)
+    r = TurnRunner(Tokenizer(), Registry(), scheduler, max_model_len=1000, first_token_from_prefill=False)
+    r._engines = {"p:1": Engine(), "d:1": Engine()}
+    ctx = context(TurnRequest(prompt_ids=[1, 2]), prompt_ids=[1, 2], kv=KvOutcome("recompute", "new session"))
+    tried = []
+
+    async def attempt(plan, n):  # fails on its first P, as prefill_stage.run does when P is down
+        tried.append((plan.prefill.worker_id, n))
+        if n == 0:
+            raise WorkerDown("p0", EngineError(grpc.StatusCode.UNAVAILABLE, "gone"))
+
+    first = scheduler_pb2.PlanTurnResponse(prefill=common_pb2.Worker(worker_id="p0", grpc_address="p0:1"))
+    plan = await r._prefill(ctx.id, first, ctx.prompt_ids, ctx.kv, ctx.request, ctx.excluded, attempt)
+    assert tried == [("p0", 0), ("p", 1)] and plan.prefill.worker_id == "p" and ctx.excluded == ["p0"]
+    assert ctx.kv.reason_code == "worker_failed" and ctx.kv.worker_failures == [
+        "prefill worker p0 failed (UNAVAILABLE: gone); recomputed on p"]
+    r.worker_retries = 0
+    with pytest.raises(TurnError) as err:
+        await r._prefill(ctx.id, first, ctx.prompt_ids, ctx.kv, ctx.request, [], attempt)
+    assert err.value.http_status == 503 and "no retries left" in err.value.message

@@ -15,6 +15,7 @@ from kvshuttle.control_plane.prefix import matched_prefix_tokens, prefix_digest
 from kvshuttle.services.engine.client import EngineError, Final
 from kvshuttle.services.gateway.turns import Delta, Finished, TurnContext, TurnError, TurnRequest, TurnRunner
 from kvshuttle.services.gateway.turns import record as record_stage
+from kvshuttle.services.gateway.turns.context import KnownSession
 from kvshuttle.v1 import common_pb2, registry_pb2, scheduler_pb2
 
 from tests.support.turn_fakes import (
@@ -455,7 +456,7 @@ async def test_a_recompute_frees_the_previous_unused_handle_on_its_decode_worker
     p = Engine()
     r = TurnRunner(Tokenizer(), registry, scheduler, max_model_len=1000, first_token_from_prefill=False)
     r._engines = {"p:1": p, "d:1": Engine()}
-    known = {"session_snapshot": registry_pb2.GetSessionResponse(session=registry.session, expires_in_s=300)}
+    known = KnownSession(registry_pb2.GetSessionResponse(session=registry.session, expires_in_s=300))
     plan = await scheduler.PlanTurn(scheduler_pb2.PlanTurnRequest(session_id="s", prompt_token_ids=prompt_ids))
     ctx = TurnContext("t1", TurnRequest(session_id="s"), 0.0, prompt_ids=prompt_ids, known_session=known, plan=plan)
     task = record_stage.release_unused_handle(r, ctx)  # the record stage alone, on a context built by hand

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
-from kvshuttle.services.common.config import load, require, setting
+from kvshuttle.services.common.config import load, require, require_effect, setting
 from kvshuttle.services.devtools.bench import lanes as lanes_mod
 from kvshuttle.services.devtools.bench import smg as smg_mod
 from kvshuttle.services.devtools.bench.overhead import DIRECT, control_plane_overhead, format_overhead
@@ -151,6 +151,24 @@ class BenchConfig(StackConfig):
         require(bool(self.gateway_url) or not self.reasoning_parser,
                 "the bench forces tool calls from the answer's first token, as its direct and ideal modes do: run "
                 "the stack without --reasoning-parser")
+        self.validate_effects(modes)
+
+    def validate_effects(self, modes: Sequence[str]) -> None:
+        """Settings another one makes a no-op, when given: an error naming both flags."""
+        # with --gateway-url the stack is not started (the tool-call parser, work dir and start-up timeout are also
+        # the smg mode's; P's prefix cache also tags the lanes' prompts)
+        self.require_stack_started(self.gateway_url, keep=("tool_call_parser",))
+        require_effect(self, "ideal_address", bool(self.gateway_url),
+                       "without --gateway-url (the bench starts its own ideal worker)")
+        require_effect(self, "ideal_address", IDEAL in modes, f"without {IDEAL} in --modes")
+        require_effect(self, "ideal_cpus", IDEAL in modes, f"without {IDEAL} in --modes")
+        require_effect(self, "ideal_cpus", not self.gateway_url,
+                       "with --gateway-url (the ideal worker is then --ideal-address's, not started here)")
+        for name in ("smg_bin", "smg_silence_s", "smg_extra_args"):
+            require_effect(self, name, SMG in modes, f"without {SMG} in --modes")
+        for name in ("seed", "max_history_tokens", "system_tokens", "turn_tokens_min", "turn_tokens_max"):
+            require_effect(self, name, not self.conversation_file,
+                           "with --conversation-file (it shapes generated conversations; the file's are replayed)")
 
 
 def workload(cfg: BenchConfig) -> list[Conversation]:

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from kvshuttle.services.common.config import load, require, setting
+from kvshuttle.services.common.config import load, require, require_effect, setting
 from kvshuttle.services.devtools.bench import lanes as lanes_mod
 from kvshuttle.services.devtools.bench.multiturn import NO_PREFIX_CACHING, drive
 from kvshuttle.services.devtools.bench.samples import TurnSample
@@ -112,6 +112,11 @@ class PolicySweepConfig(StackConfig):
             ok = False
         require(ok and bool(self.bucket_edges), "--thresholds must be integers >= 1, --buckets increasing integers")
         require(self.link_mbit >= 0, "--link-mbit must be >= 0")
+        # with --gateway-url the policies and the cost model are the running scheduler's
+        self.require_stack_started(self.gateway_url, also=("work_dir", "startup_timeout_s", "cost_params",
+                                                           "cost_model_params"))
+        require_effect(self, "scheduler_address", bool(self.gateway_url),
+                       "without --gateway-url (the started stack's own scheduler gives the stats)")
 
 
 def sweep_policies(cost_params: str = "") -> str:

@@ -111,7 +111,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvshuttle.control_plane.continuation import text_key
 from kvshuttle.control_plane.prefix import checkpoint_lengths, ids_bytes, prefix_digests
-from kvshuttle.services.common.config import load, require, setting
+from kvshuttle.services.common.config import load, require, require_effect, setting
 from kvshuttle.services.common.grpc_server import _message_options, client_channel
 from kvshuttle.services.common.processes import ChildProcess
 from kvshuttle.services.common.tls import DEFAULT_MAX_MESSAGE_MB
@@ -172,6 +172,11 @@ GOAL_P99_MS = 1.0  # claim-free PlanTurn p99
 GOAL_CLAIM_RATIO = 0.5  # claiming PlanTurn/s as a fraction of etcd's own claim txn/s at the same concurrency
 CLAIM_FREE = (LOCAL_DISABLE_PULL, LOCAL_RECOMPUTE, PLAN_DISABLE_PULL, PLAN_RECOMPUTE)
 CLAIMING = (LOCAL_PULL_SNAPSHOT, PLAN_PULL_SNAPSHOT, PLAN_PULL)
+# The operations each setting shapes (ServicesBenchConfig.validate_effects).
+SCALED = (RECORD_TURN, CLAIM_SESSION, GET_SESSION)  # --scale-history-tokens
+PROMPTED = (*PLANS, *LOCAL, GRPC_ECHO)  # --new-tokens: a PlanTurn prompt (the echo sends its bytes)
+READS_SESSIONS = (PLAN_RECOMPUTE, PLAN_PULL, PLAN_PULL_SNAPSHOT, LOCAL_RECOMPUTE, LOCAL_PULL_SNAPSHOT)  # --claims
+CHANNELED = tuple(op for op in OPERATIONS if op not in LOCAL and op != ETCD_CLAIM)  # --channels
 
 
 @dataclasses.dataclass
@@ -250,6 +255,28 @@ class ServicesBenchConfig:
                 "--scale-history-tokens must list integers that cover at least two blocks, e.g. 1024,131072")
         require(self.channels >= 1, "--channels must be >= 1")
         require(self.rpc_timeout_s > 0 and self.startup_timeout_s > 0, "timeouts must be > 0")
+        self.validate_effects(ops)
+
+    def validate_effects(self, ops: Sequence[str]) -> None:
+        """Settings that only some operations use, given without any of them: an error naming both flags."""
+        def among(names: Sequence[str]) -> str:
+            return f"without {', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else f"without {names[0]}"
+
+        require_effect(self, "scale_history_tokens", any(op in SCALED for op in ops),
+                       f"{among(SCALED)} in --operations (the operations it measures at each size)")
+        require_effect(self, "turn_tokens", RECORD_TURN in ops,
+                       f"without {RECORD_TURN} in --operations (the ids each timed RecordTurn adds)")
+        require_effect(self, "new_tokens", any(op in PROMPTED for op in ops),
+                       f"{among(PROMPTED)} in --operations (the operations that send a PlanTurn prompt)")
+        require_effect(self, "claims", any(op in READS_SESSIONS for op in ops),
+                       f"{among(READS_SESSIONS)} in --operations (the plans that read session records and claim "
+                       f"handles)")
+        require_effect(self, "channels", any(op in CHANNELED for op in ops),
+                       f"when --operations holds only in-process plans and {ETCD_CLAIM} (none of them uses the "
+                       f"client's gRPC channels)")
+        require_effect(self, "order", self.order == "operation" or (len(ops) > 1 and len(self.levels()) > 1),
+                       "unless --operations lists more than one operation and --concurrency more than one level "
+                       "(otherwise both orders are the same)")
 
 
 def _reraise_if_cancelling() -> None:
@@ -665,7 +692,7 @@ class Workload:
         if op in PLANS:
             return stubs.scheduler.PlanTurn(payload, timeout=timeout)
         if op == ETCD_CLAIM:  # through the store's own call wrapper (deadline, retries, error mapping), as it claims
-            return self.etcd._call("claim session", self.etcd.kv.txn, *payload)
+            return self.etcd.call("claim session", self.etcd.kv.txn, *payload)
         if op == GRPC_ECHO:
             return stubs.echo(payload, timeout=timeout)
         if op == RECORD_TURN:
@@ -1029,7 +1056,7 @@ async def run_benchmark(cfg: ServicesBenchConfig, emit: Callable[[str], None] = 
         if any(op in LOCAL for op in cfg.operation_list()):
             embedded = await _start_embedded(services)
             for stub in stubs:
-                stub.local = InProcessScheduler(embedded.servicer)
+                stub.local = InProcessScheduler(embedded.planning)
             await _wait_scheduler_ready(stubs[0].local, workload, cfg.startup_timeout_s)
         processes = services.describe()
 
@@ -1097,9 +1124,6 @@ async def run_benchmark(cfg: ServicesBenchConfig, emit: Callable[[str], None] = 
     path = out / "services.json"
     await asyncio.to_thread(_write_json, path, report)
     return report, path
-
-
-SCALED = (RECORD_TURN, CLAIM_SESSION, GET_SESSION)
 
 
 async def _run_scaled(cfg: ServicesBenchConfig, services: Services, stubs: Sequence[Stubs],

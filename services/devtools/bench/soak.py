@@ -61,6 +61,7 @@ class SoakConfig(StackConfig):
                 "--duration-s, --request-timeout-s and --sample-interval-s must be > 0")
         require(0 <= self.warmup_s < self.duration_s, "--warmup-s must be in [0, duration)")
         require(1 <= self.turn_tokens_min <= self.turn_tokens_max, "need 1 <= --turn-tokens-min <= --turn-tokens-max")
+        self.require_stack_started(self.gateway_url, also=("work_dir", "startup_timeout_s"))
 
 
 @dataclasses.dataclass

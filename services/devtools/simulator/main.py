@@ -16,7 +16,7 @@ from typing import Any
 
 from kvshuttle.control_plane import kv_eviction as ev
 from kvshuttle.control_plane.cost_model import PrefillPrior
-from kvshuttle.services.common.config import load, require, setting
+from kvshuttle.services.common.config import load, require, require_effect, setting
 from kvshuttle.services.devtools.bench.stats import write_json
 from kvshuttle.services.devtools.simulator import report, strategies
 from kvshuttle.services.devtools.simulator import validate as validation
@@ -31,6 +31,9 @@ from kvshuttle.services.devtools.simulator.workload import (
     load_mooncake,
     mooncake_lines,
 )
+
+# The agentic workload's settings (unused with --trace).
+AGENTIC = ("sessions", "arrival_s", "agent_share", "agent_gap_s", "chat_gap_s", "max_history_tokens")
 
 
 @dataclasses.dataclass
@@ -106,6 +109,24 @@ class SimulateConfig:
         if self.validate_samples:
             require(Path(self.validate_samples).is_file(), f"--validate-samples {self.validate_samples!r}: no such "
                                                            "file")
+        self.validate_effects(names)
+
+    def validate_effects(self, names: Sequence[str]) -> None:
+        """Settings another one makes a no-op, when given: an error naming both flags."""
+        for name in ("validate_profile", "validate_warm_up"):
+            require_effect(self, name, bool(self.validate_samples), "without --validate-samples")
+        for name in ("trace", "write_trace"):
+            require_effect(self, name, not self.validate_samples,
+                           "with --validate-samples (it replaces the run: no workload is built)")
+        require_effect(self, "trace_block", bool(self.trace), "without --trace")
+        for name in AGENTIC:
+            require_effect(self, name, not self.trace, "with --trace (the trace's sessions are replayed instead of "
+                                                       "the agentic workload)")
+        require_effect(self, "pull_threshold_tokens", "threshold" in names,
+                       "without threshold in --strategies (it is that strategy's rule)")
+        for name in ("idle_limit_s", "high_water", "low_water"):
+            require_effect(self, name, "kvshuttle" in names,
+                           "without kvshuttle in --strategies (only it frees held decode KV)")
 
     def strategy_list(self) -> list[str]:
         return [s.strip() for s in self.strategies.split(",") if s.strip()]

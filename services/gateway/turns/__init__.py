@@ -6,16 +6,9 @@ extends them), the scheduler's plan says which workers and which kv_transfer_par
 for D, and D's final message carries the handle the registry records for the next turn.
 """
 
-from kvshuttle.services.gateway.turns.context import (
-    Delta,
-    Finished,
-    KvOutcome,
-    Tokenizer,
-    TurnContext,
-    TurnError,
-    WorkerDown,
-)
-from kvshuttle.services.gateway.turns.parse import AnswerParsing
+from kvshuttle.services.gateway.turns.context import Delta, Finished, KvOutcome, Tokenizer, TurnContext
+from kvshuttle.services.gateway.turns.errors import TurnError, WorkerDown
+from kvshuttle.services.gateway.turns.parsers import AnswerParsing
 from kvshuttle.services.gateway.turns.request import TurnRequest
 from kvshuttle.services.gateway.turns.runner import DEGRADED_KINDS, TurnRunner
 

@@ -1,5 +1,4 @@
-"""The one object a turn's stages pass along (TurnContext), what the turn reports (KvOutcome, Delta, Finished), and
-its errors."""
+"""The one object a turn's stages pass along (TurnContext), and what the turn reports (KvOutcome, Delta, Finished)."""
 
 from __future__ import annotations
 
@@ -9,29 +8,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-import grpc
 from kvshuttle.control_plane.answer import Event
-from kvshuttle.services.engine.client import EngineError, Final, TokenLogprob
-from kvshuttle.v1 import common_pb2, scheduler_pb2
+from kvshuttle.services.engine.client import Final, TokenLogprob
+from kvshuttle.v1 import common_pb2, registry_pb2, scheduler_pb2
 
 if TYPE_CHECKING:
     from kvshuttle.services.gateway.turns.request import TurnRequest
-
-
-class TurnError(Exception):
-    """A turn that cannot run; carries both an HTTP status and a gRPC code for the two front ends."""
-
-    def __init__(self, http_status: int, code: grpc.StatusCode, message: str, retry_after_s: int | None = None):
-        super().__init__(message)
-        self.http_status, self.code, self.message, self.retry_after_s = http_status, code, message, retry_after_s
-
-
-class WorkerDown(Exception):
-    """A worker failed a call (unreachable, crashed, timed out, engine dead): the turn goes on elsewhere."""
-
-    def __init__(self, worker_id: str, error: EngineError):
-        super().__init__(f"{worker_id}: {error}")
-        self.worker_id, self.error = worker_id, error
 
 
 class Tokenizer(Protocol):
@@ -59,6 +41,27 @@ class KvOutcome:
 
 
 @dataclass
+class KnownSession:
+    """What the prompt stage learned of the turn's session, for the scheduler (PlanTurnRequest's known-session
+    fields), so it need not read the record again."""
+
+    snapshot: registry_pb2.GetSessionResponse | None = None  # the record as read (without its history ids)
+    not_found: bool = False  # the registry has no such session (a new one)
+    history_match_tokens: int = 0  # how many of the prompt's first ids equal the snapshot's recorded ids
+
+    def plan_fields(self) -> dict[str, Any]:
+        """PlanTurnRequest's keywords for what is known."""
+        out: dict[str, Any] = {}
+        if self.snapshot is not None:
+            out["session_snapshot"] = self.snapshot
+            if self.history_match_tokens:
+                out["history_match_tokens"] = self.history_match_tokens
+        if self.not_found:
+            out["session_not_found"] = True
+        return out
+
+
+@dataclass
 class TurnContext:
     """One turn as its stages fill it in: the prompt stage sets the prompt and the session it continues, the plan
     stage the plan and the KV outcome, the prefill stage P's answer (the handle for D, perhaps the first token). What
@@ -78,7 +81,7 @@ class TurnContext:
     # Cuts of the prompt text at message ends that the turn's record keeps (Session.text_boundaries): (chars, tokens,
     # loop_start), shortest first; prompt_ids[:tokens] stand for prompt_text[:chars].
     text_cuts: list[tuple[int, int, bool]] = field(default_factory=list)
-    known_session: dict[str, Any] = field(default_factory=dict)  # PlanTurnRequest's known-session fields
+    known_session: KnownSession = field(default_factory=KnownSession)
     # plan stage
     plan: scheduler_pb2.PlanTurnResponse = field(default_factory=scheduler_pb2.PlanTurnResponse)
     kv: KvOutcome = field(default_factory=lambda: KvOutcome("", ""))
@@ -97,6 +100,9 @@ class TurnContext:
     text: str = ""  # the answer's text, as the client received it
     hidden: set[int] = field(default_factory=set)  # token ids left out of the text (stop ids, EOS)
     final: Final | None = None  # D's final message (its handle is what the record stage records)
+    # parse stage
+    held_events: list[Event] = field(default_factory=list)  # what the parser held back until the answer ended
+    answer_events: list[Event] = field(default_factory=list)  # every event of the answer, in order
 
 
 @dataclass

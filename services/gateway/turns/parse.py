@@ -1,103 +1,21 @@
 """Stage 5, the answer's meaning: D's text deltas parsed into reasoning, content and tool calls as they stream
-(control_plane.answer), so the three front ends only spell the events in their API's shape.
-
-A turn whose request parses nothing gets its text as content events, so every front end reads events alike. The
-pieces of a stream concatenate to what the whole answer reports: the same parser runs over the same deltas.
-"""
+(control_plane.answer, with the request's parsers.AnswerParsing), so the front ends only spell the events in their
+API's shape."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 
-from kvshuttle.control_plane.answer import AnswerParser, Event, Piece, keeps_special_tokens
-from kvshuttle.control_plane.reasoning import CONTENT, REASONING_PARSERS, ReasoningRules, ThinkTags
-from kvshuttle.control_plane.tool_calls import TOOL_CALL_PARSERS, ToolCallParserFactory, Tools
+from kvshuttle.services.gateway.turns.context import Delta, TurnContext
+from kvshuttle.services.gateway.turns.parsers import AnswerEvents
 
 
-@dataclass(frozen=True)
-class AnswerParsing:
-    """How a turn's answer is parsed: the reasoning parser's rules and the tool-call parser's factory (None: that
-    part is not parsed), and the request's tools (OpenAI's dicts), which some tool-call parsers read."""
-
-    reasoning: ReasoningRules | None = None
-    tools: ToolCallParserFactory | None = None
-    request_tools: Tools = None
-
-
-class AnswerEvents:
-    """One turn's parser (``prompt_text``: the rendered prompt, which says whether the answer starts inside a
-    reasoning block). ``feed`` a delta's text, ``finish`` once the answer has ended; ``events`` keeps them all."""
-
-    def __init__(self, parsing: AnswerParsing | None, prompt_text: str):
-        active = parsing is not None and (parsing.reasoning is not None or parsing.tools is not None)
-        self._parser = AnswerParser(parsing.reasoning, parsing.tools, prompt_text=prompt_text,
-                                    request_tools=parsing.request_tools) if active and parsing else None
-        self.events: list[Event] = []
-
-    def feed(self, text: str) -> list[Event]:
-        if self._parser is None:
-            return self._keep([Piece(CONTENT, text)] if text else [])
-        return self._keep(self._parser.feed(text))
-
-    def finish(self) -> list[Event]:
-        return self._keep(self._parser.finish()) if self._parser is not None else []
-
-    def _keep(self, events: Iterable[Event]) -> list[Event]:
-        out = list(events)
-        self.events.extend(out)
-        return out
-
-
-@dataclass(frozen=True)
-class Parsers:
-    """The gateway's answer parsers, by vLLM's names (``--tool-call-parser``, ``--reasoning-parser``; "": that part
-    is not parsed), and what they mean for a request: its AnswerParsing, whether the answer must keep the model's
-    special tokens, and where the gateway's own constraints (forced calls, JSON answers) go."""
-
-    tool_call_parser: str = ""
-    reasoning_parser: str = ""
-
-    def problem(self) -> str | None:
-        """Why this pair cannot run together (None: it can). Harmony (gpt-oss) carries reasoning and calls in one
-        syntax: its two parsers go together, and with no other family."""
-        if self.tool_call_parser and self.tool_call_parser not in TOOL_CALL_PARSERS:
-            return f"unknown --tool-call-parser {self.tool_call_parser!r}"
-        if self.reasoning_parser and self.reasoning_parser not in REASONING_PARSERS:
-            return f"unknown --reasoning-parser {self.reasoning_parser!r}"
-        harmony = [bool(getattr(part, "keeps_special_tokens", False)) for part in (self.tools, self.reasoning)]
-        if any(harmony) and not all(harmony):
-            return ("gpt-oss's Harmony format carries reasoning and tool calls in one syntax: use --tool-call-parser "
-                    "openai with --reasoning-parser openai_gptoss (or openai), or neither")
-        return None
-
-    @property
-    def tools(self) -> ToolCallParserFactory | None:
-        return TOOL_CALL_PARSERS[self.tool_call_parser] if self.tool_call_parser else None
-
-    @property
-    def reasoning(self) -> ReasoningRules | None:
-        return REASONING_PARSERS[self.reasoning_parser] if self.reasoning_parser else None
-
-    @property
-    def keeps_special_tokens(self) -> bool:
-        """The answer is decoded keeping special tokens whatever the request asks (Harmony's markers are some)."""
-        return keeps_special_tokens(self.reasoning, self.tools)
-
-    @property
-    def think_tags(self) -> tuple[str, str] | None:
-        """The reasoning block's (start, end) tags, after which the gateway places its own constraints (None: no
-        reasoning parser, or one without tags)."""
-        rules = self.reasoning
-        return (rules.start, rules.end) if isinstance(rules, ThinkTags) else None
-
-    @property
-    def constrains(self) -> bool:
-        """Whether the gateway can build its constraints (forced calls, JSON answers) for this model's answers:
-        not for Harmony's, whose channels a grammar from the first token would forbid."""
-        return not self.keeps_special_tokens
-
-    def parsing(self, calls: bool, request_tools: Tools = None) -> AnswerParsing:
-        """A request's parsing: reasoning always (when configured); tool calls when ``calls`` (tools sent and
-        tool_choice not none)."""
-        return AnswerParsing(self.reasoning, self.tools if calls else None, request_tools if calls else None)
+async def run(ctx: TurnContext, deltas: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
+    """The stage: sets each of the decode stage's deltas' ``events``; once the answer has ended, ``ctx.held_events``
+    (what the parser held back until then) and ``ctx.answer_events`` (every event, in order)."""
+    answer = AnswerEvents(ctx.request.parsing, ctx.prompt_text)
+    async for delta in deltas:
+        delta.events = answer.feed(delta.text)
+        yield delta
+    ctx.held_events = answer.finish()
+    ctx.answer_events = answer.events

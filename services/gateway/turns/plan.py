@@ -1,6 +1,6 @@
 """Stage 2, the plan: the scheduler picks P and D and decides pull or recompute (from the session snapshot the
-prompt stage read, which it checks against its own view); a stale snapshot sends the turn back to the prompt stage
-once."""
+prompt stage read, which it checks against its own view). A stale snapshot is SnapshotStale: the runner reads the
+record again and plans once more."""
 
 from __future__ import annotations
 
@@ -14,32 +14,30 @@ from kvshuttle.control_plane import session as session_rules
 from kvshuttle.control_plane.constraints import after_reasoning
 from kvshuttle.control_plane.prefix import ids_bytes
 from kvshuttle.services.common.telemetry import hashed
-from kvshuttle.services.gateway.turns import prompt
-from kvshuttle.services.gateway.turns.context import KvOutcome, TurnContext, TurnError, elapsed_ms
+from kvshuttle.services.gateway.turns.context import KnownSession, KvOutcome, TurnContext, elapsed_ms
+from kvshuttle.services.gateway.turns.errors import SnapshotStale, TurnError
 from kvshuttle.services.gateway.turns.request import TurnRequest
 from kvshuttle.services.gateway.turns.spans import predicted_ttft, tracer
 from kvshuttle.v1 import scheduler_pb2
 
 if TYPE_CHECKING:
-    from kvshuttle.services.gateway.turns.runner import TurnRunner
+    from kvshuttle.services.gateway.turns.services import TurnServices
 
 log = logging.getLogger(__name__)
 
 
-async def run(rt: TurnRunner, ctx: TurnContext) -> None:
+async def run(rt: TurnServices, ctx: TurnContext, *, settle: bool = False) -> None:
     """Sets ``ctx.plan`` and ``ctx.kv``; places the request's constraint after the reasoning the prompt leaves room
-    for (the rendered prompt is known now)."""
+    for (the rendered prompt is known now). SnapshotStale when the scheduler says the snapshot is out of date,
+    unless ``settle`` (the second plan, on a record read afresh: taken as it is)."""
     req = ctx.request
     t = time.perf_counter()
     plan = await ask(rt, req, ctx.prompt_ids, ctx.known_session)
-    if plan.figures.snapshot_stale:  # our copy of the record is out of date: read it, build the prompt again
-        rt.forget_record(req.tenant, req.session_id)
-        await prompt.build(rt, ctx, fresh=True)
-        rt.check_length(req, ctx.prompt_ids)
-        plan = await ask(rt, req, ctx.prompt_ids, ctx.known_session)
+    ctx.timings["plan_ms"] = ctx.timings.get("plan_ms", 0.0) + elapsed_ms(t)
+    if plan.figures.snapshot_stale and not settle:
+        raise SnapshotStale()
     if plan.decision == scheduler_pb2.DECISION_PULL:  # the claim consumed the record we hold
         rt.forget_record(req.tenant, req.session_id)
-    ctx.timings["plan_ms"] = elapsed_ms(t)
     if req.constraint is not None and req.reasoning_tags is not None and ctx.prompt_text:
         req.constraint = after_reasoning(req.constraint, req.reasoning_tags, ctx.prompt_text)
         req.reasoning_tags = None  # placed
@@ -58,14 +56,14 @@ async def run(rt: TurnRunner, ctx: TurnContext) -> None:
         "kvshuttle.reason": plan.reason, "kvshuttle.reason_code": ctx.kv.reason_code,
         "kvshuttle.prompt_tokens": len(ctx.prompt_ids), "kvshuttle.continued_ids": ctx.continued,
         "kvshuttle.history_kept_tokens": ctx.history_kept,
-        "kvshuttle.history_match_tokens": ctx.known_session.get("history_match_tokens", 0),
+        "kvshuttle.history_match_tokens": ctx.known_session.history_match_tokens,
         "kvshuttle.reusable_tokens": plan.figures.reusable_tokens,
         "kvshuttle.prefill_worker": plan.prefill.worker_id, "kvshuttle.decode_worker": plan.decode.worker_id,
         "kvshuttle.policy": plan.figures.policy, **predicted_ttft(plan),
     })
 
 
-async def ask(rt: TurnRunner, req: TurnRequest, prompt_ids: list[int], known_session: dict, *,
+async def ask(rt: TurnServices, req: TurnRequest, prompt_ids: list[int], known_session: KnownSession, *,
               exclude: Sequence[str] = ()) -> scheduler_pb2.PlanTurnResponse:
     """The scheduler's plan. With ``exclude`` (workers that failed in this turn) it is a re-plan: the session's
     handle is not used (the failed attempt claimed it) and those workers are not chosen."""
@@ -74,7 +72,7 @@ async def ask(rt: TurnRunner, req: TurnRequest, prompt_ids: list[int], known_ses
             return await rt.scheduler.PlanTurn(scheduler_pb2.PlanTurnRequest(
                 session_id=req.session_id, tenant=req.tenant, prompt_ids_packed=ids_bytes(prompt_ids),
                 disable_pull=req.disable_pull or bool(exclude), policy=req.policy,
-                exclude_worker_ids=list(exclude), max_tokens=req.max_tokens, **known_session),
+                exclude_worker_ids=list(exclude), max_tokens=req.max_tokens, **known_session.plan_fields()),
                 timeout=rt.control_timeout_s)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:

@@ -1,6 +1,6 @@
 """Stage 3, the prefill on P: pull the session's KV from its decode worker (or compute it), then hand D its
-kv_transfer_params. A failed pull is retried once as a recompute on the same P; a failed P is left for another one
-(re-planned without it); the scheduler learns what the prefill cost."""
+kv_transfer_params. A failed pull is retried once as a recompute on the same P; a failed P is WorkerDown (the runner
+plans again without it); the scheduler learns what the prefill cost."""
 
 from __future__ import annotations
 
@@ -12,27 +12,25 @@ from typing import TYPE_CHECKING
 import grpc
 from kvshuttle.control_plane import kv_params
 from kvshuttle.control_plane import reasons as why
-from kvshuttle.services.common import metrics
 from kvshuttle.services.engine.client import EngineError, Final
-from kvshuttle.services.gateway.turns import plan as planning
-from kvshuttle.services.gateway.turns.context import KvOutcome, TurnContext, TurnError, WorkerDown, elapsed_ms
+from kvshuttle.services.gateway.turns.context import KvOutcome, TurnContext, elapsed_ms
+from kvshuttle.services.gateway.turns.errors import TurnError, WorkerDown
 from kvshuttle.services.gateway.turns.request import TurnRequest
 from kvshuttle.services.gateway.turns.spans import tracer
 from kvshuttle.v1 import scheduler_pb2
-from opentelemetry import trace
 
 if TYPE_CHECKING:
-    from kvshuttle.services.gateway.turns.runner import TurnRunner
+    from kvshuttle.services.gateway.turns.services import TurnServices
 
 log = logging.getLogger(__name__)
 
 
-async def run(rt: TurnRunner, ctx: TurnContext) -> None:
-    """Prefills ``ctx`` on a live P; sets ``ctx.plan`` (the one that worked), ``ctx.decode_params``, the KV figures
-    and, when D may continue after it, P's first token."""
+async def run(rt: TurnServices, ctx: TurnContext, attempt: int = 0) -> None:
+    """Prefills ``ctx`` on the planned P; sets ``ctx.decode_params``, the KV figures and, when D may continue after
+    it, P's first token. WorkerDown when P failed (``attempt``: how many P failed before in this turn)."""
     req, kv = ctx.request, ctx.kv
     t = time.perf_counter()
-    ctx.plan, p_final = await on_live_worker(rt, ctx.id, ctx.plan, ctx.prompt_ids, kv, req, ctx.excluded)
+    p_final = await prefill(rt, f"{ctx.id}-{attempt}" if attempt else ctx.id, ctx.plan, ctx.prompt_ids, kv, req)
     ctx.timings["prefill_ms"] = elapsed_ms(t)
     kv.computed_tokens = len(ctx.prompt_ids) - p_final.cached_tokens
     kv.pulled_tokens = ctx.plan.figures.reusable_tokens if kv.decision == "pull" else 0
@@ -63,39 +61,7 @@ async def run(rt: TurnRunner, ctx: TurnContext) -> None:
         ctx.first_logprob = p_final.logprobs[-1] if p_final.logprobs else None
 
 
-async def on_live_worker(rt: TurnRunner, turn_id: str, plan: scheduler_pb2.PlanTurnResponse, prompt_ids: list[int],
-                         kv: KvOutcome, req: TurnRequest, excluded: list[str],
-                         ) -> tuple[scheduler_pb2.PlanTurnResponse, Final]:
-    """Prefill on the planned P; when P fails, plan again without it (and without the workers in ``excluded``,
-    which grows) and recompute there, up to ``worker_retries`` times. Returns the plan that worked."""
-    attempt = 0
-    while True:
-        try:
-            return plan, await prefill(rt, f"{turn_id}-{attempt}" if attempt else turn_id, plan, prompt_ids, kv, req)
-        except WorkerDown as down:
-            attempt += 1
-            excluded.append(down.worker_id)
-            metrics.worker_failed("prefill")
-            failure = f"prefill worker {down.worker_id} failed ({down.error})"
-            log.warning("turn %s: %s", turn_id, failure)
-            trace.get_current_span().add_event("worker_failed", {"kvshuttle.worker": down.worker_id,
-                                                                 "error": str(down.error)})
-            if attempt > rt.worker_retries:
-                kv.worker_failures.append(failure)
-                raise TurnError(503, grpc.StatusCode.UNAVAILABLE, f"{failure}; no retries left",
-                                retry_after_s=1) from None
-            try:
-                plan = await planning.ask(rt, req, prompt_ids, {}, exclude=excluded)
-            except TurnError as exc:
-                kv.worker_failures.append(failure)
-                raise TurnError(exc.http_status, exc.code, f"{failure}; {exc.message}", exc.retry_after_s) from None
-            kv.worker_failures.append(f"{failure}; recomputed on {plan.prefill.worker_id}")
-            kv.decision, kv.reason = "recompute", f"{failure}: recomputed on another worker"
-            kv.reason_code = why.WORKER_FAILED
-            kv.prefill_worker_id, kv.decode_worker_id = plan.prefill.worker_id, plan.decode.worker_id
-
-
-async def prefill(rt: TurnRunner, turn_id: str, plan: scheduler_pb2.PlanTurnResponse, prompt_ids: list[int],
+async def prefill(rt: TurnServices, turn_id: str, plan: scheduler_pb2.PlanTurnResponse, prompt_ids: list[int],
                   kv: KvOutcome, req: TurnRequest) -> Final:
     """P's prefill (a failed pull is run once more as a recompute on the same P). WorkerDown when P failed."""
     engine = rt.engine(plan.prefill)
@@ -141,7 +107,7 @@ def refused(exc: EngineError) -> TurnError:
     return TurnError(400, grpc.StatusCode.INVALID_ARGUMENT, f"the prefill worker refused the request: {exc.message}")
 
 
-def report(rt: TurnRunner, plan: scheduler_pb2.PlanTurnResponse, kv: KvOutcome, prompt_tokens: int,
+def report(rt: TurnServices, plan: scheduler_pb2.PlanTurnResponse, kv: KvOutcome, prompt_tokens: int,
            prefill_ms: float, session_id: str = "", tenant: str = "") -> None:
     """Tell the scheduler what the prefill cost (its cost model learns from it); off the turn's path."""
     request = scheduler_pb2.ReportOutcomeRequest(

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import grpc
 from kvshuttle.control_plane import session as session_rules
@@ -22,26 +22,27 @@ from kvshuttle.control_plane.continuation import (
     plan_continuation,
     prefix_keys,
 )
-from kvshuttle.services.gateway.turns.context import TurnContext, TurnError, elapsed_ms
+from kvshuttle.services.gateway.turns.context import KnownSession, TurnContext, elapsed_ms
+from kvshuttle.services.gateway.turns.errors import TurnError
 from kvshuttle.services.gateway.turns.request import TurnRequest
 from kvshuttle.v1 import common_pb2, registry_pb2
 
 if TYPE_CHECKING:
-    from kvshuttle.services.gateway.turns.runner import TurnRunner
+    from kvshuttle.services.gateway.turns.services import TurnServices
 
 log = logging.getLogger(__name__)
 
-Known = tuple[registry_pb2.GetSessionResponse | None, dict[str, Any]]
+Known = tuple[registry_pb2.GetSessionResponse | None, KnownSession]
 
 
-async def build(rt: TurnRunner, ctx: TurnContext, *, fresh: bool = False) -> None:
+async def build(rt: TurnServices, ctx: TurnContext, *, fresh: bool = False) -> None:
     """Sets ``ctx.prompt_ids``, ``prompt_text`` ('' for raw ids), ``continued`` (the ids continue recorded ids),
     ``known_session`` (the session snapshot for the scheduler, and how many of its ids the prompt repeats) and the
     cuts the turn's record keeps (``text_cuts``). ``fresh``: read the record from the registry, not this gateway's
     copy (the text is not rendered again). Timings: ``session_ms`` (and ``find_ms``)."""
     req = ctx.request
     if req.prompt_ids is not None:
-        ctx.prompt_ids, ctx.prompt_text, ctx.continued, ctx.known_session = list(req.prompt_ids), "", False, {}
+        ctx.prompt_ids, ctx.prompt_text, ctx.continued, ctx.known_session = list(req.prompt_ids), "", False, KnownSession()
         ctx.history_base, ctx.history_kept, ctx.text_cuts = None, 0, []
         return
     text = ctx.prompt_text if fresh else await _text(rt, req)
@@ -57,7 +58,7 @@ async def build(rt: TurnRunner, ctx: TurnContext, *, fresh: bool = False) -> Non
         prev, known = await find(rt, req, text)
         ctx.timings["find_ms"] = elapsed_ms(t)
     else:
-        prev, known = None, {}
+        prev, known = None, KnownSession()
     ctx.timings["session_ms"] = elapsed_ms(t)
     if prev is not None and prev.history_missing:
         rt.degraded["history_missing"] += 1
@@ -79,17 +80,17 @@ async def build(rt: TurnRunner, ctx: TurnContext, *, fresh: bool = False) -> Non
     ctx.history_base = s if cont.continues else None  # the record stage then sends only the ids after the kept ones
     ctx.history_kept = len(cont.prefix_ids)
     ctx.text_cuts = text_cuts(cont, s, (cut, cut_tokens) if cut_tokens else None, answers_a_query(req.messages))
-    if s is not None and s.token_ids and "session_snapshot" in known:
+    if s is not None and s.token_ids and known.snapshot is not None:
         # how far the prompt repeats the record's ids (by construction at least the continued ones): the scheduler
         # may pull the whole blocks of that many, where the record's digests prove fewer
-        known["history_match_tokens"] = common_prefix(ctx.prompt_ids, s.token_ids, len(cont.prefix_ids))
+        known.history_match_tokens = common_prefix(ctx.prompt_ids, s.token_ids, len(cont.prefix_ids))
 
 
 def _encode_split(tokenizer, text: str, at: int) -> tuple[list[int], list[int]]:
     return tokenizer.encode(text[:at], False), tokenizer.encode(text[at:], False)
 
 
-def end_markers(rt: TurnRunner) -> list[str]:
+def end_markers(rt: TurnServices) -> list[str]:
     markers = getattr(rt.tokenizer, "end_markers", None)
     return markers if isinstance(markers, list) else []
 
@@ -123,7 +124,7 @@ def text_cuts(cont: Continuation, record: common_pb2.Session | None, cut: tuple[
     return [out[c] for c in sorted(out)]
 
 
-async def _text(rt: TurnRunner, req: TurnRequest) -> str:
+async def _text(rt: TurnServices, req: TurnRequest) -> str:
     if req.messages is None:
         return req.prompt_text or ""
     try:
@@ -140,30 +141,30 @@ def without_history(resp: registry_pb2.GetSessionResponse) -> registry_pb2.GetSe
     return out
 
 
-async def previous(rt: TurnRunner, req: TurnRequest, *, fresh: bool = False) -> Known:
+async def previous(rt: TurnServices, req: TurnRequest, *, fresh: bool = False) -> Known:
     """The session's record (this gateway's own copy unless ``fresh``), and what to tell the scheduler about it
     (so it need not read it again)."""
     own = None if fresh else rt.own_record(req.tenant, req.session_id)
     if own is not None:
         resp = registry_pb2.GetSessionResponse(session=own, expires_in_s=session_rules.expires_in(own, time.time()))
-        return resp, {"session_snapshot": without_history(resp)}
+        return resp, KnownSession(without_history(resp))
     try:
         resp = await rt.registry.GetSession(
             registry_pb2.GetSessionRequest(session_id=req.session_id, tenant=req.tenant, include_token_ids=True),
             timeout=rt.control_timeout_s)
-        return resp, {"session_snapshot": without_history(resp)}
+        return resp, KnownSession(without_history(resp))
     except grpc.aio.AioRpcError as exc:
         if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
             raise TurnError(400, exc.code(), exc.details() or "invalid session id") from None
         if exc.code() == grpc.StatusCode.NOT_FOUND:
-            return None, {"session_not_found": True}
+            return None, KnownSession(not_found=True)
         rt.degraded["session_read_failed"] += 1
         log.warning("registry unavailable reading a session (%s: %s): tokenizing from scratch (%d such reads)",
                     exc.code().name, exc.details(), rt.degraded["session_read_failed"])
-        return None, {}
+        return None, KnownSession()
 
 
-async def by_cache_key(rt: TurnRunner, req: TurnRequest, text: str) -> Known:
+async def by_cache_key(rt: TurnServices, req: TurnRequest, text: str) -> Known:
     """A request without a session id but with a prompt_cache_key: the session the key names when the prompt
     continues its record (whole or at a boundary); else the session found by content, or a new one (under the
     key's id when the key names no session yet). A key many conversations share so finds each its own."""
@@ -175,14 +176,14 @@ async def by_cache_key(rt: TurnRunner, req: TurnRequest, text: str) -> Known:
         req.session_source = "prompt_cache_key"
         return prev, known
     req.session_id = ""
-    new_id = keyed if known.get("session_not_found") else ""
+    new_id = keyed if known.not_found else ""
     if rt.find_sessions and req.messages is not None:
         return await find(rt, req, text, new_id)
     req.session_id, req.session_source = new_id or f"auto-{uuid.uuid4().hex}", "new"
-    return None, {"session_not_found": True}
+    return None, KnownSession(not_found=True)
 
 
-async def find(rt: TurnRunner, req: TurnRequest, text: str, new_id: str = "") -> Known:
+async def find(rt: TurnServices, req: TurnRequest, text: str, new_id: str = "") -> Known:
     """A chat without a session id: the session whose recorded text ``text`` extends, whole or up to one of its
     boundaries (found by content key), or a new session (``new_id``, else a new id). Sets ``req.session_id`` and
     ``req.session_source``.
@@ -207,9 +208,9 @@ async def find(rt: TurnRunner, req: TurnRequest, text: str, new_id: str = "") ->
         found = None
     if found is None:
         req.session_id, req.session_source = new_id or f"auto-{uuid.uuid4().hex}", "new"
-        return None, {"session_not_found": True}
+        return None, KnownSession(not_found=True)
     req.session_id, req.session_source = found.session.session_id, "found"
     rt.sessions_found += 1
     resp = registry_pb2.GetSessionResponse(session=found.session, expires_in_s=found.expires_in_s,
                                            history_missing=found.history_missing)
-    return resp, {"session_snapshot": without_history(resp)}
+    return resp, KnownSession(without_history(resp))

@@ -26,13 +26,13 @@ from kvshuttle.v1 import common_pb2, registry_pb2, scheduler_pb2
 from opentelemetry import trace
 
 if TYPE_CHECKING:
-    from kvshuttle.services.gateway.turns.runner import TurnRunner
+    from kvshuttle.services.gateway.turns.services import TurnServices
 
 log = logging.getLogger(__name__)
 _DIGEST_INLINE_IDS = 1 << 16  # digests of longer histories are computed in a thread
 
 
-async def run(rt: TurnRunner, ctx: TurnContext) -> None:
+async def run(rt: TurnServices, ctx: TurnContext) -> None:
     """Record the turn's handle and exact ids, with the text they stand for *as the client received it*: the
     prompt's text, the answer's text (special tokens skipped if the request skipped them, hidden stop tokens left
     out), and the end-of-turn marker's text when the answer ended with one (the chat template writes it after the
@@ -45,7 +45,7 @@ async def run(rt: TurnRunner, ctx: TurnContext) -> None:
         ctx.timings["record_ms"] = round((time.perf_counter() - t) * 1000, 3)
 
 
-async def _record(rt: TurnRunner, ctx: TurnContext) -> None:
+async def _record(rt: TurnServices, ctx: TurnContext) -> None:
     req, final, output = ctx.request, ctx.final, ctx.output_ids
     assert final is not None, "the decode stage ends with D's final message"
     if not req.session_id:
@@ -86,7 +86,7 @@ async def _record(rt: TurnRunner, ctx: TurnContext) -> None:
             free_unrecorded(rt, ctx)
 
 
-async def _record_turn(rt: TurnRunner, ctx: TurnContext, ids: list[int], text: str,
+async def _record_turn(rt: TurnServices, ctx: TurnContext, ids: list[int], text: str,
                        handle_json: str) -> registry_pb2.RecordTurnResponse:
     """RecordTurn with only the ids after those the prompt kept of the recorded history when it continued it (all
     of them, or those up to a text boundary: the history store keeps them), and the prefix digests computed here
@@ -147,7 +147,7 @@ def text_boundaries(text: str, cuts: Sequence[tuple[int, int, bool]]) -> list[co
     return out
 
 
-def _resume(rt: TurnRunner, req, base: common_pb2.Session | None,
+def _resume(rt: TurnServices, req, base: common_pb2.Session | None,
             wanted: list[int]) -> tuple[PrefixHasher, dict[int, bytes]]:
     """The digest state to continue from, and the digests of ``wanted`` lengths it already covers: this gateway's
     state over ``base``'s whole history when it kept one (the lengths within it come from ``base``'s own digests),
@@ -163,7 +163,7 @@ def _resume(rt: TurnRunner, req, base: common_pb2.Session | None,
     return hasher, {n: known[n] for n in wanted if n <= hasher.length}
 
 
-def _kept(rt: TurnRunner, req, resp: registry_pb2.RecordTurnResponse,
+def _kept(rt: TurnServices, req, resp: registry_pb2.RecordTurnResponse,
           hasher: PrefixHasher) -> registry_pb2.RecordTurnResponse:
     """Keep the digest state over the recorded history for the session's next turn on this gateway."""
     if req.session_id and hasher.length == resp.session.history_tokens:
@@ -171,7 +171,7 @@ def _kept(rt: TurnRunner, req, resp: registry_pb2.RecordTurnResponse,
     return resp
 
 
-def end_marker(rt: TurnRunner, output: list[int], hidden: set[int] | frozenset[int]) -> str:
+def end_marker(rt: TurnServices, output: list[int], hidden: set[int] | frozenset[int]) -> str:
     """The text of the answer's last token when it is an EOS token left out of the answer's text."""
     eos = getattr(rt.tokenizer, "eos_token_ids", None)
     last = output[-1] if output else None
@@ -180,7 +180,7 @@ def end_marker(rt: TurnRunner, output: list[int], hidden: set[int] | frozenset[i
     return rt.tokenizer.decode([last], False)
 
 
-def free_unrecorded(rt: TurnRunner, ctx: TurnContext) -> None:
+def free_unrecorded(rt: TurnServices, ctx: TurnContext) -> None:
     """A turn whose handle nothing records (no session id, or the registry could not take it) would leave its
     decode worker holding the blocks until its TTL, where no turn can pull them and the scheduler cannot find
     them (clients that send no session id would fill it): free them now, in the background (a one-block read
@@ -206,7 +206,7 @@ def free_unrecorded(rt: TurnRunner, ctx: TurnContext) -> None:
     rt.background(free())
 
 
-def release_unused_handle(rt: TurnRunner, ctx: TurnContext) -> asyncio.Task | None:
+def release_unused_handle(rt: TurnServices, ctx: TurnContext) -> asyncio.Task | None:
     """A turn that recomputed leaves the session's previous KV handle unread, and its decode worker would keep
     those blocks until its TTL (``decoder_kv_blocks_ttl``, minutes): under steady load that fills D's KV cache
     and new turns wait for blocks. Free them: claim the handle (so no other turn can be reading it), then have
@@ -215,7 +215,7 @@ def release_unused_handle(rt: TurnRunner, ctx: TurnContext) -> asyncio.Task | No
 
     Runs in the background; the record is written only after it (the claim is at the old record's revision)."""
     req, plan = ctx.request, ctx.plan
-    snapshot = ctx.known_session.get("session_snapshot")
+    snapshot = ctx.known_session.snapshot
     if (plan.decision == scheduler_pb2.DECISION_PULL or snapshot is None or not rt.release_unused_handles
             or req.disable_pull):  # a forced recompute (benchmarks, comparisons) leaves the session's KV alone
         return None
@@ -230,7 +230,7 @@ def release_unused_handle(rt: TurnRunner, ctx: TurnContext) -> asyncio.Task | No
         rt, f"{ctx.id}-release", record, plan.prefill, ctx.prompt_ids, req.tenant, req.session_id)))
 
 
-async def free_handle(rt: TurnRunner, request_id: str, record: common_pb2.Session, prefill: common_pb2.Worker,
+async def free_handle(rt: TurnServices, request_id: str, record: common_pb2.Session, prefill: common_pb2.Worker,
                       ids: Sequence[int], tenant: str, session_id: str) -> bool:
     """Claim ``record``'s handle, then have ``prefill`` read its first block (from ``ids``, tokens that repeat
     the handle's: kv_params.free_read, EngineClient.read_to_free); D then frees all of the handle's blocks. Best

@@ -10,8 +10,8 @@ from typing import Any
 import grpc
 from kvshuttle.control_plane.constraints import Constraint
 from kvshuttle.control_plane.session import DEFAULT_TENANT
-from kvshuttle.services.gateway.turns.context import TurnError
-from kvshuttle.services.gateway.turns.parse import AnswerParsing
+from kvshuttle.services.gateway.turns.errors import TurnError
+from kvshuttle.services.gateway.turns.parsers import AnswerParsing
 
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 32, 512
 MAX_STOP_TOKEN_IDS, MAX_LOGIT_BIAS = 1024, 1024  # bounds on a request's lists (vLLM has none; they cost every step)

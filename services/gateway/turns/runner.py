@@ -9,8 +9,11 @@
 
 ``prepare`` runs the first three (a front end can still refuse or shape the answer then), ``decode`` the rest.
 Each stage reads what earlier stages put in the context and adds its own part, so it can be tested alone with a
-context built by hand. The three front ends (openai_api, anthropic_api, responses_api) translate their request
-into a TurnRequest and spell the events in their API's shape.
+context built by hand. Stages never call each other: one that cannot go on raises a typed outcome (errors.py:
+SnapshotStale, WorkerDown, DecodeFailed), and the runner alone owns the loops that follow (read the record again
+and re-plan; plan without a failed P; resume the answer on another D). Stages are typed against
+services.TurnServices, which the runner provides. The front ends build the TurnRequest with builder.py and spell
+the events in their API's shape.
 """
 
 from __future__ import annotations
@@ -19,23 +22,33 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import grpc
+from kvshuttle.control_plane import reasons as why
 from kvshuttle.control_plane import session as session_rules
 from kvshuttle.control_plane.lru import BoundedLru
 from kvshuttle.control_plane.prefix import PrefixHasher, ids_bytes
 from kvshuttle.services.common import metrics
 from kvshuttle.services.common.telemetry import hashed
-from kvshuttle.services.engine.client import EngineClient
+from kvshuttle.services.engine.client import EngineClient, Final
 from kvshuttle.services.gateway.turns import decode as decoding
+from kvshuttle.services.gateway.turns import parse as parsing
 from kvshuttle.services.gateway.turns import plan as planning
 from kvshuttle.services.gateway.turns import prefill as prefilling
 from kvshuttle.services.gateway.turns import prompt as prompting
 from kvshuttle.services.gateway.turns import record as recording
-from kvshuttle.services.gateway.turns.context import Delta, Finished, Tokenizer, TurnContext, TurnError, elapsed_ms
-from kvshuttle.services.gateway.turns.parse import AnswerEvents
+from kvshuttle.services.gateway.turns.context import (
+    Delta,
+    Finished,
+    KnownSession,
+    KvOutcome,
+    Tokenizer,
+    TurnContext,
+    elapsed_ms,
+)
+from kvshuttle.services.gateway.turns.errors import DecodeFailed, SnapshotStale, TurnError, WorkerDown
 from kvshuttle.services.gateway.turns.request import TurnRequest, check_length, validate
 from kvshuttle.services.gateway.turns.spans import (
     finished_attributes,
@@ -169,11 +182,16 @@ class TurnRunner:
                 await prompting.build(self, ctx)
                 ctx.timings["prompt_ms"] = elapsed_ms(t)
                 if req.session_id:
-                    snapshot = ctx.known_session.get("session_snapshot")
+                    snapshot = ctx.known_session.snapshot
                     ctx.span.set_attribute("kvshuttle.turn_index", snapshot.session.turn + 1 if snapshot else 1)
                 self.check_length(req, ctx.prompt_ids)
-                await planning.run(self, ctx)
-                await prefilling.run(self, ctx)
+                await self._plan(ctx)
+
+                async def prefill_on(plan: scheduler_pb2.PlanTurnResponse, attempt: int) -> None:
+                    ctx.plan = plan
+                    await prefilling.run(self, ctx, attempt)
+
+                await self._prefill(ctx.id, ctx.plan, ctx.prompt_ids, ctx.kv, req, ctx.excluded, prefill_on)
                 ctx.release = recording.release_unused_handle(self, ctx)
                 return ctx
         except BaseException as exc:
@@ -183,26 +201,23 @@ class TurnRunner:
             raise
 
     async def decode(self, turn: TurnContext) -> AsyncIterator[Delta | Finished]:
-        """The decode and record stages: stream D's tokens as text deltas, record the session, then yield the
-        summary.
+        """The decode, parse and record stages: stream D's tokens as text deltas (with what they mean), record the
+        session, then yield the summary.
 
         The consumer may resume this generator from another task (HTTP streaming), so no span is made current
         across a ``yield``; child spans name their parent explicitly.
         """
         answered = False
-        answer = AnswerEvents(turn.request.parsing, turn.prompt_text)
         try:
-            async for delta in decoding.run(self, turn):
-                delta.events = answer.feed(delta.text)
+            async for delta in parsing.run(turn, self._decode(turn)):
                 yield delta
             assert turn.final is not None
-            held = answer.finish()
             await recording.run(self, turn)
             turn.timings["total_ms"] = elapsed_ms(turn.started)
             req = turn.request
             event = Finished(turn.final.finish_reason, turn.text, turn.output_ids, len(turn.prompt_ids), turn.kv,
-                             turn.timings, turn.output_logprobs if req.logprobs is not None else None, held,
-                             answer.events)
+                             turn.timings, turn.output_logprobs if req.logprobs is not None else None,
+                             turn.held_events, turn.answer_events)
             # the turn is done (a consumer may close this generator later)
             log_turn(turn, event)
             turn.span.set_attributes(finished_attributes(turn, event, self.served_model))
@@ -219,6 +234,110 @@ class TurnRunner:
         finally:
             if turn.span.is_recording():
                 turn.span.end()
+
+    # -- the loops the stages leave to the runner: a stale snapshot, a failed P, a failed D ----------------------
+
+    async def _plan(self, ctx: TurnContext) -> None:
+        """The plan stage; when the scheduler finds the snapshot stale (another gateway changed the record), the
+        record is read again, the prompt built again and the turn planned once more."""
+        req = ctx.request
+        try:
+            await planning.run(self, ctx)
+        except SnapshotStale:
+            self.forget_record(req.tenant, req.session_id)
+            await prompting.build(self, ctx, fresh=True)
+            self.check_length(req, ctx.prompt_ids)
+            await planning.run(self, ctx, settle=True)
+
+    async def _prefill(self, turn_id: str, plan: scheduler_pb2.PlanTurnResponse, prompt_ids: list[int],
+                       kv: KvOutcome, req: TurnRequest, excluded: list[str],
+                       attempt_on: Callable[[scheduler_pb2.PlanTurnResponse, int], Awaitable[object]],
+                       ) -> scheduler_pb2.PlanTurnResponse:
+        """``attempt_on(plan, attempt)`` (a prefill) until one P does not fail: a failed P is excluded and the turn
+        planned again without it (a recompute elsewhere), up to ``worker_retries`` times. Returns the plan that
+        worked; TurnError (503) when none is left."""
+        attempt = 0
+        while True:
+            try:
+                await attempt_on(plan, attempt)
+                return plan
+            except WorkerDown as down:
+                attempt += 1
+                excluded.append(down.worker_id)
+                metrics.worker_failed("prefill")
+                failure = f"prefill worker {down.worker_id} failed ({down.error})"
+                log.warning("turn %s: %s", turn_id, failure)
+                trace.get_current_span().add_event("worker_failed", {"kvshuttle.worker": down.worker_id,
+                                                                     "error": str(down.error)})
+                if attempt > self.worker_retries:
+                    kv.worker_failures.append(failure)
+                    raise TurnError(503, grpc.StatusCode.UNAVAILABLE, f"{failure}; no retries left",
+                                    retry_after_s=1) from None
+                try:
+                    plan = await planning.ask(self, req, prompt_ids, KnownSession(), exclude=excluded)
+                except TurnError as exc:
+                    kv.worker_failures.append(failure)
+                    raise TurnError(exc.http_status, exc.code, f"{failure}; {exc.message}",
+                                    exc.retry_after_s) from None
+                kv.worker_failures.append(f"{failure}; recomputed on {plan.prefill.worker_id}")
+                kv.decision, kv.reason = "recompute", f"{failure}: recomputed on another worker"
+                kv.reason_code = why.WORKER_FAILED
+                kv.prefill_worker_id, kv.decode_worker_id = plan.prefill.worker_id, plan.decode.worker_id
+
+    async def _decode(self, ctx: TurnContext) -> AsyncIterator[Delta]:
+        """The decode stage, resumed on another D each time one fails mid-answer."""
+        decoding_ = decoding.Decoding(self, ctx)
+        async for delta in decoding_.first():
+            yield delta
+        while True:
+            try:
+                async for delta in decoding_.stream():
+                    yield delta
+                break
+            except DecodeFailed as failed:
+                decoding_.resumed(await self._resume(ctx, failed, decoding_.attempt))
+        async for delta in decoding_.finish():
+            yield delta
+
+    async def _resume(self, ctx: TurnContext, failed: DecodeFailed, attempt: int) -> list[int]:
+        """D failed mid-answer: prefill the prompt plus the tokens already generated on a live P (a recompute),
+        point the turn at a new D, and return D's new prompt. The client's stream goes on where it stopped (with
+        greedy sampling, exactly as if nothing happened). TurnError (503) when no retry or no worker is left."""
+        output = ctx.output_ids
+        ctx.excluded.append(failed.worker_id)
+        metrics.worker_failed("decode")
+        failure = f"decode worker {failed.worker_id} failed after {len(output)} tokens ({failed.error})"
+        log.warning("turn %s: %s", ctx.id, failure)
+        ctx.span.add_event("worker_failed", {"kvshuttle.worker": failed.worker_id, "error": str(failed.error),
+                                             "kvshuttle.generated_tokens": len(output)})
+        if attempt > self.worker_retries or (ctx.request.constraint is not None and output):
+            # A constrained answer cannot go on elsewhere: a new D would start the grammar afresh mid-answer.
+            why_not = "no retries left" if attempt > self.worker_retries else "a constrained answer cannot resume"
+            ctx.kv.worker_failures.append(failure)
+            raise TurnError(503, grpc.StatusCode.UNAVAILABLE, f"{failure}; {why_not}", retry_after_s=1)
+        resume_ids = [*ctx.prompt_ids, *output]
+        scratch = KvOutcome("recompute", "resume after a decode worker failed")
+        resume_id = f"{ctx.id}-resume{attempt}"
+        p_final: list[Final] = []
+
+        async def prefill_on(plan: scheduler_pb2.PlanTurnResponse, tries: int) -> None:
+            p_final[:] = [await prefilling.prefill(self, f"{resume_id}-{tries}" if tries else resume_id, plan,
+                                                   resume_ids, scratch, ctx.request)]
+
+        with trace.use_span(ctx.span, end_on_exit=False):
+            try:
+                plan = await planning.ask(self, ctx.request, resume_ids, KnownSession(), exclude=ctx.excluded)
+                plan = await self._prefill(resume_id, plan, resume_ids, scratch, ctx.request, ctx.excluded,
+                                           prefill_on)
+            except TurnError as exc:
+                ctx.kv.worker_failures.extend([*scratch.worker_failures, failure])
+                raise TurnError(exc.http_status, exc.code, f"{failure}; {exc.message}", exc.retry_after_s) from None
+        ctx.kv.worker_failures.extend(scratch.worker_failures)
+        ctx.kv.worker_failures.append(f"{failure}; resumed on {plan.decode.worker_id} (prefilled "
+                                      f"{len(resume_ids)} tokens on {plan.prefill.worker_id})")
+        ctx.kv.decode_worker_id = plan.decode.worker_id
+        ctx.plan, ctx.decode_params = plan, p_final[0].kv_transfer_params
+        return resume_ids
 
     async def run(self, req: TurnRequest) -> tuple[TurnContext, Finished]:
         turn = await self.prepare(req)

@@ -7,7 +7,8 @@ from collections.abc import Awaitable
 from typing import Any
 
 from kvshuttle.services.common.telemetry import hashed
-from kvshuttle.services.gateway.turns.context import Finished, TurnContext, TurnError
+from kvshuttle.services.gateway.turns.context import Finished, TurnContext
+from kvshuttle.services.gateway.turns.errors import TurnError
 from kvshuttle.services.gateway.turns.request import TurnRequest
 from kvshuttle.v1 import scheduler_pb2
 from opentelemetry import trace

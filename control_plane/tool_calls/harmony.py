@@ -13,7 +13,7 @@ The first message has no ``<|start|>assistant``: the prompt ends with it. A head
 engine leaves its stop token out of the text), so the answer's end also ends its last message.
 
 What each message is, as vLLM decides it (vllm/parser/harmony.py, on the messages the ``openai_harmony`` library
-parses from the token ids; tests/unit/test_harmony_parser.py checks this module against both):
+parses from the token ids; tests/slow/test_harmony_parser.py checks this module against both):
 
 - a recipient that names a function (``functions.NAME``, or a bare name that is not one of the built-in tools
   ``python``, ``browser.*``, ``container.*``) makes the message a call to NAME, whatever its channel, its text the
@@ -39,6 +39,9 @@ Where this parser differs from vLLM, on purpose (the project's rule: never drop 
   all streams as content instead of waiting for a ``<|message|>`` that never comes).
 
 A literal ``<|channel|>`` that the model wrote as ordinary text cannot be told from the special token here.
+
+:class:`HarmonyCalls` (at the end) is the ``openai`` tool-call parser: this parser without the reasoning. Its calls
+cannot be forced (``NOT_FORCED`` says why).
 """
 
 from __future__ import annotations
@@ -48,8 +51,9 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from kvshuttle.control_plane.reasoning import CONTENT, REASONING, partial_tail
-from kvshuttle.control_plane.tool_calls import ParsedCall, Tools
+from kvshuttle.control_plane.reasoning import CONTENT, REASONING
+from kvshuttle.control_plane.tool_calls.base import Family, Item, ParsedCall, Tools
+from kvshuttle.control_plane.tool_calls.scan import first, partial_tail
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 END, RETURN, CALL = "<|end|>", "<|return|>", "<|call|>"
@@ -143,16 +147,6 @@ def function_name(recipient: str | None) -> str | None:
     return recipient
 
 
-def _first(text: str, tags: tuple[str, ...], start: int = 0) -> tuple[int, str]:
-    """The earliest of ``tags`` in ``text[start:]``: (index, tag); (-1, "") when there is none."""
-    best, found = -1, ""
-    for tag in tags:
-        at = text.find(tag, start)
-        if at >= 0 and (best < 0 or at < best):
-            best, found = at, tag
-    return best, found
-
-
 _LONGEST = max(map(len, (MESSAGE, *ENDS, *BREAKS)))
 
 
@@ -238,7 +232,7 @@ class HarmonyParser:
     # -- the states: each consumes what it can of _held; True when it needs more text -----------------------------
 
     def _read_header(self, *, final: bool) -> Iterator[HarmonyEvent]:
-        at, tag = _first(self._held, (MESSAGE, START, *ENDS))
+        at, tag = first(self._held, (MESSAGE, START, *ENDS))
         header_text = self._held[:at] if at >= 0 else self._held[:len(self._held) - _tail(self._held, (MESSAGE,
                                                                                                         START, *ENDS))]
         if len(header_text) > MAX_HEADER:
@@ -293,7 +287,7 @@ class HarmonyParser:
         self._fresh, self._seen, self._prefix = True, 0, ""
 
     def _read_text(self, *, final: bool) -> Iterator[HarmonyEvent]:
-        at, tag = _first(self._held, (*ENDS, *BREAKS))
+        at, tag = first(self._held, (*ENDS, *BREAKS))
         if at < 0:
             keep = 0 if final else _tail(self._held, (*ENDS, *BREAKS))
             text, self._held = self._held[:len(self._held) - keep], self._held[len(self._held) - keep:]
@@ -312,7 +306,7 @@ class HarmonyParser:
         return False
 
     def _read_call(self, *, final: bool) -> Iterator[HarmonyEvent]:
-        at, tag = _first(self._held, (*ENDS, *BREAKS), max(0, self._seen - _LONGEST + 1))
+        at, tag = first(self._held, (*ENDS, *BREAKS), max(0, self._seen - _LONGEST + 1))
         if at < 0 and not final:
             self._seen = len(self._held)
             return True
@@ -342,7 +336,7 @@ class HarmonyParser:
         return body if content_type is not None and "json" not in content_type else json.dumps(value)
 
     def _read_between(self, *, final: bool) -> Iterator[HarmonyEvent]:
-        at, tag = _first(self._held, BREAKS)
+        at, tag = first(self._held, BREAKS)
         if at < 0:
             keep = 0 if final else _tail(self._held, BREAKS)
             text, self._held = self._held[:len(self._held) - keep], self._held[len(self._held) - keep:]
@@ -371,3 +365,38 @@ class HarmonyParser:
         self._said.add(kind)
         yield kind, text
 
+
+# -- the ``openai`` tool-call parser ---------------------------------------------------------------------------------
+
+
+class HarmonyCalls:
+    """``openai``: gpt-oss's Harmony messages (:class:`HarmonyParser`), as a tool-call parser: content and calls,
+    analysis messages passed on as content as written. answer.AnswerParser does not run this one: it parses Harmony
+    answers with harmony.HarmonyParser, reasoning included when the reasoning parser is Harmony's too. The markers
+    are special tokens: the answer must be decoded keeping them."""
+
+    keeps_special_tokens = True
+
+    def __init__(self, tools: Tools = None):
+        self._parser = HarmonyParser(tools, reasoning=False)
+
+    @property
+    def calls(self) -> int:
+        return self._parser.calls
+
+    def feed(self, text: str) -> Iterator[Item]:
+        yield from self._items(self._parser.feed(text))
+
+    def finish(self) -> Iterator[Item]:
+        yield from self._items(self._parser.finish())
+
+    @staticmethod
+    def _items(events) -> Iterator[Item]:
+        for event in events:
+            yield event if isinstance(event, ParsedCall) else event[1]
+
+
+NOT_FORCED = ("a call is a Harmony message of its own, after the analysis (reasoning) message gpt-oss writes first, "
+              "framed by special tokens (<|channel|>, <|constrain|>, <|message|>, <|call|>); the constraints here are "
+              "placed after think-tag reasoning only, so no grammar can hold the call without holding the channels")
+FAMILY = Family(("openai",), HarmonyCalls, not_forced=NOT_FORCED)

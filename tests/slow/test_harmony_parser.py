@@ -1,6 +1,7 @@
-"""gpt-oss's Harmony answers (control_plane/harmony.py, the ``openai`` parsers): whole answers written out, streams
-split at every position giving exactly the whole answer's parts, headers parsed as ``openai_harmony`` parses them,
-and answers parsed as vLLM's own HarmonyParser reports them (in a subprocess), or differing only where we chose to."""
+"""gpt-oss's Harmony answers (control_plane/tool_calls/harmony.py, the ``openai`` parsers): whole answers written out,
+streams split at every position giving exactly the whole answer's parts, headers parsed as ``openai_harmony`` parses
+them, and answers parsed as vLLM's own HarmonyParser reports them (in a subprocess), or differing only where we chose
+to."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from dataclasses import dataclass
 
 import pytest
 from kvshuttle.control_plane.answer import AnswerParser, ParsedAnswer, Piece, keeps_special_tokens, parse_answer
-from kvshuttle.control_plane.harmony import MAX_HEADER, Header, function_name, parse_header
 from kvshuttle.control_plane.reasoning import REASONING_PARSERS, Harmony
 from kvshuttle.control_plane.tool_calls import TOOL_CALL_PARSERS, ParsedCall
+from kvshuttle.control_plane.tool_calls.harmony import MAX_HEADER, Header, function_name, parse_header
 
 from tests.support import harmony_reference
 from tests.support.streaming import streamed
