@@ -41,7 +41,8 @@ from typing import Any
 
 from kvshuttle.workers import agent_script as script
 
-# The agent model's system prompt and tool list (agent_script's header, the same text).
+# The agent model's system prompt and tool list: agent_script's header without its hermes call instruction (each
+# family's own call syntax is what the grammar forces).
 _HEADER = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\\n' }}"
