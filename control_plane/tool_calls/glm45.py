@@ -2,15 +2,17 @@
 <arg_value>V</arg_value>...</tool_call>`` (newlines between the tags or not); values typed by schema; with tools given, a name that is not one of
 them is no call (vLLM's rule).
 
-Forced calls, one syntax per template (the parser reads both): ``<tool_call>NAME`` then the arguments in xgrammar's
-``glm_xml`` style held to the tool's schema (a string value as raw text), then ``</tool_call>``, with at most one
-whitespace character in a row between the tags (forced.MAX_WHITESPACE; xgrammar cannot forbid it):
+Forced calls, one syntax per template (the parser reads both), each argument as the template writes it, in the
+schema's order, a value that is not a string with ``tojson`` (forced.XmlArguments):
 
 - ``glm45`` (GLM-4.5/4.6's template): every call as ``\\n<tool_call>NAME\\n<arg_key>K</arg_key>\\n<arg_value>V
-  </arg_value>\\n</tool_call>``, a newline before each call (the first one too) and none between calls; the newline
-  after the name is the arguments' whitespace, so the model cannot write two there;
+  </arg_value>\\n</tool_call>``, a newline before each call (the first one too) and none between calls;
 - ``glm47`` (GLM-4.7's, GLM-5's): ``<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value></tool_call>``, nothing
-  between calls; a model may still write one whitespace character between the tags, which the template drops.
+  between calls.
+
+A schema with nested objects, arrays, unions or constraints on a value (a pattern, a range) falls back to xgrammar's
+``glm_xml`` style, held to the schema but with a whitespace character allowed around each value, which the template
+would not render back.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections.abc import Iterator
 
 from kvshuttle.control_plane.tool_calls.base import Family, Item, Tools
 from kvshuttle.control_plane.tool_calls.calls import Calls
-from kvshuttle.control_plane.tool_calls.forced import CallSyntax
+from kvshuttle.control_plane.tool_calls.forced import CallSyntax, XmlArguments
 from kvshuttle.control_plane.tool_calls.schema import tool_names, typed
 
 _GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
@@ -62,7 +64,12 @@ class Glm45Parser(Calls):
         return name, typed(json.dumps(params, ensure_ascii=False), name, self.tools)
 
 
-FORCED = CallSyntax("\n<tool_call>", "", "</tool_call>", "", style="glm_xml")  # GLM-4.5
-FORCED_47 = CallSyntax("<tool_call>", "", "</tool_call>", "", style="glm_xml")  # GLM-4.7
+_EXCLUDES = ("</arg_value>", "</tool_call>")
+FORCED = CallSyntax("\n<tool_call>", "", "</tool_call>", "", style=XmlArguments(  # GLM-4.5
+    "glm_xml", lead="\n", key_open="<arg_key>", key_close="</arg_key>\n<arg_value>", value_close="</arg_value>\n",
+    excludes=_EXCLUDES, scalars="json"))
+FORCED_47 = CallSyntax("<tool_call>", "", "</tool_call>", "", style=XmlArguments(  # GLM-4.7
+    "glm_xml", lead="", key_open="<arg_key>", key_close="</arg_key><arg_value>", value_close="</arg_value>",
+    excludes=_EXCLUDES, scalars="json"))
 FAMILY = Family(("glm45",), Glm45Parser, FORCED)
 GLM47 = Family(("glm47",), Glm45Parser, FORCED_47)

@@ -3,13 +3,12 @@
 allowed. A value loses one leading and one trailing newline and is typed by the tool's schema; a parameter left
 unclosed before ``</function>`` is dropped, as vLLM does.
 
-Forced calls: one block per call as the template renders it (``<tool_call>\\n<function=NAME>``, the parameters,
-``</function>\\n</tool_call>``; calls joined by a newline), the parameters in xgrammar's ``qwen_xml`` style (a string
-value as raw text, the others as JSON) held to the tool's schema, with at most one whitespace character in a row
-between the tags (forced.MAX_WHITESPACE); the newline after ``<function=NAME>`` is that whitespace, so the model cannot
-write two there. Not forced: the template writes a scalar that is not a string with ``| string`` (Python's ``True``,
-``False``, ``None``) where the grammar has JSON (``true``), so a boolean or null argument does not re-render as written;
-numbers and strings do.
+Forced calls: one block per call as the template renders it (``<tool_call>\\n<function=NAME>\\n``, the parameters,
+``</function>\\n</tool_call>``; calls joined by a newline), each parameter as ``<parameter=KEY>\\nVALUE\\n</parameter>
+\\n`` in the schema's order, VALUE as the template writes it (a string as raw text, another scalar with ``| string``:
+``True``, ``3``, ``1.5``; forced.XmlArguments). A schema with nested objects, arrays, unions, null, or constraints on a
+value (a pattern, a range) falls back to xgrammar's ``qwen_xml`` style, held to the schema but with a whitespace
+character allowed around each value, which the template would not render back.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from collections.abc import Iterator
 
 from kvshuttle.control_plane.tool_calls.base import Family, Item, Tools
 from kvshuttle.control_plane.tool_calls.calls import Calls
-from kvshuttle.control_plane.tool_calls.forced import CallSyntax
+from kvshuttle.control_plane.tool_calls.forced import CallSyntax, XmlArguments
 from kvshuttle.control_plane.tool_calls.schema import typed
 
 _PARAM_OPEN = r"<\s*parameter\s*=\s*"
@@ -90,5 +89,7 @@ class Qwen3CoderParser(Calls):
         return name, typed(json.dumps(params, ensure_ascii=False), name, self.tools)
 
 
-FORCED = CallSyntax("<tool_call>\n<function=", ">", "</function>\n</tool_call>", "\n", style="qwen_xml")
+ARGUMENTS = XmlArguments("qwen_xml", lead="\n", key_open="<parameter=", key_close=">\n", value_close="\n</parameter>\n",
+                         excludes=("</parameter>", "<parameter=", "</function>"), scalars="python")
+FORCED = CallSyntax("<tool_call>\n<function=", ">", "</function>\n</tool_call>", "\n", style=ARGUMENTS)
 FAMILY = Family(("qwen3_coder", "qwen3_xml"), Qwen3CoderParser, FORCED)

@@ -56,28 +56,6 @@ PLAIN_MAX_TOKENS = 4
 # answer after one call (constraints.forced_tool_calls one_call).
 PARALLEL = {"hermes", "qwen3_json"}
 
-# Families whose forced call does not come back as the text the model wrote, and why (seen in this module's runs).
-# The XML argument styles' whitespace is bounded (forced.MAX_WHITESPACE: the runs of newlines up to max_tokens are
-# gone), but xgrammar's qwen_xml and glm_xml styles still allow one whitespace character around a value inside its
-# tags, even an enum's, and between the tags where the template writes a newline (or, GLM-4.7, nothing); the family's
-# parser keeps a value's whitespace (qwen3_coder drops one newline each side, glm45 none), so the
-# call's argument is outside the schema, and the template would not render the whitespace back either.
-_XML_VALUE = ("xgrammar's {style} style (control_plane/tool_calls/forced.py CallSyntax._arguments, max_whitespace_cnt 1, "
-              "the least it takes) allows whitespace around an enum value inside {tags} and a whitespace character where "
-              "the template writes {where}; the named call came back as {seen} ({parser} keeps the value's whitespace), so the argument is outside the enum and would not re-render")
-XFAIL = {
-    "qwen3_coder": _XML_VALUE.format(style="qwen_xml", tags="<parameter=city>...</parameter>", where="a newline",
-                                     seen="'<tool_call>\\n<function=pick_city> <parameter=city> Oslo\\n</parameter> "
-                                          "</function>\\n</tool_call>': city ' Oslo'", parser="Qwen3CoderParser"),
-    "glm45": _XML_VALUE.format(style="glm_xml", tags="<arg_value>...</arg_value>", where="a newline",
-                               seen="'\\n<tool_call>pick_city\\n<arg_key>city</arg_key> <arg_value> Oslo\\n"
-                                    "</arg_value>\\n</tool_call>': city ' Oslo\\n'", parser="Glm45Parser"),
-    "glm47": _XML_VALUE.format(style="glm_xml", tags="<arg_value>...</arg_value>", where="nothing",
-                               seen="'<tool_call>pick_city\\n<arg_key>city</arg_key>\\n<arg_value>\\nOslo\\n"
-                                    "</arg_value>\\n</tool_call>': city '\\nOslo\\n'", parser="Glm45Parser"),
-}
-
-
 @pytest.fixture(scope="module")
 async def family_gateways(agent_model_dir, tmp_path_factory):
     """The agent model's stack (its gateway: ``--tool-call-parser hermes``, the model's own template) and one more
@@ -170,9 +148,7 @@ def _rerender_problem(tokenizer: GatewayTokenizer, recorded: TappedTurn, message
             f"  written:     {held[max(0, at - 60):at + 80]!r}\n  re-rendered: {prompt[max(0, at - 60):at + 80]!r}")
 
 
-@pytest.mark.parametrize("family", [
-    pytest.param(f, marks=pytest.mark.xfail(strict=True, reason=XFAIL[f])) if f in XFAIL else f
-    for f in FAMILY_TEMPLATES])
+@pytest.mark.parametrize("family", list(FAMILY_TEMPLATES))
 async def test_a_forced_call_echoed_back_re_renders_and_the_next_turn_pulls(family_gateways, agent_model_dir, family):
     stack, urls = family_gateways
     spec = FAMILY_TEMPLATES[family]

@@ -273,3 +273,73 @@ def test_one_call_bounds_required_to_one_call_and_leaves_named_as_it_is():
         assert '"stop_after_first": true' in fmt(None, True)
         assert '"stop_after_first": false' in fmt(None, False)
         assert fmt("get_weather", True) == fmt("get_weather", False)
+
+
+# -- XML arguments written as the template writes them (forced.XmlArguments) ----------------------------------------
+
+SETTINGS = {"type": "function", "function": {"name": "set_mode", "parameters": {
+    "type": "object", "properties": {
+        "mode": {"enum": ["fast", "slow"]}, "n": {"type": "integer"}, "ratio": {"type": "number"},
+        "flag": {"type": "boolean"}, "note": {"type": "string", "description": "free text"}},
+    "required": ["mode", "n", "ratio", "flag"]}}}
+NESTED = {"type": "function", "function": {"name": "plan", "parameters": {
+    "type": "object", "properties": {"steps": {"type": "array", "items": {"type": "string"}}}}}}
+SETTINGS_CALLS: list[list[Call]] = [
+    [("set_mode", {"mode": "fast", "n": -12, "ratio": 0.25, "flag": True})],
+    [("set_mode", {"mode": "slow", "n": 0, "ratio": 3, "flag": False, "note": "two\nlines, <b>bold</b>"})],
+    [("set_mode", {"mode": "slow", "n": 7, "ratio": 123456.5, "flag": True, "note": ""}),
+     ("set_mode", {"mode": "fast", "n": 1, "ratio": 0.0001, "flag": False})],
+]
+XML_FAMILIES = ("qwen3_coder", "glm45", "glm47")
+
+
+def _rendered(family: str, calls: list[Call], tmp_path) -> str:
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    Tokenizer(WordLevel({"<unk>": 0}, unk_token="<unk>")).save(str(tmp_path / "tokenizer.json"))
+    spec = FAMILY_TEMPLATES[family]
+    tokenizer = GatewayTokenizer(tmp_path, spec.template)
+    prompt = tokenizer.render_chat(SYSTEM, tools=[SETTINGS], **spec.template_kwargs)
+    message = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": f"call_{i}", "type": "function", "function": {"name": n, "arguments": a}}
+        for i, (n, a) in enumerate(calls)]}
+    whole = tokenizer.render_chat([*SYSTEM, message], add_generation_prompt=False, tools=[SETTINGS],
+                                  **spec.template_kwargs)
+    return whole[len(prompt):-len("<|im_end|>\n")]
+
+
+@pytest.mark.parametrize("family", XML_FAMILIES)
+def test_xml_arguments_are_forced_exactly_as_the_template_writes_them(family, tmp_path):
+    """Every scalar kind (an enum, an integer, a number, a boolean, raw text), rendered by the family's template, is
+    accepted and parses back into the calls; the same text with a value written otherwise (a space inside the tag,
+    JSON's ``true`` where the template writes Python's, a trailing zero, a parameter out of the schema's order) is
+    refused, since the template would not render it back."""
+    parser = FAMILY_TEMPLATES[family].parser
+    rendered = [_rendered(family, calls, tmp_path) for calls in SETTINGS_CALLS]
+    one = rendered[0]
+    python = parser == "qwen3_coder"
+    value_open = ">\n" if python else "<arg_value>"
+    wrong = [one.replace(value_open + "fast", value_open + " fast"),
+             one.replace("True", "true") if python else one.replace("true", "True"),
+             one.replace("0.25", "0.250"), one.replace("-12", "-012")]
+    opening = "<parameter=" if python else "<arg_key>"
+    mode, n, ratio = (one.index(opening + key) for key in ("mode", "n", "ratio"))
+    wrong.append(one[:mode] + one[n:ratio] + one[mode:n] + one[ratio:])  # n before mode
+    assert all(w != one for w in wrong), wrong
+    fmt = forced_tool_calls(CALL_SYNTAX[parser], [SETTINGS], None).value
+    done = subprocess.run([sys.executable, "-c", CHECK], input=json.dumps([[fmt, rendered + wrong]]),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    accepted = json.loads(done.stdout)[0]
+    assert accepted == [True] * len(rendered) + [False] * len(wrong), list(zip(rendered + wrong, accepted))
+    for calls, text in zip(SETTINGS_CALLS, rendered, strict=True):
+        answer = parse_answer(text, None, TOOL_CALL_PARSERS[parser], request_tools=[SETTINGS])
+        assert [(c.name, json.loads(c.arguments)) for c in answer.tool_calls] == calls, text
+
+
+@pytest.mark.parametrize("parser", ["qwen3_coder", "glm45", "glm47"])
+def test_a_schema_xml_arguments_cannot_write_out_falls_back_to_xgrammars_style(parser):
+    fmt = json.dumps(json.loads(forced_tool_calls(CALL_SYNTAX[parser], [NESTED, SETTINGS], None).value))
+    style = "qwen_xml" if parser == "qwen3_coder" else "glm_xml"
+    assert fmt.count(f'"style": "{style}"') == 1 and '"any_text"' in fmt  # plan falls back, set_mode does not
