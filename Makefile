@@ -21,7 +21,7 @@ bench: install
 # always run; each ends with its time by folder (tests/conftest.py).
 test: install
 	@$(PY) -m pytest -n 2 tests/unit tests/integration; fast=$$?; \
-	$(PY) -m pytest tests/slow tests/e2e tests/deploy; rest=$$?; \
+	$(PY) -m pytest --durations=25 tests/slow tests/e2e tests/deploy; rest=$$?; \
 	exit $$(( fast || rest ))
 
 # The inner loop: tests/unit and tests/integration (real etcd and Redis) in parallel, under 2 minutes on 2 cores;

@@ -2,7 +2,7 @@
 CLIENT_QUESTIONS, a get_weather tool) as its own docs show, against a gateway's base URL, with no session id.
 
 Each driver returns what the user saw: the final answer to each question, and the tool calls made on the way. The
-e2e tests run them on the real stack (tests/e2e/test_clients.py); the conversations they send were captured from
+e2e tests run them on the real stack (tests/e2e/agents/test_clients.py); the conversations they send were captured from
 these same drivers (tests/support/capture_clients.py) to train the agent model on them. aiperf is run as its command
 line, from its own environment (.aiperf: its pins do not fit next to the project's).
 """

@@ -1,5 +1,5 @@
 """Test chat templates that render tool calls, tool results and the generation prompt the way each tool-call family's
-REAL chat template does, for the agent test model (kvshuttle.workers.agent_script): tests/e2e/test_forced_calls.py
+REAL chat template does, for the agent test model (kvshuttle.workers.agent_script): tests/e2e/agents/test_forced_calls.py
 starts one gateway per family with one of these (``--chat-template``) on the same workers, forces a call, echoes it
 back and checks that the next turn pulls.
 

@@ -1,4 +1,4 @@
-"""`kvshuttle bench-clients`' arithmetic on tapped turns (the turns themselves: tests/e2e/test_clients.py, with the same
+"""`kvshuttle bench-clients`' arithmetic on tapped turns (the turns themselves: tests/e2e/agents/test_clients.py, with the same
 tap): later turns, found, P's pulled tokens over what the decode worker held, and the check of each turn."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Tools, tool calls and reasoning in the gateway's Chat Completions API (issue #16): what the template gets, how
 answers are parsed and spelled (whole and streamed, read by the official openai client), and every bad input a 400
-naming its field. The turn itself is a stand-in here; tests/e2e/test_agents.py runs real workers."""
+naming its field. The turn itself is a stand-in here; tests/e2e/agents/test_agents.py runs real workers."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The Responses API (issue #16): input items to the template's messages, the answer as output items (whole and
 streamed events, read by the official openai client), stored responses continued with previous_response_id in the
 same session, GET/DELETE, and bad input as 400s naming the field. The turn and the registry are stand-ins here;
-tests/e2e/test_agents.py runs the real stack."""
+tests/e2e/agents/test_agents.py runs the real stack."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """A tap between an unchanged client and the gateway of a local stack: the client gets the tap's base URL, the tap
 forwards every request as it came and every answer as it goes (streams included), one turn at a time, and notes per
 turn what the prefill worker did and what the registry recorded. The end-to-end tests run the clients people use
-through it (tests/e2e/test_clients.py), and ``kvshuttle bench-clients`` its client styles.
+through it (tests/e2e/agents/test_clients.py), and ``kvshuttle bench-clients`` its client styles.
 
 Before each turn it empties P's prefix cache, so that P's own counters say exactly how many prompt tokens came over
 NIXL and how many P computed; after the answer (the gateway has recorded the turn by then) it reads those counters

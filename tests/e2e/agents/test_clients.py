@@ -3,7 +3,7 @@ every tool-loop step is found and pulls the longest common prefix of its prompt 
 in whole blocks, whatever the client echoes back and whatever the chat template drops.
 
 The agent test model (trained on these clients' own requests: kvshuttle.workers.agent_script, CLIENT_STEPS) on real
-vLLM prefill and decode workers, behind three gateways that differ only in the chat template they render with
+vLLM prefill and decode workers (the folder's agent stack: conftest.py), behind three gateways that differ only in the chat template they render with
 (agent_script.TEMPLATE_VARIANTS): the agent model's own, which renders an assistant's reasoning whenever the client
 echoes it; Qwen3's rule (reasoning only after the last user query); DeepSeek-R1's (never). Each client runs the
 client conversation (tests/support/clients.py) through a tap (services/devtools/bench/turn_tap.py) that empties P's prefix
@@ -14,11 +14,10 @@ the longest common prefix of the prompt's ids and the session's recorded ids.
 from __future__ import annotations
 
 import pytest
-from kvshuttle.services.common.config import from_namespace
 from kvshuttle.services.devtools.bench.turn_tap import TurnTap, check_pulls
-from kvshuttle.services.devtools.stack import Stack, StackConfig
 from kvshuttle.workers import agent_script as script
 
+from tests.e2e.agents.conftest import gateways
 from tests.support.clients import CLIENTS, run_aiperf, run_client
 
 pytestmark = pytest.mark.e2e
@@ -28,33 +27,18 @@ CALLS = [call for step in script.CLIENT_STEPS for call in step.tool_calls]
 
 
 @pytest.fixture(scope="module")
-async def gateways(agent_model_dir, tmp_path_factory):
-    """The agent model's stack (its gateway renders with the model's own template), and one more gateway per
-    template variant on the same registry, scheduler and workers: {variant: base URL}, and the stack."""
-    work = tmp_path_factory.mktemp("client-stack")
-    cfg = from_namespace(StackConfig, environ={
-        "KVSHUTTLE_STACK_WORK_DIR": str(work), "KVSHUTTLE_MODEL_DIR": str(agent_model_dir),
-        "KVSHUTTLE_STACK_HTTP_PORT": "0", "KVSHUTTLE_STACK_GRPC_PORT": "0", "KVSHUTTLE_STACK_MAX_MODEL_LEN": "2048",
-        "KVSHUTTLE_STACK_TOOL_CALL_PARSER": "hermes", "KVSHUTTLE_STACK_REASONING_PARSER": "qwen3",
-    })
-    # Idle sessions keep their KV: freeing it reads a block on P, which P's counters would count as a pull.
-    stack = Stack(cfg, scheduler_env={"KVSHUTTLE_SCHEDULER_POLICY": "threshold",
-                                      "KVSHUTTLE_SCHEDULER_KV_IDLE_LIMIT_S": "0"})
-    children = []
-    try:
-        await stack.start()
-        urls = {"echo": stack.base_url}
-        for variant in script.TEMPLATE_VARIANTS[1:]:
-            template = work / f"{variant}.jinja"
-            template.write_text(script.chat_template(variant))
-            child, urls[variant] = await stack.spawn_gateway( f"gateway-{variant}", "--tool-call-parser", "hermes", "--reasoning-parser",
-                REASONING_PARSER[variant], "--chat-template", str(template))
-            children.append(child)
-        yield stack, urls
-    finally:
-        for child in children:
-            await child.stop()
-        await stack.stop()
+async def variant_gateways(agent_stack, tmp_path_factory):
+    """One gateway per template variant (hermes calls, the variant's reasoning parser and template; no API keys) on
+    the folder's agent stack (conftest): the stack and {variant: base URL}."""
+    work = tmp_path_factory.mktemp("client-templates")
+    flags = {}
+    for variant in script.TEMPLATE_VARIANTS:
+        template = work / f"{variant}.jinja"
+        template.write_text(script.chat_template(variant))
+        flags[variant] = ["--tool-call-parser", "hermes", "--reasoning-parser", REASONING_PARSER[variant],
+                          "--chat-template", str(template)]
+    async with gateways(agent_stack, flags) as urls:
+        yield agent_stack, urls
 
 
 @pytest.fixture(scope="module")
@@ -70,9 +54,9 @@ def block_size(stack) -> int:
 
 @pytest.mark.parametrize("variant", script.TEMPLATE_VARIANTS)
 @pytest.mark.parametrize("client", list(CLIENTS))
-async def test_every_later_turn_of_a_client_is_found_and_pulls_what_the_decode_worker_holds(gateways, held, client,
+async def test_every_later_turn_of_a_client_is_found_and_pulls_what_the_decode_worker_holds(variant_gateways, held, client,
                                                                                             variant):
-    stack, urls = gateways
+    stack, urls = variant_gateways
     async with TurnTap(stack, urls[variant]) as tap:
         ran = await run_client(client, tap.base_url)
     # the model answered as trained: the client saw well-formed reasoning, calls and answers
@@ -84,8 +68,8 @@ async def test_every_later_turn_of_a_client_is_found_and_pulls_what_the_decode_w
 
 @pytest.mark.parametrize("variant", script.TEMPLATE_VARIANTS)
 async def test_aiperf_multi_turn_without_a_session_header_finds_and_pulls_every_later_turn(
-        gateways, held, variant, agent_model_dir, tmp_path):
-    stack, urls = gateways
+        variant_gateways, held, variant, agent_model_dir, tmp_path):
+    stack, urls = variant_gateways
     async with TurnTap(stack, urls[variant]) as tap:
         report = await run_aiperf(tap.base_url, agent_model_dir, tmp_path)
     turns_per = [len(c) for c in script.AIPERF_CONVERSATIONS]
@@ -99,14 +83,14 @@ async def test_aiperf_multi_turn_without_a_session_header_finds_and_pulls_every_
     print(f"\naiperf on {variant}: {len(later)} later turns, all found; {share:.0%} of their prompt tokens pulled")
 
 
-async def test_forks_of_one_history_find_the_same_session_and_only_one_pulls_its_kv(gateways):
+async def test_forks_of_one_history_find_the_same_session_and_only_one_pulls_its_kv(variant_gateways):
     """Two requests that both continue one record at its boundary (the reasoning dropped), at once: both are
     found in that session, one claims the KV handle and pulls, the other recomputes; both answer alike."""
     import asyncio
 
     import httpx
 
-    stack, urls = gateways
+    stack, urls = variant_gateways
     tools = [{"type": "function", "function": {
         "name": "get_weather", "description": script.CLIENT_TOOL_DESCRIPTION,
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]

@@ -4,23 +4,21 @@ agent loop drives it: tools → parsed tool_calls → tool results → next turn
 recorded history, and every answer is the one the model gives on a single worker (the script the model builder
 checks with transformers' greedy decoding).
 
-Its own stack (the agent model, with ``--tool-call-parser hermes --reasoning-parser qwen3``), started for this
-module only.
+The agent stack of this folder (conftest.agent_stack: ``--tool-call-parser hermes --reasoning-parser qwen3``, API
+keys), which test_clients and test_forced_calls share.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from typing import Any
 
 import httpx
 import pytest
-from kvshuttle.services.common.config import from_namespace
-from kvshuttle.services.devtools.stack import Stack, StackConfig
 from kvshuttle.workers import agent_script as script
 from openai import AsyncOpenAI
 
+from tests.e2e.agents.conftest import RUN_KEYS
 from tests.support.e2e import new_session
 from tests.support.waits import until
 
@@ -28,38 +26,15 @@ pytestmark = pytest.mark.e2e
 MAX_TOKENS = 96
 
 
-# API keys of the module's gateway: "unused" runs as the default tenant; each run of a conversation that must find
-# its own sessions (no session id) takes a tenant of its own, since these tests replay one script several times and
-# a later turn would otherwise continue another run's session of the same history (a fork: docs/agents.md)
-RUN_KEYS = [f"run-{i}" for i in range(8)]
+# Each run of a conversation that must find its own sessions (no session id) takes a tenant of its own
+# (conftest.RUN_KEYS), since these tests replay one script several times and a later turn would otherwise continue
+# another run's session of the same history (a fork: docs/agents.md); "unused" is the tenant "agents".
 _free_keys = iter(RUN_KEYS)
 
 
 def own_tenant() -> str:
     """The API key of a tenant no other test uses."""
     return next(_free_keys)
-
-
-@pytest.fixture(scope="module")
-async def agent_stack(agent_model_dir, tmp_path_factory):
-    work = tmp_path_factory.mktemp("agent-stack")
-    keys = work / "keys.json"
-    keys.write_text(json.dumps({"keys": [{"sha256": hashlib.sha256(k.encode()).hexdigest(), "tenant": tenant}
-                                         for k, tenant in [("unused", "default"),
-                                                           *((k, k.replace("-", "")) for k in RUN_KEYS)]]}))
-    cfg = from_namespace(StackConfig, environ={
-        "KVSHUTTLE_STACK_WORK_DIR": str(work),
-        "KVSHUTTLE_MODEL_DIR": str(agent_model_dir), "KVSHUTTLE_STACK_HTTP_PORT": "0",
-        "KVSHUTTLE_STACK_GRPC_PORT": "0", "KVSHUTTLE_STACK_MAX_MODEL_LEN": "2048",
-        "KVSHUTTLE_STACK_TOOL_CALL_PARSER": "hermes", "KVSHUTTLE_STACK_REASONING_PARSER": "qwen3",
-    })
-    stack = Stack(cfg, scheduler_env={"KVSHUTTLE_SCHEDULER_POLICY": "threshold"},
-                  gateway_env={"KVSHUTTLE_GATEWAY_API_KEYS_FILE": str(keys)}, api_key="unused")
-    try:
-        await stack.start()
-        yield stack
-    finally:
-        await stack.stop()
 
 
 def openai_client(stack, api_key: str = "unused") -> AsyncOpenAI:

@@ -2,13 +2,12 @@
 echoes it back, to exactly what the model wrote, so the next turn continues the session and pulls what the decode
 worker holds.
 
-The agent test model (kvshuttle.workers.agent_script) on one real vLLM prefill/decode pair (NIXL), behind one gateway
-per tool-call family, all on the same registry, scheduler and workers: the stack's own gateway for ``hermes`` (the
-agent model's own template is Hermes / Qwen2.5's), and one more per other family, started with its
-``--tool-call-parser`` and a test template that renders tool calls, tool results and the generation prompt as the
-family's real template does (tests/support/family_templates.py). The model was trained on the hermes syntax only;
-the tool's single argument is an enum, so the grammar (control_plane/tool_calls/, built by the gateway's
-TurnBuilder.tools) decides the text up to the enum value and whitespace.
+The agent test model (kvshuttle.workers.agent_script) on one real vLLM prefill/decode pair (NIXL), the folder's agent
+stack (conftest.py), behind one gateway per tool-call family, each started with its ``--tool-call-parser`` and a test
+template that renders tool calls, tool results and the generation prompt as the family's real template does
+(tests/support/family_templates.py; ``hermes``'s is the agent model's own, Hermes / Qwen2.5's). The model was trained
+on the hermes syntax only; the tool's single argument is an enum, so the grammar (control_plane/tool_calls/, built by
+the gateway's TurnBuilder.tools) decides the text up to the enum value.
 
 Each family runs one conversation through the official openai SDK, without a session id (the gateway finds the
 session by content), through a TurnTap (services/devtools/bench/turn_tap.py: P's prefix cache emptied before each
@@ -27,17 +26,15 @@ text), be found in the session and pull the whole blocks of the longest common p
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
 import pytest
-from kvshuttle.services.common.config import from_namespace
 from kvshuttle.services.devtools.bench.turn_tap import TappedTurn, TurnTap, check_pulls
-from kvshuttle.services.devtools.stack import Stack, StackConfig
 from kvshuttle.services.gateway.tokenizer import GatewayTokenizer
 from openai import AsyncOpenAI
 
+from tests.e2e.agents.conftest import gateways
 from tests.support.family_templates import FAMILY_TEMPLATES
 
 pytestmark = pytest.mark.e2e
@@ -57,37 +54,17 @@ PLAIN_MAX_TOKENS = 4
 PARALLEL = {"hermes", "qwen3_json"}
 
 @pytest.fixture(scope="module")
-async def family_gateways(agent_model_dir, tmp_path_factory):
-    """The agent model's stack (its gateway: ``--tool-call-parser hermes``, the model's own template) and one more
-    gateway per other family on the same registry, scheduler and workers: the stack and {family: base URL}."""
-    work = tmp_path_factory.mktemp("forced-calls-stack")
-    cfg = from_namespace(StackConfig, environ={
-        "KVSHUTTLE_STACK_WORK_DIR": str(work), "KVSHUTTLE_MODEL_DIR": str(agent_model_dir),
-        "KVSHUTTLE_STACK_HTTP_PORT": "0", "KVSHUTTLE_STACK_GRPC_PORT": "0", "KVSHUTTLE_STACK_MAX_MODEL_LEN": "2048",
-        "KVSHUTTLE_STACK_TOOL_CALL_PARSER": "hermes",
-    })
-    # Idle sessions keep their KV: freeing it reads a block on P, which P's counters would count as a pull.
-    stack = Stack(cfg, scheduler_env={"KVSHUTTLE_SCHEDULER_POLICY": "threshold",
-                                      "KVSHUTTLE_SCHEDULER_KV_IDLE_LIMIT_S": "0"})
-    children = []
-    try:
-        await stack.start()
-
-        async def spawn(family: str):
-            template = work / f"{family}.jinja"
-            template.write_text(FAMILY_TEMPLATES[family].template)
-            child, url = await stack.spawn_gateway(f"gateway-{family}", "--tool-call-parser",
-                                                   FAMILY_TEMPLATES[family].parser, "--chat-template", str(template))
-            children.append(child)
-            return family, url
-
-        others = [f for f in FAMILY_TEMPLATES if f != "hermes"]
-        urls = {"hermes": stack.base_url, **dict(await asyncio.gather(*map(spawn, others)))}
-        yield stack, urls
-    finally:
-        for child in children:
-            await child.stop()
-        await stack.stop()
+async def family_gateways(agent_stack, tmp_path_factory):
+    """One gateway per family (its ``--tool-call-parser`` and test template; no API keys) on the folder's agent stack
+    (conftest): the stack and {family: base URL}."""
+    work = tmp_path_factory.mktemp("family-templates")
+    flags = {}
+    for family, spec in FAMILY_TEMPLATES.items():
+        template = work / f"{family}.jinja"
+        template.write_text(spec.template)
+        flags[family] = ["--tool-call-parser", spec.parser, "--chat-template", str(template)]
+    async with gateways(agent_stack, flags) as urls:
+        yield agent_stack, urls
 
 
 def _calls(response) -> list[tuple[str, dict]]:
