@@ -16,6 +16,10 @@ Likewise ``KVSHUTTLE_VLLM_IDLE_SPIN_MS``: after each message, vLLM's shared-memo
 CPU) for one second before they sleep on a socket. On 2 cores, three engines doing that after every request keep
 the control plane waiting for a CPU; a few milliseconds of spinning keeps a busy engine's latency and frees the core
 when it is idle.
+
+Always: in the process that serves vLLM's gRPC API, ``VllmEngineServicer.Generate`` learns to take a per-request
+prefix-cache salt from call metadata (workers/vllm_cache_salt.py: each tenant's own prefix cache). Calls without it
+run unchanged.
 """
 
 from __future__ import annotations
@@ -97,7 +101,17 @@ def tie_to_parent() -> int:
     return int(signal.SIGKILL)
 
 
+def _install_cache_salts() -> None:
+    try:
+        from kvshuttle.workers import vllm_cache_salt
+
+        vllm_cache_salt.install()
+    except Exception:  # noqa: BLE001 - never stop vLLM here: salted calls are then refused, not served unsalted
+        log.exception("could not install per-request cache salts on vLLM's gRPC servicer")
+
+
 def register() -> None:
+    _install_cache_salts()
     if os.environ.get(DIE_ENV) == "1":
         tie_to_parent()
     spin_ms = _int_env(SPIN_ENV)

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from kvshuttle.services.common.caller_check import CallerCheck
 from kvshuttle.services.common.metrics import GrpcMetricsInterceptor
 from kvshuttle.services.common.telemetry import client_interceptors, tracing_enabled
 from kvshuttle.services.common.tls import ClientTls, ServerTls
@@ -27,7 +28,8 @@ class Server:
 
     ``register`` callbacks add servicers (e.g. ``registry_pb2_grpc.add_SessionRegistryServicer_to_server``).
     ``service_names`` are full names (``kvshuttle.v1.SessionRegistry``) reported SERVING and listed by reflection.
-    ``tls`` serves TLS only (mutual TLS when it has a client CA); ``max_message_bytes`` caps received and sent
+    ``tls`` serves TLS only (mutual TLS when it has a client CA, and then each call of the registry's and the
+    scheduler's APIs is authorized by the caller's certificate: caller_check.py); ``max_message_bytes`` caps received and sent
     messages (gRPC's default: 4 MiB received; larger ones fail with RESOURCE_EXHAUSTED).
     """
 
@@ -39,6 +41,9 @@ class Server:
         options = [*_message_options(max_message_bytes), *options]
         # Metrics last (innermost): they get the registered handler itself, instrumented once per method.
         interceptors = [*([aio_server_interceptor()] if tracing_enabled() else []), GrpcMetricsInterceptor()]
+        if tls is not None and tls.client_ca is not None and tls.check_callers:
+            # innermost: the metrics interceptor counts a refused call under PERMISSION_DENIED
+            interceptors.append(CallerCheck())
         self.server = grpc.aio.server(interceptors=interceptors, options=options)
         for add in register:
             add(self.server)

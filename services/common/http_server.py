@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 
 import uvicorn
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -14,13 +16,53 @@ class _EmbeddedServer(uvicorn.Server):
         return contextlib.nullcontext()
 
 
+def _refuse(transport: asyncio.Transport, status: int, reason: str, message: str) -> None:
+    """Answer ``status`` with a JSON error and close the connection (no request is read)."""
+    body = json.dumps({"error": {"message": message, "type": "server_error" if status >= 500 else
+                                 "invalid_request_error", "code": status}}).encode()
+    transport.write(f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}"
+                    "\r\nconnection: close\r\n\r\n".encode() + body)
+    transport.close()
+
+
+def _guarded_protocol(max_connections: int, receipt_timeout_s: float) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol with a connection cap (past it: 503, closed) and a deadline for the first request's
+    headers (past it: 408, closed); 0 turns either off. The body's deadline is the app's (the gateway's HttpGuard)."""
+
+    class Guarded(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
+        _receipt_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:
+            over = bool(max_connections) and len(self.connections) >= max_connections
+            super().connection_made(transport)
+            if over:
+                _refuse(transport, 503, "Service Unavailable", f"over {max_connections} open connections")
+            elif receipt_timeout_s:
+                self._receipt_timer = asyncio.get_running_loop().call_later(receipt_timeout_s, self._too_slow)
+
+        def _too_slow(self) -> None:
+            if self.cycle is None and not self.transport.is_closing():  # no request's headers arrived whole
+                _refuse(self.transport, 408, "Request Timeout",
+                        f"the request headers did not arrive within {receipt_timeout_s:g} s")
+
+        def connection_lost(self, exc) -> None:
+            if self._receipt_timer is not None:
+                self._receipt_timer.cancel()
+            super().connection_lost(exc)
+
+    return Guarded
+
+
 class HttpServer:
     """Binds ``address`` (port 0 picks a free port) on construction so ``address`` is known before start().
 
-    ``tls``: (certificate file, key file) to serve HTTPS instead of HTTP.
+    ``tls``: (certificate file, key file) to serve HTTPS instead of HTTP. ``max_connections``: open connections
+    past it are answered 503 and closed; ``receipt_timeout_s``: a connection whose first request's headers have not
+    arrived by then is answered 408 and closed (0: neither).
     """
 
-    def __init__(self, app, address: str, tls: tuple[str, str] | None = None):
+    def __init__(self, app, address: str, tls: tuple[str, str] | None = None, *, max_connections: int = 0,
+                 receipt_timeout_s: float = 0.0):
         host, port = address.rsplit(":", 1)
         self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -31,8 +73,10 @@ class HttpServer:
         self._sock.bind((host, int(port)))
         self.address = f"{host}:{self._sock.getsockname()[1]}"
         ssl = {"ssl_certfile": tls[0], "ssl_keyfile": tls[1]} if tls else {}
+        guarded = ({"http": _guarded_protocol(max_connections, receipt_timeout_s)}
+                   if max_connections or receipt_timeout_s else {})
         self._server = _EmbeddedServer(uvicorn.Config(app, log_level="warning", lifespan="off",
-                                                      timeout_graceful_shutdown=5, **ssl))
+                                                      timeout_graceful_shutdown=5, **ssl, **guarded))
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:

@@ -86,6 +86,13 @@ HTTP_REQUESTS = Counter("kvshuttle_http_requests", "HTTP requests answered by th
                         "(401, 413, malformed bodies)", ["method", "route", "code"], registry=None)
 WORKER_FAILURES = Counter("kvshuttle_worker_failures", "Workers that failed during a turn (the turn moved away from "
                           "them, or failed when none was left)", ["role"], registry=None)
+RATE_LIMITED = Counter("kvshuttle_rate_limited", "Requests and turns refused with 429 (gRPC RESOURCE_EXHAUSTED) "
+                      "because their tenant was over a limit of the API keys file, by tenant and limit "
+                      "(requests_per_second, tokens_per_minute, concurrent_turns)", ["tenant", "limit"],
+                      registry=None)
+API_KEYS_RELOADS = Counter("kvshuttle_api_keys_reloads", "Reloads of the API keys file after it changed, by result: "
+                           "loaded, or failed (the file was unreadable or invalid: the previous keys stay in force)",
+                           ["result"], registry=None)
 
 # -- scheduler -------------------------------------------------------------------------------------------------
 PLANS = Counter("kvshuttle_plans", "PlanTurn answers, by policy, decision and reason code",
@@ -430,7 +437,7 @@ WORKER_STATE: StateCollector[WorkerState] = StateCollector(_worker_families, _re
 
 GROUPS: dict[str, tuple[Collector, ...]] = {
     "gateway": (TURNS, TURN_SESSIONS, TURN_RECORDS, TURN_TOKENS, KV_PULLED_BYTES, TTFT, TURN_DURATION, TURN_FAILURES, HTTP_REQUESTS,
-                WORKER_FAILURES, GATEWAY_STATE),
+                WORKER_FAILURES, RATE_LIMITED, API_KEYS_RELOADS, GATEWAY_STATE),
     "scheduler": (PLANS, PLAN_SECONDS, KV_PULLS_LOST, LEARNED_OUTCOMES, SCHEDULER_STATE),
     "registry": (LIVE_WORKERS, LIVE_SESSIONS, SESSIONS_DROPPED, ETCD_DEFRAG_RUNS, ETCD_DB_SIZE, ETCD_DB_IN_USE),
     "etcd": (ETCD_SECONDS, ETCD_ERRORS),

@@ -34,6 +34,9 @@ class ServerTls:
     cert: bytes = dataclasses.field(repr=False)
     key: bytes = dataclasses.field(repr=False)
     client_ca: bytes | None = dataclasses.field(default=None, repr=False)
+    # Under mutual TLS: authorize each call of the registry's and the scheduler's APIs by the caller's certificate
+    # (services/common/caller_check.py).
+    check_callers: bool = True
 
     def credentials(self) -> grpc.ServerCredentials:
         return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.client_ca,
@@ -106,6 +109,11 @@ class TlsConfig(TlsClientConfig):
     tls_key: str = setting("", "Private key (PEM) of --tls-cert", env="KVSHUTTLE_TLS_KEY")
     tls_client_ca: str = setting("", "CA bundle (PEM) client certificates must chain to; set: mutual TLS (clients "
                                      "without a valid certificate are refused)", env="KVSHUTTLE_TLS_CLIENT_CA")
+    authorize_callers: bool = setting(True, "Under mutual TLS, allow each call of the registry's and the scheduler's "
+                                            "APIs only to the service identities its method is for (the client "
+                                            "certificate's Common Name: registry, scheduler, gateway, worker, admin; "
+                                            "docs/security.md); off: any certificate of the CA may call anything",
+                                      env="KVSHUTTLE_AUTHORIZE_CALLERS")
     grpc_max_message_mb: int = setting(DEFAULT_MAX_MESSAGE_MB, "Largest gRPC message this service's server accepts "
                                                                "or sends, in MiB (larger: RESOURCE_EXHAUSTED)",
                                        env="KVSHUTTLE_GRPC_MAX_MESSAGE_MB")
@@ -124,7 +132,8 @@ class TlsConfig(TlsClientConfig):
         if not self.tls_cert:
             return None
         client_ca = read_pem(self.tls_client_ca, "--tls-client-ca") if self.tls_client_ca else None
-        return ServerTls(read_pem(self.tls_cert, "--tls-cert"), read_pem(self.tls_key, "--tls-key"), client_ca)
+        return ServerTls(read_pem(self.tls_cert, "--tls-cert"), read_pem(self.tls_key, "--tls-key"), client_ca,
+                         check_callers=self.authorize_callers)
 
     @property
     def max_message_bytes(self) -> int:

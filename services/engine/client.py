@@ -7,6 +7,9 @@ A streaming ``Generate`` yields one :class:`Chunk` per engine step and then one 
 servicer's ``GenerateComplete.output_ids`` (and its ``completion_tokens``) cover only the last chunk, so
 ``Final.output_ids`` is built from the chunks; in a non-streamed call it is the complete's list. ``finish_reason == "error"`` (e.g. a failed KV load
 on a prefill worker) arrives as a normal Final, not as an exception: the caller decides whether to retry.
+
+``cache_salt`` (kvshuttle.control_plane.cache_salt) travels as call metadata; a worker that does not confirm it
+(no kvshuttle vLLM plugin) fails the call with FAILED_PRECONDITION at its first response, before anything is yielded.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from kvshuttle.control_plane import cache_salt as salts
 from kvshuttle.control_plane.kv_params import prefill_request_params
 from kvshuttle.services.common.telemetry import client_interceptors
 from kvshuttle.services.common.tls import ClientTls
@@ -138,7 +142,8 @@ class EngineClient:
                        repetition_penalty: float = 1.0, min_tokens: int = 0,
                        logit_bias: Mapping[int, float] | None = None, skip_special_tokens: bool = True,
                        spaces_between_special_tokens: bool = True,
-                       constraint: tuple[str, Any] | None = None) -> AsyncIterator[Chunk | Final]:
+                       constraint: tuple[str, Any] | None = None,
+                       cache_salt: str | None = None) -> AsyncIterator[Chunk | Final]:
         """Yield a Chunk per streamed piece (none when ``stream`` is false) and exactly one Final last.
 
         The sampling keywords are vLLM's (``top_k`` 0: off). ``logprobs``: None, or how many of the most likely
@@ -146,6 +151,7 @@ class EngineClient:
         constraint field, value): ("json_schema" | "regex" | "grammar" | "structural_tag", str), ("json_object", True)
         or ("choice", [str, ...]). The worker detokenizes only to match ``stop`` strings
         (then with ``skip_special_tokens``/``spaces_between_special_tokens``); the caller detokenizes the answer.
+        ``cache_salt``: the prefix-cache salt of the request's tenant (None: unsalted, for direct tools).
 
         Raises EngineError on gRPC errors and timeouts. Closing or cancelling the iterator cancels the RPC (the
         server then aborts the request).
@@ -172,13 +178,21 @@ class EngineClient:
             sampling_params=sampling, stream=stream)
         if kv_transfer_params is not None:
             request.kv_transfer_params_json = json.dumps(kv_transfer_params)
-        call = self._engine().Generate(request, timeout=timeout_s or self.timeout_s)
+        metadata = None if cache_salt is None else ((salts.METADATA_KEY, cache_salt),)
+        call = self._engine().Generate(request, timeout=timeout_s or self.timeout_s, metadata=metadata)
         streamed: list[int] = []
         streamed_logprobs: list[TokenLogprob] = []
         want = logprobs is not None
         final: Final | None = None
         try:
+            salt_confirmed = cache_salt is None
             async for response in call:
+                if not salt_confirmed:  # the worker's initial metadata came with its first response at the latest
+                    if dict(await call.initial_metadata() or ()).get(salts.APPLIED_KEY) != "1":
+                        raise EngineError(grpc.StatusCode.FAILED_PRECONDITION,
+                                          f"the worker at {self.address} does not apply per-tenant cache salts (its "
+                                          "vLLM lacks kvshuttle's plugin, kvshuttle.workers.vllm_plugin)")
+                    salt_confirmed = True
                 kind = response.WhichOneof("response")
                 if kind == "chunk":
                     c = response.chunk
@@ -212,23 +226,25 @@ class EngineClient:
         yield final
 
     async def read_to_free(self, request_id: str, first_block: Sequence[int], kv_transfer_params: dict, *,
-                           timeout_s: float | None = None) -> bool:
+                           timeout_s: float | None = None, cache_salt: str | None = None) -> bool:
         """Free a decode worker's held KV handle: this (prefill) worker reads the handle's first block, whose tokens
         ``first_block`` repeats (plus one token to compute), and the decode worker frees all of the handle's blocks
         after any read. ``kv_transfer_params``: the handle cut to that block (kvshuttle.control_plane.kv_params.pull_params).
+        ``cache_salt``: the handle's tenant's (P may hold the block already) or ``cache_salt.FREE_READ``.
 
         A streamed request cancelled at its first token: by then the read is done (and D told), and a cancelled
         request's blocks are freed at once here (one that finished would keep them for its KV lease, waiting for a
         decode worker that never comes). False when the read failed. Raises EngineError like ``generate``."""
         stream = self.generate(request_id, first_block, max_tokens=16, ignore_eos=True,
-                               kv_transfer_params=kv_transfer_params, stream=True, timeout_s=timeout_s)
+                               kv_transfer_params=kv_transfer_params, stream=True, timeout_s=timeout_s,
+                               cache_salt=cache_salt)
         async with contextlib.aclosing(stream):
             async for item in stream:
                 return not (isinstance(item, Final) and item.finish_reason == "error")
         return False
 
-    async def prefill(self, request_id: str, prompt_ids: Sequence[int], *,
-                      kv_transfer_params: dict | None, timeout_s: float | None = None, **sampling: Any) -> Final:
+    async def prefill(self, request_id: str, prompt_ids: Sequence[int], *, kv_transfer_params: dict | None,
+                      timeout_s: float | None = None, cache_salt: str | None = None, **sampling: Any) -> Final:
         """Compute (or pull) the prompt's KV on a prefill worker: ``max_tokens=1``, not streamed.
 
         ``kv_transfer_params`` is a decode worker's (trimmed) handle to pull from, or None for a plain prefill
@@ -239,7 +255,7 @@ class EngineClient:
         params = prefill_request_params() if kv_transfer_params is None else kv_transfer_params
         final: Final | None = None
         async for item in self.generate(request_id, prompt_ids, max_tokens=1, kv_transfer_params=params,
-                                        stream=False, timeout_s=timeout_s, **sampling):
+                                        stream=False, timeout_s=timeout_s, cache_salt=cache_salt, **sampling):
             if isinstance(item, Final):
                 final = item
         assert final is not None  # generate always ends with a Final or raises

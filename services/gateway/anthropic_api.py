@@ -46,14 +46,14 @@ import grpc
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from fastapi.routing import APIRoute
 from kvshuttle.control_plane.answer import Event
 from kvshuttle.control_plane.reasoning import REASONING
 from kvshuttle.control_plane.tool_calls import ParsedCall
 from kvshuttle.services.gateway.api_errors import ANTHROPIC_ERRORS, SESSION_HEADER, anthropic_error_body
-from kvshuttle.services.gateway.auth import OPEN
 from kvshuttle.services.gateway.chat_tools import FUNCTION_NAME, MAX_TOOLS, FieldError, FunctionIn
-from kvshuttle.services.gateway.http_guard import principal
+from kvshuttle.services.gateway.http_entry import GatewayRoute
+from kvshuttle.services.gateway.http_guard import caller
+from kvshuttle.services.gateway.input_check import InputError
 from kvshuttle.services.gateway.request_model import StrictIn
 from kvshuttle.services.gateway.turns import Delta, TurnContext, TurnError, TurnRunner
 from kvshuttle.services.gateway.turns.builder import (
@@ -456,9 +456,15 @@ def _validation_message(errors: list[dict[str, Any]]) -> str:
     return "; ".join(parts) or "invalid request"
 
 
-class AnthropicRoute(APIRoute):
+class AnthropicRoute(GatewayRoute):
     """A route whose every error is Anthropic-shaped: the body's validation (FastAPI's own handler answers in
-    OpenAI's shape), bad tools and history, failed turns."""
+    OpenAI's shape), bad tools and history, failed turns, input_check's refusals, unexpected errors."""
+
+    def refusal(self, exc: InputError) -> Response:
+        return anthropic_error(400, str(exc))
+
+    def internal_error(self) -> Response:
+        return anthropic_error(500, "internal error")
 
     def get_route_handler(self) -> Callable[[Request], Any]:
         handler = super().get_route_handler()
@@ -523,8 +529,8 @@ def anthropic_routes(runner: TurnRunner, served_model: str, default_max_tokens: 
             raise FieldError(f"messages.{len(body.messages) - 1}", "a final assistant message (prefill) is not "
                                                                     "supported: end with a user message")
         stop = list(body.stop_sequences or [])
-        caller = principal(request) or OPEN  # the tenant comes from the API key only (no guard: open gateway)
-        req = builder.request(tools, session_id=request.headers.get("x-session-id") or "", tenant=caller.tenant,
+        who = caller(request)  # the tenant comes from the API key only (no identity: 401)
+        req = builder.request(tools, session_id=request.headers.get("x-session-id") or "", tenant=who.tenant,
                               messages=messages, template_vars=template_vars(body, tools), max_tokens=body.max_tokens,
                               temperature=body.temperature, top_p=1.0 if body.top_p is None else body.top_p,
                               top_k=body.top_k or 0, stop=stop, constraint=builder.constraint(None, "", tools),

@@ -22,7 +22,7 @@ def error_body(status: int, message: str, kind: str | None = None, code: str | N
 
 
 _ERROR_STATUSES = [(400, "Invalid request"), (401, "Missing or unknown API key"), (404, "Unknown model"),
-                   (413, "Request body too large"), (429, "Overloaded"), (503, "No worker could serve it"),
+                   (413, "Request body too large"), (429, "Over a rate limit of the caller's tenant (Retry-After: seconds)"), (503, "No worker could serve it"),
                    (504, "A deadline passed")]
 _OPENAI_ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message"],
@@ -44,7 +44,7 @@ SESSION_HEADER = {"parameters": [{
 # -- Anthropic's ----------------------------------------------------------------------------------------------------
 
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                    404: "not_found_error", 413: "request_too_large", 429: "overloaded_error", 503: "overloaded_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
                     529: "overloaded_error", 504: "timeout_error"}
 
 

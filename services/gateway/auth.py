@@ -7,6 +7,17 @@ Keys file (JSON; the gateway's ``--api-keys-file``, ``KVSHUTTLE_GATEWAY_API_KEYS
       {"sha256": "<hex>", "tenant": "ops", "admin": true, "name": "ops"}
     ]}
 
+Optional ``"limits"``: per tenant (``"*"``: every tenant without its own entry), any of ``requests_per_second``,
+``tokens_per_minute`` (prompt plus generated) and ``concurrent_turns``; 0 or absent: no limit
+(control_plane/rate_limit.py says how each is counted)::
+
+    "limits": {"*": {"requests_per_second": 20}, "acme": {"tokens_per_minute": 120000, "concurrent_turns": 4}}
+
+Optional ``"cache_group"`` on an entry: tenants with the same group share one prefix-cache salt, so a prompt prefix
+they have in common (a system prompt) is cached once for all of them, and each can tell from ``cached_tokens`` what
+the others sent. Without it every tenant's prefix cache is its own (control_plane/cache_salt.py). All of a tenant's
+entries must name the same group.
+
 ``kvshuttle hash-key`` makes an entry: it reads a key on stdin (or ``--generate`` makes a new one) and prints the entry.
 A request's tenant comes from its key alone; ``admin`` keys may also use the admin-only routes (worker listing).
 With no keys file the gateway is open: every caller is the default tenant, with admin rights.
@@ -29,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvshuttle.control_plane import session as session_rules
+from kvshuttle.control_plane.rate_limit import TenantLimits
 from kvshuttle.services.common.config import ConfigError
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -42,6 +54,7 @@ class Principal:
     tenant: str
     admin: bool = False
     name: str = ""
+    cache_group: str = ""  # tenants of one group share a prefix-cache salt ("": the tenant's own)
 
 
 OPEN = Principal(session_rules.DEFAULT_TENANT, admin=True, name="open")
@@ -67,8 +80,17 @@ def bearer_key(header: str | None) -> str | None:
 class KeyRing:
     """The configured keys; ``principal(key)`` answers who holds a key."""
 
-    def __init__(self, entries: Iterable[tuple[bytes, Principal]] = ()):
+    def __init__(self, entries: Iterable[tuple[bytes, Principal]] = (), limits: dict[str, TenantLimits] | None = None):
         self._entries = list(entries)
+        self.limits = dict(limits or {})  # per tenant; "*": the rest
+
+    def limits_of(self, tenant: str) -> TenantLimits:
+        """The tenant's limits (its own entry, else ``"*"``'s, else none)."""
+        return self.limits.get(tenant) or self.limits.get("*") or NO_LIMITS
+
+    def replace(self, other: KeyRing) -> None:
+        """Take ``other``'s keys and limits (a reloaded keys file): every holder of this ring sees them at once."""
+        self._entries, self.limits = list(other._entries), dict(other.limits)
 
     @property
     def enabled(self) -> bool:
@@ -90,13 +112,17 @@ class KeyRing:
         items = data.get("keys") if isinstance(data, dict) else None
         if not isinstance(items, list):
             raise ConfigError(f"--api-keys-file: {path!r} must hold an object with a \"keys\" list")
+        unknown_top = set(data) - {"keys", "limits"}
+        if unknown_top:
+            raise ConfigError(f"--api-keys-file: {path!r}: unknown fields {sorted(unknown_top)} (known: keys, limits)")
         entries: list[tuple[bytes, Principal]] = []
         seen: set[str] = set()
+        groups: dict[str, str] = {}  # tenant -> its cache group
         for i, item in enumerate(items):
             where = f"--api-keys-file {path!r}, entry {i}"
             if not isinstance(item, dict):
                 raise ConfigError(f"{where}: must be an object")
-            unknown = set(item) - {"sha256", "tenant", "admin", "name"}
+            unknown = set(item) - {"sha256", "tenant", "admin", "name", "cache_group"}
             if unknown:
                 raise ConfigError(f"{where}: unknown fields {sorted(unknown)}")
             digest = str(item.get("sha256", "")).lower()
@@ -114,10 +140,11 @@ class KeyRing:
             admin = item.get("admin", False)
             if not isinstance(admin, bool):
                 raise ConfigError(f"{where}: \"admin\" must be true or false")
-            entries.append((bytes.fromhex(digest), Principal(tenant, admin, str(item.get("name", "")))))
+            group = _cache_group(item.get("cache_group", ""), tenant, groups, where)
+            entries.append((bytes.fromhex(digest), Principal(tenant, admin, str(item.get("name", "")), group)))
         if not entries:
             raise ConfigError(f"--api-keys-file: {path!r} lists no keys (leave the setting empty for an open gateway)")
-        return cls(entries)
+        return cls(entries, _limits(data.get("limits", {}), {p.tenant for _, p in entries}, path))
 
     def principal(self, key: str | None) -> Principal:
         """The key's holder; AuthError for no key or an unknown one. The open gateway answers ``OPEN``."""
@@ -135,6 +162,10 @@ class KeyRing:
             raise AuthError("invalid API key")
         return found
 
+    def cache_group(self, tenant: str) -> str:
+        """The tenant's cache group ("": none, or no such tenant here)."""
+        return next((p.cache_group for _, p in self._entries if p.tenant == tenant), "")
+
     def from_header(self, header: str | None) -> Principal:
         """The holder of an ``Authorization`` header's bearer key."""
         if self._entries and header and bearer_key(header) is None:
@@ -142,7 +173,42 @@ class KeyRing:
         return self.principal(bearer_key(header))
 
 
-def entry(key: str, tenant: str, *, admin: bool = False, name: str = "") -> dict:
+NO_LIMITS = TenantLimits()
+
+
+def _limits(value: object, tenants: set[str], path: str) -> dict[str, TenantLimits]:
+    """The keys file's ``"limits"``: per tenant (each one a tenant some key belongs to) or ``"*"``."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"--api-keys-file {path!r}: \"limits\" must be an object of tenant -> limits")
+    out = {}
+    for tenant, limits in value.items():
+        where = f"--api-keys-file {path!r}, limits of {tenant!r}"
+        if tenant != "*" and tenant not in tenants:
+            raise ConfigError(f"{where}: no key belongs to that tenant (\"*\" sets every tenant's)")
+        try:
+            out[tenant] = TenantLimits.parse(limits, where)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    return out
+
+
+def _cache_group(value: object, tenant: str, groups: dict[str, str], where: str) -> str:
+    """An entry's ``cache_group``, the same for each of a tenant's entries (``groups`` notes them)."""
+    group = value if isinstance(value, str) else None
+    try:
+        if group:
+            session_rules.validate_id("cache_group", group)
+    except session_rules.InvalidArgument as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    if group is None:
+        raise ConfigError(f"{where}: \"cache_group\" must be a string")
+    if groups.setdefault(tenant, group) != group:
+        raise ConfigError(f"{where}: tenant {tenant!r} is in cache group {groups[tenant]!r} in an earlier entry; "
+                          "all of a tenant's entries must name the same cache_group")
+    return group
+
+
+def entry(key: str, tenant: str, *, admin: bool = False, name: str = "", cache_group: str = "") -> dict:
     """The keys-file entry for ``key``."""
     session_rules.validate_id("tenant", tenant)
     out: dict = {"sha256": hash_key(key), "tenant": tenant}
@@ -150,6 +216,9 @@ def entry(key: str, tenant: str, *, admin: bool = False, name: str = "") -> dict
         out["admin"] = True
     if name:
         out["name"] = name
+    if cache_group:
+        session_rules.validate_id("cache_group", cache_group)
+        out["cache_group"] = cache_group
     return out
 
 
@@ -159,11 +228,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--tenant", required=True, help="Tenant the key belongs to")
     parser.add_argument("--admin", action="store_true", help="The key may use admin-only routes")
     parser.add_argument("--name", default="", help="A label for the entry (shown nowhere else)")
+    parser.add_argument("--cache-group", default="",
+                        help="Share a prefix cache with the other tenants of this group (default: the tenant's own)")
     parser.add_argument("--generate", action="store_true",
                         help="Make a new random key and print it (to stderr) with the entry; else read it on stdin")
     args = parser.parse_args(argv)
     try:
         session_rules.validate_id("tenant", args.tenant)
+        if args.cache_group:
+            session_rules.validate_id("cache_group", args.cache_group)
     except session_rules.InvalidArgument as exc:
         parser.error(str(exc))
     if args.generate:
@@ -173,4 +246,4 @@ def main(argv: Sequence[str] | None = None) -> None:
         key = sys.stdin.readline().strip()
         if not key:
             parser.error("no key on stdin")
-    print(json.dumps(entry(key, args.tenant, admin=args.admin, name=args.name)))
+    print(json.dumps(entry(key, args.tenant, admin=args.admin, name=args.name, cache_group=args.cache_group)))

@@ -84,6 +84,8 @@ def check_schema(schema: Any, param: str, what: str) -> None:
     except SchemaError as exc:
         where = "/".join(str(p) for p in exc.path) or "(top)"
         raise FieldError(param, f"{what} are not a valid JSON Schema at {where}: {exc.message}") from None
+    except RecursionError:  # input_check refuses deep schemas first; this is the backstop
+        raise FieldError(param, f"{what} nest too deeply") from None
 
 
 def check_tools(tools: list[ToolIn] | None, choice: ToolChoice | None) -> None:

@@ -3,15 +3,22 @@ protos' spelling only: the turn's rules are turns/builder.py's (its answers are 
 
 from __future__ import annotations
 
+import hmac
+import logging
+
 import grpc
-from google.protobuf import unknown_fields
-from google.protobuf.message import Message
+from google.protobuf import duration_pb2, json_format, unknown_fields
+from google.protobuf.message import DecodeError, Message
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from kvshuttle.services.gateway import input_check
 from kvshuttle.services.gateway.auth import AuthError, KeyRing, Principal
+from kvshuttle.services.gateway.tenant_limits import TenantQuotas
 from kvshuttle.services.gateway.turns import Delta, Finished, KvOutcome, TurnContext, TurnError, TurnRequest, TurnRunner
 from kvshuttle.services.gateway.turns.builder import TurnBuilder
 from kvshuttle.services.gateway.turns.reply import Usage
 from kvshuttle.v1 import gateway_pb2, gateway_pb2_grpc, scheduler_pb2
 
+log = logging.getLogger(__name__)
 _DECISIONS = {"pull": scheduler_pb2.DECISION_PULL, "recompute": scheduler_pb2.DECISION_RECOMPUTE}
 
 
@@ -51,22 +58,107 @@ def unknown_field(msg: Message, path: str = "") -> str | None:
     return None
 
 
+async def _internal(context, what: str) -> None:
+    """INTERNAL with a message for an unexpected error (logged with its traceback), never an unhandled exception."""
+    log.exception("gRPC Gateway API: %s failed", what)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {what}")
+
+
+BRIDGED = "x-kvshuttle-bridged"  # metadata: the call comes from this gateway's REST bridge (value: its token)
+
+
+def trailers(exc: TurnError) -> tuple[tuple[str, str | bytes], ...]:
+    """A failed call's trailing metadata: with a retry delay, ``retry-after`` (whole seconds, as HTTP's) and
+    google.rpc.RetryInfo in ``grpc-status-details-bin`` (the rich error model clients read)."""
+    if not exc.retry_after_s:
+        return ()
+    info = error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(seconds=int(exc.retry_after_s)))
+    status = status_pb2.Status(code=getattr(code_pb2, exc.code.name), message=exc.message)
+    status.details.add().Pack(info)
+    return (("retry-after", str(exc.retry_after_s)), ("grpc-status-details-bin", status.SerializeToString()))
+
+
+async def abort(context, exc: TurnError) -> None:
+    await context.abort(exc.code, exc.message, trailing_metadata=trailers(exc))
+
+
+class _Undecodable:
+    """A request protobuf could not decode (e.g. a string field that is not UTF-8)."""
+
+    def __init__(self, error: str):
+        self.error = error
+
+
+def _decoder(message_class):
+    def decode(data: bytes):
+        try:
+            return message_class.FromString(data)
+        except DecodeError as exc:
+            return _Undecodable(str(exc))
+    return decode
+
+
+def _refusing_undecodable(method, streaming: bool):
+    """``method``, but INVALID_ARGUMENT for a request protobuf could not decode (gRPC alone answers UNKNOWN)."""
+    if streaming:
+        async def stream(request, context):
+            if isinstance(request, _Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable request: {request.error}")
+            async for item in method(request, context):
+                yield item
+        return stream
+
+    async def unary(request, context):
+        if isinstance(request, _Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable request: {request.error}")
+        return await method(request, context)
+    return unary
+
+
+def add_gateway_servicer(servicer: gateway_pb2_grpc.GatewayServicer, server) -> None:
+    """gateway_pb2_grpc.add_GatewayServicer_to_server, except that a request that does not decode (text that is not
+    UTF-8) is INVALID_ARGUMENT with a message."""
+    service = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"]
+    handlers = {}
+    for method in service.methods:
+        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = make(
+            _refusing_undecodable(getattr(servicer, method.name), method.server_streaming),
+            request_deserializer=_decoder(getattr(gateway_pb2, method.input_type.name)),
+            response_serializer=getattr(gateway_pb2, method.output_type.name).SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
+
+
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    def __init__(self, runner: TurnRunner, served_model: str, default_max_tokens: int, keys: KeyRing | None = None):
+    def __init__(self, runner: TurnRunner, served_model: str, default_max_tokens: int, keys: KeyRing | None = None,
+                 quotas: TenantQuotas | None = None, bridge_token: str = ""):
         """``keys``: API keys (metadata ``authorization: Bearer <key>``); none: open, every caller the default
-        tenant."""
+        tenant. ``quotas``: the tenants' limits (requests per second are counted here, except for calls from this
+        gateway's REST bridge, which the HTTP guard counted: they carry ``bridge_token`` in BRIDGED)."""
         self.runner = runner
         self.served_model = served_model
         self.builder = TurnBuilder(served_model, default_max_tokens)
         self.keys = keys or KeyRing()
+        self.quotas = quotas
+        self.bridge_token = bridge_token.encode()
 
     def _caller(self, context) -> Principal:
-        header = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
+        metadata = dict(context.invocation_metadata() or ())
+        header = metadata.get("authorization")
         try:
-            return self.keys.from_header(header if isinstance(header, str) else None)
+            who = self.keys.from_header(header if isinstance(header, str) else None)
         except AuthError as exc:
             raise TurnError(401, grpc.StatusCode.UNAUTHENTICATED,
                             f"{exc} (gRPC metadata 'authorization: Bearer <key>')") from None
+        bridged = metadata.get(BRIDGED)
+        if self.quotas is not None and not (
+                self.bridge_token and isinstance(bridged, str)
+                and hmac.compare_digest(bridged.encode(), self.bridge_token)):
+            refused = self.quotas.check_request(who.tenant)
+            if refused is not None:
+                raise refused
+        return who
 
     def _authorized(self, req_fn, msg, context) -> TurnRequest:
         """The turn for ``msg``, as the caller's tenant (the key decides it; nothing in the request can)."""
@@ -80,7 +172,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             caller = self._caller(context)
             deleted, released = await self.runner.end_session(caller.tenant, request.session_id)
         except TurnError as exc:
-            await context.abort(exc.code, exc.message)
+            await abort(context, exc)
+        except grpc.aio.AbortError:
+            raise
+        except Exception:
+            await _internal(context, "EndSession")
         return gateway_pb2.EndSessionResponse(deleted=deleted, kv_released=released)
 
     def _request(self, msg, **prompt) -> TurnRequest:
@@ -89,6 +185,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if unknown:
             raise TurnError(400, grpc.StatusCode.INVALID_ARGUMENT,
                             f"unknown field {unknown}: this gateway does not apply it")
+        try:  # the same check as the HTTP front ends' (http_entry.py), on the message as proto-JSON
+            input_check.check(json_format.MessageToDict(msg, preserving_proto_field_name=True), input_check.PROTO)
+        except input_check.InputError as exc:
+            raise TurnError(400, grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         s = msg.sampling
         return self.builder.request(
             session_id=msg.session_id, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p or 1.0,
@@ -139,9 +239,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             async for event in self.runner.decode(turn):
                 if isinstance(event, Finished):
                     finished = event
+            if finished is None:
+                raise TurnError(503, grpc.StatusCode.UNAVAILABLE, "decode ended without a result")
             return turn, finished
         except TurnError as exc:
-            await context.abort(exc.code, exc.message)
+            await abort(context, exc)
+        except grpc.aio.AbortError:
+            raise
+        except Exception:
+            await _internal(context, "a turn")
 
     async def Complete(self, request, context):
         turn, f = await self._unary(self._complete_request, request, context)
@@ -170,7 +276,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                         finish_reason=event.finish_reason, usage=usage(event), kv=kv_report(event.kv),
                         timings=turn_timings(event.timings)))
         except TurnError as exc:
-            await context.abort(exc.code, exc.message)
+            await abort(context, exc)
+        except grpc.aio.AbortError:
+            raise
+        except Exception:
+            await _internal(context, "a streamed turn")
 
     async def CompleteStream(self, request, context):
         async for event in self._stream(self._complete_request, request, context):

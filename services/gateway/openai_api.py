@@ -27,7 +27,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from kvshuttle.control_plane.constraints import Constraint
 from kvshuttle.services.engine.client import TokenLogprob
 from kvshuttle.services.gateway.api_errors import SESSION_HEADER, TURN_RESPONSES, error_body
-from kvshuttle.services.gateway.auth import OPEN
 from kvshuttle.services.gateway.chat_answer import AnswerShape, finish_reason
 from kvshuttle.services.gateway.chat_tools import (
     MAX_TOOLS,
@@ -39,7 +38,9 @@ from kvshuttle.services.gateway.chat_tools import (
     check_tool_results,
     template_tool_calls,
 )
-from kvshuttle.services.gateway.http_guard import principal
+from kvshuttle.services.gateway.http_entry import GatewayRoute, guarded
+from kvshuttle.services.gateway.http_guard import caller
+from kvshuttle.services.gateway.input_check import INT32_MAX
 from kvshuttle.services.gateway.logprob_format import Spell, chat_content, completion_logprobs, speller
 from kvshuttle.services.gateway.request_model import SESSION_ID_PATTERN, UNSUPPORTED, StrictIn
 from kvshuttle.services.gateway.structured_output import (
@@ -122,7 +123,7 @@ class SamplingIn(StrictIn):
                "service_tier": ("auto", "default"), "modalities": (["text"],), "parallel_tool_calls": (True, False),
                "use_beam_search": (False,)}
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=-(2**31), le=2**31 - 1)  # vLLM's gRPC API takes an int32
@@ -180,7 +181,7 @@ MAX_LOGPROBS = 20  # the most likely tokens a request may ask for at each positi
 
 class ChatCompletionIn(SamplingIn):
     messages: list[ChatMessageIn] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # needs logprobs: true
     tools: list[ToolIn] | None = Field(default=None, max_length=MAX_TOOLS)
@@ -246,6 +247,7 @@ def create_app(runner: TurnRunner, served_model: str, default_max_tokens: int,
                           reasoning_parser=reasoning_parser)
     app = FastAPI(title="kvshuttle gateway", version="0.1.0",
                   description="OpenAI-compatible API over P/D-disaggregated vLLM with KV reuse across turns.")
+    app.router.route_class = GatewayRoute  # input_check on every body, and a JSON 500 for what nothing else answers
     for route in extra_routes or []:
         app.router.routes.append(route)
     app.openapi = _without_422(app.openapi)
@@ -283,7 +285,9 @@ def create_app(runner: TurnRunner, served_model: str, default_max_tokens: int,
     @app.exception_handler(TurnError)
     async def _turn(_: Request, exc: TurnError) -> JSONResponse:
         headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s else None
-        return JSONResponse(error_body(exc.http_status, exc.message), status_code=exc.http_status, headers=headers)
+        limit = getattr(exc, "openai_type", None)  # tenant_limits.RateLimited: OpenAI's rate-limit shape
+        return JSONResponse(error_body(exc.http_status, exc.message, limit, "rate_limit_exceeded" if limit else None),
+                            status_code=exc.http_status, headers=headers)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -299,8 +303,8 @@ def create_app(runner: TurnRunner, served_model: str, default_max_tokens: int,
         builder.check_model(body.model)
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         session = request.headers.get("x-session-id") or body.conversation_id or ""
-        caller = principal(request) or OPEN  # the tenant comes from the API key only (no guard: open gateway)
-        return builder.request(session_id=session, tenant=caller.tenant, max_tokens=max_tokens,
+        who = caller(request)  # the tenant comes from the API key only (no identity: 401)
+        return builder.request(session_id=session, tenant=who.tenant, max_tokens=max_tokens,
                                temperature=body.temperature, top_p=body.top_p, seed=body.seed,
                                ignore_eos=body.ignore_eos, stop=stop, disable_pull=body.disable_pull,
                                policy=body.policy, logprobs=logprobs_of(body), cache_key=body.prompt_cache_key or "",
@@ -314,8 +318,9 @@ def create_app(runner: TurnRunner, served_model: str, default_max_tokens: int,
         ids = bool(body.return_token_ids)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_stream(runner, turn, served_model, include_usage, shape, answer, lps, ids),
-                                     media_type="text/event-stream", headers=_stream_headers(turn))
+            chunks = guarded(_stream(runner, turn, served_model, include_usage, shape, answer, lps, ids),
+                             lambda: [_sse(error_body(500, "internal error")), _sse("[DONE]")], turn.id)
+            return StreamingResponse(chunks, media_type="text/event-stream", headers=_stream_headers(turn))
         finished = await drain(runner, turn)
         if shape.chat:
             message, called = answer.message(finished.text, finished.answer_events)

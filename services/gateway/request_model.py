@@ -34,8 +34,9 @@ class StrictIn(BaseModel):
         if not isinstance(data, dict):
             return data
         kept, refused = {}, []
+        aliases = {f.alias for f in cls.model_fields.values() if f.alias}  # e.g. Responses text.format's "schema"
         for key, value in data.items():
-            if key in cls.model_fields:
+            if key in cls.model_fields or key in aliases:
                 kept[key] = value
             elif not ((value is None and key in cls.KNOWN)
                       or any(_same(value, n) for n in cls.NEUTRAL.get(key, ()))):

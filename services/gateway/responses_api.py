@@ -27,9 +27,10 @@ from kvshuttle.control_plane.constraints import Constraint, json_answer
 from kvshuttle.control_plane.reasoning import REASONING
 from kvshuttle.control_plane.tool_calls import ParsedCall
 from kvshuttle.services.gateway.api_errors import SESSION_HEADER, TURN_RESPONSES
-from kvshuttle.services.gateway.auth import OPEN
 from kvshuttle.services.gateway.chat_tools import MAX_TOOLS, FieldError, FunctionIn, check_schema
-from kvshuttle.services.gateway.http_guard import principal
+from kvshuttle.services.gateway.http_entry import guarded
+from kvshuttle.services.gateway.http_guard import caller
+from kvshuttle.services.gateway.input_check import INT32_MAX
 from kvshuttle.services.gateway.request_model import SESSION_ID_PATTERN, StrictIn
 from kvshuttle.services.gateway.turns import Delta, Finished, TurnContext, TurnError, TurnRunner
 from kvshuttle.services.gateway.turns.builder import RESPONSES_TOOLS, NamedTool, TurnBuilder
@@ -93,7 +94,7 @@ class ResponsesIn(StrictIn):
     previous_response_id: str | None = Field(default=None, pattern=RESPONSE_ID)
     store: bool = True
     stream: bool = False
-    max_output_tokens: int | None = Field(default=None, ge=1)
+    max_output_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     text: TextIn | None = None
@@ -383,18 +384,18 @@ def add_responses_routes(app: FastAPI, runner: TurnRunner, served_model: str, de
     @app.post("/v1/responses", responses=TURN_RESPONSES, openapi_extra=SESSION_HEADER)
     async def create(body: ResponsesIn, request: Request):
         builder.check_model(body.model)
-        caller = principal(request) or OPEN
+        who = caller(request)
         choice = body.tool_choice
         tools = builder.tools(body.tools or [], NamedTool(choice.name) if isinstance(choice, NamedFunctionChoice)
                               else choice, RESPONSES_TOOLS, parallel=body.parallel_tool_calls)
         history: list[dict[str, Any]] = []
         session = request.headers.get("x-session-id") or body.conversation_id or ""
         if body.previous_response_id:
-            stored, previous = await load(caller.tenant, body.previous_response_id, "previous_response_id")
+            stored, previous = await load(who.tenant, body.previous_response_id, "previous_response_id")
             history, session = previous["items"], stored.session_id
         items = [*history, *normalized_items(body.input)]
         messages = chat_messages(items, body.instructions)
-        req = builder.request(tools, session_id=session, tenant=caller.tenant, messages=messages,
+        req = builder.request(tools, session_id=session, tenant=who.tenant, messages=messages,
                               session_source="response" if body.previous_response_id else "",
                               cache_key=body.prompt_cache_key or "", end_user=body.user or "",
                               safety_identifier=body.safety_identifier or "",
@@ -411,12 +412,16 @@ def add_responses_routes(app: FastAPI, runner: TurnRunner, served_model: str, de
                    "kvshuttle": kv_body(event.kv, event.timings)}
             if body.store:
                 await _store(runner, out, [*items, *stored_items(output.items)], event.kv.session_id or session,
-                             caller.tenant, response_ttl_s)
+                             who.tenant, response_ttl_s)
             return out
 
         if body.stream:
-            return StreamingResponse(_stream(runner, turn, output, response, finished),
-                                     media_type="text/event-stream", headers=_headers(turn))
+            def failed() -> list[bytes]:
+                event = output._event("error", code="500", message="internal error", param=None)
+                return [f"event: error\ndata: {json.dumps(event, separators=(',', ':'))}\n\n".encode()]
+
+            chunks = guarded(_stream(runner, turn, output, response, finished), failed, turn.id)
+            return StreamingResponse(chunks, media_type="text/event-stream", headers=_headers(turn))
         done = await drain(runner, turn)
         output.feed(done.answer_events)  # the events a stream would have carried, in order
         output.finish()
@@ -424,18 +429,18 @@ def add_responses_routes(app: FastAPI, runner: TurnRunner, served_model: str, de
 
     @app.get("/v1/responses/{response_id}", responses={404: TURN_RESPONSES[404]})
     async def get(response_id: str, request: Request):
-        caller = principal(request) or OPEN
-        _, body = await load(caller.tenant, response_id, "response_id")
+        who = caller(request)
+        _, body = await load(who.tenant, response_id, "response_id")
         return JSONResponse(body["response"])
 
     @app.delete("/v1/responses/{response_id}", responses={404: TURN_RESPONSES[404]})
     async def delete(response_id: str, request: Request):
-        caller = principal(request) or OPEN
+        who = caller(request)
         if not re.fullmatch(RESPONSE_ID, response_id):
             raise TurnError(404, grpc.StatusCode.NOT_FOUND, f"response {response_id[:80]!r} not found")
         try:
             gone = await runner.registry.DeleteResponse(registry_pb2.DeleteResponseRequest(
-                response_id=response_id, tenant=caller.tenant), timeout=runner.control_timeout_s)
+                response_id=response_id, tenant=who.tenant), timeout=runner.control_timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise TurnError(503, grpc.StatusCode.UNAVAILABLE, f"session registry unavailable: {exc.details()}",
                             retry_after_s=1) from None

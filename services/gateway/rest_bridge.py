@@ -37,6 +37,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor, MethodDescri
 from google.protobuf.message import Message
 
 # Importing the generated modules registers kvshuttle's services in the default descriptor pool.
+from kvshuttle.services.gateway import input_check
 from kvshuttle.v1 import gateway_pb2, registry_pb2, scheduler_pb2  # noqa: F401
 from starlette.convertors import StringConvertor
 from starlette.datastructures import URLPath
@@ -96,7 +97,9 @@ class BridgeOptions:
     or in ``timeout``/``stream_timeout`` means no deadline. ``forward_headers`` are copied, lower-cased, into the
     gRPC metadata. ``emit_defaults`` prints fields that hold their default value (grpc-gateway v2 does).
     ``authorize(request, spec, message)`` runs before each call: it may change the request message (e.g. set the
-    caller's tenant, whatever the client sent) or raise BridgeError (e.g. PERMISSION_DENIED).
+    caller's tenant, whatever the client sent) or raise BridgeError (e.g. PERMISSION_DENIED). ``redact(request, spec,
+    reply)`` may clear fields of a unary reply before it is sent (e.g. worker addresses for non-admins).
+    ``metadata`` is added to every call.
     """
 
     timeout: float | None = 60.0
@@ -106,6 +109,8 @@ class BridgeOptions:
     emit_defaults: bool = True
     max_body_bytes: int = 4 << 20
     authorize: Callable[[Request, RouteSpec, Message], None] | None = None
+    redact: Callable[[Request, RouteSpec, Message], None] | None = None
+    metadata: tuple[tuple[str, str], ...] = ()
 
     def timeout_for(self, spec: RouteSpec) -> float | None:
         if spec.full_method in self.method_timeouts:
@@ -364,13 +369,20 @@ class _Endpoint:
             return error_response(e.http_status, e.code, e.message)
         except ClientDisconnect:
             return Response(status_code=499)
+        except Exception:  # a bug here must still answer JSON, not drop the connection
+            log.exception("REST bridge failure reading a request for %s", self.spec.full_method)
+            return error_response(500, grpc.StatusCode.INTERNAL, "internal error in the REST bridge")
         metadata = forwarded_metadata(request.headers, self.options.forward_headers)
+        for key, value in self.options.metadata:
+            metadata.add(key, value)
         timeout = self.options.timeout_for(self.spec)
         try:
             with _incoming_trace(request.headers, self.options.forward_headers):
                 if self.spec.server_streaming:
                     return await self._stream(message, timeout, metadata)
                 reply = await self.call(message, timeout=timeout, metadata=metadata)
+            if self.options.redact is not None:
+                self.options.redact(request, self.spec, reply)
             return Response(_dumps(self._to_json(reply)), media_type="application/json")
         except grpc.aio.AioRpcError as e:
             return rpc_error_response(e)
@@ -423,6 +435,10 @@ class _Endpoint:
                     value = json.loads(body)
                 except (ValueError, RecursionError) as e:
                     raise BridgeError(f"malformed JSON body: {e}") from None
+                try:
+                    input_check.check(value)
+                except input_check.InputError as e:
+                    raise BridgeError(str(e)) from None
                 if spec.body == "*":
                     if not isinstance(value, dict):
                         raise BridgeError("the JSON body must be an object")
@@ -592,8 +608,13 @@ def error_response(http_status: int, code: grpc.StatusCode, message: str) -> Res
 
 
 def rpc_error_response(error: grpc.aio.AioRpcError) -> Response:
+    """The call's error as JSON; a ``retry-after`` in its trailing metadata becomes HTTP ``Retry-After``."""
     code = error.code()
-    return error_response(HTTP_STATUS.get(code, 500), code, error.details() or code.name)
+    response = error_response(HTTP_STATUS.get(code, 500), code, error.details() or code.name)
+    retry = next((v for k, v in error.trailing_metadata() or () if k == "retry-after"), None)
+    if isinstance(retry, str) and retry.isdigit():
+        response.headers["Retry-After"] = retry
+    return response
 
 
 def _dumps(value: Any) -> bytes:

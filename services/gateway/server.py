@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import secrets
 from pathlib import Path
 from typing import Protocol
 
@@ -23,10 +24,11 @@ from kvshuttle.services.common.telemetry import tracing_enabled
 from kvshuttle.services.common.tls import TlsConfig, read_pem
 from kvshuttle.services.gateway.anthropic_api import anthropic_routes
 from kvshuttle.services.gateway.auth import OPEN, KeyRing
-from kvshuttle.services.gateway.grpc_api import GatewayServicer
+from kvshuttle.services.gateway.grpc_api import BRIDGED, GatewayServicer, add_gateway_servicer
 from kvshuttle.services.gateway.http_guard import HttpGuard, principal
 from kvshuttle.services.gateway.http_metrics import HttpMetrics
 from kvshuttle.services.gateway.http_tracing import HttpTracing
+from kvshuttle.services.gateway.keys_reload import KeysFileWatcher
 from kvshuttle.services.gateway.openai_api import create_app
 from kvshuttle.services.gateway.request_model import SESSION_ID_PATTERN
 from kvshuttle.services.gateway.responses_api import add_responses_routes
@@ -38,10 +40,11 @@ from kvshuttle.services.gateway.rest_bridge import (
     bridge_routes,
     install_openapi,
 )
+from kvshuttle.services.gateway.tenant_limits import TenantQuotas
 from kvshuttle.services.gateway.tokenizer import GatewayTokenizer
 from kvshuttle.services.gateway.turns import TurnRunner
 from kvshuttle.services.gateway.turns.parsers import Parsers
-from kvshuttle.v1 import gateway_pb2_grpc, registry_pb2_grpc, scheduler_pb2_grpc
+from kvshuttle.v1 import registry_pb2, registry_pb2_grpc, scheduler_pb2_grpc
 from starlette.requests import Request
 
 SERVICE_NAME = "kvshuttle.v1.Gateway"
@@ -149,6 +152,14 @@ class GatewayConfig(TelemetryConfig, TlsConfig):
                                            "Content-Length over it is refused before the body is read)")
     http_tls_cert: str = setting("", "Certificate (PEM) for HTTPS on --http-listen; empty: plain HTTP")
     http_tls_key: str = setting("", "Private key (PEM) of --http-tls-cert")
+    http_receipt_timeout_s: float = setting(15.0, "Longest wait for a request to arrive whole on --http-listen: its "
+                                                  "headers from the connection's start, its body from the headers' "
+                                                  "end; later: 408 and the connection is closed")
+    http_max_connections: int = setting(1024, "Most open connections on --http-listen; more are answered 503 and "
+                                              "closed at once. 0: no cap")
+    api_keys_reload_s: float = setting(5.0, "How often to check the API keys file for changes, in seconds (a changed "
+                                            "file is loaded without a restart; an invalid one keeps the keys in "
+                                            "force). 0: never")
     metrics_listen: str = setting("", "Serve Prometheus metrics at http://HOST:PORT/metrics instead of on "
                                       "--http-listen (port 0: a free one, logged at start-up); empty: GET /metrics "
                                       "on --http-listen, open like /health")
@@ -164,6 +175,9 @@ class GatewayConfig(TelemetryConfig, TlsConfig):
         require(1 <= self.response_ttl_s <= 30 * 86400, "--response-ttl-s must be between 1 and 2592000 (30 days)")
         require(self.max_prompt_tokens >= 0, "--max-prompt-tokens must be >= 0")
         require(self.max_body_bytes >= 1024, "--max-body-bytes must be >= 1024")
+        require(self.http_receipt_timeout_s > 0, "--http-receipt-timeout-s must be > 0")
+        require(self.http_max_connections >= 0, "--http-max-connections must be >= 0 (0: no cap)")
+        require(self.api_keys_reload_s >= 0, "--api-keys-reload-s must be >= 0 (0: never)")
         require(bool(self.http_tls_cert) == bool(self.http_tls_key), "--http-tls-cert and --http-tls-key go together")
         for path in (self.http_tls_cert, self.http_tls_key):
             if path:
@@ -223,6 +237,10 @@ class GatewayService:
         self.cfg = cfg
         tls, max_message = cfg.client_tls(), cfg.max_message_bytes
         self.keys = cfg.key_ring()
+        # Limits come from the keys file (an open gateway has none); a changed file is loaded while running.
+        self.quotas = TenantQuotas(self.keys) if self.keys.enabled else None
+        self.keys_watcher = (KeysFileWatcher(self.keys, cfg.api_keys_file, cfg.api_keys_reload_s)
+                             if self.keys.enabled and cfg.api_keys_reload_s else None)
         self.registry_channel = client_channel(cfg.registry, tls, max_message_bytes=max_message)
         # The scheduler in this process (--scheduler local): turns call it directly; its gRPC API still serves
         # GetStats (the REST bridge, grpcurl) on its own port.
@@ -244,17 +262,22 @@ class GatewayService:
         self.runner.free_unrecorded_kv = cfg.free_unrecorded_kv
         self.runner.find_sessions = cfg.find_sessions
         self.runner.served_model, self.runner.kv_bytes_per_token = cfg.model_name(), cfg.kv_bytes_per_token()
-        servicer = GatewayServicer(self.runner, cfg.model_name(), cfg.default_max_tokens, self.keys)
+        self.runner.quotas = self.quotas
+        self.runner.cache_group_of = self.keys.cache_group  # a tenant's prefix-cache salt follows its cache group
+        bridge_token = secrets.token_urlsafe(24)  # marks the REST bridge's calls: the HTTP guard counted them
+        servicer = GatewayServicer(self.runner, cfg.model_name(), cfg.default_max_tokens, self.keys, self.quotas,
+                                   bridge_token)
         self.grpc = Server(cfg.grpc_listen, [SERVICE_NAME],
-                           [lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s)],
+                           [lambda s: add_gateway_servicer(servicer, s)],
                            tls=cfg.server_tls(), max_message_bytes=max_message)
         self.self_channel = client_channel(self.grpc.address, tls, max_message_bytes=max_message)
         turn_deadline = 2 * cfg.engine_timeout_s + 4 * cfg.control_timeout_s
         # The caller's API key goes on to the gateway's own gRPC API (which checks it again), never to the registry.
-        common = dict(timeout=cfg.control_timeout_s, max_body_bytes=cfg.max_body_bytes, authorize=bridge_policy)
+        common = dict(timeout=cfg.control_timeout_s, max_body_bytes=cfg.max_body_bytes, authorize=bridge_policy,
+                      redact=bridge_redact)
         to_registry = BridgeOptions(**common, forward_headers=tuple(
             h for h in DEFAULT_FORWARD_HEADERS if h != "authorization"))
-        to_gateway = BridgeOptions(**common, method_timeouts={
+        to_gateway = BridgeOptions(**common, metadata=((BRIDGED, bridge_token),), method_timeouts={
             f"/{SERVICE_NAME}/{m}": turn_deadline for m in ("Complete", "ChatComplete")})
         routes = [*bridge_routes({REGISTRY_SERVICE: self.registry_channel,
                                   SCHEDULER_SERVICE: self.scheduler_channel}, to_registry),
@@ -263,7 +286,7 @@ class GatewayService:
         registry = metrics.registry_for("gateway", extra=[  # and the embedded scheduler's, when it plans here
             *metrics.GROUPS["scheduler"], *metrics.GROUPS["etcd"]] if self.scheduler is not None else ())
         self.metrics = MetricsServer(cfg.metrics_listen, registry, name="gateway") if cfg.metrics_listen else None
-        if self.metrics is None:  # on the HTTP port, open like /health (no tenant, session or key in any label)
+        if self.metrics is None:  # on the HTTP port: with API keys, for admin keys only (tenants are labels)
             routes.insert(0, metrics_route(registry))
         self.app = create_app(self.runner, cfg.model_name(), cfg.default_max_tokens, extra_routes=routes,
                               tool_call_parser=cfg.tool_call_parser, reasoning_parser=cfg.reasoning_parser)
@@ -274,13 +297,15 @@ class GatewayService:
                              tool_call_parser=cfg.tool_call_parser, reasoning_parser=cfg.reasoning_parser,
                              response_ttl_s=cfg.response_ttl_s)
         install_openapi(self.app, [REGISTRY_SERVICE, SCHEDULER_SERVICE, SERVICE_NAME], constraints=OPENAPI_CONSTRAINTS)
-        front: object = HttpGuard(self.app, self.keys, cfg.max_body_bytes,
-                                  open_paths=("/health",) if self.metrics else ("/health", METRICS_PATH))
+        front: object = HttpGuard(self.app, self.keys, cfg.max_body_bytes, open_paths=("/health",),
+                                  quotas=self.quotas, admin_paths=() if self.metrics else (METRICS_PATH,),
+                                  receipt_timeout_s=cfg.http_receipt_timeout_s)
         front = HttpMetrics(front, self.app.routes)  # outside the guard: refusals are counted too
         if tracing_enabled():  # one SERVER span per HTTP request, continuing the caller's traceparent
             front = HttpTracing(front)
         self.http = HttpServer(front, cfg.http_listen,
-                               tls=(cfg.http_tls_cert, cfg.http_tls_key) if cfg.http_tls_cert else None)
+                               tls=(cfg.http_tls_cert, cfg.http_tls_key) if cfg.http_tls_cert else None,
+                               max_connections=cfg.http_max_connections, receipt_timeout_s=cfg.http_receipt_timeout_s)
         self.grpc_address = self.grpc.address
         self.http_address = self.http.address
 
@@ -295,6 +320,8 @@ class GatewayService:
                         "%r with admin rights", OPEN.tenant)
         await self.grpc.start()
         await self.http.start()
+        if self.keys_watcher is not None:
+            self.keys_watcher.start()
         if self.metrics is not None:
             await self.metrics.start()
         else:
@@ -304,6 +331,8 @@ class GatewayService:
     async def stop(self) -> None:
         if self.metrics is not None:
             await self.metrics.stop()
+        if self.keys_watcher is not None:
+            await self.keys_watcher.stop()
         await self.http.stop()
         await self.grpc.stop()
         await self.runner.close()
@@ -325,6 +354,16 @@ def bridge_policy(request: Request, spec: RouteSpec, message: Message) -> None:
     elif spec.method.containing_service.full_name != SERVICE_NAME and not caller.admin:
         raise BridgeError(f"{spec.http_method} {spec.template.template} needs an admin API key",
                           grpc.StatusCode.PERMISSION_DENIED)
+
+
+def bridge_redact(request: Request, spec: RouteSpec, reply: Message) -> None:
+    """What a tenant's key reads through the REST bridge holds no worker address: a session's KV handle (the decode
+    worker's NIXL host, port, engine id and block ids) is shown to admin keys only."""
+    caller = principal(request)
+    if caller is not None and caller.admin:
+        return
+    if isinstance(reply, registry_pb2.GetSessionResponse):
+        reply.session.ClearField("kv_transfer_params_json")
 
 
 # `kvshuttle gateway` runs it (services/commands/gateway.py: with the scheduler inside it on --scheduler local).

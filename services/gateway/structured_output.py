@@ -13,6 +13,7 @@ import json
 from typing import Any, Literal
 
 from kvshuttle.control_plane.constraints import Constraint, json_answer
+from kvshuttle.services.gateway import input_check
 from kvshuttle.services.gateway.chat_tools import FieldError, check_schema
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -80,8 +81,10 @@ def requested_constraint(response_format: ResponseFormatIn | None,
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
-            except ValueError as exc:
-                raise FieldError("structured_outputs.json", f"not valid JSON: {exc}") from None
+                input_check.check_schema(schema, "structured_outputs.json")
+            except (ValueError, RecursionError) as exc:  # InputError is a ValueError
+                raise FieldError("structured_outputs.json", f"not valid JSON: {exc}"
+                                 if not isinstance(exc, input_check.InputError) else str(exc)) from None
         check_schema(schema, "structured_outputs.json", "structured_outputs.json")
         return Constraint("json_schema", json.dumps(schema))
     for kind in ("regex", "grammar", "structural_tag"):

@@ -29,8 +29,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvshuttle.control_plane import cache_salt, kv_params
 from kvshuttle.control_plane import kv_eviction as ev
-from kvshuttle.control_plane import kv_params
 from kvshuttle.control_plane import session as session_rules
 from kvshuttle.control_plane.cost_model import PrefillCostModel
 from kvshuttle.services.common import metrics
@@ -291,7 +291,9 @@ class KvManager:
             return False
         engine = self._engine(prefill)
         request_id = f"kv-free-{eviction.reason}-{uuid.uuid4().hex[:12]}"
-        if not await engine.read_to_free(request_id, prompt, params, timeout_s=self.free_timeout_s):
+        # A salt no turn has: the block P caches on the way is never any tenant's hit (control_plane.cache_salt).
+        if not await engine.read_to_free(request_id, prompt, params, timeout_s=self.free_timeout_s,
+                                         cache_salt=cache_salt.FREE_READ):
             return None
         return True
 

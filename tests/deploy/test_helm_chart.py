@@ -5,6 +5,7 @@ line compared with `kvshuttle worker --print-vllm-command`)."""
 from __future__ import annotations
 
 import argparse
+import base64
 import copy
 import json
 import os
@@ -12,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -189,8 +191,10 @@ def test_profiles_render_what_they_promise():
     for command, c in kvshuttle_containers(four):
         env = container_env(c)
         assert env["KVSHUTTLE_TLS_CA"] == "/etc/kvshuttle/tls/ca.crt", command
+        assert env["KVSHUTTLE_TLS_CLIENT_CERT"] and env["KVSHUTTLE_TLS_SERVER_NAME"] == "kvshuttle.internal", command
         if command != "worker":
-            assert env["KVSHUTTLE_TLS_CERT"] and env["KVSHUTTLE_TLS_CLIENT_CA"], command
+            assert env["KVSHUTTLE_TLS_CERT"], command
+            assert ("KVSHUTTLE_TLS_CLIENT_CA" in env) == (command != "gateway"), command
             assert c["livenessProbe"].get("exec") or c["livenessProbe"].get("httpGet"), command
 
 
@@ -221,7 +225,30 @@ BROKEN = {
     "unknown history store value": ("historyStore: {replicas: 2}",
                                     ["/historyStore", "'replicas' not allowed"]),
     "external etcd without endpoints": ("etcd: {mode: external}", ["/etcd/external/endpoints"]),
-    "TLS without its secret": ("tls: {enabled: true}", ["/tls/secretName"]),
+    "TLS turned off without saying so twice": ("tls: {enabled: false}", [
+        "tls.enabled=false turns off mutual TLS", "set tls.allowInsecure=true as well"]),
+    "allowInsecure with TLS on": ("tls: {allowInsecure: true}", ["tls.allowInsecure=true goes only with "
+                                                                 "tls.enabled=false"]),
+    "the one shared certificate of old": ("tls: {secretName: kvshuttle-internal-tls}", [
+        "tls.secretName (one certificate shared by every service) is no longer taken", "tls.existingSecrets"]),
+    "TLS that is not mutual": ("tls: {mutual: false}", ["tls.mutual=false is no longer offered"]),
+    "some of the services' own Secrets": ("tls: {existingSecrets: {registry: r, gateway: g}}", [
+        "needs one per service: tls.existingSecrets.scheduler, tls.existingSecrets.worker missing"]),
+    "own Secrets with certificates made by Helm": (
+        "tls: {source: helm, existingSecrets: {registry: r, scheduler: s, gateway: g, worker: w}}",
+        ["tls.existingSecrets (registry, scheduler, gateway, worker) are given but tls.source is helm"]),
+    "own Secrets with TLS off": ("tls: {enabled: false, allowInsecure: true, existingSecrets: {worker: w}}",
+                                 ["tls.existingSecrets (worker) are given but tls.enabled is false"]),
+    "cert-manager issuer with certificates made by Helm": ("tls: {source: helm, certManager: {issuerRef: {name: ca}}}",
+                                                           ["tls.certManager.issuerRef is given but the certificates "
+                                                            "come from helm"]),
+    "unknown certificate source": ("tls: {source: vault}", ["/tls/source", "'auto', 'certManager', 'helm'"]),
+    "UCX transfer ports set by hand": ("workers: {ucx: {UCX_TCP_PORT_RANGE: '1000-2000'}}",
+                                       ["set workers.nixlTransferPorts (first, last) instead of UCX_TCP_PORT_RANGE"]),
+    "transfer port range upside down": ("workers: {nixlTransferPorts: {first: 30000, last: 20000}}",
+                                        ["workers.nixlTransferPorts: last (20000) is below first (30000)"]),
+    "NetworkPolicy peer of an unknown kind": ("networkPolicy: {gatewayFrom: [{pods: {app: x}}]}",
+                                              ["/networkPolicy/gatewayFrom/0", "'pods' not allowed"]),
     "port out of range": ("gateway: {httpPort: 80000}", ["/gateway/httpPort", "maximum"]),
     "even etcd member count": ("etcd: {bundled: {replicas: 2}}", ["/etcd/bundled/replicas"]),
     "API key given in clear": ("gateway: {apiKeys: {entries: [{sha256: my-secret-key, tenant: a}]}}",
@@ -524,7 +551,15 @@ def test_tls_probes_use_the_health_check_command(pod_root):
                                  environ=relocate(container_env(c), pod_root))
             assert cfg.tls_server_name == "kvshuttle.internal" and cfg.tls_ca == f"{pod_root}/etc/kvshuttle/tls/ca.crt"
             assert cfg.address.endswith(f":{c['ports'][0]['containerPort']}")
+    # The chart's own certificates (the default): the name checked is the server's Service, which its certificate names.
+    secrets = objects(rendered("gpu-1p1d"), "Secret")
     for command, c in kvshuttle_containers(rendered("gpu-1p1d")):
+        if command in ("registry", "scheduler"):
+            probe = c["livenessProbe"]["exec"]["command"]
+            name = parse_flags(probe)["--tls-server-name"]
+            assert name == f"{RELEASE}-kvshuttle-{command}"
+            assert name in dns_names(certificate(secrets[f"{RELEASE}-kvshuttle-tls-{command}"]))
+    for command, c in kvshuttle_containers(rendered("gpu-1p1d", *INSECURE)):
         if command in ("registry", "scheduler"):
             assert c["livenessProbe"]["grpc"]["port"] == c["ports"][0]["containerPort"]
 
@@ -572,10 +607,8 @@ def test_metrics_are_scraped_where_they_are_served():
     for command, c in kvshuttle_containers(docs):
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         listen = parse_flags(c["args"]).get("--metrics-listen")
-        if command == "gateway":
-            assert listen is None  # on its HTTP port, next to /health
-        else:
-            assert listen == f"0.0.0.0:{ports['metrics']}", command
+        # the gateway's too: on its HTTP port /metrics needs an admin key once API keys are set
+        assert listen == f"0.0.0.0:{ports['metrics']}", command
     for d in objects(docs, "Deployment").values():
         annotations = d["spec"]["template"]["metadata"].get("annotations", {})
         ports = {p["containerPort"] for c in d["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
@@ -638,3 +671,506 @@ def test_helm_test_pod_runs_the_smoke_test_against_the_gateway_service():
         env = {e["name"]: e for e in container.get("env", [])}
         assert ("KVSHUTTLE_SMOKE_TEST_API_KEY" in env) == (profile != "cpu-dev")
     assert "Pod" not in {d["kind"] for d in rendered("gpu-1p1d")}  # keys from a Secret, no test key given
+
+
+# --- mutual TLS: the chart's own certificates, each pod's identity ----------------------------------------------------
+
+INSECURE = ("--set", "tls.enabled=false", "--set", "tls.allowInsecure=true")
+CERT_MANAGER = ("--api-versions", "cert-manager.io/v1")
+IDENTITIES = ("registry", "scheduler", "gateway", "worker", "admin")
+POD_IDENTITY = {"registry": "registry", "scheduler": "scheduler", "gateway": "gateway", "worker": "worker"}
+
+
+def service_dns_names(*services: str) -> list[str]:
+    """Every name a pod may dial a Service of the release by."""
+    return [name for svc in services for name in (
+        f"{RELEASE}-kvshuttle-{svc}", f"{RELEASE}-kvshuttle-{svc}.{NAMESPACE}",
+        f"{RELEASE}-kvshuttle-{svc}.{NAMESPACE}.svc", f"{RELEASE}-kvshuttle-{svc}.{NAMESPACE}.svc.cluster.local")]
+
+
+# What each identity's certificate names: the Services its server is dialed by; the gateway's also the loopback
+# addresses its REST bridge calls its own gRPC API on. Workers and admin only call.
+EXPECTED_DNS = {"registry": service_dns_names("registry"),
+                "scheduler": service_dns_names("scheduler", "scheduler-peers"),
+                "gateway": service_dns_names("gateway"), "worker": [], "admin": []}
+EXPECTED_IPS = {"gateway": ["127.0.0.1", "0.0.0.0"]}
+
+
+def certificate(secret: dict, key: str = "tls.crt"):
+    from cryptography import x509
+
+    return x509.load_pem_x509_certificate(base64.b64decode(secret["data"][key]))
+
+
+def common_name(cert) -> str:
+    from cryptography.x509.oid import NameOID
+
+    (attr,) = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    return attr.value
+
+
+def dns_names(cert) -> list[str]:
+    from cryptography import x509
+
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return []
+    return san.get_values_for_type(x509.DNSName)
+
+
+def ip_addresses(cert) -> list[str]:
+    from cryptography import x509
+
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return []
+    return [str(ip) for ip in san.get_values_for_type(x509.IPAddress)]
+
+
+def pod_tls(docs) -> dict[str, tuple[dict, dict]]:
+    """Deployment name -> (its kvshuttle container's env, its volumes by name)."""
+    out = {}
+    for d in docs:
+        if d["kind"] == "Deployment":
+            spec = d["spec"]["template"]["spec"]
+            out[d["metadata"]["name"]] = (container_env(spec["containers"][0]), {v["name"]: v for v in spec["volumes"]})
+    return out
+
+
+def test_a_default_install_makes_its_own_ca_and_one_certificate_per_identity():
+    """No certificates given and no cert-manager: Helm makes a CA and a certificate per identity (CN = the identity,
+    server and client auth, signed by the CA, naming the Services it serves), each Secret with the CA beside it; the
+    CA Secret keeps its key, so upgrades sign with the same CA (lookup)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives.asymmetric import padding
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+    from kvshuttle.control_plane.service_access import caller_of
+
+    docs = rendered("gpu-1p1d")
+    assert not [d for d in docs if d["apiVersion"].startswith("cert-manager.io/")]
+    secrets = objects(docs, "Secret")
+    ca_secret = secrets[f"{RELEASE}-kvshuttle-tls-ca"]
+    ca = certificate(ca_secret)
+    assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    assert ca_secret["data"]["tls.key"] and ca_secret["data"]["ca.crt"] == ca_secret["data"]["tls.crt"]
+    tls_secrets = sorted(n for n, s in secrets.items() if s["type"] == "kubernetes.io/tls")
+    assert tls_secrets == sorted(f"{RELEASE}-kvshuttle-tls-{i}" for i in (*IDENTITIES, "ca"))
+    for identity in IDENTITIES:
+        secret = secrets[f"{RELEASE}-kvshuttle-tls-{identity}"]
+        cert = certificate(secret)
+        assert secret["data"]["ca.crt"] == ca_secret["data"]["tls.crt"], identity
+        assert common_name(cert) == identity and caller_of(common_name(cert)).role == identity
+        assert cert.issuer == ca.subject
+        ca.public_key().verify(cert.signature, cert.tbs_certificate_bytes, padding.PKCS1v15(),
+                               cert.signature_hash_algorithm)  # raises unless the CA signed it
+        usages = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+        assert {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH} <= set(usages), identity
+        assert sorted(dns_names(cert)) == sorted(EXPECTED_DNS[identity]), identity
+        assert sorted(ip_addresses(cert)) == sorted(EXPECTED_IPS.get(identity, [])), identity
+        assert "kvshuttle.io/tls-spec" in secret["metadata"]["annotations"]
+    # tls.serverName: the servers' certificates name it too (clients then verify it whatever address they dial).
+    named = objects(rendered("gpu-1p1d", "--set", "tls.serverName=kvshuttle.internal"), "Secret")
+    for identity in IDENTITIES:
+        cert = certificate(named[f"{RELEASE}-kvshuttle-tls-{identity}"])
+        assert ("kvshuttle.internal" in dns_names(cert)) == (identity in ("registry", "scheduler", "gateway"))
+    # Without a cluster to look in (helm template) every render makes new ones: what `lookup` prevents on upgrades.
+    again = objects(rendered("gpu-1p1d", "--set", "logLevel=DEBUG"), "Secret")[f"{RELEASE}-kvshuttle-tls-ca"]
+    assert again["data"]["tls.crt"] != ca_secret["data"]["tls.crt"]
+
+
+def test_with_cert_manager_the_chart_asks_it_for_the_same_certificates():
+    """cert-manager installed (its API present, or tls.source certManager): a self-signed Issuer, a CA Certificate,
+    a CA Issuer and one Certificate per identity with the names the Helm-made ones carry, into the Secrets the pods
+    mount; no Secret of certificates made by Helm. tls.certManager.issuerRef: your issuer signs them instead."""
+    for docs in (rendered("gpu-1p1d", *CERT_MANAGER), rendered("gpu-1p1d", "--set", "tls.source=certManager")):
+        kinds = [(d["kind"], d["metadata"]["name"]) for d in docs if d["apiVersion"] == "cert-manager.io/v1"]
+        issuers, certs = objects(docs, "Issuer"), objects(docs, "Certificate")
+        assert len(kinds) == len(issuers) + len(certs) == 2 + 1 + len(IDENTITIES)
+        assert not [n for n, s in objects(docs, "Secret").items() if s["type"] == "kubernetes.io/tls"]
+        selfsigned, ca_issuer = issuers[f"{RELEASE}-kvshuttle-tls-selfsigned"], issuers[f"{RELEASE}-kvshuttle-tls-ca"]
+        assert selfsigned["spec"] == {"selfSigned": {}}
+        ca = certs[f"{RELEASE}-kvshuttle-tls-ca"]["spec"]
+        assert ca["isCA"] is True and ca["issuerRef"]["name"] == f"{RELEASE}-kvshuttle-tls-selfsigned"
+        assert ca_issuer["spec"] == {"ca": {"secretName": ca["secretName"]}}
+        for identity in IDENTITIES:
+            spec = certs[f"{RELEASE}-kvshuttle-tls-{identity}"]["spec"]
+            # Only fields of cert-manager.io/v1 Certificate (its CRD is not in the offline schemas).
+            assert set(spec) <= {"secretName", "commonName", "dnsNames", "ipAddresses", "usages", "duration",
+                                 "renewBefore", "privateKey", "issuerRef"}, identity
+            assert spec["commonName"] == identity and spec["secretName"] == f"{RELEASE}-kvshuttle-tls-{identity}"
+            assert spec.get("dnsNames", []) == EXPECTED_DNS[identity]
+            assert spec.get("ipAddresses", []) == EXPECTED_IPS.get(identity, [])
+            assert {"server auth", "client auth"} <= set(spec["usages"])
+            assert spec["issuerRef"] == {"name": f"{RELEASE}-kvshuttle-tls-ca", "kind": "Issuer",
+                                         "group": "cert-manager.io"}
+            assert re.fullmatch(r"\d+h", spec["duration"]) and re.fullmatch(r"\d+h", spec["renewBefore"])
+        for name, (env, volumes) in pod_tls(docs).items():
+            assert volumes["tls"]["secret"]["secretName"].startswith(f"{RELEASE}-kvshuttle-tls-"), name
+    own = rendered("gpu-1p1d", *CERT_MANAGER, "--set", "tls.certManager.issuerRef.name=corp-ca",
+                   "--set", "tls.certManager.issuerRef.kind=ClusterIssuer")
+    assert not objects(own, "Issuer") and f"{RELEASE}-kvshuttle-tls-ca" not in objects(own, "Certificate")
+    for identity in IDENTITIES:
+        spec = objects(own, "Certificate")[f"{RELEASE}-kvshuttle-tls-{identity}"]["spec"]
+        assert spec["issuerRef"] == {"name": "corp-ca", "kind": "ClusterIssuer", "group": "cert-manager.io"}
+
+
+@pytest.mark.parametrize("variant", ["helm", "cert-manager", "existing", "gateway client certificates"])
+def test_every_kvshuttle_pod_mounts_its_own_certificate_and_the_ca(variant):
+    """Each Deployment mounts its identity's Secret (prefill and decode: worker's) and is given, as the services read
+    them, the CA and its certificate to call with; the servers also serve with it, and the registry and the scheduler
+    require client certificates. The gateway's gRPC API faces clients: client certificates only when asked."""
+    extra = {"helm": (), "cert-manager": CERT_MANAGER, "existing": (),
+             "gateway client certificates": ("--set", "gateway.grpcClientCertificates=true")}[variant]
+    profile = "gpu-4p4d-external-etcd-tls" if variant == "existing" else "gpu-1p1d"
+    docs = rendered(profile, *extra)
+    secrets = {i: f"{RELEASE}-kvshuttle-tls-{i}" for i in POD_IDENTITY}
+    if variant == "existing":
+        secrets = merged_values(profile)["tls"]["existingSecrets"]
+        assert not [n for n, s in objects(docs, "Secret").items() if s["type"] == "kubernetes.io/tls"]
+        assert not objects(docs, "Certificate")
+    pods = pod_tls(docs)
+    assert sorted(pods) == sorted(f"{RELEASE}-kvshuttle-{c}" for c in ("registry", "scheduler", "gateway",
+                                                                         "prefill", "decode"))
+    for name, (env, volumes) in pods.items():
+        component = name.removeprefix(f"{RELEASE}-kvshuttle-")
+        identity = "worker" if component in ("prefill", "decode") else component
+        assert volumes["tls"]["secret"]["secretName"] == secrets[identity], name
+        assert env["KVSHUTTLE_TLS_CA"] == "/etc/kvshuttle/tls/ca.crt"
+        assert (env["KVSHUTTLE_TLS_CLIENT_CERT"], env["KVSHUTTLE_TLS_CLIENT_KEY"]) == (
+            "/etc/kvshuttle/tls/tls.crt", "/etc/kvshuttle/tls/tls.key")
+        serves = identity != "worker"
+        assert ("KVSHUTTLE_TLS_CERT" in env) == ("KVSHUTTLE_TLS_KEY" in env) == serves, name
+        requires = identity in ("registry", "scheduler") or (
+            identity == "gateway" and variant == "gateway client certificates")
+        assert ("KVSHUTTLE_TLS_CLIENT_CA" in env) == requires, name
+        assert "KVSHUTTLE_AUTHORIZE_CALLERS" not in env  # the services' default: authorize by identity
+        template = objects(docs, "Deployment")[name]["spec"]["template"]
+        assert template["metadata"]["annotations"]["kvshuttle.io/tls-checksum"], name
+
+
+def test_the_certificates_name_every_address_their_callers_dial(pod_root):
+    """Each address a kvshuttle container dials (registry, scheduler; the gateway its own gRPC API) is a name the
+    server's certificate carries, so clients verify it without tls.serverName."""
+    docs = rendered("gpu-1p1d")
+    secrets = objects(docs, "Secret")
+    for command, c in kvshuttle_containers(docs):
+        cfg = parse(command, c["args"], container_env(c), pod_root)
+        assert not cfg.tls_server_name
+        for field in ("registry", "scheduler"):
+            address = getattr(cfg, field, "")
+            if address and address != "local":
+                host = address.removeprefix("dns:///").rsplit(":", 1)[0]
+                assert host in dns_names(certificate(secrets[f"{RELEASE}-kvshuttle-tls-{field}"])), (command, field)
+        if command == "gateway":
+            host = cfg.grpc_listen.rsplit(":", 1)[0]
+            assert host in ip_addresses(certificate(secrets[f"{RELEASE}-kvshuttle-tls-gateway"]))
+
+
+@pytest.fixture
+def generated_certs(tmp_path) -> Path:
+    """The Secrets of one render of the chart's own certificates, as files: <identity>/{ca.crt,tls.crt,tls.key}."""
+    for name, secret in objects(rendered("gpu-1p1d"), "Secret").items():
+        if name.startswith(f"{RELEASE}-kvshuttle-tls-"):
+            d = tmp_path / name.removeprefix(f"{RELEASE}-kvshuttle-tls-")
+            d.mkdir()
+            for key, value in secret["data"].items():
+                (d / key).write_bytes(base64.b64decode(value))
+    return tmp_path
+
+
+def test_the_generated_certificates_make_mutual_tls_work(generated_certs):
+    """On real gRPC servers on loopback: a server with the registry's certificate requiring client certificates of
+    the CA takes a worker's call that verifies the registry's Service name; it refuses a caller without a
+    certificate and one with a certificate of another install's CA; a client verifying another Service's name
+    refuses the server. The gateway's certificate serves its own REST bridge's calls on 0.0.0.0."""
+    import asyncio
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from kvshuttle.services.common.grpc_server import Server, client_channel
+    from kvshuttle.services.common.tls import ClientTls, ServerTls
+
+    def files(identity: str, root: Path = generated_certs) -> dict[str, bytes]:
+        return {k: (root / identity / k).read_bytes() for k in ("ca.crt", "tls.crt", "tls.key")}
+
+    other = generated_certs / "other"
+    for name, secret in objects(rendered("gpu-1p1d", "--set", "logLevel=WARNING"), "Secret").items():
+        if name == f"{RELEASE}-kvshuttle-tls-worker":
+            (other / "worker").mkdir(parents=True)
+            for key, value in secret["data"].items():
+                (other / "worker" / key).write_bytes(base64.b64decode(value))
+
+    async def check(server_identity: str, target: str, client: ClientTls) -> str:
+        f = files(server_identity)
+        server = Server("0.0.0.0:0", [], [], tls=ServerTls(f["tls.crt"], f["tls.key"], f["ca.crt"]))
+        await server.start()
+        channel = client_channel(target.format(port=server.port), client)
+        try:
+            await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            return "OK"
+        except grpc.RpcError as exc:
+            return exc.code().name
+        finally:
+            await channel.close()
+            await server.stop()
+
+    worker, gateway = files("worker"), files("gateway")
+    as_worker = ClientTls(worker["ca.crt"], worker["tls.crt"], worker["tls.key"], f"{RELEASE}-kvshuttle-registry")
+
+    async def all_checks() -> list[str]:
+        return await asyncio.wait_for(asyncio.gather(*checks), timeout=60)
+
+    checks = (
+        check("registry", "127.0.0.1:{port}", as_worker),
+        check("registry", "127.0.0.1:{port}", ClientTls(worker["ca.crt"], server_name=f"{RELEASE}-kvshuttle-registry")),
+        check("registry", "127.0.0.1:{port}", ClientTls(worker["ca.crt"], *[
+            (other / "worker" / k).read_bytes() for k in ("tls.crt", "tls.key")], f"{RELEASE}-kvshuttle-registry")),
+        check("registry", "127.0.0.1:{port}", ClientTls(worker["ca.crt"], worker["tls.crt"], worker["tls.key"],
+                                                        f"{RELEASE}-kvshuttle-scheduler")),
+        check("gateway", "0.0.0.0:{port}", ClientTls(gateway["ca.crt"], gateway["tls.crt"], gateway["tls.key"])),
+    )
+    outcomes = asyncio.run(all_checks())
+    assert outcomes == ["OK", "UNAVAILABLE", "UNAVAILABLE", "UNAVAILABLE", "OK"]
+
+
+def test_turning_tls_off_takes_two_values_and_the_notes_warn():
+    """tls.enabled=false alone fails the install (BROKEN above); with tls.allowInsecure=true the release has no
+    certificates, no TLS settings in any pod, and NOTES.txt warns in capitals. With TLS on, NOTES shows how to call
+    the internal APIs with the admin certificate."""
+    docs = rendered("gpu-1p1d", *INSECURE)
+    assert not [n for n in objects(docs, "Secret") if "-tls-" in n] and not objects(docs, "Certificate")
+    for command, c in kvshuttle_containers(docs):
+        assert not [k for k in container_env(c) if k.startswith("KVSHUTTLE_TLS_")], command
+        assert "tls" not in {m["name"] for m in c.get("volumeMounts", [])}, command
+
+    def notes(*extra: str) -> str:
+        out = helm("install", RELEASE, str(CHART), "--dry-run=client", "--namespace", NAMESPACE,
+                   "-f", str(ROOT / "deploy/helm/profiles/gpu-1p1d.yaml"), *extra)
+        assert out.returncode == 0, out.stderr
+        return out.stdout[out.stdout.index("NOTES:"):]
+
+    off, on = notes(*INSECURE), notes()
+    assert "WARNING: TLS IS OFF (tls.enabled=false, tls.allowInsecure=true)" in off
+    assert "register a worker of its own" in off and "admin certificate" not in off
+    assert "TLS IS OFF" not in on and "Mutual TLS between kvshuttle's services is on" in on
+    assert f"get secret {RELEASE}-kvshuttle-tls-admin" in on
+    assert re.search(rf"grpcurl -cacert ca.crt -cert admin.crt -key admin.key -servername {RELEASE}-kvshuttle-registry",
+                     on)
+    assert "networkPolicy.enabled is false" in notes("--set", "networkPolicy.enabled=false")
+    assert "networkPolicy.enabled is false" not in on
+
+
+# --- NetworkPolicy: exactly the paths kvshuttle uses ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Peer:
+    """A pod (namespace, labels, its namespace's labels) or, with namespace None, an address outside the cluster."""
+
+    name: str
+    namespace: str | None
+    labels: tuple = ()
+    namespace_labels: tuple = ()
+
+
+OUTSIDE = (Peer("client pod", "apps", (("app", "client"),), (("kubernetes.io/metadata.name", "apps"),)),
+           Peer("pod beside", NAMESPACE, (("app", "other"),), (("kubernetes.io/metadata.name", NAMESPACE),)),
+           Peer("prometheus", "monitoring", (("app.kubernetes.io/name", "prometheus"),),
+                (("kubernetes.io/metadata.name", "monitoring"),)),
+           Peer("internet", None))
+
+
+def selects(selector: dict, labels: tuple) -> bool:
+    assert set(selector) <= {"matchLabels"}, selector  # all the chart uses
+    have = dict(labels)
+    return all(have.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def peer_matches(rule_peer: dict, peer: Peer) -> bool:
+    if "ipBlock" in rule_peer:
+        return peer.namespace is None
+    if peer.namespace is None:
+        return False
+    if "namespaceSelector" in rule_peer:
+        in_namespace = selects(rule_peer["namespaceSelector"], peer.namespace_labels)
+    else:
+        in_namespace = peer.namespace == NAMESPACE
+    return in_namespace and selects(rule_peer.get("podSelector", {}), peer.labels)
+
+
+def port_matches(ports: list | None, port: int, protocol: str) -> bool:
+    return not ports or any(p.get("protocol", "TCP") == protocol and (
+        "port" not in p or p["port"] == port or p["port"] <= port <= p.get("endPort", p["port"])) for p in ports)
+
+
+def side_allows(policies: list[dict], pod: Peer, kind: str, other: Peer, port: int, protocol: str) -> bool:
+    """Whether the policies let ``pod`` take in (kind Ingress) or send out (Egress) this connection with ``other``."""
+    if pod.namespace != NAMESPACE:
+        return True  # no policy of the release applies to it
+    selecting = [p["spec"] for p in policies if kind in p["spec"]["policyTypes"]
+                 and selects(p["spec"]["podSelector"], pod.labels)]
+    peers_key = "from" if kind == "Ingress" else "to"
+    return not selecting or any(
+        port_matches(rule.get("ports"), port, protocol)
+        and (peers_key not in rule or any(peer_matches(p, other) for p in rule[peers_key]))
+        for spec in selecting for rule in spec.get(kind.lower(), []))
+
+
+def connection_allowed(policies: list[dict], src: Peer, dst: Peer, port: int, protocol: str = "TCP") -> bool:
+    return side_allows(policies, dst, "Ingress", src, port, protocol) and side_allows(
+        policies, src, "Egress", dst, port, protocol)
+
+
+def release_pods(docs) -> dict[str, tuple[Peer, set[int]]]:
+    """component -> (its pods as a peer, the ports its containers declare)."""
+    out = {}
+    for d in docs:
+        template = d["spec"]["template"] if d["kind"] in ("Deployment", "StatefulSet") else d if d["kind"] == "Pod" \
+            else None
+        if template is None:
+            continue
+        labels = template["metadata"]["labels"]
+        ports = {p["containerPort"] for c in template["spec"]["containers"] for p in c.get("ports", [])}
+        out[labels["app.kubernetes.io/component"]] = (
+            Peer(labels["app.kubernetes.io/component"], NAMESPACE, tuple(sorted(labels.items())),
+                 (("kubernetes.io/metadata.name", NAMESPACE),)), ports)
+    return out
+
+
+def allowed_paths(docs) -> tuple[set, set, set]:
+    """(component -> component, outside -> component, component -> outside) connections the policies allow, probed
+    on every declared port, every port a policy names, and NIXL's transfer range's ends and neighbours."""
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    pods = release_pods(docs)
+    named = {p["port"] for pol in policies for kind in ("ingress", "egress") for r in pol["spec"].get(kind, [])
+             for p in r.get("ports", [])}
+    probe = named | {p for _, ports in pods.values() for p in ports} | {80, 443, 8080}
+    for d in docs:  # NIXL's transfer range (workers' UCX_TCP_PORT_RANGE): its ends, middle and neighbours
+        if d["kind"] == "Deployment":
+            ranges = container_env(d["spec"]["template"]["spec"]["containers"][0]).get("UCX_TCP_PORT_RANGE")
+            if ranges:
+                first, last = map(int, ranges.split("-"))
+                probe |= {first - 1, first, (first + last) // 2, last, last + 1}
+    inside = {(s, d, port) for s, (src, _) in pods.items() for d, (dst, ports) in pods.items()
+              for port in probe if connection_allowed(policies, src, dst, port)}
+    inbound = {(o.name, d, port) for o in OUTSIDE for d, (dst, _) in pods.items() for port in probe
+               if connection_allowed(policies, o, dst, port)}
+    outbound = {(s, o.name, port, proto) for s, (src, _) in pods.items() for o in OUTSIDE
+                for port in probe | {53} for proto in ("TCP", "UDP") if connection_allowed(policies, src, o, port, proto)}
+    return inside, inbound, outbound
+
+
+WORKERS = ("prefill", "decode")
+
+
+def expected_inside(values: dict, pods: set[str]) -> set:
+    """The calls kvshuttle makes between its pods (deploy/README.md, "What runs where"), and nothing else; `helm
+    test`'s pod (when the release has one) calls the gateway."""
+    reg, sched, grpc = values["registry"]["port"], values["scheduler"]["port"], values["workers"]["grpcPort"]
+    first, last = values["workers"]["nixlTransferPorts"]["first"], values["workers"]["nixlTransferPorts"]["last"]
+    paths = {(src, "registry", reg) for src in ("gateway", "scheduler", *WORKERS)}
+    paths |= {("gateway", "scheduler", sched)}
+    paths |= {(src, w, grpc) for src in ("gateway", "scheduler") for w in WORKERS}
+    paths |= {(a, b, port) for a in WORKERS for b in WORKERS
+              for port in (values["workers"]["nixlPort"], first, (first + last) // 2, last)}
+    stores = ["registry", "scheduler"] + (["gateway"] if values["gateway"]["planInProcess"] else [])
+    if values["etcd"]["mode"] == "bundled":
+        paths |= {(s, "etcd", values["etcd"]["bundled"]["clientPort"]) for s in stores}
+        paths |= {("etcd", "etcd", values["etcd"]["bundled"]["peerPort"])}
+    if values["historyStore"]["bundled"]:
+        paths |= {(s, "history", values["historyStore"]["port"]) for s in stores}
+    if "smoke-test" in pods:
+        paths.add(("smoke-test", "gateway", values["gateway"]["httpPort"]))
+    return paths
+
+
+def expected_outside(values: dict, pods: set[str]) -> tuple[set, set]:
+    """(inbound, outbound): clients anywhere reach the gateway's ports; Prometheus the metrics ports; every pod may
+    look names up; the rest goes out only where the values point outside (tracing, external etcd and Redis)."""
+    g = values["gateway"]
+    inbound = {(o.name, "gateway", port) for o in OUTSIDE for port in (g["httpPort"], g["grpcPort"])}
+    metrics = {c: values["metrics"]["port"] for c in ("gateway", "registry", "scheduler", *WORKERS)}
+    if values["etcd"]["mode"] == "bundled":
+        metrics["etcd"] = 2381
+    inbound |= {("prometheus", c, port) for c, port in metrics.items()}
+    outbound = {(p, o.name, 53, proto) for p in pods for o in OUTSIDE for proto in ("TCP", "UDP")}
+    out_ports = {c: set() for c in ("gateway", "registry", "scheduler", *WORKERS)}
+    if values["tracing"]["enabled"]:
+        for ports in out_ports.values():
+            ports.add(int(values["tracing"]["otlpEndpoint"].rsplit(":", 1)[1]))
+    stores = ["registry", "scheduler"] + (["gateway"] if g["planInProcess"] else [])
+    if values["etcd"]["mode"] == "external":
+        for s in stores:
+            out_ports[s] |= {int(e.rsplit(":", 1)[1]) for e in values["etcd"]["external"]["endpoints"]}
+    if not values["historyStore"]["bundled"]:
+        for s in stores:
+            out_ports[s].add(int(re.search(r":(\d+)(/|$)", values["historyStore"]["url"].split("@")[-1]).group(1)))
+    outbound |= {(c, o.name, port, "TCP") for c, ports in out_ports.items() for port in ports for o in OUTSIDE}
+    return inbound, outbound
+
+
+NETWORK_CASES = {
+    "default": ("gpu-1p1d", ()),
+    "cpu dev": ("cpu-dev", ()),
+    "4p4d, external etcd": ("gpu-4p4d-external-etcd-tls", ()),
+    "planning in the gateway, own Redis": ("gpu-1p1d", ("--set", "gateway.planInProcess=true", "--set",
+                                                         "historyStore.bundled=false", "--set",
+                                                         "historyStore.url=rediss://redis.infra.svc:6380/3")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NETWORK_CASES))
+def test_network_policies_allow_exactly_the_paths_kvshuttle_uses(case):
+    """Evaluating the rendered NetworkPolicies as Kubernetes does (a pod selected by a policy of a direction takes
+    only what one of them allows; a connection needs the sender's egress and the receiver's ingress): between the
+    release's pods exactly the calls kvshuttle makes pass; from outside only clients to the gateway and Prometheus to
+    the metrics ports; out of the release only DNS and what the values point outside."""
+    profile, extra = NETWORK_CASES[case]
+    docs = rendered(profile, *extra)
+    values = merged_values(profile)
+    for i in range(0, len(extra), 2):
+        key, value = extra[i + 1].split("=", 1)
+        node = values
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node[part]
+        node[leaf] = yaml.safe_load(value)
+    inside, inbound, outbound = allowed_paths(docs)
+    pods = set(release_pods(docs))
+    want_inside = expected_inside(values, pods)
+    assert inside == want_inside, inside ^ want_inside
+    want_in, want_out = expected_outside(values, pods)
+    assert inbound == want_in, inbound ^ want_in
+    assert outbound == want_out, outbound ^ want_out
+
+
+def test_network_policy_values_open_what_they_say():
+    """gatewayFrom narrows the gateway's clients (Prometheus keeps its scrape); metricsFrom names the scrapers;
+    networkPolicy.enabled=false renders none, and then everything passes (the evaluation above can tell)."""
+    docs = rendered("gpu-1p1d", "--set-json", 'networkPolicy.gatewayFrom=[{"namespaceSelector": {"matchLabels": '
+                    '{"kubernetes.io/metadata.name": "apps"}}}]', "--set-json",
+                    'networkPolicy.metricsFrom=[{"namespaceSelector": {"matchLabels": '
+                    '{"kubernetes.io/metadata.name": "monitoring"}}}]')
+    _, inbound, _ = allowed_paths(docs)
+    to_gateway = {(o, port) for o, d, port in inbound if d == "gateway"}
+    assert to_gateway == {("client pod", 8000), ("client pod", 50053), ("prometheus", 9090)}
+    assert {o for o, d, _ in inbound if d == "registry"} == {"prometheus"}
+    off = rendered("gpu-1p1d", "--set", "networkPolicy.enabled=false")
+    assert not objects(off, "NetworkPolicy")
+    inside, inbound, _ = allowed_paths(off)
+    assert ("pod beside", "registry", 50051) in inbound and ("gateway", "etcd", 2379) in inside
+
+
+def test_workers_listen_for_nixl_transfers_where_the_policy_opens():
+    """NIXL's UCX TCP transfers listen in workers.nixlTransferPorts (UCX_TCP_PORT_RANGE in the worker's
+    environment, which vLLM inherits), the range the NetworkPolicy opens between workers."""
+    docs = rendered("gpu-1p1d", "--set", "workers.nixlTransferPorts.first=31000", "--set",
+                    "workers.nixlTransferPorts.last=31099")
+    for role in WORKERS:
+        container = objects(docs, "Deployment")[f"{RELEASE}-kvshuttle-{role}"]["spec"]["template"]["spec"][
+            "containers"][0]
+        assert container_env(container)["UCX_TCP_PORT_RANGE"] == "31000-31099"
+    inside, _, _ = allowed_paths(docs)
+    assert ("prefill", "decode", 31000) in inside and ("decode", "prefill", 31099) in inside
+    assert ("prefill", "decode", 20000) not in inside

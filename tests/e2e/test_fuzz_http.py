@@ -5,6 +5,11 @@ missing, out of range, huge, or strange (unknown model, malformed session ids, n
 roles, token-id prompts with bad ids), plus raw bodies that are not JSON or not UTF-8. Every answer must be a 2xx or a
 4xx with an OpenAI-style JSON error and a message; never a 5xx, a dropped connection or a hang. The gateway must
 serve a normal conversation afterwards. Valid requests run real turns with at most 4 tokens.
+
+Hostile input (issue #26; services/gateway/input_check.py): lone surrogates, deep nesting, huge and non-finite
+numbers, put in any one field (or as a field's name) of a valid request to every HTTP route, and undecodable bytes
+to every gRPC method. Each must be a 4xx in the route's own error shape, never a 5xx or a dropped connection; the
+cases the issue found are explicit examples.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import json
 import grpc
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from kvshuttle.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -156,3 +161,162 @@ def test_the_grpc_chat_api_answers_bad_input_with_a_client_error(gateway, sessio
 def test_the_grpc_completion_api_answers_bad_input_with_a_client_error(gateway, session, sampling, text, ids):
     grpc_call(gateway.Complete, gateway_pb2.CompleteRequest(session_id=session, prompt=text, prompt_token_ids=ids,
                                                             sampling=sampling))
+
+
+
+# -- hostile input, every route (issue #26) ------------------------------------------------------------------------
+
+def nest(depth: int, leaf=1, kind: str = "list"):
+    value = leaf
+    for _ in range(depth):
+        value = [value] if kind == "list" else {"a": value}
+    return value
+
+
+def deep_schema(levels: int) -> dict:
+    schema: dict = {"type": "object"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+SURROGATES = st.text(st.characters(categories=["Cs"]), min_size=1, max_size=3)
+HOSTILE = st.one_of(
+    st.builds(lambda a, s, b: a + s + b, st.text(max_size=5), SURROGATES, st.text(max_size=5)),  # a lone surrogate
+    st.integers(2**31, 2**70) | st.integers(-(2**70), -(2**31) - 1) | st.sampled_from([10**12, 2**63, 10**30]),
+    st.sampled_from([float("nan"), float("inf"), float("-inf")]),
+    st.builds(nest, st.integers(30, 400), st.just(1), st.sampled_from(["list", "dict"])),
+    st.builds(deep_schema, st.integers(30, 200)),
+)
+HI = [{"role": "user", "content": "hi"}]
+TOOL_SCHEMA = {"type": "object", "properties": {"q": {"type": "string"}}}
+# A valid request to each body-taking route, with as many fields as it takes: the fuzzer spoils one of them.
+BASES = {
+    "/v1/chat/completions": {
+        "messages": [{"role": "system", "content": "Be brief."}, *HI], "max_tokens": 2, "max_completion_tokens": 2,
+        "temperature": 0, "seed": 1, "n": 1, "top_k": 5, "min_tokens": 0, "stop": ["x"], "stop_token_ids": [1],
+        "logprobs": True, "top_logprobs": 1, "user": "u", "conversation_id": "fuzz-h", "stream": False,
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": TOOL_SCHEMA}}], "tool_choice": "none",
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": TOOL_SCHEMA}},
+        "chat_template_kwargs": {"k": "v"}},
+    "/v1/completions": {"prompt": "hi", "max_tokens": 2, "seed": 1, "logprobs": 1, "min_tokens": 0,
+                        "structured_outputs": {"json": TOOL_SCHEMA}, "stop": ["x"]},
+    "/v1/responses": {"input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}],
+                      "instructions": "Be brief.", "max_output_tokens": 2, "temperature": 0, "store": False,
+                      "metadata": {"k": "v"}, "tools": [{"type": "function", "name": "f", "parameters": TOOL_SCHEMA}],
+                      "tool_choice": "none", "text": {"format": {"type": "json_schema", "name": "x",
+                                                                  "schema": TOOL_SCHEMA}}},
+    "/v1/messages": {"model": "tiny", "max_tokens": 2, "messages": HI, "system": "Be brief.", "temperature": 0,
+                     "top_k": 5, "metadata": {"user_id": "u"}, "stop_sequences": ["x"],
+                     "tools": [{"name": "f", "input_schema": TOOL_SCHEMA}], "tool_choice": {"type": "none"}},
+    "/v1/messages/count_tokens": {"model": "tiny", "messages": HI, "system": "Be brief.",
+                                  "tools": [{"name": "f", "input_schema": TOOL_SCHEMA}]},
+    "/v1/gateway/chat/completions": {"messages": HI, "sessionId": "fuzz-h", "sampling": {
+        "maxTokens": 2, "seed": 1, "topK": 5, "stopTokenIds": [1], "stop": ["x"]}},
+    "/v1/gateway/completions": {"prompt": "hi", "sampling": {"maxTokens": 2, "minTokens": 0}},
+    "/v1/sessions/fuzz-h/end": {},
+}
+
+
+def places(value, path=()):
+    """Every path in ``value`` (the value itself included)."""
+    yield path
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from places(item, (*path, key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from places(item, (*path, i))
+
+
+def spoiled(body, path, bad, as_name: bool):
+    """``body`` with ``bad`` at ``path`` (``as_name``: a field named ``bad`` added there, when it is text)."""
+    if not path:
+        return {**body, bad: 1} if as_name and isinstance(bad, str) and isinstance(body, dict) else bad
+    head, rest = path[0], path[1:]
+    copy = dict(body) if isinstance(body, dict) else list(body)
+    copy[head] = spoiled(body[head], rest, bad, as_name)
+    return copy
+
+
+@st.composite
+def hostile_requests(draw):
+    route = draw(st.sampled_from(sorted(BASES)))
+    base = BASES[route]
+    path = draw(st.sampled_from(list(places(base))))
+    return route, spoiled(base, path, draw(HOSTILE), draw(st.booleans()))
+
+
+def check_refused(resp: httpx.Response, route: str, body) -> None:
+    """A 4xx (or a 2xx, for what a route may take) in the route's error shape; never a 5xx."""
+    assert resp.status_code < 500, (resp.status_code, resp.text[:500], route, json.dumps(body, allow_nan=True)[:2000])
+    if resp.status_code >= 400:
+        error = resp.json()
+        if route.startswith("/v1/messages"):
+            assert error["type"] == "error" and error["error"]["message"], (resp.text, route)
+        else:
+            assert error["error"]["message"], (resp.text, route)
+
+
+def send(client: httpx.Client, route: str, body) -> httpx.Response:
+    content = json.dumps(body, allow_nan=True).encode()  # lone surrogates as \\ud800 escapes, as clients send them
+    return client.post(route, content=content, headers={"content-type": "application/json"})
+
+
+@pytest.mark.parametrize("route", sorted(BASES))
+def test_the_unspoiled_requests_are_served(client, route):
+    """The fuzzer's starting points are valid requests (so that spoiling one field reaches past the others)."""
+    resp = send(client, route, BASES[route])
+    assert resp.status_code == 200, resp.text
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(case=hostile_requests())
+# What issue #26 found answering a 500 or dropping the connection:
+@example(case=("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}))
+@example(case=("/v1/chat/completions", {"messages": HI, "\ud800": 1}))
+@example(case=("/v1/messages", {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "\ud800"}]}))
+@example(case=("/v1/responses", {"input": "hi", "metadata": {"a": "\ud800"}}))
+@example(case=("/v1/chat/completions", {"messages": HI, "tools": [{"type": "function", "function": {
+    "name": "f", "parameters": deep_schema(200)}}]}))
+@example(case=("/v1/responses", {"input": "hi", "tools": [{"type": "function", "name": "f",
+                                                            "parameters": deep_schema(200)}]}))
+@example(case=("/v1/chat/completions", {"messages": HI, "max_tokens": 10**12}))
+# and their kin on the other routes
+@example(case=("/v1/chat/completions", {"messages": HI, "max_tokens": 10**12, "stream": True}))
+@example(case=("/v1/messages", {"model": "tiny", "max_tokens": 10**12, "messages": HI}))
+@example(case=("/v1/messages", {"model": "tiny", "max_tokens": 2, "messages": HI,
+                                "tools": [{"name": "f", "input_schema": deep_schema(200)}]}))
+@example(case=("/v1/responses", {"input": "hi", "max_output_tokens": 10**12}))
+@example(case=("/v1/completions", {"prompt": "hi", "seed": 10**30}))
+@example(case=("/v1/completions", {"prompt": "hi", "structured_outputs": {"json": "[" * 100_000 + "]" * 100_000}}))
+@example(case=("/v1/gateway/chat/completions", {"messages": HI, "\ud800": 1}))
+@example(case=("/v1/gateway/completions", {"prompt": "hi", "sampling": {"maxTokens": 10**12}}))
+def test_hostile_input_in_any_field_of_any_route_is_a_4xx(client, case):
+    route, body = case
+    check_refused(send(client, route, body), route, body)
+
+
+@pytest.mark.parametrize("method, path", [
+    ("GET", "/v1/sessions/%ED%A0%80"), ("DELETE", "/v1/sessions/%ED%A0%80"), ("GET", "/v1/responses/%ED%A0%80"),
+    ("DELETE", "/v1/responses/resp_%ED%A0%80"), ("GET", "/v1/sessions/" + "9" * 40),
+    ("GET", "/v1/workers?limit=99999999999999999999"), ("POST", "/v1/sessions/%ED%A0%80/end"),
+])
+def test_hostile_paths_and_queries_are_a_4xx(client, method, path):
+    resp = client.request(method, path, **({"json": {}} if method == "POST" else {}))
+    check_refused(resp, path, None)
+
+
+@pytest.mark.parametrize("method", ["Complete", "CompleteStream", "ChatComplete", "ChatCompleteStream", "EndSession"])
+def test_grpc_requests_that_do_not_decode_are_invalid_argument(stack, method):
+    """Bytes protobuf cannot decode (every request's session_id, field 1, holding a UTF-8-encoded lone surrogate; a
+    truncated field): INVALID_ARGUMENT with a message, not UNKNOWN from an exception in the server."""
+    with grpc.insecure_channel(stack.gateway_grpc) as channel:
+        streaming = method.endswith("Stream")
+        make = channel.unary_stream if streaming else channel.unary_unary
+        call = make(f"/kvshuttle.v1.Gateway/{method}", request_serializer=lambda b: b,
+                    response_deserializer=lambda b: b)
+        for raw in (b"\x0a\x03\xed\xa0\x80", b"\x0a\x09ab"):
+            with pytest.raises(grpc.RpcError) as err:
+                list(call(raw, timeout=30)) if streaming else call(raw, timeout=30)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details(), err.value

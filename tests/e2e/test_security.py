@@ -7,6 +7,7 @@ A second gateway with an API keys file joins the shared stack (same registry and
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import time
@@ -27,6 +28,7 @@ pytestmark = pytest.mark.e2e
 KEY_A = f"kvs-e2e-acme-{secrets.token_hex(12)}"
 KEY_B = f"kvs-e2e-globex-{secrets.token_hex(12)}"
 WRONG_KEY = f"kvs-e2e-wrong-{secrets.token_hex(12)}"
+KEY_C = f"kvs-e2e-initech-{secrets.token_hex(12)}"  # tenant initech: one request per 20 s
 SESSIONS = {name: f"e2e-secret-{name}-{uuid.uuid4().hex[:12]}" for name in ("http", "grpc", "logs")}
 SYSTEM = {"role": "system", "content": "You are terse."}
 BOGUS_PARAMS = {"do_remote_prefill": True, "remote_host": "10.9.9.9", "remote_port": 1, "remote_engine_id": "evil",
@@ -35,9 +37,12 @@ BOGUS_PARAMS = {"do_remote_prefill": True, "remote_host": "10.9.9.9", "remote_po
 
 @pytest.fixture(scope="module")
 async def keyed(stack, tmp_path_factory):
-    """A gateway that requires API keys (acme: KEY_A, globex: KEY_B), on the stack's registry and scheduler."""
+    """A gateway that requires API keys (acme: KEY_A, globex: KEY_B, initech: KEY_C with a limit of one request per
+    20 s), on the stack's registry and scheduler."""
     path = tmp_path_factory.mktemp("keys") / "keys.json"
-    path.write_text(json.dumps({"keys": [auth.entry(KEY_A, "acme"), auth.entry(KEY_B, "globex")]}))
+    path.write_text(json.dumps({"keys": [auth.entry(KEY_A, "acme"), auth.entry(KEY_B, "globex"),
+                                         auth.entry(KEY_C, "initech")],
+                                "limits": {"initech": {"requests_per_second": 0.05}}}))
     http, grpc_address = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     child = await stack._spawn("gateway-keys", "gateway", "--grpc-listen", grpc_address, "--http-listen", http,
                                "--max-model-len", str(stack.cfg.max_model_len), "--api-keys-file", str(path))
@@ -202,3 +207,31 @@ async def test_keys_and_session_ids_stay_out_of_logs_and_traces(stack, keyed, ot
     assert any("gateway-keys" in p for p in texts) and any("API keys required" in t for t in texts.values())
     leaks = [(p, secret) for p, text in texts.items() for secret in secrets_ if secret in text]
     assert not leaks, leaks
+
+
+async def test_a_tenant_over_its_limit_gets_429_while_another_is_served_at_the_same_moment(keyed):
+    base, address = keyed
+    body = {"messages": [SYSTEM, user_turn(3)], "max_tokens": 8, "temperature": 0}
+    async with httpx.AsyncClient(base_url=base, timeout=300) as client:
+        first = await client.post("/v1/chat/completions", headers=key(KEY_C), json=body)
+        assert first.status_code == 200, first.text
+        over, other = await asyncio.gather(client.post("/v1/chat/completions", headers=key(KEY_C), json=body),
+                                           client.post("/v1/chat/completions", headers=key(KEY_A), json=body))
+        assert over.status_code == 429, over.text
+        assert 1 <= int(over.headers["retry-after"]) <= 20
+        assert over.json()["error"]["type"] == "requests" and over.json()["error"]["code"] == "rate_limit_exceeded"
+        assert other.status_code == 200 and other.json()["usage"]["completion_tokens"] > 0, other.text
+        anthropic = await client.post("/v1/messages", headers={"x-api-key": KEY_C}, json={
+            "model": "tiny", "max_tokens": 8, "messages": [user_turn(3)]})
+        assert anthropic.status_code == 429 and anthropic.json()["error"]["type"] == "rate_limit_error"
+        assert anthropic.headers["retry-after"].isdigit()
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        request = gateway_pb2.ChatCompleteRequest(messages=[gateway_pb2.ChatMessage(**user_turn(3))],
+                                                  sampling=gateway_pb2.SamplingOptions(max_tokens=8))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.ChatComplete(request, metadata=(("authorization", f"Bearer {KEY_C}"),), timeout=60)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert 1 <= int(dict(err.value.trailing_metadata())["retry-after"]) <= 20
+        served = await stub.ChatComplete(request, metadata=(("authorization", f"Bearer {KEY_B}"),), timeout=300)
+        assert served.usage.completion_tokens > 0

@@ -18,8 +18,10 @@ import uuid
 import grpc
 import httpx
 import pytest
+from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvshuttle.control_plane.continuation import text_key
+from kvshuttle.services.common import metrics
 from kvshuttle.services.common.config import ConfigError
 from kvshuttle.services.common.grpc_server import client_channel
 from kvshuttle.services.common.tls import TlsClientConfig
@@ -365,3 +367,183 @@ async def test_gateway_over_https_and_mutual_tls_to_the_control_plane(model_dir,
         await gateway.stop()
         await scheduler.stop()
         await registry.stop(grace=0.5)
+
+
+# ------------------------------------------------------------------------------------------ limits per tenant (#26)
+
+LIMITED_KEYS = {**KEYS, "initech": "kvs-initech-0d2f9a71"}
+
+
+def limited_keys(directory, **extra) -> str:
+    """acme: one request per 10 s; globex: 30 tokens a minute; initech: one request per 10 s (it calls the bridged
+    gateway API, which must count once); ops: admin, no limits."""
+    path = directory / "limited.json"
+    path.write_text(json.dumps({
+        "keys": [auth.entry(LIMITED_KEYS["acme"], "acme"), auth.entry(LIMITED_KEYS["globex"], "globex"),
+                 auth.entry(LIMITED_KEYS["initech"], "initech"), auth.entry(LIMITED_KEYS["ops"], "ops", admin=True)],
+        "limits": {"acme": {"requests_per_second": 0.1}, "initech": {"requests_per_second": 0.1},
+                   "globex": {"tokens_per_minute": 30}}, **extra}))
+    return str(path)
+
+
+def lkey(tenant: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {LIMITED_KEYS[tenant]}"}
+
+
+@pytest.fixture(scope="module")
+async def limited(model_dir, plane, tmp_path_factory):
+    service = await start_gateway(model_dir, plane, api_keys_file=limited_keys(tmp_path_factory.mktemp("lim")),
+                                  http_receipt_timeout_s=1.0, http_max_connections=6, api_keys_reload_s=0)
+    yield service
+    await service.stop()
+
+
+def limited_count(tenant: str, limit: str) -> float:
+    return metrics.RATE_LIMITED.labels(tenant, limit)._value.get()
+
+
+async def test_a_tenant_over_its_limits_gets_429_in_each_apis_shape_while_others_are_served(limited):
+    before = limited_count("acme", "requests_per_second")
+    message = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    async with httpx.AsyncClient(base_url=f"http://{limited.http_address}", timeout=30) as http:
+        assert (await http.get("/v1/models", headers=lkey("acme"))).status_code == 200
+        over = await http.get("/v1/models", headers=lkey("acme"))
+        assert over.status_code == 429 and 1 <= int(over.headers["retry-after"]) <= 10, over.text
+        assert over.json()["error"]["type"] == "requests" and over.json()["error"]["code"] == "rate_limit_exceeded"
+        assert "requests per second" in over.json()["error"]["message"]
+        anthropic = await http.post("/v1/messages", json=message, headers={"x-api-key": LIMITED_KEYS["acme"]})
+        assert anthropic.status_code == 429 and anthropic.headers["retry-after"].isdigit()
+        assert anthropic.json()["type"] == "error" and anthropic.json()["error"]["type"] == "rate_limit_error"
+        # Another tenant, at the same moment: served as usual (here up to the scheduler: no prefill worker).
+        assert (await http.get("/v1/models", headers=lkey("globex"))).status_code == 200
+        served = await http.post("/v1/messages", json=message, headers={"x-api-key": LIMITED_KEYS["ops"]})
+        assert served.status_code == 503 and "no live prefill worker" in served.text
+        # The bridged gateway API counts a request once (the HTTP guard), not again in the gRPC API it calls.
+        body = {"messages": [{"role": "user", "content": "hi"}], "sampling": {"maxTokens": 2}}
+        bridged = await http.post("/v1/gateway/chat/completions", json=body, headers=lkey("initech"))
+        assert bridged.status_code == 503 and "no live prefill worker" in bridged.text, bridged.text
+
+        # Tokens per minute: the prompt is charged before the turn (25 of globex's 30), the next one waits.
+        prompt = {"prompt": list(range(10, 35)), "max_tokens": 2}
+        first = await http.post("/v1/completions", json=prompt, headers=lkey("globex"))
+        assert first.status_code == 503, first.text
+        second = await http.post("/v1/completions", json=prompt, headers=lkey("globex"))
+        assert second.status_code == 429 and second.json()["error"]["type"] == "tokens", second.text
+        assert int(second.headers["retry-after"]) == 40  # 20 tokens missing at 0.5 a second
+        rest = await http.post("/v1/gateway/completions", json={"promptTokenIds": list(range(10, 35))},
+                               headers=lkey("globex"))
+        assert rest.status_code == 429 and rest.headers["retry-after"] == "40", rest.text
+        assert rest.json()["error"]["status"] == "RESOURCE_EXHAUSTED"
+
+        # /metrics on the HTTP port: admin keys only (tenants are labels there).
+        assert (await http.get("/metrics", headers=lkey("globex"))).status_code == 403
+        scraped = await http.get("/metrics", headers=lkey("ops"))
+        assert scraped.status_code == 200
+        assert 'kvshuttle_rate_limited_total{limit="tokens_per_minute",tenant="globex"}' in scraped.text
+        assert (await http.get("/metrics")).status_code == 401
+    assert limited_count("acme", "requests_per_second") == before + 2
+
+    async with client_channel(limited.grpc_address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        request = gateway_pb2.ChatCompleteRequest(messages=[gateway_pb2.ChatMessage(role="user", content="hi")])
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.ChatComplete(request, metadata=(("authorization", f"Bearer {LIMITED_KEYS['acme']}"),),
+                                    timeout=10)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "rate limit" in err.value.details()
+        trailers = dict(err.value.trailing_metadata())
+        assert 1 <= int(trailers["retry-after"]) <= 10
+        status = status_pb2.Status.FromString(trailers["grpc-status-details-bin"])
+        info = error_details_pb2.RetryInfo()
+        assert status.details[0].Unpack(info) and info.retry_delay.seconds == int(trailers["retry-after"])
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # another tenant: on to the scheduler
+            await stub.ChatComplete(request, metadata=(("authorization", f"Bearer {LIMITED_KEYS['ops']}"),),
+                                    timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def _read_all(reader: asyncio.StreamReader) -> bytes:
+    return await asyncio.wait_for(reader.read(65536), 10)
+
+
+async def test_half_sent_requests_get_408_and_connections_past_the_cap_503(limited):
+    host, port = limited.http_address.rsplit(":", 1)
+    started = asyncio.get_running_loop().time()
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write((f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {LIMITED_KEYS['ops']}"
+                  "\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{").encode())
+    await writer.drain()  # 1 byte of a 100-byte body, then nothing
+    answer = await _read_all(reader)
+    assert answer.startswith(b"HTTP/1.1 408") and b"did not arrive within 1 s" in answer, answer
+    assert 0.9 <= asyncio.get_running_loop().time() - started < 5
+    assert await asyncio.wait_for(reader.read(), 5) == b""  # and the connection is closed
+    writer.close()
+
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")  # headers never finished
+    await writer.drain()
+    answer = await _read_all(reader)
+    assert answer.startswith(b"HTTP/1.1 408") and b"headers did not arrive" in answer, answer
+    writer.close()
+
+    idle = [await asyncio.open_connection(host, int(port)) for _ in range(6)]
+    try:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        answer = await _read_all(reader)
+        assert answer.startswith(b"HTTP/1.1 503") and b"over 6 open connections" in answer, answer
+        writer.close()
+    finally:
+        for _, w in idle:
+            w.close()
+    await asyncio.sleep(0.2)
+    async with httpx.AsyncClient(base_url=f"http://{limited.http_address}", timeout=30) as http:
+        assert (await http.get("/health")).status_code == 200  # the cap frees as connections close
+
+
+async def test_sessions_show_tenants_no_worker_addresses(http, plane):
+    _, _, reg, d = plane
+    session = f"addr-{uuid.uuid4().hex[:8]}"
+    await record(reg, d, session, "acme")
+    await record(reg, d, session, "ops")
+    mine = await http.get(f"/v1/sessions/{session}", headers=bearer("acme"))
+    assert mine.status_code == 200 and int(mine.json()["session"]["coveredTokens"]) == 7, mine.text
+    assert "kvTransferParamsJson" not in mine.json()["session"] or not mine.json()["session"]["kvTransferParamsJson"]
+    assert d.engine_id not in mine.text and str(d.nixl_port) not in mine.text, mine.text
+    admin = await http.get(f"/v1/sessions/{session}", headers=bearer("ops"))
+    assert d.engine_id in admin.json()["session"]["kvTransferParamsJson"], admin.text
+
+
+async def test_a_route_without_a_caller_identity_is_401_never_full_rights(gateway):
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=gateway.app), base_url="http://gw") as bare:
+        resp = await bare.post("/v1/chat/completions", json=chat)  # the app without its guard
+        assert resp.status_code == 401 and "no caller identity" in resp.json()["error"]["message"], resp.text
+        message = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+        resp = await bare.post("/v1/messages", json=message)
+        assert resp.status_code == 401 and resp.json()["error"]["type"] == "authentication_error", resp.text
+        assert (await bare.get("/v1/responses/resp_x")).status_code == 401
+
+
+async def test_the_keys_file_reloads_while_running_and_a_bad_one_keeps_the_keys(model_dir, plane, tmp_path):
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"keys": [auth.entry(KEYS["acme"], "acme")]}))
+    service = await start_gateway(model_dir, plane, api_keys_file=str(path), api_keys_reload_s=0.1)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://{service.http_address}", timeout=30) as http:
+            assert (await http.get("/v1/models", headers=bearer("globex"))).status_code == 401
+            path.write_text(json.dumps({"keys": [auth.entry(KEYS["acme"], "acme"), auth.entry(KEYS["globex"], "globex")],
+                                        "limits": {"globex": {"requests_per_second": 0.1}}}))
+            for _ in range(100):
+                if (await http.get("/v1/models", headers=bearer("globex"))).status_code != 401:
+                    break
+                await asyncio.sleep(0.05)
+            assert (await http.get("/v1/models", headers=bearer("globex"))).status_code == 429  # its limit too
+            failed = metrics.API_KEYS_RELOADS.labels("failed")._value.get()
+            path.write_text('{"keys": [{"sha256": "nope", "tenant": "x"}]}')
+            for _ in range(100):
+                if metrics.API_KEYS_RELOADS.labels("failed")._value.get() > failed:
+                    break
+                await asyncio.sleep(0.05)
+            assert metrics.API_KEYS_RELOADS.labels("failed")._value.get() == failed + 1
+            assert (await http.get("/v1/models", headers=bearer("acme"))).status_code == 200  # old keys in force
+    finally:
+        await service.stop()

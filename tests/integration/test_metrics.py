@@ -280,8 +280,9 @@ async def test_the_services_serve_their_own_metrics_as_separate_processes(etcd, 
 
 
 async def test_the_gateway_serves_metrics_on_its_http_port_or_its_own(etcd, model_dir, tmp_path):
-    """GET /metrics on the HTTP port is open like /health, even with API keys; a refused turn is counted by kind and
-    the gRPC API's calls by code. With --metrics-listen the metrics move to their own port, off the HTTP one."""
+    """GET /metrics on the HTTP port needs an admin key when API keys are configured (it names tenants); a refused
+    turn is counted by kind and the gRPC API's calls by code. With --metrics-listen the metrics move to their own
+    port, off the HTTP one, served there without a key."""
     from kvshuttle.services.gateway.server import GatewayConfig, GatewayService
 
     from tests.support.auth import KEYS, bearer, keys_file
@@ -307,7 +308,9 @@ async def test_the_gateway_serves_metrics_on_its_http_port_or_its_own(etcd, mode
         keyed = await gateway(api_keys_file=keys_file(tmp_path))
         base = f"http://{keyed.http_address}"
         async with httpx.AsyncClient(base_url=base) as client:
-            before = parse((await client.get("/metrics")).text)
+            assert (await client.get("/metrics")).status_code == 401
+            assert (await client.get("/metrics", headers=bearer("acme"))).status_code == 403  # a tenant's key
+            before = parse((await client.get("/metrics", headers=bearer("ops"))).text)
             assert (await client.get("/v1/models")).status_code == 401  # everything else still needs a key
             resp = await client.post("/v1/completions", headers=bearer("acme"),
                                      json={"prompt": "a prompt longer than eight tokens, surely", "max_tokens": 2})
@@ -320,7 +323,7 @@ async def test_the_gateway_serves_metrics_on_its_http_port_or_its_own(etcd, mode
             async def scraped():
                 # the server counts a call once its handler has returned, which can be just after the client got
                 # its status: wait for that, rather than scrape once
-                resp = await client.get("/metrics")
+                resp = await client.get("/metrics", headers=bearer("ops"))
                 assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
                 after = parse(resp.text)
                 counted = delta(before, after, "kvshuttle_grpc_server_handled_total", service="kvshuttle.v1.Gateway",
@@ -333,7 +336,7 @@ async def test_the_gateway_serves_metrics_on_its_http_port_or_its_own(etcd, mode
         assert delta(before, after, "kvshuttle_grpc_server_handled_total", service="kvshuttle.v1.Gateway",
                      method="Complete", code="UNAUTHENTICATED") == 1
         assert not any(n.startswith(("kvshuttle_plans", "kvshuttle_etcd")) for n in names(after))
-        assert KEYS["acme"] not in resp.text
+        assert KEYS["acme"] not in resp.text and KEYS["ops"] not in resp.text
 
         apart = await gateway(metrics_listen="127.0.0.1:0")
         assert apart.metrics.address != apart.http_address

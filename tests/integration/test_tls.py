@@ -1,5 +1,7 @@
 """TLS on loopback with real processes: mutual TLS between the registry, the scheduler and their clients (the
-worker agent's registry link included), etcd with client TLS and user/password auth, and the gRPC message limit.
+worker agent's registry link included), each internal method open only to the service identities it is for (the
+client certificate's Common Name: control_plane/service_access.py), etcd with client TLS and user/password auth, and
+the gRPC message limit.
 
 Certificates come from a throwaway CA made in the test; a second CA stands for an attacker's.
 """
@@ -42,6 +44,8 @@ def pki(tmp_path_factory):
     directory = tmp_path_factory.mktemp("pki")
     ca, rogue = TestCA(directory / "ca"), TestCA(directory / "rogue", name="rogue CA")
     return {"ca": ca, "rogue": rogue, "registry": ca.issue("registry"), "scheduler": ca.issue("scheduler"),
+            "gateway": ca.issue("gateway", server=False), "worker": ca.issue("worker", server=False),
+            "worker:p-1": ca.issue("worker:p-1", server=False), "admin": ca.issue("admin", server=False),
             "client": ca.issue("client", server=False), "etcd": ca.issue("etcd", client=False),
             "etcd-client": ca.issue("etcd-client", server=False),
             "rogue-client": rogue.issue("rogue-client", server=False)}
@@ -51,11 +55,11 @@ def server_tls(pki, name: str) -> dict:
     return {"tls_cert": pki[name].cert, "tls_key": pki[name].key, "tls_client_ca": pki["ca"].ca_file}
 
 
-def client_tls(pki, name: str = "client", ca: str = "ca") -> dict:
+def client_tls(pki, name: str, ca: str = "ca") -> dict:
     return {"tls_ca": pki[ca].ca_file, "tls_client_cert": pki[name].cert, "tls_client_key": pki[name].key}
 
 
-def tls_of(pki, name: str | None = "client") -> ClientTls:
+def tls_of(pki, name: str | None = "gateway") -> ClientTls:
     cfg = TlsClientConfig(tls_ca=pki["ca"].ca_file, tls_client_cert=pki[name].cert if name else "",
                           tls_client_key=pki[name].key if name else "")
     return cfg.client_tls()
@@ -135,11 +139,13 @@ async def test_registry_and_scheduler_plan_and_record_over_mutual_tls_with_secur
 
         # A worker agent registers over mutual TLS.
         p = worker("p-tls", common_pb2.WORKER_ROLE_PREFILL, 7700)
-        link = RegistryLink(registry.address, p, 30, tls=tls_of(pki))
+        link = RegistryLink(registry.address, p, 30, tls=tls_of(pki, "worker"))
         link_task = asyncio.create_task(link.run())
         await asyncio.wait_for(link.registered.wait(), 20)
         d = worker("d-tls", common_pb2.WORKER_ROLE_DECODE, 7800)
-        await reg.RegisterWorker(registry_pb2.RegisterWorkerRequest(worker=d, lease_ttl_s=30))
+        async with client_channel(registry.address, tls_of(pki, "worker")) as as_worker:
+            await registry_pb2_grpc.SessionRegistryStub(as_worker).RegisterWorker(
+                registry_pb2.RegisterWorkerRequest(worker=d, lease_ttl_s=30))
         listed = {w.worker_id for w in (await reg.ListWorkers(registry_pb2.ListWorkersRequest())).workers}
         assert listed == {"p-tls", "d-tls"}
 
@@ -181,6 +187,102 @@ async def test_registry_and_scheduler_plan_and_record_over_mutual_tls_with_secur
         for channel in channels:
             await channel.close()
         await scheduler.stop()
+        await registry.stop(grace=0.5)
+
+
+async def test_each_internal_method_is_open_only_to_the_identities_it_is_for(pki, etcd):
+    """Registry and scheduler over mutual TLS (authorization on, the default): a certificate of the CA is not enough;
+    its Common Name must be a role the method is for (PERMISSION_DENIED, saying who may, otherwise), a named worker
+    certificate registers only itself, health stays open, and a refused call is counted under its status code."""
+    from kvshuttle.services.common.metrics import GRPC_HANDLED
+
+    prefix = f"/authz/{uuid.uuid4().hex[:6]}/"
+    reg_cfg = RegistryConfig(listen="127.0.0.1:0", etcd_endpoints=etcd, key_prefix=prefix,
+                             **server_tls(pki, "registry"))
+    reg_cfg.validate()
+    registry = await serve(reg_cfg)
+    sched_cfg = SchedulerConfig(listen="127.0.0.1:0", registry=registry.address, key_prefix=prefix,
+                                etcd_endpoints=etcd, load_poll_interval_s=0, policy="threshold",
+                                **server_tls(pki, "scheduler"), **client_tls(pki, "scheduler"))
+    sched_cfg.validate()
+    scheduler = SchedulerService(sched_cfg)
+    await scheduler.start()
+    names = ("gateway", "worker", "worker:p-1", "admin", "client", "scheduler")
+    channels = {n: (client_channel(registry.address, tls_of(pki, n)), client_channel(scheduler.address, tls_of(pki, n)))
+                for n in names}
+    denied = GRPC_HANDLED.labels("kvshuttle.v1.SessionRegistry", "RegisterWorker", "PERMISSION_DENIED")
+    try:
+        def reg(name):
+            return registry_pb2_grpc.SessionRegistryStub(channels[name][0])
+
+        def sched(name):
+            return scheduler_pb2_grpc.TransferSchedulerStub(channels[name][1])
+
+        def register(worker_id):
+            return registry_pb2.RegisterWorkerRequest(
+                worker=worker(worker_id, common_pb2.WORKER_ROLE_PREFILL, 7700), lease_ttl_s=30)
+
+        # workers register workers; a gateway, a scheduler or a certificate naming no role may not
+        before = denied._value.get()
+        for name in ("gateway", "scheduler", "client"):
+            details = await refused(reg(name).RegisterWorker(register("p-9"), timeout=5),
+                                    grpc.StatusCode.PERMISSION_DENIED)
+            assert "RegisterWorker" in details and ("worker or admin" in details or "service identity" in details)
+        assert denied._value.get() == before + 3
+        await reg("worker").RegisterWorker(register("p-2"), timeout=5)
+        # a certificate issued to one worker acts only as that worker
+        details = await refused(reg("worker:p-1").RegisterWorker(register("p-2"), timeout=5),
+                                grpc.StatusCode.PERMISSION_DENIED)
+        assert "only act as worker 'p-1'" in details
+        await reg("worker:p-1").RegisterWorker(register("p-1"), timeout=5)
+        # sessions are for gateways and schedulers: a worker reads none, nor lists the workers
+        get = registry_pb2.GetSessionRequest(session_id="s-1")
+        await refused(reg("worker").GetSession(get, timeout=5), grpc.StatusCode.PERMISSION_DENIED)
+        await refused(reg("worker").ListWorkers(registry_pb2.ListWorkersRequest(), timeout=5),
+                      grpc.StatusCode.PERMISSION_DENIED)
+        await refused(reg("gateway").GetSession(get, timeout=5), grpc.StatusCode.NOT_FOUND)  # allowed: none there
+        listed = await reg("gateway").ListWorkers(registry_pb2.ListWorkersRequest(), timeout=5)
+        assert {w.worker_id for w in listed.workers} == {"p-1", "p-2"}
+        record = registry_pb2.RecordTurnRequest(session_id="s-1", decode_worker_id="d", token_ids=[1],
+                                                kv_transfer_params_json="{}")
+        await refused(reg("scheduler").RecordTurn(record, timeout=5), grpc.StatusCode.PERMISSION_DENIED)
+        # a worker's streamed watch is refused before it starts
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in reg("worker").WatchWorkers(registry_pb2.WatchWorkersRequest(), timeout=5):
+                pass
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        # the scheduler plans for gateways only; its stats are for schedulers, gateways and admins
+        plan = scheduler_pb2.PlanTurnRequest(session_id="s-2", prompt_token_ids=list(range(40)))
+        await refused(sched("worker").PlanTurn(plan, timeout=5), grpc.StatusCode.PERMISSION_DENIED)
+        await refused(sched("client").GetStats(scheduler_pb2.GetStatsRequest(), timeout=5),
+                      grpc.StatusCode.PERMISSION_DENIED)
+        await sched("admin").GetStats(scheduler_pb2.GetStatsRequest(), timeout=5)
+        details = await refused(sched("gateway").PlanTurn(plan, timeout=10), grpc.StatusCode.UNAVAILABLE)
+        assert "no live decode worker" in details  # allowed: it planned, and found only prefill workers
+        # health stays open to any certificate of the CA
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        health = await health_pb2_grpc.HealthStub(channels["client"][0]).Check(health_pb2.HealthCheckRequest(),
+                                                                              timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        for pair in channels.values():
+            for channel in pair:
+                await channel.close()
+        await scheduler.stop()
+        await registry.stop(grace=0.5)
+
+
+async def test_with_authorization_off_any_certificate_of_the_ca_may_call(pki, etcd):
+    cfg = RegistryConfig(listen="127.0.0.1:0", etcd_endpoints=etcd, key_prefix=f"/authz-off/{uuid.uuid4().hex[:6]}/",
+                         authorize_callers=False, **server_tls(pki, "registry"))
+    cfg.validate()
+    registry = await serve(cfg)
+    try:
+        async with client_channel(registry.address, tls_of(pki, "client")) as channel:
+            await registry_pb2_grpc.SessionRegistryStub(channel).ListWorkers(registry_pb2.ListWorkersRequest(),
+                                                                             timeout=5)
+    finally:
         await registry.stop(grace=0.5)
 
 

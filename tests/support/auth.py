@@ -20,3 +20,11 @@ def keys_file(directory) -> str:
                                          auth.entry(KEYS["globex"], "globex"),
                                          auth.entry(KEYS["ops"], "ops", admin=True)]}))
     return str(path)
+
+
+def open_guard(app):
+    """``app`` behind the gateway's HTTP guard with no keys (the open gateway): every caller is the default tenant.
+    Routes refuse a request that did not pass the guard (401), so tests of the HTTP APIs go through it."""
+    from kvshuttle.services.gateway.http_guard import HttpGuard
+
+    return HttpGuard(app, auth.KeyRing(), 8 << 20)

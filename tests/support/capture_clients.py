@@ -30,6 +30,7 @@ from kvshuttle.v1 import registry_pb2
 from kvshuttle.workers import agent_script as script
 from kvshuttle.workers.model_builder import CLIENT_CONVERSATIONS_FILE, client_answer
 
+from tests.support.auth import open_guard
 from tests.support.clients import CLIENTS, REPO, run_aiperf, run_client
 from tests.support.turn_fakes import AnsweredTurn, AnsweringRunner, _rpc_error
 
@@ -158,7 +159,7 @@ async def capture(name: str, tokenizer_dir: Path = REPO / "var" / "models" / "ag
     app = create_app(runner, "agent", 64, **PARSERS)
     app.include_router(anthropic_routes(runner, "agent", 64, **PARSERS))
     add_responses_routes(app, runner, "agent", 64, **PARSERS)
-    recorder = BodyRecorder(app)
+    recorder = BodyRecorder(open_guard(app))
     server = HttpServer(recorder, "127.0.0.1:0")
     await server.start()
     try:

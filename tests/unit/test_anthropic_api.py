@@ -17,6 +17,7 @@ from kvshuttle.services.gateway.openai_api import create_app
 from kvshuttle.services.gateway.turns import TurnError
 
 from tests.support.answering import AnsweringRunner, JsonTokenizer
+from tests.support.auth import open_guard
 
 MODEL = "agent"
 TOOL = {"name": "get_weather", "description": "Weather in a city",
@@ -36,13 +37,13 @@ def app_for(runner, **parsers):
 
 
 def http(runner, **parsers) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app_for(runner, **parsers)), base_url="http://gw")
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=open_guard(app_for(runner, **parsers))), base_url="http://gw")
 
 
 def sdk(runner, **parsers) -> anthropic.AsyncAnthropic:
     """The official SDK over the app (it speaks httpx2, a fork of httpx with the same ASGI transport)."""
     app = app_for(runner, **parsers)
-    client = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://gw")
+    client = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=open_guard(app)), base_url="http://gw")
     return anthropic.AsyncAnthropic(base_url="http://gw", api_key="x", max_retries=0, http_client=client)
 
 

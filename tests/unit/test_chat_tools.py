@@ -13,6 +13,7 @@ import pytest
 from kvshuttle.services.gateway.openai_api import create_app
 from kvshuttle.services.gateway.turns import TurnError
 
+from tests.support.auth import open_guard
 from tests.support.turn_fakes import AnsweringRunner
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
@@ -25,7 +26,7 @@ ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 def client(runner, **parsers) -> httpx.AsyncClient:
     app = create_app(runner, "agent", 16, **{"tool_call_parser": "hermes", "reasoning_parser": "qwen3", **parsers})
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=open_guard(app)), base_url="http://gw")
 
 
 def sdk(runner, **parsers) -> openai.AsyncOpenAI:

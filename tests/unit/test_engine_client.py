@@ -7,6 +7,7 @@ import contextlib
 
 import grpc
 import pytest
+from kvshuttle.control_plane import cache_salt
 from kvshuttle.services.engine.client import Chunk, EngineClient, EngineError, Final
 
 from tests.support.fake_engine import FakeEngineServer
@@ -111,3 +112,22 @@ async def test_unreachable_worker():
         await c.server_info()
     assert err.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
     await c.close()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_salt_goes_as_metadata_and_a_worker_that_does_not_confirm_it_is_refused(client, server, stream):
+    salt = cache_salt.for_tenant("acme")
+    items = [i async for i in client.generate("s1", [5, 6], max_tokens=2, stream=stream, cache_salt=salt)]
+    assert isinstance(items[-1], Final) and server.engine.metadata["s1"][cache_salt.METADATA_KEY] == salt
+    final = await client.prefill("s2", [5, 6], kv_transfer_params=None, cache_salt=salt)
+    assert final.output_ids and server.engine.metadata["s2"][cache_salt.METADATA_KEY] == salt
+    [i async for i in client.generate("s3", [5, 6], max_tokens=2, stream=stream)]  # unsalted: no confirmation asked
+    assert cache_salt.METADATA_KEY not in server.engine.metadata["s3"]
+
+    server.engine.confirms_salts = False  # a vLLM without kvshuttle's plugin would serve the request unsalted
+    seen = []
+    with pytest.raises(EngineError) as err:
+        async for item in client.generate("s4", [5, 6], max_tokens=2, stream=stream, cache_salt=salt):
+            seen.append(item)
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION and "cache salts" in err.value.message
+    assert seen == []  # nothing it answered reached the caller

@@ -9,6 +9,8 @@ from kvshuttle.services.gateway.openai_api import CompletionIn, create_app
 from kvshuttle.services.gateway.rest_bridge import BridgeOptions, bridge_routes, install_openapi
 from kvshuttle.services.gateway.server import OPENAPI_CONSTRAINTS, REGISTRY_SERVICE, SERVICE_NAME
 
+from tests.support.auth import open_guard
+
 
 @pytest.fixture
 async def app():
@@ -21,7 +23,7 @@ async def app():
 
 
 async def test_a_405_names_every_method_of_the_path(app):
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=open_guard(app)), base_url="http://gw") as client:
         resp = await client.request("TRACE", "/v1/sessions/s1")
         assert resp.status_code == 405 and resp.json()["error"]["message"]
         assert set(resp.headers["allow"].split(", ")) == {"GET", "HEAD", "DELETE"}
@@ -57,7 +59,7 @@ def test_an_empty_or_negative_prompt_is_refused(prompt):
 
 
 async def test_a_malformed_conversation_id_is_a_400(app):
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=open_guard(app)), base_url="http://gw") as client:
         resp = await client.post("/v1/completions", json={"prompt": "x", "conversation_id": "a/b c"})
     assert resp.status_code == 400 and "conversation_id" in resp.json()["error"]["message"]
 
@@ -72,19 +74,19 @@ def test_bridged_request_fields_are_documented_as_nullable_like_protobuf_json_pa
 @pytest.mark.parametrize("field", [{"prompt": [False]}, {"prompt": "x", "disable_pull": 0},
                                    {"prompt": "x", "max_tokens": "5"}])
 async def test_json_types_are_taken_as_documented_not_coerced(app, field):
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=open_guard(app)), base_url="http://gw") as client:
         resp = await client.post("/v1/completions", json=field)
     assert resp.status_code == 400, resp.text
 
 
 async def test_a_seed_vllm_cannot_take_is_a_400_not_a_500(app):
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=open_guard(app)), base_url="http://gw") as client:
         resp = await client.post("/v1/completions", json={"prompt": "3", "seed": 44629213354274168554455972511219712})
     assert resp.status_code == 400 and "seed" in resp.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("sampling", [{"topP": False}, {"maxTokens": True}, {"stop": ["x"], "temperature": True}])
 async def test_the_bridge_refuses_json_booleans_for_numbers(app, sampling):
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=open_guard(app)), base_url="http://gw") as client:
         resp = await client.post("/v1/gateway/completions", json={"prompt": "x", "sampling": sampling})
     assert resp.status_code == 400 and "is not a number" in resp.json()["error"]["message"], resp.text

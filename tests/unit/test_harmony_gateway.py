@@ -17,6 +17,7 @@ from kvshuttle.services.gateway.responses_api import add_responses_routes
 from kvshuttle.services.gateway.server import GatewayConfig
 from kvshuttle.services.gateway.turns.parsers import Parsers
 
+from tests.support.auth import open_guard
 from tests.support.turn_fakes import AnsweringRunner
 
 HARMONY = {"tool_call_parser": "openai", "reasoning_parser": "openai_gptoss"}
@@ -36,7 +37,7 @@ def asgi_app(runner):
 
 
 def app_for(runner) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=asgi_app(runner)), base_url="http://gw")
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=open_guard(asgi_app(runner))), base_url="http://gw")
 
 
 async def test_a_call_after_reasoning_in_chat_completions_whole_and_streamed():
@@ -75,7 +76,7 @@ async def test_the_responses_and_messages_apis_read_the_same_answer():
     assert [item.type for item in out] == ["reasoning", "function_call"] and out[1].name == "get_weather"
     # the anthropic SDK speaks httpx2, a fork of httpx with the same ASGI transport
     messages = anthropic.AsyncAnthropic(api_key="none", base_url="http://gw", http_client=httpx2.AsyncClient(
-        transport=httpx2.ASGITransport(app=asgi_app(runner)), base_url="http://gw"))
+        transport=httpx2.ASGITransport(app=open_guard(asgi_app(runner))), base_url="http://gw"))
     msg = await messages.messages.create(model="gpt-oss", max_tokens=16, messages=ASK, tools=[
         {"name": "get_weather", "input_schema": TOOL["function"]["parameters"]}])
     assert [b.type for b in msg.content] == ["thinking", "tool_use"] and msg.stop_reason == "tool_use"

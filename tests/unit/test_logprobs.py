@@ -12,6 +12,7 @@ from kvshuttle.services.engine.client import TokenLogprob
 from kvshuttle.services.gateway.logprob_format import chat_content, completion_logprobs
 from kvshuttle.services.gateway.openai_api import create_app
 
+from tests.support.auth import open_guard
 from tests.support.turn_fakes import AnsweringRunner
 
 ASK = [{"role": "user", "content": "hi"}]
@@ -19,7 +20,7 @@ ASK = [{"role": "user", "content": "hi"}]
 
 def sdk(runner) -> openai.AsyncOpenAI:
     app = create_app(runner, "tiny", 16)
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=open_guard(app)), base_url="http://gw")
     return openai.AsyncOpenAI(api_key="none", base_url="http://gw/v1", http_client=http)
 
 
@@ -83,7 +84,7 @@ def test_hidden_tokens_are_left_out():
 async def test_return_token_ids(stream):
     runner = AnsweringRunner("abc", 2)
     app = create_app(runner, "tiny", 16)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as http:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=open_guard(app)), base_url="http://gw") as http:
         body = {"messages": ASK, "return_token_ids": True, "stream": stream}
         resp = await http.post("/v1/chat/completions", json=body)
         if not stream:

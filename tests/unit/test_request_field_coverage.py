@@ -11,6 +11,7 @@ from kvshuttle.services.gateway.openai_api import ChatCompletionIn, CompletionIn
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 
+from tests.support.auth import open_guard
 from tests.support.turn_fakes import CapturingRunner
 
 API_DOC = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
@@ -29,7 +30,7 @@ async def test_each_openai_field_is_applied_or_refused_by_name(model, path, fiel
         return
     base = {"messages": [{"role": "user", "content": "hi"}]} if model is ChatCompletionIn else {"prompt": "hi"}
     app = create_app(CapturingRunner(), "tiny", 8)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=open_guard(app)), base_url="http://gw") as client:
         resp = await client.post(path, json={**base, field: ODD})
     assert resp.status_code == 400, (field, resp.text)
     assert resp.json()["error"]["param"] == field and field in resp.json()["error"]["message"]

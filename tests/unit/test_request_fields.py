@@ -11,6 +11,7 @@ from kvshuttle.services.gateway.openai_api import create_app
 from kvshuttle.services.gateway.turns import TurnError
 from kvshuttle.v1 import gateway_pb2
 
+from tests.support.auth import open_guard
 from tests.support.turn_fakes import CapturingRunner
 
 CHAT = [{"role": "user", "content": "hi"}]
@@ -19,7 +20,7 @@ CHAT = [{"role": "user", "content": "hi"}]
 async def post(path: str, body: dict) -> tuple[httpx.Response, CapturingRunner]:
     runner = CapturingRunner()
     app = create_app(runner, "tiny", 8)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=open_guard(app)), base_url="http://gw") as client:
         return await client.post(path, json=body), runner
 
 
@@ -34,6 +35,8 @@ async def post(path: str, body: dict) -> tuple[httpx.Response, CapturingRunner]:
     ({"use_beam_search": True}, "use_beam_search"),
     # only the scheduler decides what P pulls: a router's params would be ignored, so they are refused
     ({"kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params"),
+    # the gateway salts each tenant's prefix cache itself (docs/security.md): a client's salt is refused
+    ({"cache_salt": "mine"}, "cache_salt"),
     ({"some_new_field": 1}, "some_new_field"),
     ({"some_new_field": None}, "some_new_field"),  # null is "absent" only for fields known to exist
 ])

@@ -14,6 +14,7 @@ import pytest
 from kvshuttle.services.gateway.openai_api import create_app
 from kvshuttle.services.gateway.responses_api import add_responses_routes
 
+from tests.support.auth import open_guard
 from tests.support.turn_fakes import AnsweringRunner
 
 TOOL = {"type": "function", "name": "get_weather", "description": "Weather in a city",
@@ -50,7 +51,7 @@ class Registry:
 def sdk(runner) -> openai.AsyncOpenAI:
     app = create_app(runner, "agent", 16, tool_call_parser="hermes", reasoning_parser="qwen3")
     add_responses_routes(app, runner, "agent", 16, tool_call_parser="hermes", reasoning_parser="qwen3")
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=open_guard(app)), base_url="http://gw")
     return openai.AsyncOpenAI(api_key="none", base_url="http://gw/v1", http_client=http)
 
 

@@ -9,9 +9,10 @@ import json
 
 import grpc
 import pytest
-from kvshuttle.control_plane import kv_params
+from kvshuttle.control_plane import cache_salt, kv_params
 from kvshuttle.control_plane.continuation import text_key
 from kvshuttle.control_plane.prefix import matched_prefix_tokens, prefix_digest
+from kvshuttle.control_plane.session import DEFAULT_TENANT
 from kvshuttle.services.engine.client import EngineError, Final
 from kvshuttle.services.gateway.turns import Delta, Finished, TurnContext, TurnError, TurnRequest, TurnRunner
 from kvshuttle.services.gateway.turns import record as record_stage
@@ -315,16 +316,28 @@ async def test_the_first_token_comes_from_p_and_d_continues_after_it():
     r, scheduler, registry = runner(scheduler_pb2.DECISION_RECOMPUTE, p, decode=d, first_token_from_prefill=True)
     turn, events = await run(r, TurnRequest(session_id="s", prompt_text="hi", max_tokens=3, temperature=0.5, seed=7))
     assert p.sampling == {**TurnRequest(temperature=0.5, seed=7).engine_sampling(), "min_tokens": 0,
-                          "timeout_s": 120.0}
+                          "timeout_s": 120.0, "cache_salt": cache_salt.for_tenant(DEFAULT_TENANT)}
     assert p.sampling["temperature"] == 0.5 and p.sampling["seed"] == 7 and p.sampling["top_k"] == 0
     (d_prompt, d_kw), = d.calls
     assert d_prompt == [*[ord(c) for c in "hi"], ord("a")] and d_kw["max_tokens"] == 2
-    assert d_kw["kv_transfer_params"]["for"] == "decode"
+    assert d_kw["kv_transfer_params"]["for"] == "decode" and d_kw["cache_salt"] == p.sampling["cache_salt"]
     deltas = [e.text for e in events if isinstance(e, Delta)]
     assert deltas[0] == "a" and "".join(deltas) == "abc" and "ttft_ms" in turn.timings
     finished = events[-1]
     assert finished.output_ids == [ord(c) for c in "abc"] and finished.text == "abc"
     assert list(registry.recorded[-1].token_ids) == [ord(c) for c in "hiabc"]
+
+
+async def test_p_and_d_get_the_tenant_s_salt_and_a_cache_group_shares_one():
+    p, d = Engine(answer="ab"), Engine(answer="b")
+    r, _, _ = runner(scheduler_pb2.DECISION_RECOMPUTE, p, decode=d)
+    r.cache_group_of = {"b": "g", "c": "g"}.get
+    salts = {}
+    for tenant in ("a", "b", "c"):
+        await run(r, TurnRequest(session_id="s", tenant=tenant, prompt_text="hi", max_tokens=2))
+        assert d.calls[-1][1]["cache_salt"] == p.sampling["cache_salt"]
+        salts[tenant] = p.sampling["cache_salt"]
+    assert salts["a"] == cache_salt.for_tenant("a") != salts["b"] == salts["c"] == cache_salt.for_tenant("b", "g")
 
 
 async def test_an_answer_that_ends_at_p_s_token_still_leaves_the_kv_on_d():

@@ -94,6 +94,7 @@ class TurnContext:
     first_logprob: TokenLogprob | None = None  # P's log-probability of that token (requests that ask)
     excluded: list[str] = field(default_factory=list)  # workers that failed in this turn: never planned on again
     release: asyncio.Task | None = None  # freeing the session's previous, unused KV handle on its decode worker
+    quota: Any = None  # the turn's hold on its tenant's limits (tenant_limits.TurnQuota; None: no limits)
     # decode stage
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # parallel to output_ids (requests that ask)

@@ -99,7 +99,8 @@ class Decoding:
             async for item in stream_tokens(
                     rt, engine, f"{ctx.id}-d{self.attempt or ''}", self.d_prompt, span, max_tokens=self.d_max_tokens,
                     min_tokens=0 if done_at_first else min(max(req.min_tokens - len(output), 0), self.d_max_tokens),
-                    stop=req.stop, kv_transfer_params=ctx.decode_params, **req.engine_sampling(),
+                    stop=req.stop, kv_transfer_params=ctx.decode_params, cache_salt=rt.cache_salt(req.tenant),
+                    **req.engine_sampling(),
                     constraint=(req.constraint.kind, req.constraint.value) if req.constraint else None):
                 if isinstance(item, Final):
                     self.final = item

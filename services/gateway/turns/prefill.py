@@ -67,7 +67,8 @@ async def prefill(rt: TurnServices, turn_id: str, plan: scheduler_pb2.PlanTurnRe
     engine = rt.engine(plan.prefill)
     worker = plan.prefill.worker_id
     # P samples at most the answer's first token: with min_tokens it must not end the answer there.
-    sampling = {**req.engine_sampling(), "min_tokens": min(req.min_tokens, 1), "timeout_s": rt.prefill_timeout_s}
+    sampling = {**req.engine_sampling(), "min_tokens": min(req.min_tokens, 1), "timeout_s": rt.prefill_timeout_s,
+                "cache_salt": rt.cache_salt(req.tenant)}
     params = json.loads(plan.prefill_kv_transfer_params_json)
     with tracer.start_as_current_span("prefill") as span:
         span.set_attributes({"kvshuttle.worker": worker, "kvshuttle.decision": kv.decision})

@@ -198,7 +198,8 @@ def free_unrecorded(rt: TurnServices, ctx: TurnContext) -> None:
     async def free() -> None:
         try:
             if await rt.engine(ctx.plan.prefill).read_to_free(f"{ctx.id}-free", prompt, params,
-                                                              timeout_s=rt.prefill_timeout_s):
+                                                              timeout_s=rt.prefill_timeout_s,
+                                                              cache_salt=rt.cache_salt(ctx.request.tenant)):
                 rt.released_handles += 1
         except EngineError as exc:
             log.debug("turn %s: could not free its unrecorded KV handle: %s", ctx.id, exc)
@@ -242,7 +243,8 @@ async def free_handle(rt: TurnServices, request_id: str, record: common_pb2.Sess
             session_id=session_id, tenant=tenant, revision=record.revision), timeout=rt.control_timeout_s)
         if not claim.claimed:
             return False  # a concurrent turn took it (and reads it), or the record changed
-        if not await rt.engine(prefill).read_to_free(request_id, prompt, params, timeout_s=rt.prefill_timeout_s):
+        if not await rt.engine(prefill).read_to_free(request_id, prompt, params, timeout_s=rt.prefill_timeout_s,
+                                                     cache_salt=rt.cache_salt(tenant)):
             log.debug("%s: freeing a KV handle failed at the prefill worker", request_id)
             return False
     except (grpc.aio.AioRpcError, EngineError, kv_params.HandleError) as exc:

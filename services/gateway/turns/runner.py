@@ -22,10 +22,12 @@ import asyncio
 import logging
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import grpc
+from kvshuttle.control_plane import cache_salt as cache_salts
 from kvshuttle.control_plane import reasons as why
 from kvshuttle.control_plane import session as session_rules
 from kvshuttle.control_plane.lru import BoundedLru
@@ -77,6 +79,9 @@ class TurnRunner:
     max_prompt_tokens = 0  # the gateway's limit on a prompt's tokens (0: only the context length limits it)
     served_model = ""  # the model's name for clients (trace attributes)
     kv_bytes_per_token = 0  # an estimate of one token's KV in bytes (trace attributes; 0: unknown)
+    # The tenants' limits (tenant_limits.TenantQuotas: begin_turn(tenant) -> a quota with charge_prompt(n) and
+    # end(generated)); None: no limits.
+    quotas: Any = None
 
     def __init__(self, tokenizer: Tokenizer, registry: registry_pb2_grpc.SessionRegistryStub,
                  scheduler: scheduler_pb2_grpc.TransferSchedulerStub, *, max_model_len: int,
@@ -115,6 +120,9 @@ class TurnRunner:
         # new one, recorded under a new id; off: such turns are not recorded (their KV is freed after the answer).
         self.find_sessions = False
         self.sessions_found = 0  # turns without a session id that continued a recorded session
+        # A tenant's cache group ("": none; the keys file's cache_group): tenants of one group share a prefix-cache
+        # salt (cache_salt).
+        self.cache_group_of: Callable[[str], str] = lambda tenant: ""
 
     # -- what the stages share -------------------------------------------------------------------------------
 
@@ -124,6 +132,10 @@ class TurnRunner:
             client = self._engines[worker.grpc_address] = EngineClient(worker.grpc_address,
                                                                        timeout_s=self.engine_timeout_s)
         return client
+
+    def cache_salt(self, tenant: str) -> str:
+        """The prefix-cache salt of ``tenant``'s engine calls, on P and on D (kvshuttle.control_plane.cache_salt)."""
+        return cache_salts.for_tenant(tenant, self.cache_group_of(tenant))
 
     def own_record(self, tenant: str, session_id: str) -> common_pb2.Session | None:
         return self._sessions.get((tenant, session_id))
@@ -178,6 +190,9 @@ class TurnRunner:
         try:
             with trace.use_span(ctx.span, end_on_exit=False, record_exception=False, set_status_on_exception=False):
                 self.validate(req)
+                if self.quotas is not None:  # held until decode ends (or the context is dropped undecoded)
+                    ctx.quota = self.quotas.begin_turn(req.tenant)
+                    weakref.finalize(ctx, ctx.quota.end, 0)
                 t = time.perf_counter()
                 await prompting.build(self, ctx)
                 ctx.timings["prompt_ms"] = elapsed_ms(t)
@@ -185,6 +200,8 @@ class TurnRunner:
                     snapshot = ctx.known_session.snapshot
                     ctx.span.set_attribute("kvshuttle.turn_index", snapshot.session.turn + 1 if snapshot else 1)
                 self.check_length(req, ctx.prompt_ids)
+                if ctx.quota is not None:
+                    ctx.quota.charge_prompt(len(ctx.prompt_ids))
                 await self._plan(ctx)
 
                 async def prefill_on(plan: scheduler_pb2.PlanTurnResponse, attempt: int) -> None:
@@ -195,6 +212,8 @@ class TurnRunner:
                 ctx.release = recording.release_unused_handle(self, ctx)
                 return ctx
         except BaseException as exc:
+            if ctx.quota is not None:
+                ctx.quota.end(0)
             record_failure(ctx.span, exc)
             ctx.span.end()
             metrics.turn_failed(exc)
@@ -232,6 +251,8 @@ class TurnRunner:
                 metrics.turn_failed(exc)
             raise
         finally:
+            if turn.quota is not None:  # the tokens it generated count against its tenant's tokens per minute
+                turn.quota.end(len(turn.output_ids))
             if turn.span.is_recording():
                 turn.span.end()
 

@@ -3,9 +3,10 @@ test_forced_calls): etcd, registry, scheduler, a vLLM prefill + decode pair (NIX
 the hermes tool-call parser and the qwen3 reasoning parser. Starting it once instead of once per module saves two vLLM
 pair starts; it stops after this folder's last test.
 
-* The stack's gateway takes API keys (``KEYS``: ``unused`` and one per tenant in ``RUN_KEYS``), as test_agents needs;
-  the clients and forced-call tests run on gateways of their own (``gateways``: no keys, their own flags), so no two
-  modules share a tenant, and no turn of one can find another's session.
+* The stack's gateway takes API keys (tests/support/agent_stack.py ``KEYS``: ``unused`` and one per tenant in
+  ``RUN_KEYS``), as test_agents needs; the clients and forced-call tests run on gateways of their own
+  (tests/support/agent_stack.py ``gateways``: no keys, their own flags), so no two modules share a tenant, and no
+  turn of one can find another's session.
 * Idle sessions keep their KV (``KV_IDLE_LIMIT_S`` 0): freeing it reads a block on P, which P's counters, that the
   clients and forced-call tests compare, would count as a pull.
 """
@@ -14,15 +15,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 import pytest
 from kvshuttle.services.common.config import from_namespace
 from kvshuttle.services.devtools.stack import Stack, StackConfig
 
-RUN_KEYS = [f"run-{i}" for i in range(8)]  # one tenant each (test_agents.own_tenant)
-KEYS = [("unused", "agents"), *((k, k.replace("-", "")) for k in RUN_KEYS)]
+from tests.support.agent_stack import KEYS
 
 
 @pytest.fixture(scope="package")
@@ -45,22 +43,3 @@ async def agent_stack(agent_model_dir, tmp_path_factory):
         yield stack
     finally:
         await stack.stop()
-
-
-@asynccontextmanager
-async def gateways(stack: Stack, flags: dict[str, list[str]]) -> AsyncIterator[dict[str, str]]:
-    """One more gateway (no API keys) per name in ``flags``, each with its gateway flags, on ``stack``'s registry,
-    scheduler and workers: {name: base URL}; stopped on exit."""
-    import asyncio
-
-    children = []
-    try:
-        async def spawn(name: str) -> tuple[str, str]:
-            child, url = await stack.spawn_gateway(f"gateway-{name}", *flags[name])
-            children.append(child)
-            return name, url
-
-        yield dict(await asyncio.gather(*map(spawn, flags)))
-    finally:
-        for child in children:
-            await child.stop()

@@ -18,7 +18,7 @@ import pytest
 from kvshuttle.workers import agent_script as script
 from openai import AsyncOpenAI
 
-from tests.e2e.agents.conftest import RUN_KEYS
+from tests.support.agent_stack import RUN_KEYS
 from tests.support.e2e import new_session
 from tests.support.waits import until
 
@@ -27,7 +27,7 @@ MAX_TOKENS = 96
 
 
 # Each run of a conversation that must find its own sessions (no session id) takes a tenant of its own
-# (conftest.RUN_KEYS), since these tests replay one script several times and a later turn would otherwise continue
+# (tests/support/agent_stack.py RUN_KEYS), since these tests replay one script several times and a later turn would otherwise continue
 # another run's session of the same history (a fork: docs/agents.md); "unused" is the tenant "agents".
 _free_keys = iter(RUN_KEYS)
 

@@ -17,7 +17,7 @@ import pytest
 from kvshuttle.services.devtools.bench.turn_tap import TurnTap, check_pulls
 from kvshuttle.workers import agent_script as script
 
-from tests.e2e.agents.conftest import gateways
+from tests.support.agent_stack import gateways
 from tests.support.clients import CLIENTS, run_aiperf, run_client
 
 pytestmark = pytest.mark.e2e

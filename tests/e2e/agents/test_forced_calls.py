@@ -34,7 +34,7 @@ from kvshuttle.services.devtools.bench.turn_tap import TappedTurn, TurnTap, chec
 from kvshuttle.services.gateway.tokenizer import GatewayTokenizer
 from openai import AsyncOpenAI
 
-from tests.e2e.agents.conftest import gateways
+from tests.support.agent_stack import gateways
 from tests.support.family_templates import FAMILY_TEMPLATES
 
 pytestmark = pytest.mark.e2e

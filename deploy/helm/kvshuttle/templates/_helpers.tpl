@@ -104,15 +104,13 @@ robin (one ClusterIP address would pin each gateway's HTTP/2 connection, so all 
 - name: OTEL_RESOURCE_ATTRIBUTES
   value: {{ printf "k8s.namespace.name=%s,k8s.pod.name=$(POD_NAME),service.namespace=%s" .Release.Namespace .Release.Name | quote }}
 {{- end }}
-{{- if .Values.tls.enabled }}
+{{- if include "kvshuttle.tlsSource" . }}
 - name: KVSHUTTLE_TLS_CA
   value: /etc/kvshuttle/tls/ca.crt
-{{- if .Values.tls.mutual }}
 - name: KVSHUTTLE_TLS_CLIENT_CERT
   value: /etc/kvshuttle/tls/tls.crt
 - name: KVSHUTTLE_TLS_CLIENT_KEY
   value: /etc/kvshuttle/tls/tls.key
-{{- end }}
 {{- if .Values.tls.serverName }}
 - name: KVSHUTTLE_TLS_SERVER_NAME
   value: {{ .Values.tls.serverName | quote }}
@@ -120,14 +118,19 @@ robin (one ClusterIP address would pin each gateway's HTTP/2 connection, so all 
 {{- end }}
 {{- end -}}
 
-{{/* TLS of a kvshuttle gRPC server (registry, scheduler, gateway). */}}
+{{/*
+TLS of a kvshuttle gRPC server (registry, scheduler, gateway): its own certificate, and client certificates of the
+CA required (the registry and the scheduler authorize each call by the certificate's Common Name). The gateway's gRPC
+API faces clients: it requires them only with gateway.grpcClientCertificates. Call with (list $ component).
+*/}}
 {{- define "kvshuttle.serverTlsEnv" -}}
-{{- if .Values.tls.enabled }}
+{{- $ := index . 0 -}}{{- $component := index . 1 -}}
+{{- if include "kvshuttle.tlsSource" $ }}
 - name: KVSHUTTLE_TLS_CERT
   value: /etc/kvshuttle/tls/tls.crt
 - name: KVSHUTTLE_TLS_KEY
   value: /etc/kvshuttle/tls/tls.key
-{{- if .Values.tls.mutual }}
+{{- if or (ne $component "gateway") $.Values.gateway.grpcClientCertificates }}
 - name: KVSHUTTLE_TLS_CLIENT_CA
   value: /etc/kvshuttle/tls/ca.crt
 {{- end }}
@@ -223,15 +226,17 @@ the bundled Redis's Service, or historyStore.url / historyStore.urlSecret. Fails
 {{- end -}}
 
 {{- define "kvshuttle.tlsVolumeMounts" -}}
-{{- if .Values.tls.enabled }}
+{{- if include "kvshuttle.tlsSource" . }}
 - {name: tls, mountPath: /etc/kvshuttle/tls, readOnly: true}
 {{- end }}
 {{- end -}}
 
+{{/* The pod's certificate: its identity's Secret. Call with (list $ identity). */}}
 {{- define "kvshuttle.tlsVolumes" -}}
-{{- if .Values.tls.enabled }}
+{{- $ := index . 0 -}}
+{{- if include "kvshuttle.tlsSource" $ }}
 - name: tls
-  secret: {secretName: {{ .Values.tls.secretName | quote }}}
+  secret: {secretName: {{ include "kvshuttle.tlsSecretName" . | quote }}}
 {{- end }}
 {{- end -}}
 
@@ -242,7 +247,7 @@ Call with (list $ port serviceName).
 */}}
 {{- define "kvshuttle.grpcProbe" -}}
 {{- $ := index . 0 -}}{{- $port := index . 1 -}}{{- $svc := index . 2 -}}
-{{- if $.Values.tls.enabled }}
+{{- if include "kvshuttle.tlsSource" $ }}
 exec:
   command:
     - kvshuttle
@@ -408,6 +413,9 @@ spec:
         {{- with (include "kvshuttle.selectorLabels" (list $ $component) | trim) }}{{- . | nindent 8 }}{{- end }}
       annotations:
         kvshuttle.io/config-checksum: {{ .checksum | default "" | sha256sum | trunc 16 | quote }}
+        {{- with (include "kvshuttle.tlsChecksum" (list $ $component)) }}
+        kvshuttle.io/tls-checksum: {{ . | quote }}
+        {{- end }}
         {{- with (include "kvshuttle.metricsAnnotations" (list $ (.metricsPort | default $.Values.metrics.port) .metricsScheme) | trim) }}
         {{- . | nindent 8 }}
         {{- end }}
@@ -431,7 +439,7 @@ spec:
             {{- with (include "kvshuttle.flags" $c.settings | trim) }}{{- . | nindent 12 }}{{- end }}
           env:
             {{- with (include "kvshuttle.commonEnv" $ | trim) }}{{- . | nindent 12 }}{{- end }}
-            {{- with (include "kvshuttle.serverTlsEnv" $ | trim) }}{{- . | nindent 12 }}{{- end }}
+            {{- with (include "kvshuttle.serverTlsEnv" (list $ $component) | trim) }}{{- . | nindent 12 }}{{- end }}
             {{- with (.env | default "" | trim) }}
             {{- . | nindent 12 }}
             {{- end }}
@@ -459,7 +467,7 @@ spec:
           volumeMounts:
             {{- $mounts | nindent 12 }}
           {{- end }}
-      {{- $volumes := printf "%s\n%s" (include "kvshuttle.tlsVolumes" $) (.volumes | default "") | trim }}
+      {{- $volumes := printf "%s\n%s" (include "kvshuttle.tlsVolumes" (list $ $component)) (.volumes | default "") | trim }}
       {{- if $volumes }}
       volumes:
         {{- $volumes | nindent 8 }}
@@ -517,4 +525,20 @@ prometheus.io/scheme: {{ index . 2 | default "http" | quote }}
 {{- if .Values.metrics.enabled }}
 - {name: metrics, port: {{ .Values.metrics.port }}, targetPort: metrics, protocol: TCP}
 {{- end }}
+{{- end -}}
+
+{{/* Labels that pick one component's pods in NetworkPolicies. Call with (list $ component). */}}
+{{- define "kvshuttle.policyLabels" -}}
+{{- $ := index . 0 -}}
+app.kubernetes.io/name: {{ include "kvshuttle.name" $ }}
+app.kubernetes.io/instance: {{ $.Release.Name }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end -}}
+
+{{/* The port of an endpoint (host:port, scheme://[user@]host:port/path), or the default. Call with (list endpoint
+default). */}}
+{{- define "kvshuttle.endpointPort" -}}
+{{- $hostport := regexReplaceAll "^[a-zA-Z][a-zA-Z0-9+.-]*://" (index . 0) "" | splitList "/" | first | splitList "@" | last -}}
+{{- $port := regexFind ":[0-9]+$" $hostport | trimPrefix ":" -}}
+{{- $port | default (index . 1) -}}
 {{- end -}}
