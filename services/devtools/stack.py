@@ -20,8 +20,11 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvshuttle.services.common.config import TelemetryConfig, load, require, require_effect, setting
+from kvshuttle.services.common.grpc_server import client_channel
 from kvshuttle.services.common.processes import ChildProcess
+from kvshuttle.services.common.tls import ClientTls
 from kvshuttle.services.devtools.etcd_process import EtcdCluster, EtcdProcess, free_port
+from kvshuttle.services.devtools.local_ca import CertFiles, LocalCA
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 log = logging.getLogger("kvshuttle.stack")
@@ -33,7 +36,7 @@ MODEL_VARIANTS = ("tiny", "tiny-tools", "medium", "agent")  # workers/model_buil
 STACK_ONLY = ("model_variant", "tool_call_parser", "reasoning_parser", "http_port", "grpc_port", "prefill_workers",
               "decode_workers", "dtype", "decoder_kv_blocks_ttl", "expiry_margin_s", "max_model_len", "etcd_members",
               "cpu_bind", "nixl_progress_delay_us", "vllm_idle_spin_ms", "worker_nice", "gpus", "prefill_extra_args",
-              "decode_extra_args")
+              "decode_extra_args", "tls")
 
 
 @dataclasses.dataclass
@@ -73,6 +76,9 @@ class StackConfig(TelemetryConfig):
     prefill_extra_args: str = setting("", "More vLLM arguments for the prefill workers (shell-quoted), e.g. "
                                           "'--no-enable-prefix-caching' for a P that never holds history itself")
     decode_extra_args: str = setting("", "More vLLM arguments for the decode workers (shell-quoted)")
+    tls: bool = setting(True, "Mutual TLS between the stack's services, each call authorized by the caller's "
+                              "certificate, as the Helm chart runs them: the stack makes its own CA and one "
+                              "certificate per identity in <work dir>/tls. false: plaintext, for debugging only")
     startup_timeout_s: float = setting(600.0, "Seconds to wait for the whole stack to be ready")
     log_level: str = setting("INFO", "Log level", env="KVSHUTTLE_LOG_LEVEL")
 
@@ -151,6 +157,9 @@ class Stack:
         self.gateway_grpc = f"127.0.0.1:{_port(cfg.grpc_port)}"
         self.gateway_http = f"127.0.0.1:{_port(cfg.http_port)}"
         self.workers: list[common_pb2.Worker] = []
+        # Mutual TLS (cfg.tls): the stack's CA, and a certificate per identity (issued on first use).
+        self.ca = LocalCA(self.work / "tls") if cfg.tls else None
+        self._certs: dict[str, CertFiles] = {}
         # Prometheus endpoints (GET /metrics): the gateway's on its HTTP port, the others on their own ports.
         self.metrics: dict[str, str] = {"gateway": f"{self.base_url}/metrics",
                                         "registry": f"http://127.0.0.1:{free_port()}/metrics",
@@ -159,6 +168,60 @@ class Stack:
     @property
     def base_url(self) -> str:
         return f"http://{self.gateway_http}"
+
+    def certificate(self, identity: str) -> CertFiles:
+        """The stack's certificate for a service identity (``gateway``, ``worker:decode-0``, ``admin``, or any other
+        Common Name, e.g. one that names no role), issued by its CA on first use. Only with ``cfg.tls``."""
+        if self.ca is None:
+            raise RuntimeError("the stack runs without TLS (--tls false): it has no certificates")
+        if identity not in self._certs:
+            self._certs[identity] = self.ca.issue(identity)
+        return self._certs[identity]
+
+    def client_tls(self, identity: str = "admin") -> ClientTls | None:
+        """TLS towards the stack's registry and scheduler as ``identity`` (None when the stack runs plaintext)."""
+        if self.ca is None:
+            return None
+        files = self.certificate(identity)
+        return ClientTls(Path(self.ca.ca_file).read_bytes(), Path(files.cert).read_bytes(),
+                         Path(files.key).read_bytes())
+
+    def channel(self, address: str, identity: str = "admin") -> grpc.aio.Channel:
+        """A channel to one of the stack's registries or schedulers, as ``identity`` (an operator's by default)."""
+        return client_channel(address, self.client_tls(identity))
+
+    def client_tls_env(self, identity: str = "admin") -> dict[str, str]:
+        """The KVSHUTTLE_TLS_* settings (TlsClientConfig) of a process calling the stack's registry and scheduler as
+        ``identity`` ({} when the stack runs plaintext)."""
+        if self.ca is None:
+            return {}
+        files = self.certificate(identity)
+        return {"KVSHUTTLE_TLS_CA": self.ca.ca_file, "KVSHUTTLE_TLS_CLIENT_CERT": files.cert,
+                "KVSHUTTLE_TLS_CLIENT_KEY": files.key}
+
+    def grpcurl_args(self, identity: str = "admin") -> list[str]:
+        """grpcurl's connection flags for the stack's registry and scheduler: its CA and ``identity``'s certificate,
+        or ``-plaintext``."""
+        if self.ca is None:
+            return ["-plaintext"]
+        files = self.certificate(identity)
+        return ["-cacert", self.ca.ca_file, "-cert", files.cert, "-key", files.key]
+
+    def _tls_env(self, command: str, args: Sequence[str]) -> dict[str, str]:
+        """A service's TLS settings: registries and schedulers serve mutual TLS; every service calls them with its
+        own identity (a worker's names it, ``worker:<id>``). The gateway's public gRPC API stays as configured
+        (plaintext here, like its HTTP API: API keys guard it)."""
+        if self.ca is None or command not in ("registry", "scheduler", "gateway", "worker"):
+            return {}
+        identity = command
+        if command == "worker" and "--worker-id" in args:
+            identity = f"worker:{args[list(args).index('--worker-id') + 1]}"
+        env = self.client_tls_env(identity)
+        if command in ("registry", "scheduler"):
+            files = self.certificate(identity)
+            env |= {"KVSHUTTLE_TLS_CERT": files.cert, "KVSHUTTLE_TLS_KEY": files.key,
+                    "KVSHUTTLE_TLS_CLIENT_CA": self.ca.ca_file}
+        return env
 
     def _env(self) -> dict[str, str]:
         return {
@@ -174,7 +237,8 @@ class Stack:
 
     async def _spawn(self, name: str, *args: str, env: dict[str, str] | None = None) -> ChildProcess:
         child = ChildProcess(name, [sys.executable, "-m", "kvshuttle.services.commands", *args], self.logs / f"{name}.log",
-                             env={**self._env(), **(env or {})}, stop_grace_s=30.0, cwd=REPO)
+                             env={**self._env(), **self._tls_env(args[0], args), **(env or {})}, stop_grace_s=30.0,
+                             cwd=REPO)
         await child.start()
         self.children.append(child)
         return child
@@ -267,7 +331,7 @@ class Stack:
                                      "--history-store", f"sqlite:{history}", "--handle-inline-bytes", "0",
                                      "--expiry-margin-s", str(self.cfg.expiry_margin_s),
                                      "--metrics-listen", _host_port(self.metrics["registry"]))
-        await self._wait_grpc(registry, self.registry_address, deadline)
+        await self.wait_grpc(registry, self.registry_address, deadline)
         # The scheduler claims KV handles in etcd itself (the registry's store code), one hop less per plan.
         scheduler = await self._spawn("scheduler", "scheduler", "--listen", self.scheduler_address,
                                       "--etcd-endpoints", self.etcd.endpoints, "--history-store", f"sqlite:{history}",
@@ -284,8 +348,8 @@ class Stack:
             binds = cpu_binds(len(roles)) if self.cfg.cpu_bind == "split" else [self.cfg.cpu_bind] * len(roles)
         for i, (role, bind) in enumerate(zip(roles, binds, strict=True)):
             await self.spawn_worker(role, f"{role}-{i}", bind, gpus[i] if gpus else "")
-        await self._wait_grpc(scheduler, self.scheduler_address, deadline)
-        await self._wait_grpc(gateway, self.gateway_grpc, deadline)
+        await self.wait_grpc(scheduler, self.scheduler_address, deadline)
+        await self.wait_grpc(gateway, self.gateway_grpc, deadline, internal=False)
         await self._wait_workers(len(roles), deadline)
         await self._warm_up()
 
@@ -322,8 +386,10 @@ class Stack:
                 raise RuntimeError(f"{child.name} exited with code {child.returncode}; its log "
                                    f"({child.log_path}) ends with:\n{child.log_tail(30)}")
 
-    async def _wait_grpc(self, child: ChildProcess, address: str, deadline: float) -> None:
-        async with grpc.aio.insecure_channel(address) as channel:
+    async def wait_grpc(self, child: ChildProcess, address: str, deadline: float, *, internal: bool = True) -> None:
+        """Until ``child`` reports SERVING on ``address`` (``internal``: a registry or scheduler, under the stack's
+        mutual TLS; else the gateway's public gRPC API)."""
+        async with self.channel(address) if internal else client_channel(address) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while True:
                 self._check_alive()
@@ -339,7 +405,7 @@ class Stack:
                 await asyncio.sleep(0.2)
 
     async def _wait_workers(self, count: int, deadline: float) -> None:
-        async with grpc.aio.insecure_channel(self.registry_address) as channel:
+        async with self.channel(self.registry_address) as channel:
             stub = registry_pb2_grpc.SessionRegistryStub(channel)
             while True:
                 self._check_alive()
@@ -390,7 +456,11 @@ async def _up(cfg: StackConfig) -> None:
         await stack.start()
         print(f"kvshuttle is up.\n  OpenAI API:  {stack.base_url}/v1  (model {stack.model_dir.name})\n"
               f"  gateway gRPC: {stack.gateway_grpc}\n  registry:     {stack.registry_address}\n"
-              f"  scheduler:    {stack.scheduler_address}\n  logs:         {stack.logs}\n  metrics:      "
+              f"  scheduler:    {stack.scheduler_address}\n"
+              + (f"  mutual TLS:   CA and certificates in {stack.ca.dir} (e.g. grpcurl "
+                 f"{' '.join(stack.grpcurl_args())} {stack.registry_address} list)\n" if stack.ca else
+                 "  mutual TLS:   OFF (--tls false): the registry and the scheduler take any caller\n")
+              + f"  logs:         {stack.logs}\n  metrics:      "
               + "\n                ".join(f"{name:<10} {url}" for name, url in stack.metrics.items())
               + "\nCtrl-C stops everything.", flush=True)
 

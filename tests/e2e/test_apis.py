@@ -176,8 +176,8 @@ async def test_rest_bridge_serves_annotated_registry_reads(stack):
 
 
 def test_grpcurl_lists_describes_and_health_checks_every_service(stack):
-    check_serving(stack.registry_address, ["kvshuttle.v1.SessionRegistry"])
-    check_serving(stack.scheduler_address, ["kvshuttle.v1.TransferScheduler"])
+    check_serving(stack.registry_address, ["kvshuttle.v1.SessionRegistry"], stack.grpcurl_args())
+    check_serving(stack.scheduler_address, ["kvshuttle.v1.TransferScheduler"], stack.grpcurl_args())
     check_serving(stack.gateway_grpc, ["kvshuttle.v1.Gateway"])
 
 

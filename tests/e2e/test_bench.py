@@ -108,7 +108,7 @@ async def test_policy_sweep_prices_every_policy_on_the_same_turns(stack, tmp_pat
         "KVSHUTTLE_MODEL_DIR": str(stack.model_dir), "KVSHUTTLE_SWEEP_OUT_DIR": str(tmp_path / "results"),
         "KVSHUTTLE_SWEEP_PER_CLASS": "1", "KVSHUTTLE_SWEEP_MAX_TURNS": "2", "KVSHUTTLE_SWEEP_MAX_TOKENS": "6",
         "KVSHUTTLE_SWEEP_MAX_HISTORY_TOKENS": "2800", "KVSHUTTLE_SWEEP_PREFILL_CACHE": "warm",
-        "KVSHUTTLE_SWEEP_PROGRESS": "false",
+        "KVSHUTTLE_SWEEP_PROGRESS": "false", **stack.client_tls_env(),
     })
     assert await run_sweep(cfg) == 0
     printed = capsys.readouterr().out

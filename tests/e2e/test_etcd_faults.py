@@ -20,7 +20,6 @@ import time
 import httpx
 import pytest
 from kvshuttle.control_plane.session import STORE_UNAVAILABLE
-from kvshuttle.services.common.grpc_server import client_channel
 from kvshuttle.services.devtools.etcd_process import EtcdCluster
 from kvshuttle.services.store.etcd_store import EtcdStore
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
@@ -93,7 +92,7 @@ async def _health(client: httpx.AsyncClient) -> dict:
 
 
 async def _workers(stack) -> dict[str, common_pb2.Worker]:
-    async with client_channel(stack.registry_address) as channel:
+    async with stack.channel(stack.registry_address) as channel:
         resp = await registry_pb2_grpc.SessionRegistryStub(channel).ListWorkers(registry_pb2.ListWorkersRequest(),
                                                                                 timeout=10)
     return {w.worker_id: w for w in resp.workers}
@@ -253,7 +252,7 @@ async def test_worker_registers_again_after_its_lease_is_lost(stack):
             back = await _until(all_new, RECOVERY_S, "the workers to register again")
 
             async def scheduler_has_all() -> bool:  # its worker watch delivered the registrations (and a load poll)
-                async with client_channel(stack.scheduler_address) as channel:
+                async with stack.channel(stack.scheduler_address) as channel:
                     stats = await scheduler_pb2_grpc.TransferSchedulerStub(channel).GetStats(
                         scheduler_pb2.GetStatsRequest(), timeout=5)
                 return {row.worker_id for row in stats.loads if row.reachable} >= set(before)

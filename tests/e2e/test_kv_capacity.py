@@ -20,7 +20,6 @@ import time
 
 import httpx
 import pytest
-from kvshuttle.services.common.grpc_server import client_channel
 from kvshuttle.services.devtools.stack import cpu_binds
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from openai import AsyncOpenAI
@@ -46,7 +45,7 @@ NORMAL_TURN_S = 20.0  # a turn takes well under a second here; a stall waits for
 
 @pytest.fixture(scope="module")
 async def small_decode(stack):
-    channel = client_channel(stack.registry_address)
+    channel = stack.channel(stack.registry_address)
     registry = registry_pb2_grpc.SessionRegistryStub(channel)
     bind = cpu_binds(len(stack.workers) + 1)[-1] if stack.cfg.cpu_bind == "split" else stack.cfg.cpu_bind
     child = await stack.spawn_worker("decode", SMALL, bind, extra_args=f"--num-gpu-blocks-override {BLOCKS}")
@@ -59,7 +58,7 @@ async def small_decode(stack):
 
 
 async def decode_kv(stack, worker_id: str) -> scheduler_pb2.DecodeKvStats:
-    async with client_channel(stack.scheduler_address) as channel:
+    async with stack.channel(stack.scheduler_address) as channel:
         stats = await scheduler_pb2_grpc.TransferSchedulerStub(channel).GetStats(scheduler_pb2.GetStatsRequest(),
                                                                                  timeout=5)
     assert stats.kv_managed and stats.kv_eviction_policy == "value", stats
@@ -93,7 +92,7 @@ async def test_sessions_nobody_ends_never_stall_a_small_decode_worker(stack, sma
             assert kv.capacity_tokens == BLOCKS * 128 and kv.held_tokens <= kv.capacity_tokens, kv
 
             # An evicted session: its record is kept, marked freed, and its next turn recomputes and says why.
-            async with client_channel(stack.registry_address) as channel:
+            async with stack.channel(stack.registry_address) as channel:
                 registry = registry_pb2_grpc.SessionRegistryStub(channel)
                 records = {sid: (await registry.GetSession(registry_pb2.GetSessionRequest(session_id=sid),
                                                            timeout=5)).session for sid in histories}

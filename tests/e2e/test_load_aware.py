@@ -15,7 +15,6 @@ import contextlib
 import subprocess
 import time
 
-import grpc
 import pytest
 from kvshuttle.control_plane.load import parse_get_loads
 from kvshuttle.services.engine.client import EngineClient
@@ -134,8 +133,8 @@ async def test_busy_prefill_worker_is_avoided(stack):
     name = f"prefill-{len(stack.workers)}"
     idle_ids = [w.worker_id for w in stack.workers if w.role == common_pb2.WORKER_ROLE_PREFILL]
     assert len(idle_ids) == 1, "the stack has one prefill worker of its own"
-    reg_channel = grpc.aio.insecure_channel(stack.registry_address)
-    sched_channel = grpc.aio.insecure_channel(stack.scheduler_address)
+    reg_channel = stack.channel(stack.registry_address)
+    sched_channel = stack.channel(stack.scheduler_address)
     registry = registry_pb2_grpc.SessionRegistryStub(reg_channel)
     scheduler = scheduler_pb2_grpc.TransferSchedulerStub(sched_channel)
     child = await start_prefill_worker(stack, name)

@@ -39,7 +39,7 @@ async def redis_gateway(stack):
     stack.children.remove(registry)
     gateway = None
     try:
-        await stack._wait_grpc(registry, address, time.monotonic() + 60)
+        await stack.wait_grpc(registry, address, time.monotonic() + 60)
         gateway, base_url = await spawn_gateway(stack, "gateway-redis", "--registry", address)
         yield redis, base_url
     finally:

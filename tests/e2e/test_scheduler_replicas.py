@@ -49,7 +49,7 @@ async def replicas(stack):
                                            "--history-store", f"sqlite:{history}", env=stack.scheduler_env))
         stack.children.remove(children[-1])  # stopped here
         addresses.append(address)
-    channels = [client_channel(a) for a in [stack.scheduler_address, *addresses]]
+    channels = [stack.channel(a) for a in [stack.scheduler_address, *addresses]]
     stubs = [scheduler_pb2_grpc.TransferSchedulerStub(c) for c in channels]
 
     async def serving() -> bool:

@@ -1,5 +1,6 @@
 """Security on the real stack (real etcd, services and vLLM P/D): API keys and tenants, client-supplied
-kv_transfer_params (refused by name), and no keys or session ids in logs or traces.
+kv_transfer_params (refused by name), no keys or session ids in logs or traces, per-tenant limits, and the internal
+APIs under the stack's mutual TLS open only to the service identities each method is for.
 
 A second gateway with an API keys file joins the shared stack (same registry and scheduler, its own ports and log in
 ``stack.logs``). Keys and session ids are distinctive strings, so a leak anywhere is found by a plain search.
@@ -17,10 +18,15 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
+from google.protobuf.message_factory import GetMessageClass
+from kvshuttle.control_plane.service_access import caller_of, refusal
+from kvshuttle.services.common.grpc_server import client_channel
 from kvshuttle.services.common.telemetry import hashed
+from kvshuttle.services.common.tls import ClientTls
 from kvshuttle.services.devtools.etcd_process import free_port
+from kvshuttle.services.devtools.local_ca import LocalCA
 from kvshuttle.services.gateway import auth
-from kvshuttle.v1 import gateway_pb2, gateway_pb2_grpc, scheduler_pb2
+from kvshuttle.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, registry_pb2, registry_pb2_grpc, scheduler_pb2
 
 from tests.support.e2e import flush_prefill, user_turn
 
@@ -47,7 +53,7 @@ async def keyed(stack, tmp_path_factory):
     child = await stack._spawn("gateway-keys", "gateway", "--grpc-listen", grpc_address, "--http-listen", http,
                                "--max-model-len", str(stack.cfg.max_model_len), "--api-keys-file", str(path))
     try:
-        await stack._wait_grpc(child, grpc_address, time.monotonic() + 120)
+        await stack.wait_grpc(child, grpc_address, time.monotonic() + 120, internal=False)
         yield f"http://{http}", grpc_address
     finally:
         await child.stop()
@@ -235,3 +241,84 @@ async def test_a_tenant_over_its_limit_gets_429_while_another_is_served_at_the_s
         assert 1 <= int(dict(err.value.trailing_metadata())["retry-after"]) <= 20
         served = await stub.ChatComplete(request, metadata=(("authorization", f"Bearer {KEY_B}"),), timeout=300)
         assert served.usage.completion_tokens > 0
+
+
+# ----------------------------------------------------------------------- internal APIs: service identity, mutual TLS
+
+def internal_methods() -> list[tuple[str, type, bool]]:
+    """Every method of the registry's and the scheduler's APIs: (path, request class, server-streaming)."""
+    methods = []
+    for file, name in ((registry_pb2.DESCRIPTOR, "SessionRegistry"), (scheduler_pb2.DESCRIPTOR, "TransferScheduler")):
+        service = file.services_by_name[name]
+        methods += [(f"/{service.full_name}/{m.name}", GetMessageClass(m.input_type), m.server_streaming)
+                    for m in service.methods]
+    return methods
+
+
+async def call_code(channel: grpc.aio.Channel, path: str, request_type: type, streaming: bool) -> grpc.StatusCode:
+    """The status of one call with an empty request (OK when it succeeds)."""
+    kwargs = {"request_serializer": request_type.SerializeToString, "response_deserializer": lambda b: b}
+    try:
+        if streaming:
+            async for _ in channel.unary_stream(path, **kwargs)(request_type(), timeout=10):
+                break
+        else:
+            await channel.unary_unary(path, **kwargs)(request_type(), timeout=10)
+    except grpc.aio.AioRpcError as err:
+        return err.code()
+    return grpc.StatusCode.OK
+
+
+async def test_internal_apis_take_only_the_right_service_identities(stack, tmp_path):
+    """The stack runs as the chart does (mutual TLS, each call authorized by the caller's certificate): no
+    certificate, or one of another CA, fails on every internal method (UNAVAILABLE); the stack's own certificates
+    reach only the methods their role is for (PERMISSION_DENIED otherwise): a gateway never registers a worker, a
+    worker never reads a session, a worker's certificate acts only as that worker."""
+    assert stack.ca is not None, "the e2e stack runs with TLS on (StackConfig.tls)"
+    methods = internal_methods()
+    assert len(methods) == 16
+    rogue = LocalCA(tmp_path / "rogue", "rogue CA")
+    rogue_files = rogue.issue("admin")  # the right name, the wrong CA
+    ca_pem = Path(stack.ca.ca_file).read_bytes()
+    strangers = {"plaintext": None, "no certificate": ClientTls(ca_pem),
+                 "another CA's admin": ClientTls(ca_pem, Path(rogue_files.cert).read_bytes(),
+                                                 Path(rogue_files.key).read_bytes())}
+    for address in (stack.registry_address, stack.scheduler_address):
+        for who, tls in strangers.items():
+            async with client_channel(address, tls) as channel:
+                for path, request_type, streaming in methods:
+                    if path.split("/")[1].endswith("Registry") != (address == stack.registry_address):
+                        continue
+                    assert await call_code(channel, path, request_type, streaming) == grpc.StatusCode.UNAVAILABLE, (
+                        who, path)
+
+    worker_id = next(w.worker_id for w in stack.workers if w.role == common_pb2.WORKER_ROLE_DECODE)
+    refused_calls = []
+    for identity in ("gateway", "scheduler", f"worker:{worker_id}", "registry", "operator"):
+        channels = {address: stack.channel(address, identity)
+                    for address in (stack.registry_address, stack.scheduler_address)}
+        try:
+            for path, request_type, streaming in methods:
+                if not refusal(path, caller_of(identity)):
+                    continue
+                address = stack.registry_address if "SessionRegistry" in path else stack.scheduler_address
+                code = await call_code(channels[address], path, request_type, streaming)
+                assert code == grpc.StatusCode.PERMISSION_DENIED, (identity, path, code)
+                refused_calls.append((identity.partition(":")[0], path.rsplit("/", 1)[1]))
+        finally:
+            for channel in channels.values():
+                await channel.close()
+    assert {("gateway", "RegisterWorker"), ("worker", "GetSession"), ("worker", "PlanTurn"),
+            ("scheduler", "RecordTurn"), ("registry", "GetSession"), ("operator", "ListWorkers")} <= set(refused_calls)
+
+    # a worker's certificate keeps alive only its own worker; an allowed caller gets past the check
+    async with stack.channel(stack.registry_address, f"worker:{worker_id}") as channel:
+        registry = registry_pb2_grpc.SessionRegistryStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await registry.KeepAlive(registry_pb2.KeepAliveRequest(worker_id="prefill-0"), timeout=10)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "only act as worker" in err.value.details()
+    async with stack.channel(stack.registry_address, "gateway") as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await registry_pb2_grpc.SessionRegistryStub(channel).GetSession(
+                registry_pb2.GetSessionRequest(session_id=f"absent-{uuid.uuid4().hex[:8]}"), timeout=10)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND

@@ -33,7 +33,7 @@ async def keyed(stack, tmp_path_factory):
     child = await stack._spawn("gateway-tenant-cache", "gateway", "--grpc-listen", grpc_address, "--http-listen",
                                http, "--max-model-len", str(stack.cfg.max_model_len), "--api-keys-file", str(path))
     try:
-        await stack._wait_grpc(child, grpc_address, time.monotonic() + 120)
+        await stack.wait_grpc(child, grpc_address, time.monotonic() + 120, internal=False)
         yield f"http://{http}"
     finally:
         await child.stop()

@@ -29,7 +29,6 @@ import time
 import grpc
 import httpx
 import pytest
-from kvshuttle.services.common.grpc_server import client_channel
 from kvshuttle.services.common.processes import ChildProcess
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
@@ -132,7 +131,7 @@ class Extras:
 
 @pytest.fixture(scope="module")
 async def pool(stack):
-    channel = client_channel(stack.registry_address)
+    channel = stack.channel(stack.registry_address)
     extras = Extras(stack, registry_pb2_grpc.SessionRegistryStub(channel))
     try:
         yield extras
@@ -221,7 +220,7 @@ async def test_expired_handles_are_never_pulled(stack, extras):
 
 async def test_a_decode_worker_killed_mid_answer(stack, extras):
     d2 = await extras.get("decode")
-    channel = client_channel(stack.registry_address)
+    channel = stack.channel(stack.registry_address)
     registry = registry_pb2_grpc.SessionRegistryStub(channel)
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=300) as client:
         async with Paused(stack, common_pb2.WORKER_ROLE_DECODE) as paused:

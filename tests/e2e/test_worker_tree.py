@@ -13,7 +13,6 @@ import signal
 
 import psutil
 import pytest
-from kvshuttle.services.common.grpc_server import client_channel
 from kvshuttle.services.devtools.stack import cpu_binds
 from kvshuttle.v1 import registry_pb2_grpc
 
@@ -43,7 +42,7 @@ async def test_killing_one_process_of_a_worker_takes_the_whole_tree(stack, victi
     child = await stack.spawn_worker("decode", name, bind)
     stack.children.remove(child)  # this test stops (or kills) it
     try:
-        async with client_channel(stack.registry_address) as channel:
+        async with stack.channel(stack.registry_address) as channel:
             await wait_registered(registry_pb2_grpc.SessionRegistryStub(channel), child, name,
                                   EXTRA_STARTUP_TIMEOUT_S)
         agent = psutil.Process(child.pid)

@@ -10,7 +10,6 @@ import textwrap
 import uuid
 
 import httpx
-from kvshuttle.services.common.grpc_server import client_channel
 from kvshuttle.services.common.processes import ChildProcess
 from kvshuttle.services.devtools.stack import cpu_binds
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
@@ -93,7 +92,7 @@ async def wait_registered(registry: registry_pb2_grpc.SessionRegistryStub, child
 
 async def registered_ids(stack) -> set[str]:
     """The ids of the workers registered with the stack's registry now."""
-    async with client_channel(stack.registry_address) as channel:
+    async with stack.channel(stack.registry_address) as channel:
         resp = await registry_pb2_grpc.SessionRegistryStub(channel).ListWorkers(registry_pb2.ListWorkersRequest(),
                                                                                 timeout=5)
     return {w.worker_id for w in resp.workers}
@@ -127,7 +126,7 @@ class Paused:
         worker = next(w for w in stack.workers if w.role == role)
         self.worker_id = worker.worker_id
         self.child = next(c for c in stack.children if c.name == worker.worker_id)
-        self.channel = client_channel(stack.scheduler_address)
+        self.channel = stack.channel(stack.scheduler_address)
         self.scheduler = scheduler_pb2_grpc.TransferSchedulerStub(self.channel)
         self.stopped = False
 

@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -43,28 +44,32 @@ def grpcurl(*args: str, timeout: float = 60, check: bool = True) -> subprocess.C
     return result
 
 
-def list_services(address: str) -> set[str]:
-    """Services a plaintext server lists over reflection."""
-    return set(grpcurl("-plaintext", address, "list").stdout.split())
+PLAINTEXT = ("-plaintext",)
 
 
-def describe(address: str, symbol: str) -> str:
-    return grpcurl("-plaintext", address, "describe", symbol).stdout
+def list_services(address: str, connect: Sequence[str] = PLAINTEXT) -> set[str]:
+    """Services a server lists over reflection (``connect``: grpcurl's connection flags, e.g. a TLS stack's
+    ``stack.grpcurl_args()``)."""
+    return set(grpcurl(*connect, address, "list").stdout.split())
 
 
-def health_status(address: str, service: str = "") -> str:
+def describe(address: str, symbol: str, connect: Sequence[str] = PLAINTEXT) -> str:
+    return grpcurl(*connect, address, "describe", symbol).stdout
+
+
+def health_status(address: str, service: str = "", connect: Sequence[str] = PLAINTEXT) -> str:
     """``grpc.health.v1.Health/Check`` status name (SERVING, NOT_SERVING, ...) for ``service`` ('' is the server)."""
-    out = grpcurl("-plaintext", "-d", json.dumps({"service": service}), address, "grpc.health.v1.Health/Check").stdout
+    out = grpcurl(*connect, "-d", json.dumps({"service": service}), address, "grpc.health.v1.Health/Check").stdout
     return json.loads(out)["status"]
 
 
-def check_serving(address: str, services: list[str]) -> None:
+def check_serving(address: str, services: list[str], connect: Sequence[str] = PLAINTEXT) -> None:
     """The one-line smoke check for a kvshuttle server: listed over reflection, methods described, health SERVING."""
-    listed = list_services(address)
+    listed = list_services(address, connect)
     expected = {*services, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"}
     assert expected <= listed, f"{address} lists {sorted(listed)}; missing {sorted(expected - listed)}"
     for name in services:
-        text = describe(address, name)
+        text = describe(address, name, connect)
         assert f"service {name.rsplit('.', 1)[1]} {{" in text and "rpc " in text, text
-        assert health_status(address, name) == "SERVING", name
-    assert health_status(address) == "SERVING"
+        assert health_status(address, name, connect) == "SERVING", name
+    assert health_status(address, "", connect) == "SERVING"

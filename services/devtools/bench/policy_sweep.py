@@ -45,6 +45,7 @@ from typing import Any
 
 import httpx
 from kvshuttle.services.common.config import load, require, require_effect, setting
+from kvshuttle.services.common.tls import ClientTls, TlsClientConfig
 from kvshuttle.services.devtools.bench import lanes as lanes_mod
 from kvshuttle.services.devtools.bench.multiturn import NO_PREFIX_CACHING, drive
 from kvshuttle.services.devtools.bench.samples import TurnSample
@@ -61,7 +62,7 @@ SWEEP_CLASSES = ((0, (10, 50)), (60, (20, 100)), (60, (300, 1200)), (1500, (20, 
 
 
 @dataclasses.dataclass
-class PolicySweepConfig(StackConfig):
+class PolicySweepConfig(StackConfig, TlsClientConfig):
     """The policy sweep; the local stack's settings apply to the stack it starts."""
 
     ENV_PREFIX = "KVSHUTTLE_SWEEP_"
@@ -80,7 +81,8 @@ class PolicySweepConfig(StackConfig):
     gateway_url: str = setting("", "Drive this running stack instead of starting one; its scheduler must host the "
                                    "policies always-pull and cost (see sweep_policies()) and --scheduler-address "
                                    "gives its stats")
-    scheduler_address: str = setting("", "With --gateway-url: the scheduler's gRPC address (for its stats)")
+    scheduler_address: str = setting("", "With --gateway-url: the scheduler's gRPC address (for its stats; under "
+                                         "mutual TLS give --tls-ca and an admin's --tls-client-cert/--tls-client-key)")
     cost_only: bool = setting(False, "Run only the cost lane (it then learns only from its own turns)")
     cost_params: str = setting("", "Parameters of the cost policy (key=value,...; see kvshuttle scheduler)")
     cost_model_params: str = setting("", "The scheduler's cost-model parameters (key=value,...)")
@@ -117,6 +119,10 @@ class PolicySweepConfig(StackConfig):
                                                            "cost_model_params"))
         require_effect(self, "scheduler_address", bool(self.gateway_url),
                        "without --gateway-url (the started stack's own scheduler gives the stats)")
+        for name in ("tls_ca", "tls_client_cert", "tls_client_key", "tls_server_name"):
+            require_effect(self, name, bool(self.scheduler_address), "without --scheduler-address (it is for that "
+                                                                     "scheduler's stats)")
+        self.validate_tls_client()
 
 
 def sweep_policies(cost_params: str = "") -> str:
@@ -243,12 +249,12 @@ def format_sweep(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-async def _scheduler_stats(address: str) -> dict[str, Any]:
-    import grpc
+async def _scheduler_stats(address: str, tls: ClientTls | None) -> dict[str, Any]:
     from google.protobuf import json_format
+    from kvshuttle.services.common.grpc_server import client_channel
     from kvshuttle.v1 import scheduler_pb2, scheduler_pb2_grpc
 
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with client_channel(address, tls) as channel:
         resp = await scheduler_pb2_grpc.TransferSchedulerStub(channel).GetStats(scheduler_pb2.GetStatsRequest(),
                                                                                  timeout=5)
     return json_format.MessageToDict(resp, preserving_proto_field_name=True)
@@ -344,7 +350,7 @@ async def _run_sweep(cfg: PolicySweepConfig) -> int:
                                   turn_timeout_s=cfg.turn_timeout_s)
         scheduler = stack.scheduler_address if stack is not None else cfg.scheduler_address
         if scheduler:
-            stats = await _scheduler_stats(scheduler)
+            stats = await _scheduler_stats(scheduler, stack.client_tls() if stack is not None else cfg.client_tls())
     finally:
         if stack is not None:
             await stack.stop()

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 import httpx
 from kvshuttle.control_plane.continuation import common_prefix
-from kvshuttle.services.common.grpc_server import client_channel
 from kvshuttle.services.common.http_server import HttpServer
 from kvshuttle.v1 import registry_pb2, registry_pb2_grpc
 from starlette.applications import Starlette
@@ -58,7 +57,7 @@ class TurnTap:
         self.base_url = f"http://{self.server.address}"
 
     async def __aenter__(self) -> TurnTap:
-        self._channel = client_channel(self.stack.registry_address)
+        self._channel = self.stack.channel(self.stack.registry_address)
         self.registry = registry_pb2_grpc.SessionRegistryStub(self._channel)
         await self.server.start()
         return self
