@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 from kvshuttle.control_plane.service_access import WORKER_FIELDS, Caller, caller_of, governed, refusal
+from kvshuttle.services.common.handler_wrapping import WrappingInterceptor
 
 log = logging.getLogger(__name__)
 
@@ -32,24 +33,15 @@ def _worker_named(method: str, request: Any) -> str | None:
     return value if isinstance(value, str) else ""
 
 
-class CallerCheck(grpc.aio.ServerInterceptor):
+class CallerCheck(WrappingInterceptor):
     """Refuses governed calls (service_access.governed) whose caller the rules do not allow. The checking handler is
     built once per method (the metrics interceptor, outside this one, then reuses its own per method too)."""
 
-    def __init__(self) -> None:
-        self._handlers: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+    def wraps(self, method: str) -> bool:
+        return governed(method)
 
-    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
-        handler = await continuation(details)
-        method = details.method
-        if handler is None or not governed(method):
-            return handler
-        cached = self._handlers.get(method)
-        if cached is not None and cached[0] is handler:
-            return cached[1]
-        checked = _checked(handler, method)
-        self._handlers[method] = (handler, checked)
-        return checked
+    def wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        return _checked(handler, method)
 
 
 def _checked(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:

@@ -26,11 +26,14 @@ def _refuse(transport: asyncio.Transport, status: int, reason: str, message: str
 
 
 def _guarded_protocol(max_connections: int, receipt_timeout_s: float) -> type[asyncio.Protocol]:
-    """uvicorn's HTTP protocol with a connection cap (past it: 503, closed) and a deadline for the first request's
-    headers (past it: 408, closed); 0 turns either off. The body's deadline is the app's (the gateway's HttpGuard)."""
+    """uvicorn's HTTP protocol with a connection cap (past it: 503, closed) and a deadline for each request's headers
+    (past it: 408, closed): the first request's from the connection's start, a kept-alive connection's next from its
+    first byte (uvicorn's own keep-alive timeout ends an idle connection, but not one that trickles a header); 0
+    turns either off. The body's deadline is the app's (the gateway's HttpGuard)."""
 
     class Guarded(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
         _receipt_timer: asyncio.TimerHandle | None = None
+        _timed_after: object = None  # the request cycle whose successor's headers the timer waits for (None: the first)
 
         def connection_made(self, transport) -> None:
             over = bool(max_connections) and len(self.connections) >= max_connections
@@ -38,10 +41,25 @@ def _guarded_protocol(max_connections: int, receipt_timeout_s: float) -> type[as
             if over:
                 _refuse(transport, 503, "Service Unavailable", f"over {max_connections} open connections")
             elif receipt_timeout_s:
-                self._receipt_timer = asyncio.get_running_loop().call_later(receipt_timeout_s, self._too_slow)
+                self._arm()
+
+        def _arm(self) -> None:
+            if self._receipt_timer is not None:
+                self._receipt_timer.cancel()
+            self._timed_after = self.cycle
+            self._receipt_timer = asyncio.get_running_loop().call_later(receipt_timeout_s, self._too_slow)
+
+        def data_received(self, data: bytes) -> None:
+            # a kept-alive connection's next request begins: time its headers as the first request's were
+            if (receipt_timeout_s and self.cycle is not None and self.cycle.response_complete
+                    and self._timed_after is not self.cycle):
+                self._arm()
+            super().data_received(data)
 
         def _too_slow(self) -> None:
-            if self.cycle is None and not self.transport.is_closing():  # no request's headers arrived whole
+            self._receipt_timer = None
+            # no request's headers arrived whole since the timer was set
+            if self.cycle is self._timed_after and not self.transport.is_closing():
                 _refuse(self.transport, 408, "Request Timeout",
                         f"the request headers did not arrive within {receipt_timeout_s:g} s")
 
@@ -57,8 +75,9 @@ class HttpServer:
     """Binds ``address`` (port 0 picks a free port) on construction so ``address`` is known before start().
 
     ``tls``: (certificate file, key file) to serve HTTPS instead of HTTP. ``max_connections``: open connections
-    past it are answered 503 and closed; ``receipt_timeout_s``: a connection whose first request's headers have not
-    arrived by then is answered 408 and closed (0: neither).
+    past it are answered 503 and closed; ``receipt_timeout_s``: a request whose headers have not arrived by then (from
+    the connection's start, or a kept-alive connection's next request's first byte) is answered 408 and the connection
+    closed (0: neither).
     """
 
     def __init__(self, app, address: str, tls: tuple[str, str] | None = None, *, max_connections: int = 0,

@@ -30,6 +30,7 @@ from typing import Any, Generic, TypeVar
 
 import grpc
 from kvshuttle.control_plane import kv_eviction, reasons
+from kvshuttle.services.common.handler_wrapping import WrappingInterceptor
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -492,7 +493,7 @@ CATALOGUE = _catalogue()
 
 # -- gRPC server interceptor -----------------------------------------------------------------------------------------
 
-class GrpcMetricsInterceptor(grpc.aio.ServerInterceptor):
+class GrpcMetricsInterceptor(WrappingInterceptor):
     """Counts every completed call by status code and times it (kvshuttle_grpc_server_*).
 
     Only methods registered on the server are counted (a client cannot create label values). The instrumented
@@ -500,20 +501,8 @@ class GrpcMetricsInterceptor(grpc.aio.ServerInterceptor):
     per call the cost is two clock reads, one histogram observation and one counter increment.
     """
 
-    def __init__(self) -> None:
-        self._handlers: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
-
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
-        method = handler_call_details.method
-        cached = self._handlers.get(method)
-        if cached is not None and cached[0] is handler:
-            return cached[1]
-        wrapped = _instrumented(handler, method)
-        self._handlers[method] = (handler, wrapped)
-        return wrapped
+    def wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        return _instrumented(handler, method)
 
 
 def _instrumented(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:

@@ -196,8 +196,10 @@ class Stack:
         if self.ca is None:
             return {}
         files = self.certificate(identity)
+        # Every certificate names localhost: verified by that name, a target of several addresses (a gateway's
+        # ``--scheduler ipv4:a,b``) checks out as a single one does.
         return {"KVSHUTTLE_TLS_CA": self.ca.ca_file, "KVSHUTTLE_TLS_CLIENT_CERT": files.cert,
-                "KVSHUTTLE_TLS_CLIENT_KEY": files.key}
+                "KVSHUTTLE_TLS_CLIENT_KEY": files.key, "KVSHUTTLE_TLS_SERVER_NAME": "localhost"}
 
     def grpcurl_args(self, identity: str = "admin") -> list[str]:
         """grpcurl's connection flags for the stack's registry and scheduler: its CA and ``identity``'s certificate,

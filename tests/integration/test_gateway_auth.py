@@ -485,6 +485,21 @@ async def test_half_sent_requests_get_408_and_connections_past_the_cap_503(limit
     assert answer.startswith(b"HTTP/1.1 408") and b"headers did not arrive" in answer, answer
     writer.close()
 
+    # a kept-alive connection: a whole request is answered, then the next one's headers trickle and stop
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    await writer.drain()
+    first = await _read_all(reader)
+    assert first.startswith(b"HTTP/1.1 200"), first
+    await asyncio.sleep(0.8)  # the first request's deadline has passed by the time the second one stalls
+    started = asyncio.get_running_loop().time()
+    writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")
+    await writer.drain()
+    answer = await _read_all(reader)
+    assert answer.startswith(b"HTTP/1.1 408") and b"headers did not arrive" in answer, answer
+    assert 0.9 <= asyncio.get_running_loop().time() - started < 5
+    writer.close()
+
     idle = [await asyncio.open_connection(host, int(port)) for _ in range(6)]
     try:
         reader, writer = await asyncio.open_connection(host, int(port))
