@@ -38,6 +38,7 @@ RULES: dict[str, frozenset[str]] = {
     _REGISTRY + "FindSession": frozenset({"gateway"}),
     _REGISTRY + "PutResponse": frozenset({"gateway"}),
     _REGISTRY + "GetResponse": frozenset({"gateway"}),
+    _REGISTRY + "GetResponseChain": frozenset({"gateway"}),
     _REGISTRY + "DeleteResponse": frozenset({"gateway"}),
     _SCHEDULER + "PlanTurn": frozenset({"gateway"}),
     _SCHEDULER + "ReportOutcome": frozenset({"gateway"}),

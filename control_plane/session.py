@@ -152,10 +152,15 @@ RESPONSE_TTL_RANGE_S = (1, 30 * 86400)  # how long a stored response may be kept
 
 
 def validate_stored_response(response, ttl_s: int) -> None:
-    """A StoredResponse the registry can keep: ids, a body within the record limit, a TTL in range."""
+    """A StoredResponse the registry can keep: ids (and the previous response's, if any), a body (one turn's items)
+    within the record limit, a TTL in range."""
     validate_id("response_id", response.response_id)
     validate_id("tenant", response.tenant)
     validate_id("session_id", response.session_id)
+    if response.previous_response_id:
+        validate_id("previous_response_id", response.previous_response_id)
+        if response.previous_response_id == response.response_id:
+            raise InvalidArgument("a response cannot continue itself (previous_response_id == response_id)")
     if not response.body_json:
         raise InvalidArgument("body_json is required")
     low, high = RESPONSE_TTL_RANGE_S

@@ -329,7 +329,8 @@ def worker_metrics(cfg: WorkerConfig):
 
 
 def print_vllm_command(cfg: WorkerConfig, out: TextIO | None = None) -> None:
-    """``--print-vllm-command``: the vLLM argv and added environment, as JSON (what the Helm chart must match)."""
+    """``--print-vllm-command``: the vLLM argv and its changes to the environment (null: removed), as JSON (what the
+    Helm chart must match)."""
     argv, env = vllm_command(cfg)
     print(json.dumps({"argv": argv, "env": env}, indent=2), file=out or sys.stdout, flush=True)
 

@@ -14,6 +14,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from kvshuttle.control_plane.kv_index import hashing
 from kvshuttle.services.common.config import TelemetryConfig, require, setting
 from kvshuttle.services.common.processes import ChildProcess
 from kvshuttle.services.common.tls import TlsClientConfig
@@ -45,6 +46,13 @@ class WorkerConfig(TelemetryConfig, TlsClientConfig):
     kv_buffer_device: str = setting("cpu", "NixlConnector kv_buffer_device", choices=("cpu", "cuda", "xpu"))
     dtype: str = setting("float32", "Model dtype (float32 for exact-equality tests; bfloat16 for speed)")
     block_size: int = setting(0, "KV block size in tokens; 0: vLLM's default")
+    prefix_hash_algo: str = setting(
+        hashing.DEFAULT_ALGO, "vLLM --prefix-caching-hash-algo: how its prefix cache (and its KV events) name "
+        "blocks; only those kvshuttle's KV index can reproduce", choices=hashing.ALGOS)
+    prefix_hash_seed: str = setting(
+        "", "Seed of vLLM's prefix-cache block hashes, given to vLLM as PYTHONHASHSEED (an integer 0..4294967295); "
+            "empty: an inherited PYTHONHASHSEED is removed and vLLM uses its fixed default. Whatever indexes this "
+            "worker's KV events must use the same")
     decoder_kv_blocks_ttl: int = setting(480, "Seconds a decode worker keeps a finished turn's blocks")
     kv_recompute_threshold: int = setting(
         1, "vLLM skips a pull shorter than this many tokens; kvshuttle decides itself, so keep it at 1 (0 = off)")
@@ -102,6 +110,9 @@ class WorkerConfig(TelemetryConfig, TlsClientConfig):
         require(self.public_host not in WILDCARD_HOSTS, "--advertise-host is required when --host is a wildcard")
         require(self.kv_recompute_threshold >= 0, "--kv-recompute-threshold must be >= 0")
         require(self.kv_lease_duration_s >= 1 and self.decoder_kv_blocks_ttl >= 1, "KV lease and TTL must be >= 1 s")
+        seed = self.prefix_hash_seed
+        require(seed == "" or (seed.isascii() and seed.isdigit() and int(seed) <= 4294967295),
+                "--prefix-hash-seed must be empty or an integer 0..4294967295 (Python's rule for PYTHONHASHSEED)")
         self.validate_tls_client()  # towards the registry (vLLM's own gRPC server stays plaintext)
         from kvshuttle.services.common.metrics_http import check_listen
 
@@ -133,6 +144,11 @@ class WorkerConfig(TelemetryConfig, TlsClientConfig):
     def work_path(self) -> Path:
         return Path(self.work_dir or Path("var") / "workers" / self.id)
 
+    def prefix_hash_scheme(self, block_size: int) -> hashing.HashScheme:
+        """How this worker's vLLM hashes prompt blocks (``block_size``: the one vLLM reports, GetServerInfo)."""
+        return hashing.HashScheme(block_size=block_size, algo=self.prefix_hash_algo,
+                                  seed=self.prefix_hash_seed or None)
+
 
 def kv_transfer_config(cfg: WorkerConfig) -> dict:
     """NixlConnector in pull mode with bi-directional transfer: D keeps each turn's blocks for P to pull."""
@@ -153,8 +169,8 @@ def kv_transfer_config(cfg: WorkerConfig) -> dict:
     }
 
 
-def vllm_command(cfg: WorkerConfig) -> tuple[list[str], dict[str, str]]:
-    """The vLLM gRPC server's argv and the environment variables to add to the inherited environment."""
+def vllm_command(cfg: WorkerConfig) -> tuple[list[str], dict[str, str | None]]:
+    """The vLLM gRPC server's argv and the changes to the inherited environment (None: the variable is removed)."""
     argv = [
         cfg.python or sys.executable, "-m", "vllm.entrypoints.launchers.grpc_server",
         "--model", cfg.model,
@@ -162,6 +178,7 @@ def vllm_command(cfg: WorkerConfig) -> tuple[list[str], dict[str, str]]:
         "--host", cfg.host,
         "--port", str(cfg.grpc_port),
         "--dtype", cfg.dtype,
+        "--prefix-caching-hash-algo", cfg.prefix_hash_algo,
     ]
     if cfg.role != COLOCATED:
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(cfg), separators=(",", ":"))]
@@ -182,7 +199,7 @@ def vllm_command(cfg: WorkerConfig) -> tuple[list[str], dict[str, str]]:
     argv += shlex.split(cfg.extra_args)
 
     work = cfg.work_path
-    env = {
+    env: dict[str, str | None] = {
         "VLLM_NIXL_SIDE_CHANNEL_HOST": cfg.nixl_host,
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(cfg.nixl_port),
         "VLLM_CACHE_ROOT": str(work / "cache"),
@@ -192,6 +209,9 @@ def vllm_command(cfg: WorkerConfig) -> tuple[list[str], dict[str, str]]:
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "KVSHUTTLE_VLLM_DIE_WITH_PARENT": "1",  # workers/vllm_plugin.py: no vLLM process outlives its parent
+        # vLLM seeds its block hashes with PYTHONHASHSEED when set (control_plane/kv_index/hashing.py): pinned, so
+        # that a KV index outside the worker computes the same hashes whatever environment the worker inherited.
+        "PYTHONHASHSEED": cfg.prefix_hash_seed or None,
     }
     if cfg.cpu_bind:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_bind

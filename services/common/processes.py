@@ -28,13 +28,20 @@ def die_with_parent(argv: Sequence[str], sig: int = signal.SIGTERM) -> list[str]
     return [sys.executable, "-c", _GUARD, str(int(sig)), str(os.getpid()), *argv]
 
 
+def child_env(changes: dict[str, str | None] | None) -> dict[str, str]:
+    """This process's environment with ``changes`` applied (a None value removes the variable)."""
+    env = {**os.environ, **(changes or {})}
+    return {k: v for k, v in env.items() if v is not None}
+
+
 class ChildProcess:
     """``argv`` as a child in its own session/process group; stdout+stderr appended to ``log_path``, or written to
     this process's stderr when ``log_path`` is None (in a container: the pod's log; our stdout stays the child's
-    own protocol, e.g. the worker's ready marker)."""
+    own protocol, e.g. the worker's ready marker). ``env`` changes the inherited environment: a None value removes
+    that variable."""
 
     def __init__(self, name: str, argv: Sequence[str], log_path: str | Path | None,
-                 env: dict[str, str] | None = None, stop_grace_s: float = 20.0, cwd: str | Path | None = None):
+                 env: dict[str, str | None] | None = None, stop_grace_s: float = 20.0, cwd: str | Path | None = None):
         self.name = name
         self.argv = list(argv)
         self.log_path = Path(log_path) if log_path is not None else None
@@ -59,7 +66,7 @@ class ChildProcess:
                 *die_with_parent(self.argv), stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE if stdout_pipe else log or sys.stderr.fileno(),
                 stderr=log or sys.stderr.fileno() if stdout_pipe or log is None else asyncio.subprocess.STDOUT,
-                env={**os.environ, **(self.env or {})}, cwd=self.cwd, start_new_session=True)
+                env=child_env(self.env), cwd=self.cwd, start_new_session=True)
         finally:
             if log is not None:
                 log.close()

@@ -1,16 +1,19 @@
 """The Responses API with server-held conversations: ``POST /v1/responses``, ``GET`` and ``DELETE
-/v1/responses/{id}``.
+/v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``.
 
 A thin translator onto the turn runner, like the chat route: input items (messages, ``function_call``,
 ``function_call_output``, ``reasoning``) become chat messages for the template; the answer is parsed into output
 items (reasoning, message, function calls). A stored response (``store``, the default) is kept in the registry
-(tenant-scoped, ``--response-ttl-s``) with the conversation's items and the session its turn ran in. A request with
+(tenant-scoped, ``--response-ttl-s`` after its conversation's last stored response) with the items new in its turn,
+the response it continues and the session its turn ran in; the conversation is read back along those links (bounded
+by ``--response-chain-max-responses`` / ``--response-chain-max-bytes``). A request with
 ``previous_response_id`` continues that conversation *and that session*: the session's record holds the exact token
 ids the decode worker has, so the new prompt continues those ids and pulls them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
@@ -22,9 +25,11 @@ from typing import Any, Literal
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from kvshuttle.control_plane import response_chain as chains
 from kvshuttle.control_plane.answer import Event, Piece
 from kvshuttle.control_plane.constraints import Constraint, json_answer
 from kvshuttle.control_plane.reasoning import REASONING
+from kvshuttle.control_plane.session import InvalidArgument
 from kvshuttle.control_plane.tool_calls import ParsedCall
 from kvshuttle.services.gateway.api_errors import SESSION_HEADER, TURN_RESPONSES
 from kvshuttle.services.gateway.chat_tools import MAX_TOOLS, FieldError, FunctionIn, check_schema
@@ -39,6 +44,8 @@ from kvshuttle.v1 import registry_pb2
 from pydantic import Field
 
 RESPONSE_ID = r"^resp_[A-Za-z0-9]{1,64}$"
+DEFAULT_CHAIN_MAX_RESPONSES = 10_000  # the gateway's --response-chain-max-responses
+DEFAULT_CHAIN_MAX_BYTES = 3 << 20  # --response-chain-max-bytes (within gRPC's default 4 MiB answer)
 
 
 # -- the request -----------------------------------------------------------------------------------------------
@@ -347,28 +354,61 @@ def stored_items(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
 # -- the routes ----------------------------------------------------------------------------------------------------
 
 def add_responses_routes(app: FastAPI, runner: TurnRunner, served_model: str, default_max_tokens: int, *,
-                         tool_call_parser: str = "", reasoning_parser: str = "", response_ttl_s: int = 86400) -> None:
+                         tool_call_parser: str = "", reasoning_parser: str = "", response_ttl_s: int = 86400,
+                         chain_max_responses: int = DEFAULT_CHAIN_MAX_RESPONSES,
+                         chain_max_bytes: int = DEFAULT_CHAIN_MAX_BYTES) -> None:
     """Adds the Responses API to the gateway's app (errors in OpenAI's shape through the app's handlers). The parsers
-    are create_app's."""
+    are create_app's; ``chain_max_*`` bound the conversations read back (``previous_response_id``, input items)."""
     builder = TurnBuilder(served_model, default_max_tokens, tool_call_parser=tool_call_parser,
                           reasoning_parser=reasoning_parser)
 
-    async def load(tenant: str, response_id: str, param: str) -> tuple[registry_pb2.StoredResponse, dict[str, Any]]:
+    def check_id(response_id: str) -> None:
         if not re.fullmatch(RESPONSE_ID, response_id):
             raise TurnError(404, grpc.StatusCode.NOT_FOUND, f"response {response_id[:80]!r} not found: not a "
                                                             "response id")
+
+    def refused(exc: grpc.aio.AioRpcError, response_id: str, param: str) -> Exception:
+        """The HTTP error for the registry's answer: about the path's response (``param`` 'response_id': 404, or
+        400 for a conversation too long to read back) or about a request field (400 naming it)."""
+        code = exc.code()
+        if code == grpc.StatusCode.NOT_FOUND:
+            message = f"response {response_id!r} not found (unknown, expired, deleted, or not stored)"
+        elif code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE,
+                      grpc.StatusCode.INVALID_ARGUMENT):
+            message = exc.details() or code.name
+            if code == grpc.StatusCode.OUT_OF_RANGE:
+                message += " (the gateway's --response-chain-max-responses / --response-chain-max-bytes)"
+        else:
+            return TurnError(503, grpc.StatusCode.UNAVAILABLE, f"session registry unavailable: {exc.details()}",
+                             retry_after_s=1)
+        if param != "response_id":
+            return FieldError(param, message)
+        status = 404 if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION) else 400
+        return TurnError(status, code, message)
+
+    async def load(tenant: str, response_id: str, param: str) -> tuple[registry_pb2.StoredResponse, dict[str, Any]]:
+        check_id(response_id)
         try:
             found = await runner.registry.GetResponse(registry_pb2.GetResponseRequest(
                 response_id=response_id, tenant=tenant), timeout=runner.control_timeout_s)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:
-                message = f"response {response_id!r} not found (unknown, expired, deleted, or not stored)"
-                if param == "response_id":
-                    raise TurnError(404, exc.code(), message) from None
-                raise FieldError(param, message) from None
-            raise TurnError(503, grpc.StatusCode.UNAVAILABLE, f"session registry unavailable: {exc.details()}",
-                            retry_after_s=1) from None
+            raise refused(exc, response_id, param) from None
         return found.response, json.loads(found.response.body_json)
+
+    async def load_chain(tenant: str, response_id: str,
+                         param: str) -> list[tuple[registry_pb2.StoredResponse, dict[str, Any]]]:
+        """The conversation up to ``response_id``, oldest first: each response's entry and body."""
+        check_id(response_id)
+        try:
+            found = await runner.registry.GetResponseChain(registry_pb2.GetResponseChainRequest(
+                response_id=response_id, tenant=tenant, max_responses=chain_max_responses,
+                max_bytes=chain_max_bytes), timeout=runner.control_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise refused(exc, response_id, param) from None
+        entries = list(found.responses)
+        if sum(len(entry.body_json) for entry in entries) < _PARSE_INLINE_BYTES:
+            return _parsed(entries)
+        return await asyncio.to_thread(_parsed, entries)  # a long conversation: off the event loop
 
     def structured(body: ResponsesIn) -> Constraint | None:
         """The JSON answer ``text.format`` asks for (None: text)."""
@@ -391,9 +431,11 @@ def add_responses_routes(app: FastAPI, runner: TurnRunner, served_model: str, de
         history: list[dict[str, Any]] = []
         session = request.headers.get("x-session-id") or body.conversation_id or ""
         if body.previous_response_id:
-            stored, previous = await load(who.tenant, body.previous_response_id, "previous_response_id")
-            history, session = previous["items"], stored.session_id
-        items = [*history, *normalized_items(body.input)]
+            chain = await load_chain(who.tenant, body.previous_response_id, "previous_response_id")
+            history = [item for _, stored in chain for item in stored["items"]]
+            session = chain[-1][0].session_id
+        new_items = normalized_items(body.input)
+        items = [*history, *new_items]
         messages = chat_messages(items, body.instructions)
         req = builder.request(tools, session_id=session, tenant=who.tenant, messages=messages,
                               session_source="response" if body.previous_response_id else "",
@@ -410,8 +452,8 @@ def add_responses_routes(app: FastAPI, runner: TurnRunner, served_model: str, de
             used = await Usage.of(event).with_reasoning(runner.tokenizer, event.answer_events)
             out = {**response, "output": output.items, **_outcome(event, used),
                    "kvshuttle": kv_body(event.kv, event.timings)}
-            if body.store:
-                await _store(runner, out, [*items, *stored_items(output.items)], event.kv.session_id or session,
+            if body.store:  # only what is new in this turn: the conversation before it is the previous responses'
+                await _store(runner, out, [*new_items, *stored_items(output.items)], event.kv.session_id or session,
                              who.tenant, response_ttl_s)
             return out
 
@@ -433,6 +475,24 @@ def add_responses_routes(app: FastAPI, runner: TurnRunner, served_model: str, de
         _, body = await load(who.tenant, response_id, "response_id")
         return JSONResponse(body["response"])
 
+    @app.get("/v1/responses/{response_id}/input_items", responses={400: TURN_RESPONSES[400],
+                                                                    404: TURN_RESPONSES[404]})
+    async def input_items(response_id: str, request: Request):
+        """The items the response's turn was given, its conversation's earlier ones included (as OpenAI lists them),
+        paged: ``after`` (an item id), ``limit`` (1-100, 20), ``order`` (``desc``, the default, or ``asc``)."""
+        who = caller(request)
+        after, limit, order = _page_query(request)
+        chain = await load_chain(who.tenant, response_id, "response_id")
+        listed = conversation_items(chain)
+        try:
+            chosen, more = chains.page([item_id for item_id, _ in listed], after, limit, order)
+        except InvalidArgument as exc:
+            param = str(exc).split(" ", 1)[0].removesuffix(":")
+            raise FieldError(param if param in ("after", "limit", "order") else "after", str(exc)) from None
+        data = [api_item(*listed[i]) for i in chosen]
+        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None, "has_more": more}
+
     @app.delete("/v1/responses/{response_id}", responses={404: TURN_RESPONSES[404]})
     async def delete(response_id: str, request: Request):
         who = caller(request)
@@ -447,6 +507,70 @@ def add_responses_routes(app: FastAPI, runner: TurnRunner, served_model: str, de
         if not gone.deleted:
             raise TurnError(404, grpc.StatusCode.NOT_FOUND, f"response {response_id!r} not found")
         return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+_PAGE_PARAMS = frozenset({"after", "limit", "order", "include"})
+_PARSE_INLINE_BYTES = 256 << 10  # bodies parsed on the event loop up to this many bytes, in a thread beyond
+
+
+def _parsed(entries: list[registry_pb2.StoredResponse]) -> list[tuple[registry_pb2.StoredResponse, dict[str, Any]]]:
+    return [(entry, json.loads(entry.body_json)) for entry in entries]
+
+
+def _page_query(request: Request) -> tuple[str | None, int, str]:
+    """input_items' query: (after, limit, order); FieldError naming a bad or unknown parameter."""
+    query = request.query_params
+    for name in query:
+        if name not in _PAGE_PARAMS and name != "include[]":
+            raise FieldError(name, f"unknown query parameter {name[:64]!r} (input_items takes after, limit, order)")
+    include = query.getlist("include") + query.getlist("include[]")
+    if include:
+        raise FieldError("include", f"include {include[0][:64]!r} is not supported here")
+    raw = query.get("limit", str(chains.DEFAULT_PAGE_LIMIT))
+    try:
+        limit = int(raw)
+    except ValueError:
+        raise FieldError("limit", f"limit must be an integer, got {raw[:32]!r}") from None
+    low, high = chains.PAGE_LIMIT_RANGE
+    if not low <= limit <= high:
+        raise FieldError("limit", f"limit must be between {low} and {high}, got {limit}")
+    order = query.get("order", "desc")
+    if order not in chains.ORDERS:
+        raise FieldError("order", f"order must be 'asc' or 'desc', got {order[:32]!r}")
+    return query.get("after"), limit, order
+
+
+def conversation_items(chain: list[tuple[registry_pb2.StoredResponse, dict[str, Any]]]) -> list[tuple[str, dict]]:
+    """(item id, item) for every item the last response's turn was given, oldest first: each earlier response's
+    input and output items, then the last one's input. Output items keep their ids; input items are named after their
+    response and place (``item_{response}_{n}``), the same on every read."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    for n, (entry, body) in enumerate(chain):
+        items, output = body["items"], body["response"].get("output") or []
+        inputs = len(items) - len(output)  # a body's items: its input, then its output (one item per output item)
+        tag = entry.response_id.removeprefix("resp_")
+        out += [(f"item_{tag}_{i}", item) for i, item in enumerate(items[:inputs])]
+        if n < len(chain) - 1:
+            out += [(produced.get("id") or f"item_{tag}_{inputs + j}", item)
+                    for j, (produced, item) in enumerate(zip(output, items[inputs:], strict=False))]
+    return out
+
+
+def api_item(item_id: str, item: dict[str, Any]) -> dict[str, Any]:
+    """A stored conversation item as the Responses API lists it."""
+    kind = item["type"]
+    if kind == "message":
+        text = {"type": "input_text", "text": item["content"]} if item["role"] != "assistant" else {
+            "type": "output_text", "text": item["content"], "annotations": []}
+        return {"id": item_id, "type": "message", "role": item["role"], "status": "completed", "content": [text]}
+    if kind == "function_call":
+        return {"id": item_id, "type": "function_call", "call_id": item["call_id"], "name": item["name"],
+                "arguments": item["arguments"], "status": "completed"}
+    if kind == "function_call_output":
+        return {"id": item_id, "type": "function_call_output", "call_id": item["call_id"], "output": item["output"],
+                "status": "completed"}
+    return {"id": item_id, "type": "reasoning", "summary": [],
+            "content": [{"type": "reasoning_text", "text": item["text"]}]}
 
 
 def _headers(turn: TurnContext) -> dict[str, str]:
@@ -481,12 +605,13 @@ def _outcome(event: Finished, used: Usage) -> dict[str, Any]:
 
 async def _store(runner: TurnRunner, response: dict[str, Any], items: list[dict[str, Any]], session_id: str,
                  tenant: str, ttl_s: int) -> None:
-    """Keep the response and the conversation's items (a write that fails shows on the response: its ``store``
-    becomes false and ``kvshuttle.store_error`` says why)."""
+    """Keep the response and the items new in its turn, linked to the response it continues (a write that fails
+    shows on the response: its ``store`` becomes false and ``kvshuttle.store_error`` says why)."""
     body = json.dumps({"response": response, "items": items}, ensure_ascii=False).encode()
     try:
         await runner.registry.PutResponse(registry_pb2.PutResponseRequest(response=registry_pb2.StoredResponse(
-            response_id=response["id"], tenant=tenant, session_id=session_id, body_json=body), ttl_s=ttl_s),
+            response_id=response["id"], tenant=tenant, session_id=session_id, body_json=body,
+            previous_response_id=response.get("previous_response_id") or ""), ttl_s=ttl_s),
             timeout=runner.control_timeout_s)
     except grpc.aio.AioRpcError as exc:
         response["store"] = False

@@ -13,6 +13,7 @@ import grpc
 from google.protobuf.message import Message
 from kvshuttle.control_plane.kv_size import kv_bytes_per_token
 from kvshuttle.control_plane.reasoning import REASONING_PARSERS
+from kvshuttle.control_plane.response_chain import MAX_CHAIN_RESPONSES
 from kvshuttle.control_plane.tool_calls import TOOL_CALL_PARSERS
 from kvshuttle.services.common import metrics
 from kvshuttle.services.common.config import TelemetryConfig, require, setting
@@ -31,7 +32,11 @@ from kvshuttle.services.gateway.http_tracing import HttpTracing
 from kvshuttle.services.gateway.keys_reload import KeysFileWatcher
 from kvshuttle.services.gateway.openai_api import create_app
 from kvshuttle.services.gateway.request_model import SESSION_ID_PATTERN
-from kvshuttle.services.gateway.responses_api import add_responses_routes
+from kvshuttle.services.gateway.responses_api import (
+    DEFAULT_CHAIN_MAX_BYTES,
+    DEFAULT_CHAIN_MAX_RESPONSES,
+    add_responses_routes,
+)
 from kvshuttle.services.gateway.rest_bridge import (
     DEFAULT_FORWARD_HEADERS,
     BridgeError,
@@ -133,6 +138,12 @@ class GatewayConfig(TelemetryConfig, TlsConfig):
                                                    "strings always let the decode worker sample it)")
     response_ttl_s: int = setting(86400, "How long the Responses API keeps a stored response (and so can continue "
                                          "it with previous_response_id), in seconds")
+    response_chain_max_responses: int = setting(DEFAULT_CHAIN_MAX_RESPONSES, "Most stored responses a conversation "
+                                                "read back (previous_response_id, input_items) may have; longer: 400 "
+                                                "naming the bound")
+    response_chain_max_bytes: int = setting(DEFAULT_CHAIN_MAX_BYTES, "Most bytes of stored items (plus about 512 "
+                                            "per response) a conversation read back may have; more: 400 naming the "
+                                            "bound. At most --grpc-max-message-mb less 64 KiB (one registry answer)")
     find_sessions: bool = setting(True, "A chat sent without a session id (X-Session-ID / conversation_id) continues "
                                         "the session whose recorded text its prompt extends, found by content key in "
                                         "the registry (the answer's X-Session-ID names it), or starts a new one that "
@@ -173,6 +184,11 @@ class GatewayConfig(TelemetryConfig, TlsConfig):
                 f"--chat-template {self.chat_template!r} is not a file")
         require(self.default_max_tokens >= 1, "--default-max-tokens must be >= 1")
         require(1 <= self.response_ttl_s <= 30 * 86400, "--response-ttl-s must be between 1 and 2592000 (30 days)")
+        require(1 <= self.response_chain_max_responses <= MAX_CHAIN_RESPONSES,
+                f"--response-chain-max-responses must be between 1 and {MAX_CHAIN_RESPONSES}")
+        require(1 <= self.response_chain_max_bytes <= self.max_message_bytes - (64 << 10),
+                "--response-chain-max-bytes must be between 1 and --grpc-max-message-mb less 64 KiB "
+                f"({self.max_message_bytes - (64 << 10)})")
         require(self.max_prompt_tokens >= 0, "--max-prompt-tokens must be >= 0")
         require(self.max_body_bytes >= 1024, "--max-body-bytes must be >= 1024")
         require(self.http_receipt_timeout_s > 0, "--http-receipt-timeout-s must be > 0")
@@ -236,6 +252,9 @@ class GatewayService:
             raise ValueError("an embedded scheduler goes with --scheduler local, and only with it")
         self.cfg = cfg
         tls, max_message = cfg.client_tls(), cfg.max_message_bytes
+        # This process's own gRPC servers (its API; an embedded scheduler's, configured alike) speak TLS only with
+        # --tls-cert: calls to them use TLS then, whatever TLS the calls to the registry and the scheduler use.
+        own_tls = tls if cfg.tls_cert else None
         self.keys = cfg.key_ring()
         # Limits come from the keys file (an open gateway has none); a changed file is loaded while running.
         self.quotas = TenantQuotas(self.keys) if self.keys.enabled else None
@@ -245,7 +264,8 @@ class GatewayService:
         # The scheduler in this process (--scheduler local): turns call it directly; its gRPC API still serves
         # GetStats (the REST bridge, grpcurl) on its own port.
         self.scheduler = scheduler
-        self.scheduler_channel = client_channel(scheduler.address if scheduler else cfg.scheduler, tls,
+        self.scheduler_channel = client_channel(scheduler.address if scheduler else cfg.scheduler,
+                                                own_tls if scheduler else tls,
                                                 max_message_bytes=max_message,
                                                 options=() if scheduler else ROUND_ROBIN)
         scheduler_stub = (scheduler.stub if scheduler is not None
@@ -270,7 +290,7 @@ class GatewayService:
         self.grpc = Server(cfg.grpc_listen, [SERVICE_NAME],
                            [lambda s: add_gateway_servicer(servicer, s)],
                            tls=cfg.server_tls(), max_message_bytes=max_message)
-        self.self_channel = client_channel(self.grpc.address, tls, max_message_bytes=max_message)
+        self.self_channel = client_channel(self.grpc.address, own_tls, max_message_bytes=max_message)
         turn_deadline = 2 * cfg.engine_timeout_s + 4 * cfg.control_timeout_s
         # The caller's API key goes on to the gateway's own gRPC API (which checks it again), never to the registry.
         common = dict(timeout=cfg.control_timeout_s, max_body_bytes=cfg.max_body_bytes, authorize=bridge_policy,
@@ -295,7 +315,9 @@ class GatewayService:
                                                  reasoning_parser=cfg.reasoning_parser))
         add_responses_routes(self.app, self.runner, cfg.model_name(), cfg.default_max_tokens,
                              tool_call_parser=cfg.tool_call_parser, reasoning_parser=cfg.reasoning_parser,
-                             response_ttl_s=cfg.response_ttl_s)
+                             response_ttl_s=cfg.response_ttl_s,
+                             chain_max_responses=cfg.response_chain_max_responses,
+                             chain_max_bytes=cfg.response_chain_max_bytes)
         install_openapi(self.app, [REGISTRY_SERVICE, SCHEDULER_SERVICE, SERVICE_NAME], constraints=OPENAPI_CONSTRAINTS)
         front: object = HttpGuard(self.app, self.keys, cfg.max_body_bytes, open_paths=("/health",),
                                   quotas=self.quotas, admin_paths=() if self.metrics else (METRICS_PATH,),

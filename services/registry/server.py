@@ -20,6 +20,7 @@ from kvshuttle.services.store.history_url import check_history_url, open_history
 from kvshuttle.v1 import registry_pb2_grpc
 
 SERVICE_NAME = "kvshuttle.v1.SessionRegistry"
+ANSWER_FRAMING_BYTES = 64 << 10  # kept free of GetResponseChain's bound in one answer (headers, framing)
 log = logging.getLogger(__name__)
 
 
@@ -105,7 +106,8 @@ class RegistryService:
                                on_op=metrics.etcd_op, handles=self.history)
         self.servicer = SessionRegistryServicer(self.store, self.history, default_lease_ttl_s=cfg.worker_lease_ttl_s,
                                                 expiry_margin_s=cfg.expiry_margin_s,
-                                                handle_inline_bytes=cfg.handle_inline_bytes)
+                                                handle_inline_bytes=cfg.handle_inline_bytes,
+                                                max_answer_bytes=cfg.max_message_bytes - ANSWER_FRAMING_BYTES)
         self.server = Server(cfg.listen, [SERVICE_NAME],
                              [lambda s: registry_pb2_grpc.add_SessionRegistryServicer_to_server(self.servicer, s)],
                              tls=cfg.server_tls(), max_message_bytes=cfg.max_message_bytes)

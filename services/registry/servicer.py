@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import grpc
 import grpc.aio
+from kvshuttle.control_plane import response_chain as chains
 from kvshuttle.control_plane import session as rules
 from kvshuttle.services.common.telemetry import hashed
 from kvshuttle.services.store.etcd_store import EtcdStore, StoreError, StoreUnavailable
@@ -67,8 +68,9 @@ def _unary(method):
 class SessionRegistryServicer(registry_pb2_grpc.SessionRegistryServicer):
     def __init__(self, store: EtcdStore, history: HistoryStore, *, default_lease_ttl_s: int = 10,
                  expiry_margin_s: float = 30.0, clock: Callable[[], float] = time.time,
-                 handle_inline_bytes: int = rules.HANDLE_INLINE_BYTES):
+                 handle_inline_bytes: int = rules.HANDLE_INLINE_BYTES, max_answer_bytes: int = 4 << 20):
         self.store = store
+        self.max_answer_bytes = max_answer_bytes  # the most one answer may carry (GetResponseChain's bound)
         self.history = history
         self.handle_inline_bytes = handle_inline_bytes
         self._cleanups: set[asyncio.Task] = set()
@@ -285,29 +287,141 @@ class SessionRegistryServicer(registry_pb2_grpc.SessionRegistryServicer):
         return registry_pb2.FindSessionResponse(session=session, expires_in_s=rules.expires_in(session, self.clock()),
                                                 matched_key=matched, history_missing=missing)
 
+    # -- stored responses (the gateway's Responses API) ------------------------------------------------------
+
     @_unary
     async def PutResponse(self, request, context):
-        request.response.tenant = request.response.tenant or rules.DEFAULT_TENANT
-        rules.validate_stored_response(request.response, request.ttl_s)
-        if not request.response.HasField("created_at"):
-            rules.set_seconds(request.response.created_at, self.clock())
-        return registry_pb2.PutResponseResponse(response=await self.store.put_response(request.response,
-                                                                                        request.ttl_s))
+        """The body to the history store (the conversation's group), then the small index entry to etcd, on the
+        conversation's lease (kept alive here: one keep-alive per response) or, for a new conversation, a new one."""
+        response = request.response
+        response.tenant = response.tenant or rules.DEFAULT_TENANT
+        rules.validate_stored_response(response, request.ttl_s)
+        if not response.HasField("created_at"):
+            rules.set_seconds(response.created_at, self.clock())
+        previous, lease_id, ttl = None, 0, request.ttl_s
+        if response.previous_response_id:
+            found = await self.store.get_response(response.tenant, response.previous_response_id)
+            if found is None:
+                raise RpcFailure(grpc.StatusCode.NOT_FOUND, f"previous response {response.previous_response_id!r} "
+                                                            f"not found for tenant {response.tenant!r} (unknown, "
+                                                            "expired or deleted)")
+            previous, lease_id = found
+        body = response.body_json
+        where = chains.place(previous, response.response_id, len(body))
+        if where.shares_lease:
+            ttl = await self.store.keep_alive_once(lease_id)
+            if ttl is None:
+                raise RpcFailure(grpc.StatusCode.NOT_FOUND, f"previous response {response.previous_response_id!r}'s "
+                                                            "conversation has expired")
+        else:
+            lease_id, ttl = await self.store.grant_lease(request.ttl_s)
+        entry = registry_pb2.StoredResponse()
+        entry.CopyFrom(response)
+        entry.body_json = b""
+        entry.chain_id, entry.chain_length, entry.chain_bytes = where.chain_id, where.chain_length, where.chain_bytes
+        entry.body_in_history_store, entry.body_bytes = True, len(body)
+        try:
+            # The body first: an entry never names a body the history store does not hold. It outlives the lease.
+            await self.history.put_response_body(entry.tenant, entry.chain_id, entry.response_id, body,
+                                                 max(ttl, request.ttl_s) + rules.HISTORY_GRACE_S,
+                                                 previous=entry.previous_response_id if previous else "")
+            stored = await self.store.put_response(entry, lease_id, ttl)
+        except StoreError as exc:
+            if not where.shares_lease:
+                with contextlib.suppress(StoreError):
+                    await self.store.revoke_lease(lease_id)
+            if "lease not found" in str(exc):  # the conversation's lease ended between the keep-alive and the put
+                raise RpcFailure(grpc.StatusCode.NOT_FOUND, f"previous response {response.previous_response_id!r}'s "
+                                                            "conversation has expired") from None
+            raise
+        except BaseException:
+            if not where.shares_lease:
+                with contextlib.suppress(StoreError):
+                    await self.store.revoke_lease(lease_id)
+            raise
+        return registry_pb2.PutResponseResponse(response=stored)
 
     @_unary
     async def GetResponse(self, request, context):
         self._validate_response_ref(request)
-        found = await self.store.get_response(request.tenant, request.response_id)
+        entry = await self._response_entry(request.tenant, request.response_id)
+        if entry.body_in_history_store:
+            bodies = await self.history.read_response_bodies(entry.tenant, entry.chain_id, [entry.response_id])
+            if entry.response_id not in bodies:
+                raise RpcFailure(grpc.StatusCode.NOT_FOUND, f"stored response {request.response_id!r}'s items are "
+                                                            "gone from the history store")
+            entry.body_json = bodies[entry.response_id]
+        return registry_pb2.GetResponseResponse(response=entry)
+
+    async def _response_entry(self, tenant: str, response_id: str) -> registry_pb2.StoredResponse:
+        found = await self.store.get_response(tenant, response_id)
         if found is None:
-            raise RpcFailure(grpc.StatusCode.NOT_FOUND, f"no stored response {request.response_id!r} for tenant "
-                                                        f"{request.tenant!r} (unknown, expired or deleted)")
-        return registry_pb2.GetResponseResponse(response=found)
+            raise RpcFailure(grpc.StatusCode.NOT_FOUND, f"no stored response {response_id!r} for tenant "
+                                                        f"{tenant!r} (unknown, expired or deleted)")
+        return found[0]
+
+    @_unary
+    async def GetResponseChain(self, request, context):
+        """The response's index entry (one etcd read: bounds checked on it before anything else is read), then its
+        conversation's links and the chain's bodies from the history store (one read each, whatever the length).
+        The earlier responses come with their id, link, place and body."""
+        self._validate_response_ref(request)
+        chains.validate_bounds(request.max_responses, request.max_bytes)
+        max_bytes = min(request.max_bytes, self.max_answer_bytes)  # the most one answer of this registry carries
+        last = await self._response_entry(request.tenant, request.response_id)
+        try:
+            chains.check_bounds(last, request.max_responses, max_bytes)
+        except chains.ChainTooLong as exc:
+            raise RpcFailure(grpc.StatusCode.OUT_OF_RANGE, str(exc)) from None
+        if not last.body_in_history_store:  # written before chains: the whole conversation in its own body
+            return registry_pb2.GetResponseChainResponse(responses=[last])
+        tenant, group = request.tenant, last.chain_id
+        try:
+            links = await self.history.read_response_links(tenant, group)
+            ids = chains.walk(links, last)
+        except chains.ChainBroken as exc:
+            raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+        bodies = await self.history.read_response_bodies(tenant, group, [i for i in ids if i in links])
+        entries = []
+        for place, response_id in enumerate(ids, start=1):
+            if response_id == last.response_id:
+                entry = last
+            elif response_id in links:
+                entry = registry_pb2.StoredResponse(
+                    response_id=response_id, tenant=tenant, chain_id=group, chain_length=place,
+                    previous_response_id=links[response_id], body_in_history_store=True)
+            else:  # the first, written before chains: its body is in its own etcd entry
+                found = await self.store.get_response(tenant, response_id)
+                if found is None or found[0].chain_length != 0:
+                    raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, f"response {response_id!r} of the "
+                                     f"conversation of {request.response_id!r} is gone (deleted, or its conversation "
+                                     "expired): the conversation cannot be read back")
+                entries.append(found[0])
+                continue
+            if response_id not in bodies:
+                raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, f"response {response_id!r} of the "
+                                 f"conversation of {request.response_id!r} has lost its items (the history store "
+                                 "no longer holds them): the conversation cannot be read back")
+            entry.body_json = bodies[response_id]
+            entry.body_bytes = len(entry.body_json)
+            entries.append(entry)
+        answer = registry_pb2.GetResponseChainResponse(responses=entries)
+        if answer.ByteSize() > max_bytes:  # the estimate before the reads was short: still refused whole
+            raise RpcFailure(grpc.StatusCode.OUT_OF_RANGE, f"the conversation up to response {request.response_id!r} "
+                                                           f"is {answer.ByteSize()} bytes; at most {max_bytes} are "
+                                                           "read back")
+        return answer
 
     @_unary
     async def DeleteResponse(self, request, context):
+        """The body and its link first (so the conversation after it is broken at once, by name), then the index
+        entry. Later responses of the conversation stay readable by id, but cannot be continued past this one."""
         self._validate_response_ref(request)
-        return registry_pb2.DeleteResponseResponse(deleted=await self.store.delete_response(request.tenant,
-                                                                                            request.response_id))
+        found = await self.store.get_response(request.tenant, request.response_id)
+        if found is not None and found[0].body_in_history_store:
+            await self.history.drop_response_body(request.tenant, found[0].chain_id, request.response_id)
+        gone = await self.store.delete_response(request.tenant, request.response_id)
+        return registry_pb2.DeleteResponseResponse(deleted=gone is not None)
 
     @staticmethod
     def _validate_response_ref(request) -> None:

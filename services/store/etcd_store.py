@@ -165,13 +165,14 @@ class EtcdStore(EtcdConnection):
 
     # -- stored responses (the gateway's Responses API) ------------------------------------------------------
 
-    async def put_response(self, response: registry_pb2.StoredResponse, ttl_s: int) -> registry_pb2.StoredResponse:
-        return await self.responses.put(response, ttl_s)
+    async def put_response(self, response: registry_pb2.StoredResponse, lease_id: int,
+                           ttl_s: int) -> registry_pb2.StoredResponse:
+        return await self.responses.put(response, lease_id, ttl_s)
 
-    async def get_response(self, tenant: str, response_id: str) -> registry_pb2.StoredResponse | None:
+    async def get_response(self, tenant: str, response_id: str) -> tuple[registry_pb2.StoredResponse, int] | None:
         return await self.responses.get(tenant, response_id)
 
-    async def delete_response(self, tenant: str, response_id: str) -> bool:
+    async def delete_response(self, tenant: str, response_id: str) -> registry_pb2.StoredResponse | None:
         return await self.responses.delete(tenant, response_id)
 
     # -- shared learning (services/scheduler/learning.py) ----------------------------------------------------

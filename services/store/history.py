@@ -2,7 +2,8 @@
 
 A lineage ``(tenant, session_id, generation)`` holds its ids as segments, each stored at its offset (in ids). Turns
 append segments, and may keep a turn's KV handle (vLLM's JSON lists every block: too big for etcd's record in long
-sessions) under its digest; a lineage expires as a whole ``ttl_s`` seconds after its last append. Ids travel as bytes: int32
+sessions) under its digest; a lineage expires as a whole ``ttl_s`` seconds after its last append. It also keeps
+the bodies of stored Responses API responses (etcd keeps their small index entries), per conversation. Ids travel as bytes: int32
 little-endian, 4 bytes each (``control_plane.prefix.ids_bytes``, :func:`bytes_to_ids`). Backends: ``history_sqlite`` (embedded, one
 registry process) and ``history_redis`` (shared by a cluster's replicas).
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 ID_BYTES = 4
@@ -63,6 +64,31 @@ class HistoryStore(Protocol):
 
     async def drop(self, tenant: str, session_id: str, generation: int) -> None:
         """Delete the lineage, its handles included (no error when absent)."""
+        ...
+
+    # Stored responses' bodies (the Responses API): grouped per conversation (``chain_id``: its first response),
+    # so that a conversation expires as a whole ``ttl_s`` after its last put, as its etcd lease does.
+
+    async def put_response_body(self, tenant: str, chain_id: str, response_id: str, body: bytes,
+                                ttl_s: int, previous: str = "") -> None:
+        """Keep ``body`` under ``response_id`` in the conversation's group (replacing one there), with its link to
+        the response it continues (``previous``, '' for the first), in one write; the whole group now expires
+        ``ttl_s`` seconds from now."""
+        ...
+
+    async def read_response_links(self, tenant: str, chain_id: str) -> dict[str, str]:
+        """Every link of the group: response id -> the id it continues ('' for the first). Empty when the group is
+        gone."""
+        ...
+
+    async def read_response_bodies(self, tenant: str, chain_id: str,
+                                   response_ids: Sequence[str]) -> dict[str, bytes]:
+        """The bodies of ``response_ids`` in the group, by id; ids without one (dropped, expired, never put) are
+        absent."""
+        ...
+
+    async def drop_response_body(self, tenant: str, chain_id: str, response_id: str) -> None:
+        """Delete one body of the group, and its link (no error when absent)."""
         ...
 
 

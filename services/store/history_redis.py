@@ -2,14 +2,15 @@
 
 One hash per lineage, ``{prefix}history/{tenant}/{session_id}/{generation}``: field = the segment's start (decimal),
 value = its ids (int32 little-endian). An append sets its field and the hash's TTL in one MULTI/EXEC, so the lineage
-expires as a whole. Each operation is bounded by ``timeout_s`` (the client's own retries included); failures raise
+expires as a whole. Stored responses' bodies: one hash per conversation, ``{prefix}responses/{tenant}/{chain_id}``
+(field = response id) and one of their links, ``{prefix}response-links/{tenant}/{chain_id}``, likewise. Each operation is bounded by ``timeout_s`` (the client's own retries included); failures raise
 ``HistoryUnavailable``.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import TypeVar
 
 import redis.asyncio as aioredis
@@ -69,6 +70,15 @@ class RedisHistoryStore:
     def handles_key(self, tenant: str, session_id: str, generation: int) -> str:
         """The lineage's KV handles: a hash of digest -> handle, with the lineage's TTL."""
         return f"{self.prefix}handles/{tenant}/{session_id}/{generation}"
+
+    def responses_key(self, tenant: str, chain_id: str) -> str:
+        """A conversation's stored responses' bodies: a hash of response id -> body, expiring as a whole."""
+        return f"{self.prefix}responses/{tenant}/{chain_id}"
+
+    def response_links_key(self, tenant: str, chain_id: str) -> str:
+        """A conversation's links: a hash of response id -> the id it continues ('' for the first), with the bodies'
+        TTL."""
+        return f"{self.prefix}response-links/{tenant}/{chain_id}"
 
     async def connect(self) -> None:
         if self._client is None:
@@ -142,3 +152,43 @@ class RedisHistoryStore:
     async def drop(self, tenant: str, session_id: str, generation: int) -> None:
         await self._call("drop", self.client.delete(self.key(tenant, session_id, generation),
                                                     self.handles_key(tenant, session_id, generation)))
+
+    # -- stored responses' bodies -----------------------------------------------------------------------------
+
+    async def put_response_body(self, tenant: str, chain_id: str, response_id: str, body: bytes,
+                                ttl_s: int, previous: str = "") -> None:
+        await self._call("put response body", self._put_body(
+            self.responses_key(tenant, chain_id), self.response_links_key(tenant, chain_id), response_id, body,
+            ttl_s, previous))
+
+    async def _put_body(self, key: str, links: str, response_id: str, body: bytes, ttl_s: int,
+                        previous: str) -> None:
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.hset(key, response_id, body)
+            pipe.hset(links, response_id, previous)
+            pipe.expire(key, ttl_s)
+            pipe.expire(links, ttl_s)
+            await pipe.execute()
+
+    async def read_response_links(self, tenant: str, chain_id: str) -> dict[str, str]:
+        fields = await self._call("read response links",
+                                  self.client.hgetall(self.response_links_key(tenant, chain_id)))
+        return {rid.decode(): previous.decode() for rid, previous in fields.items()}
+
+    async def read_response_bodies(self, tenant: str, chain_id: str,
+                                   response_ids: Sequence[str]) -> dict[str, bytes]:
+        ids = list(response_ids)
+        if not ids:
+            return {}
+        values = await self._call("read response bodies",
+                                  self.client.hmget(self.responses_key(tenant, chain_id), ids))
+        return {rid: body for rid, body in zip(ids, values, strict=True) if body is not None}
+
+    async def drop_response_body(self, tenant: str, chain_id: str, response_id: str) -> None:
+        await self._call("drop response body", self._drop_body(tenant, chain_id, response_id))
+
+    async def _drop_body(self, tenant: str, chain_id: str, response_id: str) -> None:
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.hdel(self.responses_key(tenant, chain_id), response_id)
+            pipe.hdel(self.response_links_key(tenant, chain_id), response_id)
+            await pipe.execute()

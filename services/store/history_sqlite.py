@@ -13,7 +13,7 @@ import logging
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -33,8 +33,16 @@ CREATE INDEX IF NOT EXISTS lineages_by_expiry ON lineages (expires_at);
 CREATE TABLE IF NOT EXISTS handles (
     tenant TEXT NOT NULL, session TEXT NOT NULL, gen INTEGER NOT NULL, digest BLOB NOT NULL, handle BLOB NOT NULL,
     PRIMARY KEY (tenant, session, gen, digest));
+CREATE TABLE IF NOT EXISTS response_chains (
+    tenant TEXT NOT NULL, chain TEXT NOT NULL, expires_at REAL NOT NULL, PRIMARY KEY (tenant, chain));
+CREATE INDEX IF NOT EXISTS response_chains_by_expiry ON response_chains (expires_at);
+CREATE TABLE IF NOT EXISTS response_bodies (
+    tenant TEXT NOT NULL, chain TEXT NOT NULL, id TEXT NOT NULL, previous TEXT NOT NULL, body BLOB NOT NULL,
+    PRIMARY KEY (tenant, chain, id));
 """
 _EXPIRED = "SELECT tenant, session, gen FROM lineages WHERE expires_at <= ?"
+_EXPIRED_CHAINS = "SELECT tenant, chain FROM response_chains WHERE expires_at <= ?"
+_READ_BATCH = 500  # ids per SELECT (SQLite's bound-parameter limit is larger; this keeps statements small)
 
 
 class SqliteHistoryStore:
@@ -190,17 +198,74 @@ class SqliteHistoryStore:
             db.execute("DELETE FROM handles WHERE tenant=? AND session=? AND gen=?", lineage)
             db.execute("DELETE FROM lineages WHERE tenant=? AND session=? AND gen=?", lineage)
 
+    # -- stored responses' bodies -----------------------------------------------------------------------------
+
+    async def put_response_body(self, tenant: str, chain_id: str, response_id: str, body: bytes,
+                                ttl_s: int, previous: str = "") -> None:
+        await self._run(self._put_response_body, (tenant, chain_id), response_id, body, ttl_s, previous)
+
+    def _put_response_body(self, chain: tuple[str, str], response_id: str, body: bytes, ttl_s: int,
+                           previous: str) -> None:
+        now = time.time()
+        with self._transaction() as db:
+            row = db.execute("SELECT expires_at FROM response_chains WHERE tenant=? AND chain=?", chain).fetchone()
+            if row is not None and row[0] <= now:  # expired, not yet swept: start afresh
+                db.execute("DELETE FROM response_bodies WHERE tenant=? AND chain=?", chain)
+            db.execute("INSERT INTO response_bodies VALUES (?, ?, ?, ?, ?) ON CONFLICT (tenant, chain, id) "
+                       "DO UPDATE SET previous=excluded.previous, body=excluded.body",
+                       (*chain, response_id, previous, body))
+            db.execute("INSERT INTO response_chains VALUES (?, ?, ?) ON CONFLICT (tenant, chain) "
+                       "DO UPDATE SET expires_at=excluded.expires_at", (*chain, now + ttl_s))
+
+    async def read_response_bodies(self, tenant: str, chain_id: str,
+                                   response_ids: Sequence[str]) -> dict[str, bytes]:
+        return await self._run(self._read_response_bodies, (tenant, chain_id), list(response_ids))
+
+    def _read_response_bodies(self, chain: tuple[str, str], ids: list[str]) -> dict[str, bytes]:
+        db = self.db
+        row = db.execute("SELECT expires_at FROM response_chains WHERE tenant=? AND chain=?", chain).fetchone()
+        if row is None or row[0] <= time.time():
+            return {}
+        out: dict[str, bytes] = {}
+        for i in range(0, len(ids), _READ_BATCH):
+            batch = ids[i:i + _READ_BATCH]
+            marks = ", ".join("?" * len(batch))
+            out.update((rid, bytes(body)) for rid, body in db.execute(
+                f"SELECT id, body FROM response_bodies WHERE tenant=? AND chain=? AND id IN ({marks})",
+                (*chain, *batch)))
+        return out
+
+    async def read_response_links(self, tenant: str, chain_id: str) -> dict[str, str]:
+        return await self._run(self._read_response_links, (tenant, chain_id))
+
+    def _read_response_links(self, chain: tuple[str, str]) -> dict[str, str]:
+        db = self.db
+        row = db.execute("SELECT expires_at FROM response_chains WHERE tenant=? AND chain=?", chain).fetchone()
+        if row is None or row[0] <= time.time():
+            return {}
+        return dict(db.execute("SELECT id, previous FROM response_bodies WHERE tenant=? AND chain=?", chain))
+
+    async def drop_response_body(self, tenant: str, chain_id: str, response_id: str) -> None:
+        await self._run(self._drop_response_body, (tenant, chain_id), response_id)
+
+    def _drop_response_body(self, chain: tuple[str, str], response_id: str) -> None:
+        with self._transaction() as db:
+            db.execute("DELETE FROM response_bodies WHERE tenant=? AND chain=? AND id=?", (*chain, response_id))
+
     # -- expiry ----------------------------------------------------------------------------------------------
 
     async def sweep(self, now: float | None = None) -> int:
-        """Delete the lineages expired at ``now`` (default: the current time) and their segments; how many."""
+        """Delete the lineages and response groups expired at ``now`` (default: the current time) and what they hold;
+        how many."""
         return await self._run(self._sweep, time.time() if now is None else now)
 
     def _sweep(self, now: float) -> int:
         with self._transaction() as db:
             db.execute(f"DELETE FROM segments WHERE (tenant, session, gen) IN ({_EXPIRED})", (now,))
             db.execute(f"DELETE FROM handles WHERE (tenant, session, gen) IN ({_EXPIRED})", (now,))
-            return db.execute("DELETE FROM lineages WHERE expires_at <= ?", (now,)).rowcount
+            db.execute(f"DELETE FROM response_bodies WHERE (tenant, chain) IN ({_EXPIRED_CHAINS})", (now,))
+            chains = db.execute("DELETE FROM response_chains WHERE expires_at <= ?", (now,)).rowcount
+            return db.execute("DELETE FROM lineages WHERE expires_at <= ?", (now,)).rowcount + chains
 
     async def _sweep_loop(self) -> None:
         while True:

@@ -14,7 +14,8 @@ Under ``prefix`` (default ``/kvshuttle/``; always ends with ``/``)::
     content/{tenant}/{text_key_hex}       the session id whose record's recorded text has this content key
                                           (Session.text_key), or one of whose text boundaries does
                                           (Session.text_boundaries), on the record's lease: FindSession's index
-    responses/{tenant}/{response_id}      a stored Responses API response (StoredResponse proto), on its own lease
+    responses/{tenant}/{response_id}      a stored Responses API response's index entry (StoredResponse proto, its
+                                          body in the history store), on its conversation's lease
     leaders/{name}                        the id of the replica that leads ``name`` (e.g. the scheduler replica that
                                           frees decode KV), on that replica's lease
     learned/outcomes/{replica}/{seq}      one scheduler replica's reported outcomes (OutcomeBatch proto; seq: 16 hex

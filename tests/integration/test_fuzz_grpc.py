@@ -204,6 +204,28 @@ def test_worker_registration_answers_bad_input_with_a_client_error(stubs, worker
     call(reg.DeregisterWorker, registry_pb2.DeregisterWorkerRequest(worker_id=worker_id, lease_id=lease_id))
 
 
+RESPONSE_IDS = mostly(st.sampled_from(["resp_a", "resp_b", "resp_c"]), IDS)
+
+
+@EXAMPLES
+@given(response_id=RESPONSE_IDS, previous=st.one_of(st.just(""), RESPONSE_IDS), tenant=mostly(st.just("t"), IDS),
+       body=mostly(st.just(b'{"response": {}, "items": []}'), st.binary(max_size=64)),
+       ttl=mostly(st.integers(1, 600), INT64), max_responses=mostly(st.integers(1, 100), INT32),
+       max_bytes=mostly(st.integers(1, 1 << 20), INT64), chain_length=INT32, chain_bytes=INT64)
+def test_stored_responses_answer_bad_input_with_a_client_error(stubs, response_id, previous, tenant, body, ttl,
+                                                               max_responses, max_bytes, chain_length, chain_bytes):
+    """Put (with forged chain fields, which the registry sets itself), read back as a chain, delete."""
+    reg, _ = stubs
+    call(reg.PutResponse, registry_pb2.PutResponseRequest(ttl_s=ttl, response=registry_pb2.StoredResponse(
+        response_id=response_id, tenant=tenant, session_id="s", previous_response_id=previous, body_json=body,
+        chain_id=previous, chain_length=chain_length, chain_bytes=chain_bytes, body_in_history_store=False)))
+    call(reg.GetResponse, registry_pb2.GetResponseRequest(response_id=response_id, tenant=tenant))
+    call(reg.GetResponseChain, registry_pb2.GetResponseChainRequest(
+        response_id=response_id, tenant=tenant, max_responses=max_responses, max_bytes=max_bytes))
+    if previous == "":
+        call(reg.DeleteResponse, registry_pb2.DeleteResponseRequest(response_id=response_id, tenant=tenant))
+
+
 def test_a_normal_turn_still_plans_after_the_fuzzing(stubs):
     reg, sched = stubs
     history = list(range(100, 200))

@@ -176,3 +176,41 @@ async def test_redis_unreachable_is_unavailable(lineage):
             await store.read(*lineage, 1)
         with pytest.raises(HistoryUnavailable):
             await store.drop(*lineage)
+
+
+async def test_response_bodies_and_links_are_kept_per_conversation(store):
+    """Stored responses' bodies (issue #27): per tenant and conversation, with their links; read in one call."""
+    tenant, chain = uid("tenant"), uid("resp")
+    await store.put_response_body(tenant, chain, "r1", b'{"n": 1}', TTL)
+    await store.put_response_body(tenant, chain, "r2", b'{"n": 2}', TTL, previous="r1")
+    await store.put_response_body(tenant, chain, "r2b", b'{"n": 3}', TTL, previous="r1")
+    assert await store.read_response_links(tenant, chain) == {"r1": "", "r2": "r1", "r2b": "r1"}
+    assert await store.read_response_bodies(tenant, chain, ["r1", "r2", "nope"]) == {"r1": b'{"n": 1}',
+                                                                                     "r2": b'{"n": 2}'}
+    assert await store.read_response_bodies(uid("other-tenant"), chain, ["r1"]) == {}
+    assert await store.read_response_links(uid("other-tenant"), chain) == {}
+    await store.put_response_body(tenant, chain, "r2", b'{"n": 22}', TTL, previous="r1")  # replaced
+    await store.drop_response_body(tenant, chain, "r2b")
+    assert await store.read_response_links(tenant, chain) == {"r1": "", "r2": "r1"}
+    assert await store.read_response_bodies(tenant, chain, ["r2", "r2b"]) == {"r2": b'{"n": 22}'}
+    assert await store.read_response_bodies(tenant, chain, []) == {}
+
+
+async def test_a_conversations_bodies_expire_together_after_its_last_put(store):
+    tenant, chain = uid("tenant"), uid("resp")
+    await store.put_response_body(tenant, chain, "r1", b"1", 2)
+    await asyncio.sleep(1.2)
+    await store.put_response_body(tenant, chain, "r2", b"2", 2, previous="r1")  # keeps r1 too
+    await asyncio.sleep(1.2)
+    assert set(await store.read_response_bodies(tenant, chain, ["r1", "r2"])) == {"r1", "r2"}
+    await asyncio.sleep(1.3)
+    assert await store.read_response_bodies(tenant, chain, ["r1", "r2"]) == {}
+    assert await store.read_response_links(tenant, chain) == {}
+
+
+async def test_sqlite_sweep_removes_expired_conversations(tmp_path):
+    async with SqliteHistoryStore(tmp_path / "h.db") as store:
+        await store.put_response_body("t", "c1", "r1", b"1", 60)
+        await store.put_response_body("t", "c2", "r2", b"2", 600)
+        assert await store.sweep(now=time.time() + 120) == 1
+        assert store.db.execute("SELECT id FROM response_bodies").fetchall() == [("r2",)]

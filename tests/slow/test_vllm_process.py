@@ -179,3 +179,30 @@ def test_vllm_log_dash_sends_vllm_output_to_the_agents_stderr(tmp_path):
     cfg = WorkerConfig(role="decode", model="/m", work_dir=str(tmp_path))
     assert VllmProcess(cfg).log_path == tmp_path / "vllm.log"
     assert VllmProcess(dataclasses.replace(cfg, vllm_log=str(tmp_path / "x.log"))).log_path == tmp_path / "x.log"
+
+
+def test_prefix_hash_settings_reach_vllm_and_the_index_scheme(tmp_path, monkeypatch):
+    """vLLM gets the hash algorithm, and PYTHONHASHSEED (its block-hash seed) is the worker's setting: removed from
+    an inherited environment by default, so the KV index's default scheme matches."""
+    from kvshuttle.services.common.processes import child_env
+
+    argv, env = vllm_command(WorkerConfig(role="prefill", model="/m", work_dir=str(tmp_path)))
+    assert argv[argv.index("--prefix-caching-hash-algo") + 1] == "sha256" and env["PYTHONHASHSEED"] is None
+    monkeypatch.setenv("PYTHONHASHSEED", "12")
+    assert "PYTHONHASHSEED" not in child_env(env) and child_env(env)["HF_HUB_OFFLINE"] == "1"
+    cfg = from_namespace(WorkerConfig, environ={
+        "KVSHUTTLE_WORKER_ROLE": "prefill", "KVSHUTTLE_WORKER_MODEL": "/m",
+        "KVSHUTTLE_WORKER_PREFIX_HASH_SEED": "4294967295", "KVSHUTTLE_WORKER_PREFIX_HASH_ALGO": "sha256_cbor"})
+    argv, env = vllm_command(cfg)
+    assert env["PYTHONHASHSEED"] == "4294967295" and child_env(env)["PYTHONHASHSEED"] == "4294967295"
+    assert argv[argv.index("--prefix-caching-hash-algo") + 1] == "sha256_cbor"
+    scheme = cfg.prefix_hash_scheme(block_size=128)
+    assert (scheme.algo, scheme.seed, scheme.block_size) == ("sha256_cbor", "4294967295", 128)
+    assert WorkerConfig(role="prefill", model="/m").prefix_hash_scheme(16).seed is None  # vLLM's default seed
+    for bad in ("4294967296", "-1", "random", "0x10", "\u00b2"):
+        with pytest.raises(ConfigError, match="prefix-hash-seed"):
+            from_namespace(WorkerConfig, environ={"KVSHUTTLE_WORKER_ROLE": "prefill", "KVSHUTTLE_WORKER_MODEL": "/m",
+                                                  "KVSHUTTLE_WORKER_PREFIX_HASH_SEED": bad})
+    with pytest.raises(ConfigError):
+        from_namespace(WorkerConfig, environ={"KVSHUTTLE_WORKER_ROLE": "prefill", "KVSHUTTLE_WORKER_MODEL": "/m",
+                                              "KVSHUTTLE_WORKER_PREFIX_HASH_ALGO": "xxhash"})

@@ -21,37 +21,18 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import grpc
 from kvshuttle.services.common.http_server import HttpServer
 from kvshuttle.services.gateway.anthropic_api import anthropic_routes
 from kvshuttle.services.gateway.openai_api import create_app
 from kvshuttle.services.gateway.responses_api import add_responses_routes
-from kvshuttle.v1 import registry_pb2
 from kvshuttle.workers import agent_script as script
 from kvshuttle.workers.model_builder import CLIENT_CONVERSATIONS_FILE, client_answer
 
 from tests.support.auth import open_guard
 from tests.support.clients import CLIENTS, REPO, run_aiperf, run_client
-from tests.support.turn_fakes import AnsweredTurn, AnsweringRunner, _rpc_error
+from tests.support.turn_fakes import AnsweredTurn, AnsweringRunner, StoredResponses
 
 PARSERS = {"tool_call_parser": "hermes", "reasoning_parser": "qwen3"}
-
-
-class ResponseStore:
-    """The registry's stored responses, in memory (the Responses API's previous_response_id)."""
-
-    def __init__(self):
-        self.kept: dict[tuple[str, str], registry_pb2.StoredResponse] = {}
-
-    async def PutResponse(self, request, timeout=None):
-        self.kept[(request.response.tenant, request.response.response_id)] = request.response
-        return registry_pb2.PutResponseResponse(response=request.response)
-
-    async def GetResponse(self, request, timeout=None):
-        found = self.kept.get((request.tenant, request.response_id))
-        if found is None:
-            raise _rpc_error(grpc.StatusCode.NOT_FOUND)
-        return registry_pb2.GetResponseResponse(response=found)
 
 
 def step_of(messages: list[dict]) -> tuple[str, int]:
@@ -139,7 +120,7 @@ class ScriptedRunner(AnsweringRunner):
 
     def __init__(self):
         super().__init__("")
-        self.registry = ResponseStore()
+        self.registry = StoredResponses()
         self.captured: list[dict[str, Any]] = []
 
     async def prepare(self, req) -> AnsweredTurn:

@@ -269,7 +269,8 @@ class AnsweringRunner:
 
     async def prepare(self, req: TurnRequest) -> AnsweredTurn:
         self.requests.append(req)
-        turn = AnsweredTurn(req)
+        # Each turn its own id (the first keeps the plain one): stored responses chain by id.
+        turn = AnsweredTurn(req) if len(self.requests) == 1 else AnsweredTurn(req, id=f"kvs-test{len(self.requests)}")
         turn.kv.session_id = req.session_id or self.new_session
         req.session_id = turn.kv.session_id
         return turn
@@ -294,3 +295,41 @@ class AnsweringRunner:
         held = answer.finish()
         yield Finished(self.finish, self.answer, [ord(c) for c in self.answer], 40, turn.kv, {}, lps, held,
                        answer.events)
+
+
+class StoredResponses:
+    """The registry's stored responses in memory, per tenant, as it keeps them (each with its own turn's items, linked
+    to the one it continues; tests/integration/test_response_chains.py runs the real one)."""
+
+    def __init__(self):
+        self.stored = {}
+
+    async def GetResponseChain(self, request, timeout=None):
+        self.chain_requests = [*getattr(self, "chain_requests", []), request]
+        found = self.stored.get((request.tenant, request.response_id))
+        if found is None:
+            raise _rpc_error(grpc.StatusCode.NOT_FOUND, "no stored response")
+        chain = [found]
+        while chain[-1].previous_response_id and len(chain) <= request.max_responses:
+            earlier = self.stored.get((request.tenant, chain[-1].previous_response_id))
+            if earlier is None:
+                raise _rpc_error(grpc.StatusCode.FAILED_PRECONDITION, f"response {chain[-1].previous_response_id!r}, "
+                                 f"which response {chain[-1].response_id!r} continues, is gone")
+            chain.append(earlier)
+        if len(chain) > request.max_responses:
+            raise _rpc_error(grpc.StatusCode.OUT_OF_RANGE, f"{len(chain)} stored responses")
+        return type("R", (), {"responses": chain[::-1]})()
+
+    async def PutResponse(self, request, timeout=None):
+        self.stored[(request.response.tenant, request.response.response_id)] = request.response
+        return request
+
+    async def GetResponse(self, request, timeout=None):
+        found = self.stored.get((request.tenant, request.response_id))
+        if found is None:
+            raise _rpc_error(grpc.StatusCode.NOT_FOUND, "no stored response")
+        return type("R", (), {"response": found})()
+
+    async def DeleteResponse(self, request, timeout=None):
+        gone = self.stored.pop((request.tenant, request.response_id), None)
+        return type("R", (), {"deleted": gone is not None})()

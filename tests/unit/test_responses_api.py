@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 
-import grpc
 import httpx
 import openai
 import pytest
@@ -15,37 +14,12 @@ from kvshuttle.services.gateway.openai_api import create_app
 from kvshuttle.services.gateway.responses_api import add_responses_routes
 
 from tests.support.auth import open_guard
-from tests.support.turn_fakes import AnsweringRunner
+from tests.support.turn_fakes import AnsweringRunner, StoredResponses
 
 TOOL = {"type": "function", "name": "get_weather", "description": "Weather in a city",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 THOUGHT = "<think>\nParis, then.\n</think>\n\n"
-
-
-def _missing(details: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(grpc.StatusCode.NOT_FOUND, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
-
-
-class Registry:
-    """Stored responses in memory, per tenant, as the registry keeps them."""
-
-    def __init__(self):
-        self.stored = {}
-
-    async def PutResponse(self, request, timeout=None):
-        self.stored[(request.response.tenant, request.response.response_id)] = request.response
-        return request
-
-    async def GetResponse(self, request, timeout=None):
-        found = self.stored.get((request.tenant, request.response_id))
-        if found is None:
-            raise _missing("no stored response")
-        return type("R", (), {"response": found})()
-
-    async def DeleteResponse(self, request, timeout=None):
-        gone = self.stored.pop((request.tenant, request.response_id), None)
-        return type("R", (), {"deleted": gone is not None})()
 
 
 def sdk(runner) -> openai.AsyncOpenAI:
@@ -56,7 +30,7 @@ def sdk(runner) -> openai.AsyncOpenAI:
 
 
 async def test_a_tool_loop_continues_the_stored_conversation_in_its_session():
-    registry = Registry()
+    registry = StoredResponses()
     runner = AnsweringRunner(THOUGHT + CALL, registry=registry, new_session="auto-7")
     async with sdk(runner) as api:
         first = await api.responses.create(model="agent", input="Weather in Paris?", tools=[TOOL],
@@ -94,7 +68,7 @@ async def test_a_tool_loop_continues_the_stored_conversation_in_its_session():
 
 @pytest.mark.parametrize("pieces", [1, 4, 1000])
 async def test_streamed_events_build_the_same_response(pieces):
-    registry = Registry()
+    registry = StoredResponses()
     runner = AnsweringRunner(THOUGHT + "Hi " + CALL + "\n" + CALL.replace("Paris", "Oslo"), pieces,
                              registry=registry)
     async with sdk(runner) as api:
@@ -134,7 +108,7 @@ async def test_streamed_events_build_the_same_response(pieces):
      "JSON object"),
 ])
 async def test_bad_input_is_a_400_naming_the_field(body, param, says):
-    runner = AnsweringRunner("ok", registry=Registry())
+    runner = AnsweringRunner("ok", registry=StoredResponses())
     async with sdk(runner) as api:
         got = await api._client.post("/v1/responses", json={"model": "agent", **body})
     assert got.status_code == 400 and runner.requests == [], got.text
@@ -143,7 +117,7 @@ async def test_bad_input_is_a_400_naming_the_field(body, param, says):
 
 
 async def test_another_tenants_response_is_not_found():
-    registry = Registry()
+    registry = StoredResponses()
     runner = AnsweringRunner("ok", registry=registry)
     async with sdk(runner) as api:
         first = await api.responses.create(model="agent", input="x")
@@ -153,3 +127,81 @@ async def test_another_tenants_response_is_not_found():
             await api.responses.retrieve(first.id)
         with pytest.raises(openai.BadRequestError):
             await api.responses.create(model="agent", input="y", previous_response_id=first.id)
+        assert (await api._client.get(f"/v1/responses/{first.id}/input_items")).status_code == 404
+
+
+async def test_each_stored_response_keeps_only_its_turns_items_and_a_link():
+    """Issue #27: a stored body holds the turn's input and output, not the conversation; a continuation reads the
+    conversation back along the links (GetResponseChain) and gives the template all of it."""
+    registry = StoredResponses()
+    runner = AnsweringRunner("Answer.", registry=registry)
+    async with sdk(runner) as api:
+        ids = []
+        for n in range(3):
+            r = await api.responses.create(model="agent", input=f"Question {n}?",
+                                           previous_response_id=ids[-1] if ids else None)
+            ids.append(r.id)
+        bodies = [json.loads(registry.stored[("default", rid)].body_json) for rid in ids]
+        assert [b["items"] for b in bodies] == [
+            [{"type": "message", "role": "user", "content": f"Question {n}?"},
+             {"type": "message", "role": "assistant", "content": "Answer."}] for n in range(3)]
+        assert [registry.stored[("default", rid)].previous_response_id for rid in ids] == ["", *ids[:2]]
+        assert runner.requests[2].messages == [
+            {"role": "user", "content": "Question 0?"}, {"role": "assistant", "content": "Answer."},
+            {"role": "user", "content": "Question 1?"}, {"role": "assistant", "content": "Answer."},
+            {"role": "user", "content": "Question 2?"}]
+        assert registry.chain_requests[-1].max_responses == 10_000 and registry.chain_requests[-1].max_bytes > 0
+
+
+async def test_input_items_list_the_conversation_paged():
+    registry = StoredResponses()
+    runner = AnsweringRunner(THOUGHT + CALL, registry=registry)
+    async with sdk(runner) as api:
+        first = await api.responses.create(model="agent", input="Weather in Paris?", tools=[TOOL])
+        call = first.output[1]
+        runner.answer = "Sunny."
+        second = await api.responses.create(model="agent", previous_response_id=first.id, tools=[TOOL], input=[
+            {"type": "function_call_output", "call_id": call.call_id, "output": "sun"}])
+        # The official client pages with after= the last id while has_more; newest first by default.
+        listed = [item async for item in api.responses.input_items.list(second.id, limit=2)]
+        assert [i.type for i in listed] == ["function_call_output", "function_call", "reasoning", "message"]
+        assert listed[1].id == call.id and listed[1].call_id == call.call_id and listed[0].output == "sun"
+        assert listed[3].content[0].text == "Weather in Paris?" and listed[3].role == "user"
+        forward = (await api._client.get(f"/v1/responses/{second.id}/input_items",
+                                         params={"order": "asc", "limit": 3})).json()
+        assert [i["id"] for i in forward["data"]] == [i.id for i in reversed(listed)][:3] and forward["has_more"]
+        rest = (await api._client.get(f"/v1/responses/{second.id}/input_items", params={
+            "order": "asc", "after": forward["last_id"]})).json()
+        assert [i["type"] for i in rest["data"]] == ["function_call_output"] and not rest["has_more"]
+        only = (await api._client.get(f"/v1/responses/{first.id}/input_items")).json()
+        assert [i["type"] for i in only["data"]] == ["message"]  # a response's own output is not its input
+        for params, param in [({"limit": 0}, "limit"), ({"limit": "x"}, "limit"), ({"order": "up"}, "order"),
+                              ({"after": "item_nope"}, "after"), ({"include": "x"}, "include"), ({"page": 1}, "page")]:
+            bad = await api._client.get(f"/v1/responses/{second.id}/input_items", params=params)
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == param, (params, bad.text)
+        assert (await api._client.get("/v1/responses/resp_unknown9/input_items")).status_code == 404
+
+
+async def test_a_broken_or_too_long_conversation_is_a_4xx_naming_why():
+    registry = StoredResponses()
+    runner = AnsweringRunner("ok", registry=registry)
+    async with sdk(runner) as api:
+        first = await api.responses.create(model="agent", input="a")
+        second = await api.responses.create(model="agent", input="b", previous_response_id=first.id)
+        await api.responses.delete(first.id)
+        got = await api._client.post("/v1/responses", json={"input": "c", "previous_response_id": second.id})
+        error = got.json()["error"]
+        assert got.status_code == 400 and error["param"] == "previous_response_id" and first.id in error["message"]
+        listed = await api._client.get(f"/v1/responses/{second.id}/input_items")
+        assert listed.status_code == 404 and first.id in listed.json()["error"]["message"]
+        assert (await api.responses.retrieve(second.id)).id == second.id  # itself still readable
+
+    short = create_app(runner, "agent", 16)
+    add_responses_routes(short, runner, "agent", 16, chain_max_responses=1)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=open_guard(short)), base_url="http://gw") as http:
+        third = (await http.post("/v1/responses", json={"input": "c"})).json()["id"]
+        fourth = (await http.post("/v1/responses", json={"input": "d", "previous_response_id": third})).json()["id"]
+        got = await http.post("/v1/responses", json={"input": "e", "previous_response_id": fourth})
+        assert got.status_code == 400 and "response-chain-max-responses" in got.json()["error"]["message"], got.text
+        listed = await http.get(f"/v1/responses/{fourth}/input_items")
+        assert listed.status_code == 400 and "response-chain-max" in listed.json()["error"]["message"]

@@ -193,20 +193,32 @@ class FindSessionResponse(_message.Message):
     def __init__(self, session: _Optional[_Union[_common_pb2.Session, _Mapping]] = ..., expires_in_s: _Optional[float] = ..., matched_key: _Optional[int] = ..., history_missing: _Optional[str] = ...) -> None: ...
 
 class StoredResponse(_message.Message):
-    __slots__ = ("response_id", "tenant", "session_id", "body_json", "created_at", "expires_at")
+    __slots__ = ("response_id", "tenant", "session_id", "body_json", "created_at", "expires_at", "previous_response_id", "chain_id", "chain_length", "chain_bytes", "body_in_history_store", "body_bytes")
     RESPONSE_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BODY_JSON_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_RESPONSE_ID_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_ID_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BODY_IN_HISTORY_STORE_FIELD_NUMBER: _ClassVar[int]
+    BODY_BYTES_FIELD_NUMBER: _ClassVar[int]
     response_id: str
     tenant: str
     session_id: str
     body_json: bytes
     created_at: _timestamp_pb2.Timestamp
     expires_at: _timestamp_pb2.Timestamp
-    def __init__(self, response_id: _Optional[str] = ..., tenant: _Optional[str] = ..., session_id: _Optional[str] = ..., body_json: _Optional[bytes] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    previous_response_id: str
+    chain_id: str
+    chain_length: int
+    chain_bytes: int
+    body_in_history_store: bool
+    body_bytes: int
+    def __init__(self, response_id: _Optional[str] = ..., tenant: _Optional[str] = ..., session_id: _Optional[str] = ..., body_json: _Optional[bytes] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., previous_response_id: _Optional[str] = ..., chain_id: _Optional[str] = ..., chain_length: _Optional[int] = ..., chain_bytes: _Optional[int] = ..., body_in_history_store: _Optional[bool] = ..., body_bytes: _Optional[int] = ...) -> None: ...
 
 class PutResponseRequest(_message.Message):
     __slots__ = ("response", "ttl_s")
@@ -235,6 +247,24 @@ class GetResponseResponse(_message.Message):
     RESPONSE_FIELD_NUMBER: _ClassVar[int]
     response: StoredResponse
     def __init__(self, response: _Optional[_Union[StoredResponse, _Mapping]] = ...) -> None: ...
+
+class GetResponseChainRequest(_message.Message):
+    __slots__ = ("response_id", "tenant", "max_responses", "max_bytes")
+    RESPONSE_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    MAX_RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    response_id: str
+    tenant: str
+    max_responses: int
+    max_bytes: int
+    def __init__(self, response_id: _Optional[str] = ..., tenant: _Optional[str] = ..., max_responses: _Optional[int] = ..., max_bytes: _Optional[int] = ...) -> None: ...
+
+class GetResponseChainResponse(_message.Message):
+    __slots__ = ("responses",)
+    RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    responses: _containers.RepeatedCompositeFieldContainer[StoredResponse]
+    def __init__(self, responses: _Optional[_Iterable[_Union[StoredResponse, _Mapping]]] = ...) -> None: ...
 
 class DeleteResponseRequest(_message.Message):
     __slots__ = ("response_id", "tenant")

@@ -90,6 +90,11 @@ class SessionRegistryStub:
                 request_serializer=kvshuttle_dot_v1_dot_registry__pb2.GetResponseRequest.SerializeToString,
                 response_deserializer=kvshuttle_dot_v1_dot_registry__pb2.GetResponseResponse.FromString,
                 _registered_method=True)
+        self.GetResponseChain = channel.unary_unary(
+                '/kvshuttle.v1.SessionRegistry/GetResponseChain',
+                request_serializer=kvshuttle_dot_v1_dot_registry__pb2.GetResponseChainRequest.SerializeToString,
+                response_deserializer=kvshuttle_dot_v1_dot_registry__pb2.GetResponseChainResponse.FromString,
+                _registered_method=True)
         self.DeleteResponse = channel.unary_unary(
                 '/kvshuttle.v1.SessionRegistry/DeleteResponse',
                 request_serializer=kvshuttle_dot_v1_dot_registry__pb2.DeleteResponseRequest.SerializeToString,
@@ -169,14 +174,28 @@ class SessionRegistryServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PutResponse(self, request, context):
-        """Stored Responses API responses (server-held conversations), per tenant, each under its own lease.
+        """Stored Responses API responses (server-held conversations), per tenant. etcd keeps a small index entry per
+        response; its body (the items new in its turn) goes to the history store. A response that continues another
+        (previous_response_id) joins that one's conversation: the same etcd lease (refreshed by each new response)
+        and the same group in the history store, so a conversation expires as a whole. NOT_FOUND: the previous response
+        is unknown, expired or deleted (or another tenant's).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetResponse(self, request, context):
-        """NOT_FOUND for an unknown, expired or deleted id, or another tenant's.
+        """One response, its body included. NOT_FOUND for an unknown, expired or deleted id, or another tenant's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetResponseChain(self, request, context):
+        """The conversation up to a response, oldest first, each with its body (to continue it, or list its input
+        items): one etcd read and two history-store reads, whatever its length. NOT_FOUND: the response itself is unknown (as GetResponse); FAILED_PRECONDITION: an earlier response of
+        its conversation is gone (deleted, or its body lost), named in the message; OUT_OF_RANGE: the conversation has
+        more responses or bytes than the request's bounds (checked before anything is read).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -251,6 +270,11 @@ def add_SessionRegistryServicer_to_server(servicer, server):
                     servicer.GetResponse,
                     request_deserializer=kvshuttle_dot_v1_dot_registry__pb2.GetResponseRequest.FromString,
                     response_serializer=kvshuttle_dot_v1_dot_registry__pb2.GetResponseResponse.SerializeToString,
+            ),
+            'GetResponseChain': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetResponseChain,
+                    request_deserializer=kvshuttle_dot_v1_dot_registry__pb2.GetResponseChainRequest.FromString,
+                    response_serializer=kvshuttle_dot_v1_dot_registry__pb2.GetResponseChainResponse.SerializeToString,
             ),
             'DeleteResponse': grpc.unary_unary_rpc_method_handler(
                     servicer.DeleteResponse,
@@ -561,6 +585,33 @@ class SessionRegistry:
             '/kvshuttle.v1.SessionRegistry/GetResponse',
             kvshuttle_dot_v1_dot_registry__pb2.GetResponseRequest.SerializeToString,
             kvshuttle_dot_v1_dot_registry__pb2.GetResponseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetResponseChain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvshuttle.v1.SessionRegistry/GetResponseChain',
+            kvshuttle_dot_v1_dot_registry__pb2.GetResponseChainRequest.SerializeToString,
+            kvshuttle_dot_v1_dot_registry__pb2.GetResponseChainResponse.FromString,
             options,
             channel_credentials,
             insecure,
