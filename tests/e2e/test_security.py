@@ -19,7 +19,7 @@ import grpc
 import httpx
 import pytest
 from google.protobuf.message_factory import GetMessageClass
-from kvshuttle.control_plane.service_access import caller_of, refusal
+from kvshuttle.control_plane.service_access import RULES, caller_of, refusal
 from kvshuttle.services.common.grpc_server import client_channel
 from kvshuttle.services.common.telemetry import hashed
 from kvshuttle.services.common.tls import ClientTls
@@ -276,7 +276,7 @@ async def test_internal_apis_take_only_the_right_service_identities(stack, tmp_p
     worker never reads a session, a worker's certificate acts only as that worker."""
     assert stack.ca is not None, "the e2e stack runs with TLS on (StackConfig.tls)"
     methods = internal_methods()
-    assert len(methods) == 16
+    assert {path for path, _, _ in methods} == set(RULES)  # every internal method, each with its rule
     rogue = LocalCA(tmp_path / "rogue", "rogue CA")
     rogue_files = rogue.issue("admin")  # the right name, the wrong CA
     ca_pem = Path(stack.ca.ca_file).read_bytes()
