@@ -365,16 +365,24 @@ class PrefillCostModel:
     def _more_measured(self, key: tuple[str, str], than: tuple[str, str] | None) -> bool:
         return than is None or self._links[key].observations > self._links[than].observations
 
+    @property
+    def reference_worker(self) -> str | None:
+        """The most-measured prefill worker (None before any measurement): the fleet's compute fit."""
+        return self._most_measured
+
     def predict(self, worker: str, *, prompt_tokens: int, reusable_tokens: int, cached_tokens: int = 0,
-                source: str = "") -> Prediction:
+                source: str = "", compute_as: str | None = None) -> Prediction:
         """Both options of a turn on ``worker``: PULL (load ``reusable_tokens`` from ``source``, compute the rest)
-        or RECOMPUTE (compute all but the ``cached_tokens`` P already holds in its own prefix cache)."""
-        recompute = self.compute_ms(worker, prompt_tokens - cached_tokens, prompt_tokens)
+        or RECOMPUTE (compute all but the ``cached_tokens`` P already holds in its own prefix cache). ``compute_as``:
+        price the compute with that worker's fit instead (e.g. :attr:`reference_worker`, to compare workers of one
+        fleet by their work alone); the transfer stays ``worker``'s link's."""
+        compute_of = compute_as or worker
+        recompute = self.compute_ms(compute_of, prompt_tokens - cached_tokens, prompt_tokens)
         if reusable_tokens <= 0:
             return Prediction(None, recompute)
         pulled = max(0, reusable_tokens - cached_tokens)  # P loads only what it does not hold
         computed = prompt_tokens - max(reusable_tokens, cached_tokens)
-        pull = self.compute_ms(worker, computed, prompt_tokens)
+        pull = self.compute_ms(compute_of, computed, prompt_tokens)
         if pulled:
             pull += self.transfer_ms(worker, source, pulled)
         return Prediction(pull, recompute)

@@ -7,7 +7,7 @@ itself (``pending``), so a burst of turns does not all land on the worker that l
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 
@@ -62,3 +62,15 @@ def parse_get_loads(loads: Mapping[str, Any]) -> WorkerLoad:
         waiting_uncached_tokens=total("num_waiting_uncached_tokens"),
         cache_hit_rate=sum(hit_rates) / len(hit_rates) if hit_rates else 0.0,
     )
+
+
+def smoothed(latest: WorkerLoad, previous: WorkerLoad | None) -> WorkerLoad:
+    """The latest sample, with its queue no shorter than the previous sample's: vLLM reports its scheduler's
+    numbers after the last engine step, and a busy engine between two requests (one finished, the next not yet
+    scheduled) can show an empty queue for one sample. Taking the larger of two consecutive samples keeps a busy
+    worker busy in the planner's eyes; an idle one shows idle one sample later."""
+    if previous is None:
+        return latest
+    return replace(latest, running=max(latest.running, previous.running),
+                   waiting=max(latest.waiting, previous.waiting),
+                   waiting_uncached_tokens=max(latest.waiting_uncached_tokens, previous.waiting_uncached_tokens))

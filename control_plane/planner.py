@@ -78,64 +78,105 @@ class Planner(Generic[W]):
 
     def plan(self, prompt: Sequence[int], handle: HandleView | None, *, prefill: Sequence[W], decode: Sequence[W],
              loads: Mapping[str, WorkerLoad], source_worker: str = "", exclude: Collection[str] = (),
-             disable_pull: bool = False, policy: str = "", session: Hashable | None = None) -> TurnPlan[W] | None:
+             disable_pull: bool = False, policy: str = "", session: Hashable | None = None,
+             prefix_hits: Mapping[str, int] | None = None) -> TurnPlan[W] | None:
         """The turn's plan; None when there is no live prefill or decode worker (outside ``exclude``).
 
         ``session`` (e.g. (tenant, session id)) lets the planner count on the prefix cache of the prefill worker that
-        prefilled the session's last turn."""
+        prefilled the session's last turn. ``prefix_hits``: worker id -> tokens of this prompt that worker's prefix
+        cache holds, as an index of its KV events says (:meth:`.kv_index.index.KvIndex.best`); for a worker in it,
+        that hit (in whole blocks of at most ``len(prompt) - 1`` tokens: P always computes the last token) replaces
+        the session-based estimate of :class:`.prefill_cache.PrefillCacheHints`; workers not in it are estimated as
+        without it. With ``candidates`` the sample keeps the worker with the most hits, besides the session's last
+        prefill worker."""
         chosen_policy = self.policy(policy)
+        n = len(prompt)
         if self.candidates:
-            prefill = self._sample(prefill, exclude, self.cache_hints.worker_of(session))
+            keep = [self.cache_hints.worker_of(session)]
+            if prefix_hits:
+                top = max(prefix_hits, key=prefix_hits.__getitem__)
+                if prefix_hits[top] > 0:
+                    keep.append(top)
+            prefill = self._sample(prefill, exclude, *keep)
             decode = self._sample(decode, exclude)
         safe = decide(prompt, handle, chosen_policy.safety, disable_pull=disable_pull)
-        n = len(prompt)
         can_pull = safe.choice is Choice.PULL
         # tokens a pull would load: the planned pull's, or the one a threshold refused (predicted to explain it)
         reusable = safe.reusable_tokens if can_pull else safe.pullable_tokens
         predictions: dict[str, Prediction] = {}
         cached: dict[str, int] = {}
         block_sizes = {w.worker_id: getattr(w, "block_size", 0) for w in prefill}
+        # Workers are compared by their work (what each must compute, given its cache, and pull over its link) and
+        # queue, priced with the fleet's compute fit: a prefill pool is one kind of worker, and per-worker fits of
+        # noisy measurements would otherwise outweigh a cached prefix. The chosen worker's own fit then judges pull
+        # vs recompute on it.
+        fleet = self.model.reference_worker
+
+        def cached_on(worker_id: str) -> int:
+            if worker_id not in cached:
+                hit = prefix_hits.get(worker_id) if prefix_hits else None
+                if hit is None:
+                    cached[worker_id] = self.cache_hints.estimate(
+                        session, worker_id, matched_tokens=safe.matched_tokens, prompt_tokens=n,
+                        block_size=block_sizes.get(worker_id, 0))
+                else:
+                    cached[worker_id] = _whole_blocks(hit, n, block_sizes.get(worker_id, 0))
+            return cached[worker_id]
+
+        def predict(worker_id: str, compute_as: str | None = None) -> Prediction:
+            return self.model.predict(worker_id, prompt_tokens=n, reusable_tokens=reusable,
+                                      cached_tokens=cached_on(worker_id), source=source_worker, compute_as=compute_as)
+
+        def option_ms(predicted: Prediction) -> float:
+            if not can_pull or predicted.pull_ms is None:
+                return predicted.recompute_ms
+            return predicted.best_ms if isinstance(chosen_policy, CostPolicy) else predicted.pull_ms
 
         def prefill_ms(worker_id: str) -> float:
             predicted = predictions.get(worker_id)
             if predicted is None:
-                cached[worker_id] = self.cache_hints.estimate(
-                    session, worker_id, matched_tokens=safe.matched_tokens, prompt_tokens=n,
-                    block_size=block_sizes.get(worker_id, 0))
-                predicted = predictions[worker_id] = self.model.predict(
-                    worker_id, prompt_tokens=n, reusable_tokens=reusable, cached_tokens=cached[worker_id],
-                    source=source_worker)
-            if not can_pull or predicted.pull_ms is None:
-                return predicted.recompute_ms
-            return predicted.best_ms if isinstance(chosen_policy, CostPolicy) else predicted.pull_ms
+                predicted = predictions[worker_id] = predict(worker_id, fleet)
+            return option_ms(predicted)
 
         p = self.selector.pick_prefill(prefill, loads, exclude, prefill_ms)
         d = self.selector.pick_decode(decode, loads, exclude)
         if p is None or d is None:
             return None
-        load = loads.get(p.worker.worker_id, UNKNOWN)
-        wait_ms = load.queued * prefill_ms(p.worker.worker_id)
-        prediction = predictions[p.worker.worker_id]
+        chosen = p.worker.worker_id
+        load = loads.get(chosen, UNKNOWN)
+        prediction = predict(chosen)
+        wait_ms = load.queued * option_ms(prediction)
         ctx = PolicyInputs(p.worker.worker_id, source_worker, prediction if can_pull else None, wait_ms,
                           handle.expires_in_s if handle else 0.0)
         final = plan_turn(chosen_policy, safe, ctx)
         if session is not None:
             self.cache_hints.note(session, p.worker.worker_id, n)
-        return TurnPlan(final, chosen_policy, p.worker, d.worker, prediction, wait_ms, f"{p.why}; {d.why}",
-                        cached[p.worker.worker_id])
+        hit = cached[chosen]
+        why = f"{p.why}, {hit} of {n} prompt tokens cached there" if hit else p.why
+        return TurnPlan(final, chosen_policy, p.worker, d.worker, prediction, wait_ms, f"{why}; {d.why}", hit)
 
-    def _sample(self, workers: Sequence[W], exclude: Collection[str], keep: str | None = None) -> Sequence[W]:
-        """``candidates`` of ``workers`` (outside ``exclude``) at random, ``keep`` among them when it is there."""
+    def _sample(self, workers: Sequence[W], exclude: Collection[str], *keep: str | None) -> Sequence[W]:
+        """``candidates`` of ``workers`` (outside ``exclude``) at random, each of ``keep`` among them when it is
+        there (as many as fit, in the given order)."""
         if len(workers) <= self.candidates:
             return workers
         pool = [w for w in workers if w.worker_id not in exclude] if exclude else workers
         if len(pool) <= self.candidates:
             return pool
         picked = self.rng.sample(pool, self.candidates)
-        if keep and all(w.worker_id != keep for w in picked):
-            kept = next((w for w in pool if w.worker_id == keep), None)
-            if kept is not None:
-                picked[0] = kept
+        slot = 0
+        for wanted in dict.fromkeys(k for k in keep if k):
+            if slot >= len(picked):
+                break
+            at = next((i for i, w in enumerate(picked) if w.worker_id == wanted), None)
+            if at is None:
+                kept = next((w for w in pool if w.worker_id == wanted), None)
+                if kept is None:
+                    continue
+                picked[slot] = kept
+                at = slot
+            picked[slot], picked[at] = picked[at], picked[slot]  # keep it out of the next kept one's way
+            slot += 1
         return picked
 
     def observe(self, outcome: Outcome) -> bool | None:
@@ -201,6 +242,13 @@ class Planner(Generic[W]):
             mine.clear()
             mine.update(loaded)
         self.reported = reported
+
+
+def _whole_blocks(hit: int, prompt_tokens: int, block_size: int) -> int:
+    """An indexed prefix-cache hit as P can use it: at most the prompt less its last token (P always computes
+    it), in whole blocks (``block_size`` 0: unknown, not rounded)."""
+    reach = max(0, min(int(hit), prompt_tokens - 1))
+    return reach // block_size * block_size if block_size > 0 else reach
 
 
 def _counts(value: Any, what: str) -> dict[str, int]:

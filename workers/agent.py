@@ -27,7 +27,9 @@ from kvshuttle.services.common.config import load
 from kvshuttle.services.common.telemetry import setup_tracing, shutdown_tracing
 from kvshuttle.services.common.tls import ClientTls
 from kvshuttle.services.engine.client import EngineClient, EngineError, ServerInfo, fast_reconnect_channel
+from kvshuttle.services.store.kv_feed import KvFeedPublisher
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+from kvshuttle.workers.kv_feed import KvFeedAgent
 from kvshuttle.workers.vllm_process import VllmProcess, WorkerConfig, vllm_command
 
 log = logging.getLogger("kvshuttle.worker")
@@ -164,6 +166,7 @@ class Agent:
         self._stop = asyncio.Event()
         self._started = time.monotonic()
         self.metrics = None  # the metrics endpoint (--metrics-listen), once vLLM's metrics directory exists
+        self.kv_feed: KvFeedAgent | None = None  # with --kv-feed on a prefill worker, once the engine is up
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -178,6 +181,7 @@ class Agent:
                 pass
         status = 0
         link_task: asyncio.Task | None = None
+        feed_task: asyncio.Task | None = None
         try:
             await self.process.start()
             log.info("started vLLM (%s, pid %s) for %s on %s; log %s", self.cfg.role, self.process.pid,
@@ -187,6 +191,9 @@ class Agent:
                 await self.metrics.start()
             if not await self._until_stopped(self._start_up()):
                 return 0
+            if self.cfg.kv_events:
+                self.kv_feed = self._kv_feed_agent()
+                feed_task = asyncio.create_task(self.kv_feed.run(), name="kv-feed")
             self.link = RegistryLink(self.cfg.registry, self._worker_record(), self.cfg.lease_ttl_s,
                                      on_registered=self._announce, tls=self.cfg.client_tls())
             metrics.WORKER_STATE.register(self.link.metrics_state)
@@ -199,12 +206,15 @@ class Agent:
             log.error("%s\n--- vLLM log tail ---\n%s", exc, self.process.log_tail())
             status = 1
         finally:
-            if link_task is not None:
-                link_task.cancel()
-                await asyncio.gather(link_task, return_exceptions=True)
+            for task in (link_task, feed_task):
+                if task is not None:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
             if self.link is not None:
                 await self.link.deregister()
                 await self.link.close()
+            if self.kv_feed is not None:
+                await self.kv_feed.close()
             code = await self.process.stop()
             log.info("vLLM stopped (exit %s); agent exits %d", code, status)
             await self.engine.close()
@@ -279,7 +289,17 @@ class Agent:
             worker_id=cfg.id, role=ROLE_ENUM[cfg.role], engine_id=info.engine_id, grpc_address=cfg.grpc_address,
             nixl_host=cfg.nixl_host, nixl_port=cfg.nixl_port, block_size=info.block_size,
             kv_blocks_ttl_s=cfg.decoder_kv_blocks_ttl, model=cfg.model_name,
-            kv_bytes_per_token=_kv_bytes_per_token(cfg.model, info.model_dtype))
+            kv_bytes_per_token=_kv_bytes_per_token(cfg.model, info.model_dtype),
+            prefix_hash_algo=cfg.prefix_hash_algo, prefix_hash_seed=cfg.prefix_hash_seed, kv_events=cfg.kv_events)
+
+    def _kv_feed_agent(self) -> KvFeedAgent:
+        """The one subscriber to this worker's KV events, publishing them to the feed (workers/kv_feed.py)."""
+        cfg = self.cfg
+        engine = EngineClient(cfg.local_grpc_address, timeout_s=cfg.warmup_timeout_s)
+        publisher = KvFeedPublisher(cfg.kv_feed, cfg.kv_feed_key_prefix)
+        log.info("publishing this worker's KV events to the KV feed at %s", cfg.kv_feed)
+        return KvFeedAgent(cfg.id, engine, publisher, cfg.prefix_hash_scheme(self.info.block_size),
+                           snapshot_interval_s=cfg.kv_feed_snapshot_s, ttl_s=max(60.0, 6 * cfg.kv_feed_snapshot_s))
 
     def _announce(self, resp: registry_pb2.RegisterWorkerResponse) -> None:
         if self.link.registrations != 1:

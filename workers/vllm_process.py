@@ -53,6 +53,14 @@ class WorkerConfig(TelemetryConfig, TlsClientConfig):
         "", "Seed of vLLM's prefix-cache block hashes, given to vLLM as PYTHONHASHSEED (an integer 0..4294967295); "
             "empty: an inherited PYTHONHASHSEED is removed and vLLM uses its fixed default. Whatever indexes this "
             "worker's KV events must use the same")
+    kv_feed: str = setting(
+        "", "Redis URL of the KV feed (redis://host:port/db): a prefill worker turns on vLLM's KV-cache events and "
+            "its agent publishes them there for the planners' index of what each prefill worker caches; empty: off",
+        env="KVSHUTTLE_KV_FEED")
+    kv_feed_key_prefix: str = setting("/kvshuttle/", "Key prefix of the KV feed in Redis (the planners' --key-prefix)",
+                                      env="KVSHUTTLE_KV_FEED_KEY_PREFIX")
+    kv_feed_snapshot_s: float = setting(5.0, "Seconds between the KV feed snapshots of this worker's cache (while it "
+                                             "changes): how soon a planner that missed entries knows it again")
     decoder_kv_blocks_ttl: int = setting(480, "Seconds a decode worker keeps a finished turn's blocks")
     kv_recompute_threshold: int = setting(
         1, "vLLM skips a pull shorter than this many tokens; kvshuttle decides itself, so keep it at 1 (0 = off)")
@@ -108,6 +116,9 @@ class WorkerConfig(TelemetryConfig, TlsClientConfig):
         require(self.lease_ttl_s >= 2, "--lease-ttl-s must be >= 2")
         require(self.tensor_parallel_size >= 1, "--tensor-parallel-size must be >= 1")
         require(self.public_host not in WILDCARD_HOSTS, "--advertise-host is required when --host is a wildcard")
+        require(not self.kv_feed or self.kv_feed.startswith(("redis://", "rediss://", "unix://")),
+                "--kv-feed must be a redis://, rediss:// or unix:// URL")
+        require(self.kv_feed_snapshot_s > 0, "--kv-feed-snapshot-s must be > 0")
         require(self.kv_recompute_threshold >= 0, "--kv-recompute-threshold must be >= 0")
         require(self.kv_lease_duration_s >= 1 and self.decoder_kv_blocks_ttl >= 1, "KV lease and TTL must be >= 1 s")
         seed = self.prefix_hash_seed
@@ -117,6 +128,11 @@ class WorkerConfig(TelemetryConfig, TlsClientConfig):
         from kvshuttle.services.common.metrics_http import check_listen
 
         check_listen(self.metrics_listen)
+
+    @property
+    def kv_events(self) -> bool:
+        """Whether this worker's vLLM publishes KV-cache events (a prefill worker with a KV feed)."""
+        return bool(self.kv_feed) and self.role == "prefill"
 
     @property
     def public_host(self) -> str:
@@ -205,7 +221,10 @@ def vllm_command(cfg: WorkerConfig) -> tuple[list[str], dict[str, str | None]]:
         "VLLM_CACHE_ROOT": str(work / "cache"),
         "PROMETHEUS_MULTIPROC_DIR": str(work / "prometheus"),
         "SMG_VLLM_SERVICER_WARMUP": "off",
-        "SMG_VLLM_SERVICER_KV_EVENTS": "0",
+        # The servicer turns vLLM's ZMQ KV-event publisher on (a free port) and relays it (SubscribeKvEvents),
+        # with block hashes as ints (their low 64 bits: what the feed and the index carry).
+        "SMG_VLLM_SERVICER_KV_EVENTS": None if cfg.kv_events else "0",
+        "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "1" if cfg.kv_events else None,
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "KVSHUTTLE_VLLM_DIE_WITH_PARENT": "1",  # workers/vllm_plugin.py: no vLLM process outlives its parent

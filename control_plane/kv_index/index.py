@@ -129,21 +129,24 @@ class KvIndex:
                 view.distrust = f"stored blocks of {event.block_size} tokens, the index hashes {self.scheme.block_size}"
                 return
             wanted = int if self.scheme.int_hashes else bytes
-            if any(not isinstance(h, wanted) for h in event.block_hashes):
+            hashes = event.block_hashes
+            # one worker's hashes are all of one kind: its first and last tell (a per-hash check costs as much as
+            # storing them)
+            if hashes and not (isinstance(hashes[0], wanted) and isinstance(hashes[-1], wanted)):
                 view.distrust = (f"block hashes are not {wanted.__name__}s: the worker's "
                                  "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES differs from the index's int_hashes")
                 return
             if not view.distrust and _first_block_mismatch(self.scheme, event):
                 view.distrust = ("a prompt's first block hashes differently here: the worker's prefix-caching hash "
                                  "algorithm or seed differs from the index's")
-            for h in reversed(event.block_hashes):
-                self._store(view, h)
+            self._store(view, hashes)
         elif isinstance(event, BlockRemoved):
             if self._counts(event.medium, event.group_idx):
+                blocks, gone = view.blocks, 0
                 for h in event.block_hashes:
-                    if h in view.blocks:
-                        del view.blocks[h]
-                        self._total -= 1
+                    if blocks.pop(h, 0) is None:
+                        gone += 1
+                self._total -= gone
         elif isinstance(event, AllBlocksCleared):
             self._clear(view)
         elif isinstance(event, UnknownEvent):
@@ -153,12 +156,16 @@ class KvIndex:
     def _counts(medium: str | None, group_idx: int | None) -> bool:
         return medium in (None, MEDIUM_ENGINE) and group_idx in (None, 0)
 
-    def _store(self, view: _View, h: EventHash) -> None:
-        if h in view.blocks:
-            view.blocks.move_to_end(h)
-            return
-        view.blocks[h] = None
-        self._total += 1
+    def _store(self, view: _View, hashes: Sequence[EventHash]) -> None:
+        """Store a chain's blocks last to first (its head ends most recent), then enforce both bounds."""
+        blocks = view.blocks
+        before = len(blocks)
+        for h in reversed(hashes):
+            if h in blocks:
+                blocks.move_to_end(h)
+            else:
+                blocks[h] = None
+        self._total += len(blocks) - before
         while len(view.blocks) > self.max_blocks_per_worker:
             view.blocks.popitem(last=False)
             self._total -= 1
@@ -198,6 +205,11 @@ class KvIndex:
     def blocks(self, worker_id: str) -> int:
         view = self._views.get(worker_id)
         return len(view.blocks) if view else 0
+
+    def held(self, worker_id: str) -> list[EventHash]:
+        """The worker's block hashes, least recently stored first (a snapshot of its view)."""
+        view = self._views.get(worker_id)
+        return list(view.blocks) if view else []
 
     def holds(self, worker_id: str, h: EventHash) -> bool:
         view = self._views.get(worker_id)

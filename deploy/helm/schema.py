@@ -3,7 +3,8 @@
 The chart passes each `settings` map (registry, scheduler, gateway, workers/prefill/decode) to its command as flags,
 so the schema of those maps is derived from the same dataclasses that define the flags (services/common/config.py):
 names, types, choices and help text. Flags the chart sets itself (listen addresses, peers, etcd, TLS files, model paths,
-ports, the history store) are left out, so the schema rejects them with "additional properties ... not allowed".
+ports, the history store, the KV feed's Redis and key prefix) are left out, so the schema rejects them with
+"additional properties ... not allowed".
 
     python deploy/helm/schema.py          # rewrite $defs.*Settings in values.schema.json
     python deploy/helm/schema.py --check  # exit 1 when values.schema.json is out of date (tests/deploy runs this)
@@ -35,12 +36,12 @@ SHARED = {f.name for cls in (TlsConfig, EtcdSecurityConfig, TelemetryConfig) for
 SHARED |= {"log_level"}
 CHART_MANAGED: dict[str, set[str]] = {
     "registry": {"listen", "key_prefix", "etcd_endpoints", "history_store", "metrics_listen"},
-    "scheduler": {"listen", "registry", "etcd_endpoints", "key_prefix", "history_store", "metrics_listen"},
+    "scheduler": {"listen", "registry", "etcd_endpoints", "key_prefix", "history_store", "kv_feed", "metrics_listen"},
     "gateway": {"http_listen", "grpc_listen", "registry", "scheduler", "scheduler_args", "model_dir",
                 "served_model_name", "max_model_len", "api_keys_file", "http_tls_cert", "http_tls_key", "metrics_listen"},
     "worker": {"role", "model", "served_model_name", "host", "grpc_port", "advertise_host", "nixl_host", "nixl_port",
                "worker_id", "work_dir", "vllm_log", "metrics_listen", "vllm_otlp_traces_endpoint", "registry", "max_model_len", "python", "cuda_visible_devices",
-               "print_vllm_command"},
+               "print_vllm_command", "kv_feed", "kv_feed_key_prefix"},
 }
 CONFIGS = {"registry": RegistryConfig, "scheduler": SchedulerConfig, "gateway": GatewayConfig, "worker": WorkerConfig}
 JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string"}

@@ -39,6 +39,8 @@ CONFIGS: dict[str, str] = {
     "bench-clients": "kvshuttle.services.devtools.bench.client_styles:ClientStylesConfig",
     "bench-policies": "kvshuttle.services.devtools.bench.policy_sweep:PolicySweepConfig",
     "bench-eviction": "kvshuttle.services.devtools.bench.eviction_sim:EvictionSimConfig",
+    "bench-kv-feed": "kvshuttle.services.devtools.bench.kv_feed_load:KvFeedBenchConfig",
+    "bench-gateway": "kvshuttle.services.devtools.bench.gateway_capacity:GatewayBenchConfig",
     "simulate": "kvshuttle.services.devtools.simulator.main:SimulateConfig",
     "soak": "kvshuttle.services.devtools.bench.soak:SoakConfig",
 }

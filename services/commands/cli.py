@@ -23,6 +23,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                  "one"),
     "make-model": ("kvshuttle.workers.model_builder", "Build the small offline test model into a directory"),
     "bench-services": (f"{DEV}.bench.services_bench", "Microbenchmarks of the registry and scheduler (no vLLM)"),
+    "bench-gateway": (f"{DEV}.bench.gateway_capacity", "The gateway's own streaming capacity: tokens/s per gateway core "
+                      "and streams held under a p99 inter-token bound, against fake engines (no vLLM)"),
     "bench-agent": (f"{DEV}.bench.agent_overhead", "What tools and reasoning add to each turn in the gateway: "
                     "template rendering, tokenizing, session keys, answer parsing (no vLLM)"),
     "bench-clients": (f"{DEV}.bench.client_styles", "How much of each later turn's history is pulled, per client style "
@@ -34,6 +36,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                        "choice code, no vLLM): value vs LRU"),
     "simulate": (f"{DEV}.simulator.main", "A simulated P/D cluster (up to thousands of workers) running the real planner "
                  "and KV policies: kvshuttle vs vLLM's threshold rule, always recompute and a cache-aware router"),
+    "bench-kv-feed": (f"{DEV}.bench.kv_feed_load", "What following the KV feed (every prefill worker's KV-cache "
+                      "events) costs one planner replica, and Redis, for a synthetic fleet (no vLLM)"),
     "bench-policies": (f"{DEV}.bench.policy_sweep", "Pull-vs-recompute policies compared: the cost model vs fixed "
                        "thresholds, TTFT by history length"),
     "smoke-test": (f"{PKG}.commands.smoke_test", "A short conversation through a running gateway (the Helm chart's "

@@ -25,6 +25,7 @@ from kvshuttle.services.common.processes import ChildProcess
 from kvshuttle.services.common.tls import ClientTls
 from kvshuttle.services.devtools.etcd_process import EtcdCluster, EtcdProcess, free_port
 from kvshuttle.services.devtools.local_ca import CertFiles, LocalCA
+from kvshuttle.services.devtools.redis_process import RedisProcess
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 log = logging.getLogger("kvshuttle.stack")
@@ -36,7 +37,7 @@ MODEL_VARIANTS = ("tiny", "tiny-tools", "medium", "agent")  # workers/model_buil
 STACK_ONLY = ("model_variant", "tool_call_parser", "reasoning_parser", "http_port", "grpc_port", "prefill_workers",
               "decode_workers", "dtype", "decoder_kv_blocks_ttl", "expiry_margin_s", "max_model_len", "etcd_members",
               "cpu_bind", "nixl_progress_delay_us", "vllm_idle_spin_ms", "worker_nice", "gpus", "prefill_extra_args",
-              "decode_extra_args", "tls")
+              "decode_extra_args", "tls", "kv_feed")
 
 
 @dataclasses.dataclass
@@ -79,6 +80,10 @@ class StackConfig(TelemetryConfig):
     tls: bool = setting(True, "Mutual TLS between the stack's services, each call authorized by the caller's "
                               "certificate, as the Helm chart runs them: the stack makes its own CA and one "
                               "certificate per identity in <work dir>/tls. false: plaintext, for debugging only")
+    kv_feed: bool = setting(True, "Run the KV feed as the chart does: a Redis where the prefill workers publish "
+                                  "their KV-cache events, and the scheduler's index of what each one caches (first "
+                                  "turns go where their prefix is cached). false: no Redis; the scheduler knows only "
+                                  "which prefill worker served each session's last turn")
     startup_timeout_s: float = setting(600.0, "Seconds to wait for the whole stack to be ready")
     log_level: str = setting("INFO", "Log level", env="KVSHUTTLE_LOG_LEVEL")
 
@@ -151,6 +156,7 @@ class Stack:
         self.logs = self.work / "logs"
         self.model_dir = Path(cfg.model_dir).resolve()
         self.etcd: EtcdProcess | EtcdCluster | None = None
+        self.redis: RedisProcess | None = None  # the KV feed (cfg.kv_feed)
         self.children: list[ChildProcess] = []
         self.registry_address = f"127.0.0.1:{free_port()}"
         self.scheduler_address = f"127.0.0.1:{free_port()}"
@@ -228,6 +234,8 @@ class Stack:
     def _env(self) -> dict[str, str]:
         return {
             "KVSHUTTLE_ETCD_ENDPOINTS": self.etcd.endpoints if self.etcd else "",
+            # prefill workers publish their KV events there, the scheduler (or a gateway's own) follows it
+            "KVSHUTTLE_KV_FEED": self.redis.url if self.redis else "",
             "KVSHUTTLE_REGISTRY_ADDRESS": self.registry_address,
             "KVSHUTTLE_SCHEDULER_ADDRESS": self.scheduler_address,
             "KVSHUTTLE_MODEL_DIR": str(self.model_dir),
@@ -322,6 +330,10 @@ class Stack:
         await self.etcd.astart()
         log.info("etcd (%d member%s) on %s", self.cfg.etcd_members, "s" * (self.cfg.etcd_members > 1),
                  self.etcd.endpoints)
+        if self.cfg.kv_feed:
+            self.redis = RedisProcess("kv-feed")
+            await self.redis.astart()
+            log.info("KV feed (Redis) on %s", self.redis.url)
 
         # The sessions' exact ids: an SQLite file next to the logs (etcd starts empty, so does the file).
         history = self.work / "registry" / "history.db"
@@ -420,18 +432,19 @@ class Stack:
                     raise TimeoutError(f"only {len(resp.workers)} of {count} workers registered in time")
                 await asyncio.sleep(1.0)
 
-    def prefill_prompt_tokens_by_source(self) -> dict[str, float]:
-        """vLLM's own counter on the prefill workers, summed: prompt tokens by source (``local_compute``,
-        ``external_kv_transfer`` = pulled over NIXL, ``local_cache_hit``), read from their Prometheus files."""
+    def prefill_prompt_tokens_by_source(self, worker_ids: Sequence[str] | None = None) -> dict[str, float]:
+        """vLLM's own counter on the prefill workers (the stack's, or ``worker_ids``, started by it), summed: prompt
+        tokens by source (``local_compute``, ``external_kv_transfer`` = pulled over NIXL, ``local_cache_hit``), read
+        from their Prometheus files."""
         from prometheus_client import CollectorRegistry
         from prometheus_client.multiprocess import MultiProcessCollector
 
+        if worker_ids is None:
+            worker_ids = [w.worker_id for w in self.workers if w.role == common_pb2.WORKER_ROLE_PREFILL]
         totals: dict[str, float] = {}
-        for w in self.workers:
-            if w.role != common_pb2.WORKER_ROLE_PREFILL:
-                continue
+        for worker_id in worker_ids:
             registry = CollectorRegistry()
-            MultiProcessCollector(registry, path=str(self.work / "workers" / w.worker_id / "prometheus"))
+            MultiProcessCollector(registry, path=str(self.work / "workers" / worker_id / "prometheus"))
             for metric in registry.collect():
                 for sample in metric.samples:
                     if sample.name.endswith("prompt_tokens_by_source_total"):
@@ -447,6 +460,9 @@ class Stack:
         if self.etcd is not None:
             await self.etcd.astop()
             self.etcd = None
+        if self.redis is not None:
+            await self.redis.astop()
+            self.redis = None
 
 
 async def _up(cfg: StackConfig) -> None:

@@ -24,9 +24,11 @@ import grpc
 from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvshuttle.control_plane import cache_salt as salts
+from kvshuttle.control_plane.kv_index.events import EventBatch
 from kvshuttle.control_plane.kv_params import prefill_request_params
 from kvshuttle.services.common.telemetry import client_interceptors
 from kvshuttle.services.common.tls import ClientTls
+from kvshuttle.services.engine.kv_events import relay_events
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import common_pb2
 
@@ -299,6 +301,23 @@ class EngineClient:
         r = await self._unary("GetLoads", vllm_engine_pb2.GetLoadsRequest())
         return json_format.MessageToDict(r, preserving_proto_field_name=True,
                                          always_print_fields_with_no_presence=True)
+
+    async def kv_events(self) -> AsyncIterator[EventBatch]:
+        """The engine's KV-cache events as the servicer relays them (``SubscribeKvEvents``): first the engine's
+        whole cache (the relay's snapshot, starting with a clear), then each change; batches carrying only a load
+        record are skipped. Never ends by itself; an EngineError when the stream breaks (the caller resubscribes:
+        the relay's snapshot then starts again from a clear)."""
+        stream = self._engine().SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest())
+        try:
+            async for batch in stream:
+                events = relay_events(batch)
+                if events.events:
+                    yield events
+        except grpc.aio.AioRpcError as exc:
+            raise _error(exc) from None
+        finally:
+            stream.cancel()
+        raise EngineError(grpc.StatusCode.UNAVAILABLE, "the KV event stream ended")
 
     async def close(self) -> None:
         if self._channel is not None:

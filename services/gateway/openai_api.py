@@ -426,8 +426,24 @@ async def _stream(runner: TurnRunner, turn: TurnContext, model: str, include_usa
     """``ids`` (vLLM's return_token_ids): the first chunk carries the prompt's ids, each chunk its tokens' ids."""
     base = {"id": turn.id, "object": shape.chunk_object, "created": int(time.time()), "model": model}
 
+    # The per-token chunk (a delta of one text field, nothing else) is spelled from a prefix and suffix made once
+    # per stream: the same bytes as _sse() would write, without building and encoding the whole dict each token.
+    text_frames: dict[str, tuple[bytes, bytes]] = {}
+
+    def text_chunk(key: str, text: str) -> bytes:
+        frame = text_frames.get(key)
+        if frame is None:
+            whole = _sse({**base, "choices": [{"index": 0, "delta": {key: ""}, "finish_reason": None}]})
+            cut = whole.index(b'""}', whole.index(b'"delta":'))
+            frame = text_frames[key] = (whole[:cut], whole[cut + 2:])
+        return frame[0] + json.dumps(text).encode() + frame[1]
+
     def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: dict[str, Any] | None = None,
               token_ids: list[int] | None = None) -> bytes:
+        if finish is None and not logprobs and not (ids and token_ids is not None) and len(delta) == 1:
+            (key, text), = delta.items()
+            if type(text) is str:
+                return text_chunk(key, text)
         return _sse({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
                                           **({"logprobs": logprobs} if logprobs else {}),
                                           **({"token_ids": token_ids} if ids and token_ids is not None else {})}]})

@@ -5,6 +5,9 @@ polls it every ``interval_s`` (all workers at once, each poll bounded by ``timeo
 the others and never gets two polls in flight), and closes the channel when the worker leaves the view or changes
 its address. :meth:`LoadMonitor.loads` is a cheap, synchronous read for the planning path.
 
+A worker's queue is the larger of its last two samples' (``control_plane.load.smoothed``): a busy engine can show an
+empty queue for one sample, between one request and the next.
+
 Between two samples the scheduler counts what it sent to each worker itself (:meth:`note_assigned`): a turn counts as
 ``pending`` until a sample arrives whose poll was sent at least ``pending_grace_s`` after the turn was noted. vLLM's
 numbers are its scheduler's stats after the last engine step, so a request shows up only once the caller has sent it
@@ -25,7 +28,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from kvshuttle.control_plane.load import WorkerLoad, parse_get_loads
+from kvshuttle.control_plane.load import WorkerLoad, parse_get_loads, smoothed
 from kvshuttle.services.engine.client import EngineClient
 from kvshuttle.services.scheduler.worker_view import WorkerView
 from kvshuttle.v1 import common_pb2
@@ -47,6 +50,7 @@ class _Worker:
     client: EngineClient
     added_at: float
     sample: WorkerLoad | None = None
+    previous: WorkerLoad | None = None  # the sample before (control_plane.load.smoothed)
     sampled_at: float = 0.0  # monotonic time the sample's poll was sent
     polls: int = 0  # completed polls, failed or not
     failures: int = 0  # consecutive failed polls
@@ -115,7 +119,7 @@ class LoadMonitor:
                     continue
                 base, age = WorkerLoad(), now - w.added_at
             else:
-                base, age = w.sample, now - w.sampled_at
+                base, age = smoothed(w.sample, w.previous), now - w.sampled_at
             out[worker_id] = dataclasses.replace(base, pending=n, pending_tokens=tokens, age_s=max(0.0, age),
                                                  reachable=reachable)
         for worker_id, pending in self._pending.items():  # noted before the monitor saw the worker
@@ -239,6 +243,7 @@ class LoadMonitor:
             return  # left the view while the poll was in flight
         if w.failures >= self.unreachable_after and w.sample is not None and w.last_logged > w.sampled_at:
             log.info("worker %s answers load polls again (after %d failures)", worker_id, w.failures)
+        w.previous = w.sample if w.failures == 0 else None
         w.sample, w.sampled_at, w.failures = sample, sent, 0
         notes = self._pending.get(worker_id)
         while notes and notes[0][0] + self.pending_grace_s <= sent:

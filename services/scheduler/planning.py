@@ -41,6 +41,7 @@ from kvshuttle.services.scheduler.errors import InvalidRequest, NoLiveWorker, Wo
 from kvshuttle.services.scheduler.kv_manager import KvManager
 from kvshuttle.services.scheduler.learning import InvalidOutcome, Learning, LocalLearning, outcome_of
 from kvshuttle.services.scheduler.load_monitor import LoadMonitor
+from kvshuttle.services.scheduler.prefix_index import PrefixIndex
 from kvshuttle.services.scheduler.worker_view import WorkerView
 from kvshuttle.v1 import common_pb2, scheduler_pb2
 from opentelemetry import trace
@@ -117,8 +118,9 @@ class PlanningService:
 
     def __init__(self, workers: WorkerView, planner: Planner, claims: SessionClaims, *,
                  registry_timeout_s: float = 2.0, loads: LoadMonitor | None = None, kv: KvManager | None = None,
-                 learning: Learning | None = None):
+                 learning: Learning | None = None, prefix: PrefixIndex | None = None):
         self.workers = workers
+        self.prefix = prefix
         self.planner = planner
         self.claims = claims
         self.loads = loads
@@ -217,8 +219,10 @@ class PlanningService:
         session = known.session
         source = self.workers.get(session.decode_worker_id) if session is not None else None
         handle = handle_view(session, known.expires_in_s, source, exclude, loads, known.verified_tokens)
+        prefill = self.workers.by_role(common_pb2.WORKER_ROLE_PREFILL)
+        hits = self.prefix.hits(prompt, request.cache_salt, prefill) if self.prefix is not None else None
         turn = self.planner.plan(
-            prompt, handle, prefill=self.workers.by_role(common_pb2.WORKER_ROLE_PREFILL),
+            prompt, handle, prefill=prefill, prefix_hits=hits,
             decode=self.workers.by_role(common_pb2.WORKER_ROLE_DECODE), loads=loads,
             source_worker=session.decode_worker_id if session is not None else "", exclude=exclude,
             disable_pull=request.disable_pull, policy=request.policy,
@@ -371,6 +375,8 @@ class PlanningService:
             out.kv_managed, out.kv_eviction_policy, out.kv_leading = True, self.kv.ranking.name, self.kv.leading
             self.kv.fill_stats(out)
         self.learning.fill_stats(out.learning)
+        if self.prefix is not None:
+            self.prefix.fill_stats(out.kv_index)
         return out
 
 

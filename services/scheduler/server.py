@@ -27,6 +27,7 @@ from kvshuttle.services.scheduler.claims import EtcdClaims, RegistryClaims, Sess
 from kvshuttle.services.scheduler.kv_manager import KvManager
 from kvshuttle.services.scheduler.learning import Learning, LocalLearning, SharedLearning
 from kvshuttle.services.scheduler.load_monitor import LoadMonitor
+from kvshuttle.services.scheduler.prefix_index import PrefixIndex
 from kvshuttle.services.scheduler.servicer import TransferSchedulerServicer
 from kvshuttle.services.scheduler.worker_view import WorkerView
 from kvshuttle.services.store.etcd_store import EtcdStore, parse_endpoints
@@ -72,6 +73,10 @@ class SchedulerConfig(TelemetryConfig, TlsConfig, EtcdSecurityConfig):
     load_poll_interval_s: float = setting(0.5, "Poll each worker's vLLM GetLoads this often (0: never; every "
                                                "worker then counts as idle)")
     load_timeout_s: float = setting(1.0, "Deadline of one GetLoads poll")
+    kv_feed: str = setting("", "Redis URL of the KV feed the prefill workers publish their KV-cache events to "
+                               "(their --kv-feed; keys under --key-prefix): the planner then knows which prompt "
+                               "blocks each prefill worker caches and routes turns to them; empty: it knows only "
+                               "which worker served each session's last turn", env="KVSHUTTLE_KV_FEED")
     pull_threshold_tokens: int = setting(16, "threshold policy: fewest reusable tokens worth a pull")
     expiry_guard_s: float = setting(2.0, "Refuse a pull when the handle expires within this many seconds")
     registry_timeout_s: float = setting(2.0, "Deadline for each registry (or etcd) call on the planning path")
@@ -149,9 +154,12 @@ class SchedulerConfig(TelemetryConfig, TlsConfig, EtcdSecurityConfig):
             require_effect(self, name, self.kv_manage, "with --no-kv-manage")
         for name in ("learning_snapshot_interval_s", "learning_batch_ttl_s"):
             require_effect(self, name, self.learning == "shared", "with --learning local")
-        for name in ("history_store", "key_prefix"):
-            require_effect(self, name, bool(self.etcd_endpoints),
-                           "without --etcd-endpoints (the scheduler then reads records through the registry)")
+        require_effect(self, "history_store", bool(self.etcd_endpoints),
+                       "without --etcd-endpoints (the scheduler then reads records through the registry)")
+        require_effect(self, "key_prefix", bool(self.etcd_endpoints or self.kv_feed),
+                       "without --etcd-endpoints or --kv-feed (the scheduler then reads records through the registry)")
+        require(not self.kv_feed or self.kv_feed.startswith(("redis://", "rediss://", "unix://")),
+                "--kv-feed (KVSHUTTLE_KV_FEED) must be a redis://, rediss:// or unix:// URL, or empty")
         self.validate_tls()
         self.validate_etcd_security()
         try:
@@ -189,6 +197,7 @@ class SchedulerService:
         self.claims = self.make_claims(cfg, registry)
         self.loads = (LoadMonitor(self.workers, cfg.load_poll_interval_s, cfg.load_timeout_s)
                       if cfg.load_poll_interval_s > 0 else None)
+        self.prefix = PrefixIndex(self.workers, cfg.kv_feed, cfg.key_prefix) if cfg.kv_feed else None
         self.kv = (KvManager(self.claims, self.workers, self.loads, self.planner.model, cfg.kv_limits(),
                              cfg.kv_eviction_ranking, interval_s=cfg.kv_interval_s,
                              room_timeout_s=cfg.kv_room_timeout_s)
@@ -200,7 +209,7 @@ class SchedulerService:
                                    else LocalLearning(self.planner))
         self.servicer = servicer = TransferSchedulerServicer(
             registry, self.workers, self.planner, cfg.registry_timeout_s, self.claims, self.loads, self.kv,
-            self.learning)
+            self.learning, self.prefix)
         self.planning = servicer.planning  # the same, without gRPC (in_process.InProcessScheduler)
         self.server = Server(cfg.listen, [SERVICE_NAME],
                              [lambda s: scheduler_pb2_grpc.add_TransferSchedulerServicer_to_server(servicer, s)],
@@ -249,6 +258,8 @@ class SchedulerService:
         self.workers.start()
         if self.loads is not None:
             self.loads.start()
+        if self.prefix is not None:
+            self.prefix.start()
         if self.kv is not None:
             self.kv.start()
             log.info("managing decode KV: %s", self.kv.describe())
@@ -269,6 +280,8 @@ class SchedulerService:
             await self.kv.stop()
         if self.loads is not None:
             await self.loads.stop()
+        if self.prefix is not None:
+            await self.prefix.stop()
         await self.workers.stop()
         await self.learning.stop()
         await self.claims.close()

@@ -15,6 +15,7 @@ from kvshuttle.services.scheduler.learning import Learning
 from kvshuttle.services.scheduler.load_monitor import LoadMonitor
 from kvshuttle.services.scheduler.planning import PlanningService
 from kvshuttle.services.scheduler.planning import prompt_of as prompt_of  # re-exported (tests.support.turn_fakes)
+from kvshuttle.services.scheduler.prefix_index import PrefixIndex
 from kvshuttle.services.scheduler.worker_view import WorkerView
 from kvshuttle.v1 import registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
@@ -22,13 +23,16 @@ from kvshuttle.v1 import registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 class TransferSchedulerServicer(scheduler_pb2_grpc.TransferSchedulerServicer):
     def __init__(self, registry: registry_pb2_grpc.SessionRegistryStub, workers: WorkerView, planner: Planner,
                  registry_timeout_s: float = 2.0, claims: SessionClaims | None = None,
-                 loads: LoadMonitor | None = None, kv: KvManager | None = None, learning: Learning | None = None):
+                 loads: LoadMonitor | None = None, kv: KvManager | None = None, learning: Learning | None = None,
+                 prefix: PrefixIndex | None = None):
         """``claims`` reads records and claims handles (default: through ``registry``; see claims.py); ``loads``
         gives the workers' live load (None: every worker counts as idle); ``kv`` manages the decode workers' held KV
         (None: it is left to their TTL); ``learning`` takes the reported outcomes to the planner (default: this
-        replica's alone; see learning.py)."""
+        replica's alone; see learning.py); ``prefix`` says which prompt blocks each prefill worker caches (the KV
+        feed; None: the planner's per-session hints only)."""
         self.planning = PlanningService(workers, planner, claims or RegistryClaims(registry, registry_timeout_s),
-                                        registry_timeout_s=registry_timeout_s, loads=loads, kv=kv, learning=learning)
+                                        registry_timeout_s=registry_timeout_s, loads=loads, kv=kv, learning=learning,
+                                        prefix=prefix)
 
     async def PlanTurn(self, request: scheduler_pb2.PlanTurnRequest, context: grpc.aio.ServicerContext):
         try:

@@ -224,6 +224,16 @@ BROKEN = {
                                            ["/historyStore/url", "does not match pattern"]),
     "unknown history store value": ("historyStore: {replicas: 2}",
                                     ["/historyStore", "'replicas' not allowed"]),
+    "the KV feed's Redis given as a worker setting": ("prefill: {settings: {kv-feed: 'redis://r:6379/0'}}",
+                                                      ["/prefill/settings", "'kv-feed' not allowed"]),
+    "the KV feed's key prefix given as a worker setting": ("workers: {settings: {kv-feed-key-prefix: /other/}}",
+                                                           ["/workers/settings", "'kv-feed-key-prefix' not allowed"]),
+    "the KV feed given as a scheduler setting": ("scheduler: {settings: {kv-feed: 'redis://r:6379/0'}}",
+                                                 ["/scheduler/settings", "'kv-feed' not allowed"]),
+    "the KV feed set in the workers' environment": ("workers: {env: {KVSHUTTLE_KV_FEED: 'redis://r:6379/0'}}",
+                                                    ["workers.env.KVSHUTTLE_KV_FEED: the chart sets it"]),
+    "KV feed switch that is no boolean": ("kvFeed: {enabled: 'yes'}", ["/kvFeed/enabled", "want boolean"]),
+    "unknown KV feed value": ("kvFeed: {url: 'redis://r:6379/0'}", ["/kvFeed", "'url' not allowed"]),
     "external etcd without endpoints": ("etcd: {mode: external}", ["/etcd/external/endpoints"]),
     "TLS turned off without saying so twice": ("tls: {enabled: false}", [
         "tls.enabled=false turns off mutual TLS", "set tls.allowInsecure=true as well"]),
@@ -375,6 +385,12 @@ def merged_values(profile: str) -> dict:
                  yaml.safe_load((ROOT / f"deploy/helm/profiles/{profile}.yaml").read_text()))
 
 
+def history_store_url(values: dict) -> str:
+    """The history store's Redis URL the chart gives its clients: the bundled one's Service, or historyStore.url."""
+    h = values["historyStore"]
+    return f"redis://{RELEASE}-kvshuttle-history:{h['port']}/0" if h["bundled"] else h["url"]
+
+
 def expected_worker_flags(values: dict, role: str) -> list[str]:
     """The `kvshuttle worker` flags the chart's values mean (deploy/README.md, "Settings": worker values)."""
     model = values["model"]
@@ -391,6 +407,8 @@ def expected_worker_flags(values: dict, role: str) -> list[str]:
         flags += ["--metrics-listen", f"0.0.0.0:{values['metrics']['port']}"]
     if values["tracing"]["enabled"] and values["tracing"]["vllm"]:
         flags += ["--vllm-otlp-traces-endpoint", values["tracing"]["otlpEndpoint"]]
+    if role == "prefill" and values["kvFeed"]["enabled"]:  # KVSHUTTLE_KV_FEED, KVSHUTTLE_KV_FEED_KEY_PREFIX
+        flags += ["--kv-feed", history_store_url(values), "--kv-feed-key-prefix", values["etcd"]["keyPrefix"]]
     settings = {**values["workers"]["settings"], **values[role].get("settings", {})}
     for key, value in settings.items():
         if isinstance(value, bool):
@@ -433,6 +451,9 @@ def test_chart_and_kvshuttle_worker_give_vllm_the_same_command_line(profile, rol
     assert vllm_env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == POD_ENV["POD_IP"]
     tp = values["workers"]["settings"].get("tensor-parallel-size", 1)
     assert ("--tensor-parallel-size" in argv) == (tp > 1)
+    # The KV feed (on by default): a prefill worker's vLLM publishes KV-cache events, a decode worker's does not.
+    assert (vllm_env.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES") == "1") == (role == "prefill")
+    assert vllm_env["SMG_VLLM_SERVICER_KV_EVENTS"] == (None if role == "prefill" else "0")
     for key, value in values["workers"].get("ucx", {}).items():
         assert env[key] == str(value)  # UCX settings reach vLLM through the inherited environment
 
@@ -534,6 +555,127 @@ def test_an_external_history_store_is_passed_through(pod_root):
                 "secretKeyRef": {"name": "redis-url", "key": "url"}}, command
         else:
             assert "KVSHUTTLE_HISTORY_STORE" not in env, command
+
+
+# --- the KV feed: prefill workers publish their KV events to the history store's Redis, the planners follow -------
+
+def kv_feed_env(docs) -> dict[str, dict[str, dict]]:
+    """component -> its containers' KVSHUTTLE_KV_FEED* env entries as rendered (value or valueFrom), every pod kind."""
+    out = {}
+    for d in docs:
+        template = d["spec"]["template"] if d["kind"] in ("Deployment", "StatefulSet") else d if d["kind"] == "Pod" \
+            else None
+        if template is not None:
+            component = template["metadata"]["labels"]["app.kubernetes.io/component"]
+            out[component] = {e["name"]: e for c in template["spec"]["containers"] for e in c.get("env", [])
+                              if e["name"].startswith("KVSHUTTLE_KV_FEED")}
+    return out
+
+
+def feed_configs(docs, root: Path) -> dict:
+    """The parsed configs of the prefill and decode workers, the scheduler and (planning in process) the gateway's
+    embedded scheduler: what each process makes of the KV feed's settings."""
+    from kvshuttle.services.scheduler.in_process import embedded_config
+
+    out = {}
+    deployments = objects(docs, "Deployment")
+    for role in WORKERS:
+        c = deployments[f"{RELEASE}-kvshuttle-{role}"]["spec"]["template"]["spec"]["containers"][0]
+        out[role] = parse("worker", c["args"], container_env(c), root)
+    containers = dict(kvshuttle_containers(docs))
+    out["scheduler"] = parse("scheduler", containers["scheduler"]["args"], container_env(containers["scheduler"]), root)
+    env = container_env(containers["gateway"])
+    gateway = parse("gateway", containers["gateway"]["args"], env, root)
+    if gateway.scheduler == "local":
+        out["gateway"] = embedded_config(gateway.scheduler_args, registry=gateway.registry, tls=gateway,
+                                         environ=relocate(env, root))
+    return out
+
+
+@pytest.mark.parametrize("profile", PROFILE_IDS)
+def test_prefill_workers_publish_the_kv_feed_that_the_planners_follow(profile, pod_root):
+    """kvFeed is on by default: the prefill workers publish their vLLM's KV events to the history store's Redis, under
+    the planners' key prefix, and the scheduler replicas (and the gateways, when they plan in process) follow that
+    same stream; decode workers, the registry and a gateway that does not plan get none of it. Each process's own
+    config parses what the chart renders (the snapshot interval is a worker setting)."""
+    values = merged_values(profile)
+    url = history_store_url(values)
+    for plan_in_process in (False, True):
+        docs = rendered(profile, "--set", "gateway.planInProcess=true", "--set",
+                        "prefill.settings.kv-feed-snapshot-s=2") if plan_in_process else rendered(profile)
+        envs = kv_feed_env(docs)
+        planners = ["scheduler"] + (["gateway"] if plan_in_process else [])
+        assert sorted(c for c, e in envs.items() if e) == sorted(["prefill", *planners]), (profile, envs)
+        assert set(envs["prefill"]) == {"KVSHUTTLE_KV_FEED", "KVSHUTTLE_KV_FEED_KEY_PREFIX"}
+        assert all(set(envs[p]) == {"KVSHUTTLE_KV_FEED"} for p in planners)  # their --key-prefix is the feed's
+        cfgs = feed_configs(docs, pod_root)
+        prefill, decode = cfgs["prefill"], cfgs["decode"]
+        assert prefill.kv_feed == url and prefill.kv_events, profile
+        assert not decode.kv_feed and not decode.kv_events, profile
+        assert prefill.kv_feed_snapshot_s == (2 if plan_in_process else WorkerConfig().kv_feed_snapshot_s)
+        for planner in planners:
+            cfg = cfgs[planner]
+            assert cfg.kv_feed == url and cfg.history_store == url, (profile, planner)
+            assert cfg.key_prefix == prefill.kv_feed_key_prefix == values["etcd"]["keyPrefix"], (profile, planner)
+        assert "gateway" not in cfgs or plan_in_process
+
+
+def test_the_kv_feed_turned_off_reaches_no_pod(pod_root):
+    """kvFeed.enabled=false: no pod gets the KV feed (a gateway planning in process neither), so no prefill worker's
+    vLLM publishes KV events; the history store is unchanged."""
+    from kvshuttle.workers.vllm_process import vllm_command
+
+    docs = rendered("gpu-1p1d", "--set", "kvFeed.enabled=false", "--set", "gateway.planInProcess=true")
+    assert not any(kv_feed_env(docs).values())
+    cfgs = feed_configs(docs, pod_root)
+    assert sorted(cfgs) == ["decode", "gateway", "prefill", "scheduler"]
+    assert not any(cfg.kv_feed for cfg in cfgs.values())
+    assert not cfgs["prefill"].kv_events
+    _, vllm_env = vllm_command(cfgs["prefill"])
+    assert vllm_env["SMG_VLLM_SERVICER_KV_EVENTS"] == "0" and vllm_env["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] is None
+    assert cfgs["scheduler"].history_store == history_store_url(merged_values("gpu-1p1d"))
+
+
+def test_the_kv_feed_uses_your_own_redis_from_its_url_or_secret(pod_root):
+    """historyStore.bundled false: the KV feed is in your Redis too, at historyStore.url, or from the Secret in
+    historyStore.urlSecret (password included) on each pod that uses it, as KVSHUTTLE_HISTORY_STORE is."""
+    url = "rediss://redis.infra.svc:6380/3"
+    docs = rendered("gpu-1p1d", "--set", "historyStore.bundled=false", "--set", f"historyStore.url={url}",
+                    "--set", "gateway.planInProcess=true")
+    cfgs = feed_configs(docs, pod_root)
+    assert {name: cfg.kv_feed for name, cfg in cfgs.items()} == {"prefill": url, "decode": "", "scheduler": url,
+                                                                 "gateway": url}
+
+    docs = rendered("gpu-1p1d", "--set", "historyStore.bundled=false", "--set", "historyStore.urlSecret.name=redis-url",
+                    "--set", "historyStore.urlSecret.key=redis", "--set", "gateway.planInProcess=true")
+    from_secret = {"secretKeyRef": {"name": "redis-url", "key": "redis"}}
+    envs = kv_feed_env(docs)
+    for component in ("prefill", "scheduler", "gateway"):
+        assert envs[component]["KVSHUTTLE_KV_FEED"] == {"name": "KVSHUTTLE_KV_FEED", "valueFrom": from_secret}
+    assert envs["prefill"]["KVSHUTTLE_KV_FEED_KEY_PREFIX"]["value"] == "/kvshuttle/"
+    assert not envs["decode"] and not envs["registry"]
+    for command, c in kvshuttle_containers(docs):
+        if command != "worker":
+            history = next(e for e in c["env"] if e["name"] == "KVSHUTTLE_HISTORY_STORE")
+            assert history["valueFrom"] == from_secret, command
+
+
+def test_prefill_workers_reach_the_redis_only_with_the_kv_feed():
+    """The NetworkPolicy lets the prefill workers reach the history store's Redis (bundled: its pod; your own: its
+    port) while the KV feed is on, and not once it is off; decode workers never."""
+    port = merged_values("gpu-1p1d")["historyStore"]["port"]
+    on, _, _ = allowed_paths(rendered("gpu-1p1d"))
+    off, _, _ = allowed_paths(rendered("gpu-1p1d", "--set", "kvFeed.enabled=false"))
+    assert ("prefill", "history", port) in on and ("prefill", "history", port) not in off
+    assert {(s, p) for s, d, p in on if d == "history"} - {(s, p) for s, d, p in off if d == "history"} == {
+        ("prefill", port)}
+    assert not [path for path in on | off if path[:2] == ("decode", "history")]
+
+    own = ("--set", "historyStore.bundled=false", "--set", "historyStore.url=redis://redis.infra.svc:6390/0")
+    _, _, out_on = allowed_paths(rendered("gpu-1p1d", *own))
+    _, _, out_off = allowed_paths(rendered("gpu-1p1d", *own, "--set", "kvFeed.enabled=false"))
+    assert ("prefill", "internet", 6390, "TCP") in out_on and ("prefill", "internet", 6390, "TCP") not in out_off
+    assert not [path for path in out_on | out_off if path[0] == "decode" and path[2] == 6390]
 
 
 def test_tls_probes_use_the_health_check_command(pod_root):
@@ -1078,8 +1220,9 @@ def expected_inside(values: dict, pods: set[str]) -> set:
     if values["etcd"]["mode"] == "bundled":
         paths |= {(s, "etcd", values["etcd"]["bundled"]["clientPort"]) for s in stores}
         paths |= {("etcd", "etcd", values["etcd"]["bundled"]["peerPort"])}
+    redis_clients = stores + (["prefill"] if values["kvFeed"]["enabled"] else [])  # prefill: publishes the KV feed
     if values["historyStore"]["bundled"]:
-        paths |= {(s, "history", values["historyStore"]["port"]) for s in stores}
+        paths |= {(s, "history", values["historyStore"]["port"]) for s in redis_clients}
     if "smoke-test" in pods:
         paths.add(("smoke-test", "gateway", values["gateway"]["httpPort"]))
     return paths
@@ -1104,7 +1247,7 @@ def expected_outside(values: dict, pods: set[str]) -> tuple[set, set]:
         for s in stores:
             out_ports[s] |= {int(e.rsplit(":", 1)[1]) for e in values["etcd"]["external"]["endpoints"]}
     if not values["historyStore"]["bundled"]:
-        for s in stores:
+        for s in stores + (["prefill"] if values["kvFeed"]["enabled"] else []):
             out_ports[s].add(int(re.search(r":(\d+)(/|$)", values["historyStore"]["url"].split("@")[-1]).group(1)))
     outbound |= {(c, o.name, port, "TCP") for c, ports in out_ports.items() for port in ports for o in OUTSIDE}
     return inbound, outbound
@@ -1117,6 +1260,10 @@ NETWORK_CASES = {
     "planning in the gateway, own Redis": ("gpu-1p1d", ("--set", "gateway.planInProcess=true", "--set",
                                                          "historyStore.bundled=false", "--set",
                                                          "historyStore.url=rediss://redis.infra.svc:6380/3")),
+    "KV feed off": ("gpu-1p1d", ("--set", "kvFeed.enabled=false")),
+    "KV feed off, own Redis": ("gpu-4p4d-external-etcd-tls", ("--set", "kvFeed.enabled=false", "--set",
+                                                               "historyStore.bundled=false", "--set",
+                                                               "historyStore.url=redis://redis.infra.svc:6390/0")),
 }
 
 

@@ -1,10 +1,15 @@
-"""Load-aware worker choice on the real stack: a second prefill worker, one of the two kept busy.
+"""Load- and cache-aware worker choice on the real stack: a second prefill worker next to the stack's.
 
-The test starts one more prefill worker next to the shared stack's (the same ``kvshuttle worker`` command line the
-stack uses, registered with the stack's registry), keeps it busy with long generations sent straight to its vLLM
-gRPC server, and asks the scheduler for plans: while it is busy they go to the other prefill worker; once it is idle
-a burst of plans uses both. It also checks that vLLM's ``GetLoads`` shows the load, and prints what it reports.
-The extra worker is stopped at the end. Its start-up (~40-85 s on 2 cores) is most of the test's time.
+The module starts one more prefill worker (the same ``kvshuttle worker`` command line the stack uses, registered with
+the stack's registry, publishing its KV events to the stack's KV feed) and shares it between its tests:
+
+- load: one of the two is kept busy with long generations sent straight to its vLLM gRPC server; while it is busy
+  the scheduler's plans go to the other; once it is idle a burst of plans uses both. It also checks that vLLM's
+  ``GetLoads`` shows the load, and prints what it reports;
+- cache: sessions that share a system prompt go to the prefill worker whose prefix cache holds it, and the
+  scheduler's predicted hit equals what that worker's vLLM counted.
+
+The extra worker is stopped at the end. Its start-up (~40-85 s on 2 cores) is most of the module's time.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
+import inspect
 import subprocess
 import time
 
@@ -20,7 +27,15 @@ from kvshuttle.control_plane.load import parse_get_loads
 from kvshuttle.services.engine.client import EngineClient
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
-from tests.support.e2e import EXTRA_STARTUP_TIMEOUT_S, start_prefill_worker, wait_registered
+from tests.support.e2e import (
+    EXTRA_STARTUP_TIMEOUT_S,
+    chat,
+    flush_prefill,
+    new_session,
+    start_prefill_worker,
+    user_turn,
+    wait_registered,
+)
 from tests.support.waits import until
 
 pytestmark = pytest.mark.e2e
@@ -126,34 +141,64 @@ async def plan_prefill_ids(scheduler: scheduler_pb2_grpc.TransferSchedulerStub, 
     return picks
 
 
-async def test_busy_prefill_worker_is_avoided(stack):
+@dataclasses.dataclass
+class Extra:
+    """The second prefill worker the module's tests share."""
+
+    name: str
+    worker: common_pb2.Worker
+    child: object
+
+
+@pytest.fixture(scope="module")
+async def extra(stack):
+    """One more prefill worker next to the stack's, for the module; stopped (and checked gone) at its end."""
     if stack.cfg.gpu_list:
         pytest.skip("starts an extra CPU worker")
-    t_test = time.monotonic()
     name = f"prefill-{len(stack.workers)}"
-    idle_ids = [w.worker_id for w in stack.workers if w.role == common_pb2.WORKER_ROLE_PREFILL]
-    assert len(idle_ids) == 1, "the stack has one prefill worker of its own"
+    assert len([w for w in stack.workers if w.role == common_pb2.WORKER_ROLE_PREFILL]) == 1, \
+        "the stack has one prefill worker of its own"
     reg_channel = stack.channel(stack.registry_address)
-    sched_channel = stack.channel(stack.scheduler_address)
     registry = registry_pb2_grpc.SessionRegistryStub(reg_channel)
-    scheduler = scheduler_pb2_grpc.TransferSchedulerStub(sched_channel)
     child = await start_prefill_worker(stack, name)
-    background: BackgroundLoad | None = None
-    probe: EngineClient | None = None
     port = ""
     try:
         t0 = time.monotonic()
-        extra = await wait_registered(registry, child, name, EXTRA_STARTUP_TIMEOUT_S)
-        port = extra.grpc_address.rsplit(":", 1)[1]
-        print(f"\n{name} registered {time.monotonic() - t0:.1f} s after its start ({extra.grpc_address})", flush=True)
-        busy_id, idle_id = name, idle_ids[0]
+        worker = await wait_registered(registry, child, name, EXTRA_STARTUP_TIMEOUT_S)
+        port = worker.grpc_address.rsplit(":", 1)[1]
+        print(f"\n{name} registered {time.monotonic() - t0:.1f} s after its start ({worker.grpc_address})", flush=True)
+        yield Extra(name, worker, child)
+    finally:
+        t1 = time.monotonic()
+        await child.stop()
+        with contextlib.suppress(ValueError):
+            stack.children.remove(child)
+        print(f"{name} stopped in {time.monotonic() - t1:.1f} s", flush=True)
+        left = await registry.ListWorkers(registry_pb2.ListWorkersRequest(), timeout=5.0)
+        await reg_channel.close()
+        assert name not in [w.worker_id for w in left.workers], f"{name} still registered after it stopped"
+        if port:
+            strays = subprocess.run(["pgrep", "-af", f"grpc_server.*--port {port}"], capture_output=True,
+                                    text=True).stdout.strip()
+            assert not strays, f"{name}'s vLLM left running:\n{strays}"
 
-        probe = EngineClient(extra.grpc_address, timeout_s=5)
+
+async def test_busy_prefill_worker_is_avoided(stack, extra):
+    t_test = time.monotonic()
+    idle_ids = [w.worker_id for w in stack.workers if w.role == common_pb2.WORKER_ROLE_PREFILL]
+    sched_channel = stack.channel(stack.scheduler_address)
+    scheduler = scheduler_pb2_grpc.TransferSchedulerStub(sched_channel)
+    background: BackgroundLoad | None = None
+    probe: EngineClient | None = None
+    try:
+        busy_id, idle_id = extra.name, idle_ids[0]
+
+        probe = EngineClient(extra.worker.grpc_address, timeout_s=5)
         print(f"GetLoads idle:  {summary(await probe.get_loads())}", flush=True)
         for prompt_tokens, max_tokens in ((64, 64), (3000, 1)):
             print(f"one request ({prompt_tokens} prompt tokens, max_tokens {max_tokens}) on the idle worker: "
                   f"{await visibility_lag(probe, prompt_tokens, max_tokens)}", flush=True)
-        background = BackgroundLoad(extra.grpc_address)
+        background = BackgroundLoad(extra.worker.grpc_address)
         background.start()
         t_load = time.monotonic()
         # vLLM's GetLoads numbers are its scheduler's last stats: they show the load once the engine has stepped.
@@ -211,17 +256,103 @@ async def test_busy_prefill_worker_is_avoided(stack):
             await background.stop()
         if probe is not None:
             await probe.close()
-        t1 = time.monotonic()
-        await child.stop()
-        with contextlib.suppress(ValueError):
-            stack.children.remove(child)
-        print(f"{name} stopped in {time.monotonic() - t1:.1f} s; test took {time.monotonic() - t_test:.1f} s",
-              flush=True)
-        left = await registry.ListWorkers(registry_pb2.ListWorkersRequest(), timeout=5.0)
-        await reg_channel.close()
         await sched_channel.close()
-        assert name not in [w.worker_id for w in left.workers], f"{name} still registered after it stopped"
-        if port:
-            strays = subprocess.run(["pgrep", "-af", f"grpc_server.*--port {port}"], capture_output=True,
-                                    text=True).stdout.strip()
-            assert not strays, f"{name}'s vLLM left running:\n{strays}"
+        print(f"test took {time.monotonic() - t_test:.1f} s", flush=True)
+
+
+# -- cache-aware first turns: the KV feed's index on the real stack ---------------------------------------------------
+
+def system_prompt(n: int) -> dict:
+    """A shared system prompt several KV blocks long (128-token blocks on vLLM-CPU), different for each ``n``."""
+    source = inspect.getsource(collections)
+    return {"role": "system", "content": f"Agent profile {n}. Follow this reference:\n"
+                                         f"{source[n * 2400:(n + 1) * 2400]}"}
+
+
+def worker_counters(stack, worker_id: str) -> dict[str, float]:
+    """vLLM's own prompt-token counter on one prefill worker, by source (local_cache_hit, local_compute, ...)."""
+    return stack.prefill_prompt_tokens_by_source([worker_id])
+
+
+async def index_blocks(scheduler: scheduler_pb2_grpc.TransferSchedulerStub) -> dict[str, int]:
+    stats = await scheduler.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5.0)
+    assert stats.HasField("kv_index"), "the stack's scheduler follows the KV feed"
+    stale = {w.worker_id: w.stale_reason for w in stats.kv_index.workers if w.stale_reason}
+    assert not stale, f"the index distrusts a worker: {stale}"
+    return {w.worker_id: w.blocks for w in stats.kv_index.workers}
+
+
+async def test_first_turns_land_on_the_prefill_worker_that_caches_their_prefix(stack, extra):
+    """Two prefill workers with their prefix caches on, the KV feed on (the stack's default). Sessions with one of a
+    few shared system prompts: each prompt's first session lands wherever the load says; every later session's first
+    turn with that system prompt must land on the prefill worker holding it, and the scheduler's predicted cache hit
+    must equal what that worker's vLLM counted as cache hits for the turn (its own Prometheus counter) and reported
+    (``cached_tokens``)."""
+    import httpx
+
+    prefill_ids = sorted(w.worker_id for w in stack.workers if w.role == common_pb2.WORKER_ROLE_PREFILL)
+    prefill_ids.append(extra.name)
+    await flush_prefill(stack)
+    sched_channel = stack.channel(stack.scheduler_address)
+    scheduler = scheduler_pb2_grpc.TransferSchedulerStub(sched_channel)
+    try:
+        await until(lambda: scheduler_sees(scheduler, extra.name, lambda row: row.reachable), 30,
+                    f"the scheduler to see {extra.name}")
+        holder: dict[int, str] = {}
+        checked = 0
+        addresses = {w.worker_id: w.grpc_address for w in stack.workers} | {extra.name: extra.worker.grpc_address}
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=300) as client:
+            for n in range(2):
+                background = None
+                if n == 1:  # the first holder is kept busy, so this system prompt's first session goes to the other
+                    background = BackgroundLoad(addresses[holder[0]], concurrency=4)
+                    background.start()
+                    await until(lambda: scheduler_sees(scheduler, holder[0],
+                                                       lambda row: row.running + row.waiting > 0), 30,
+                                f"the scheduler to see {holder[0]} busy")
+                try:
+                    before = await index_blocks(scheduler)
+                    body = (await chat(client, new_session("cache-first"), [system_prompt(n), user_turn(1)])).json()
+                finally:
+                    if background is not None:
+                        await background.stop()
+                kv = body["kvshuttle"]
+                holder[n] = kv["prefill_worker"]
+                print(f"system prompt {n}: first session on {holder[n]} ({kv['worker_choice']}); predicted hit "
+                      f"{kv['predicted_cached_tokens']}, cached {body['usage']['prompt_tokens_details']['cached_tokens']}",
+                      flush=True)
+                # the worker's new blocks reach the scheduler's index through the feed
+                await until(lambda: _grew(scheduler, before, holder[n]), 15,
+                            f"the index to show {holder[n]}'s new blocks")
+            assert holder[0] != holder[1], f"the busy worker got the second system prompt: {holder}"
+            for worker_id in prefill_ids:  # both idle again before the next sessions
+                await until(lambda: scheduler_sees(scheduler, worker_id, lambda row: row.reachable and row.running
+                                                   + row.waiting + row.pending == 0), 30,
+                            f"the scheduler to see {worker_id} idle")
+            for n, worker_id in holder.items():
+                counters_before = worker_counters(stack, worker_id)
+                stats = await scheduler.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5.0)
+                view = ("index: " + ", ".join(f"{w.worker_id} {w.blocks} blocks" for w in stats.kv_index.workers)
+                        + "; loads: " + ", ".join(f"{r.worker_id} {r.running}+{r.waiting}+{r.pending}"
+                                                  for r in stats.loads))
+                print(f"before system prompt {n}'s next session: {view}", flush=True)
+                body = (await chat(client, new_session("cache-next"), [system_prompt(n), user_turn(2)])).json()
+                kv, usage = body["kvshuttle"], body["usage"]
+                counted = worker_counters(stack, worker_id).get("local_cache_hit", 0.0) \
+                    - counters_before.get("local_cache_hit", 0.0)
+                cached = usage["prompt_tokens_details"]["cached_tokens"]
+                print(f"system prompt {n}: next session on {kv['prefill_worker']} ({kv['worker_choice']}); "
+                      f"predicted {kv['predicted_cached_tokens']}, reported {cached}, vLLM counted {counted:.0f} of "
+                      f"{usage['prompt_tokens']} prompt tokens", flush=True)
+                assert kv["prefill_worker"] == worker_id, f"system prompt {n} is cached on {worker_id} ({view}): {kv}"
+                assert kv["decision"] == "recompute" and kv["pulled_tokens"] == 0
+                assert kv["predicted_cached_tokens"] >= 512, "the system prompt spans several blocks"
+                assert kv["predicted_cached_tokens"] == cached == counted
+                checked += 1
+        assert checked == len(holder) >= 2
+    finally:
+        await sched_channel.close()
+
+
+async def _grew(scheduler, before: dict[str, int], worker_id: str) -> bool:
+    return (await index_blocks(scheduler)).get(worker_id, 0) > before.get(worker_id, 0)

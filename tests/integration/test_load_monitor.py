@@ -349,3 +349,27 @@ async def test_the_task_survives_a_broken_client(monitor, servers):
     put(monitor.view, worker("p-fine", fine.address))
     await until(lambda: (l := monitor.loads().get("p-fine")) and l.running == 3, what="the new worker's sample")
     assert monitor._task is not None and not monitor._task.done()
+
+
+async def test_one_empty_sample_of_a_busy_worker_does_not_make_it_idle(servers):
+    """A busy engine between two requests can report an empty queue once: the monitor keeps the larger queue of its
+    last two samples, so the busy worker stays busy for that sample and shows idle from the next one on."""
+    from kvshuttle.control_plane.load import WorkerLoad, smoothed
+
+    view = WorkerView(registry=None)
+    view.apply(Event(type=Event.EVENT_TYPE_SNAPSHOT, workers=[]))
+    m = LoadMonitor(view, interval_s=INTERVAL, timeout_s=TIMEOUT, pending_grace_s=0.0, client_factory=Recorder())
+    busy = await servers(num_running_reqs=4, num_waiting_reqs=1)
+    put(view, worker("p-busy", busy.address))
+    try:
+        await m.poll_now()  # polled by hand: one sample per call
+        assert m.loads()["p-busy"].queued == 5
+        busy.servicer.numbers.update(num_running_reqs=0, num_waiting_reqs=0, num_used_tokens=7)
+        await m.poll_now()
+        once = m.loads()["p-busy"]
+        assert once.queued == 5 and once.used_tokens == 7, "one empty sample: still busy; the rest is the latest"
+        await m.poll_now()
+        assert m.loads()["p-busy"].queued == 0, "idle once two samples in a row say so"
+    finally:
+        await m.stop()
+    assert smoothed(WorkerLoad(running=2), None).queued == 2

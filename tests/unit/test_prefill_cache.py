@@ -94,3 +94,99 @@ def test_with_candidates_the_planner_scores_a_sample_that_keeps_the_warm_worker(
         Planner({"cost": make_policy("cost", {}, model=model)}, "cost", model, make_selector("load"), candidates=-1)
     small = Planner({"cost": make_policy("cost", {}, model=model)}, "cost", model, make_selector("load"), candidates=8)
     assert small._sample(prefill[:5], ()) == prefill[:5]
+
+
+# -- prefix hits from an index of the workers' KV events -------------------------------------------------------------
+
+
+def _cost_planner(**kw) -> Planner:
+    model = PrefillCostModel()
+    planner = Planner({"cost": make_policy("cost", {}, model=model)}, "cost", model, make_selector("load"), **kw)
+    for _ in range(3):  # measured pulls on the link, so the warm-up does not force a pull
+        planner.observe(Outcome("p1", 103, 99, 4, 15.0, Choice.PULL, source_worker="d", policy="cost"))
+    return planner
+
+
+def test_a_first_turn_goes_to_the_worker_whose_index_holds_its_prefix():
+    planner = _cost_planner()
+    prompt = list(range(500))
+    got = planner.plan(prompt, None, prefill=[W("p0"), W("p1"), W("p2")], decode=[W("d0")], loads={},
+                       prefix_hits={"p0": 0, "p1": 0, "p2": 330}, session=("t", "new"))
+    assert got.prefill.worker_id == "p2" and got.cached_tokens == 320  # whole blocks of 16
+    assert got.plan.choice is Choice.RECOMPUTE
+    # the hit is capped below the whole prompt: P always computes the last token
+    got = planner.plan(prompt, None, prefill=[W("p0")], decode=[W("d0")], loads={}, prefix_hits={"p0": 500})
+    assert got.cached_tokens == 496
+    assert planner.plan(prompt, None, prefill=[W("p0", block_size=0)], decode=[W("d0")], loads={},
+                        prefix_hits={"p0": 800}).cached_tokens == 499
+
+
+def test_a_long_queue_outweighs_a_cached_prefix():
+    from kvshuttle.control_plane.load import WorkerLoad
+
+    planner = _cost_planner()
+    prompt = list(range(500))
+    loads = {"p2": WorkerLoad(running=1, waiting=40)}
+    got = planner.plan(prompt, None, prefill=[W("p0"), W("p2")], decode=[W("d0")], loads=loads,
+                       prefix_hits={"p0": 0, "p2": 480})
+    assert got.prefill.worker_id == "p0" and got.cached_tokens == 0
+
+
+def test_indexed_hits_replace_the_session_estimate_only_for_the_workers_they_name():
+    planner = _cost_planner()
+    planner.cache_hints.note(("t", "s"), "p1", 97)  # the last turn ran on p1...
+    prompt = HISTORY + [1, 2, 3]
+    # ... but the index says p1 evicted it, and p0 holds the first 64 tokens
+    got = planner.plan(prompt, handle_view(), prefill=[W("p0"), W("p1")], decode=[W("d0")], loads={},
+                       source_worker="d", session=("t", "s"), prefix_hits={"p1": 0, "p0": 64})
+    assert got.prefill.worker_id == "p0" and got.cached_tokens == 64
+    # a combined plan: P holds the shared prefix, the pull brings the rest of the history (35 of 99 tokens)
+    assert got.plan.choice is Choice.PULL and got.plan.reusable_tokens == 99
+    model = planner.model
+    combined = model.predict("p0", prompt_tokens=103, reusable_tokens=99, cached_tokens=64, source="d")
+    assert combined.pull_ms == pytest.approx(model.compute_ms("p0", 4, 103) + model.transfer_ms("p0", "d", 35))
+    # a worker the mapping does not name falls back to the session's estimate
+    planner.cache_hints.note(("t", "s"), "p1", 97)
+    got = planner.plan(prompt, handle_view(), prefill=[W("p1")], decode=[W("d0")], loads={}, source_worker="d",
+                       session=("t", "s"), prefix_hits={"p0": 64})
+    assert got.cached_tokens == 96
+
+
+def test_with_candidates_the_sample_keeps_the_worker_with_the_most_hits():
+    import random
+
+    planner = _cost_planner(candidates=3, rng=random.Random(3))
+    prefill = [W(f"p{i}") for i in range(200)]
+    decode = [W(f"d{i}") for i in range(200)]
+    hits = {w.worker_id: 0 for w in prefill} | {"p77": 480, "p78": 160}
+    planner.cache_hints.note(("t", "s"), "p123", 97)
+    for _ in range(20):
+        got = planner.plan(list(range(500)), None, prefill=prefill, decode=decode, loads={}, session=("t", "s"),
+                           prefix_hits=hits, exclude={"p5"})
+        assert got.prefill.worker_id == "p77" and got.cached_tokens == 480
+    sample = planner._sample(prefill, (), "p123", "p77")
+    assert len(sample) == 3 and {"p123", "p77"} <= {w.worker_id for w in sample}
+    assert planner._sample(prefill, {"p77"}, "p77") and all(w.worker_id != "p77"
+                                                            for w in planner._sample(prefill, {"p77"}, "p77"))
+
+
+def test_workers_are_compared_by_their_work_not_by_their_own_noisy_fits():
+    """p0 holds the prompt's first 640 tokens; p1 holds nothing but its own measurements happened to come out twice
+    as fast. The choice prices both with the fleet's fit (the most-measured worker's), so the cached prefix wins;
+    the chosen worker's own fit then gives the plan's prediction."""
+    model = PrefillCostModel()
+    planner = Planner({"cost": make_policy("cost", {}, model=model)}, "cost", model, make_selector("load"))
+    for _ in range(6):  # p0 measured more (the fleet's fit), and slower than p1's few measurements
+        planner.observe(Outcome("p0", 1300, 0, 1300, 600.0, Choice.RECOMPUTE, policy="cost"))
+    for _ in range(3):
+        planner.observe(Outcome("p1", 1300, 0, 1300, 250.0, Choice.RECOMPUTE, policy="cost"))
+    assert model.reference_worker == "p0"
+    prompt = list(range(1300))
+    own = [model.predict(w, prompt_tokens=1300, reusable_tokens=0, cached_tokens=c).recompute_ms
+           for w, c in (("p0", 640), ("p1", 0))]
+    assert own[0] > own[1], "by their own fits, the cold p1 looks faster"
+    got = planner.plan(prompt, None, prefill=[W("p0"), W("p1")], decode=[W("d0")], loads={},
+                       prefix_hits={"p0": 640, "p1": 0})
+    assert got.prefill.worker_id == "p0" and got.cached_tokens == 640
+    assert got.prediction.recompute_ms == pytest.approx(own[0])
+    assert "640 of 1300 prompt tokens cached there" in got.worker_choice

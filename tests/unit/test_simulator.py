@@ -205,7 +205,7 @@ def test_every_strategy_runs_the_same_workload(tmp_path):
     replay = run(dataclasses.replace(cfg, trace=str(trace), write_trace="", strategies="recompute"))
     assert replay["workload"]["turns"] == rep["workload"]["turns"]
     text = format_report(rep)
-    assert "TTFT p50 (ms)" in text and "cache_aware" in text
+    assert "TTFT p50 (ms)" in text and "cache_aware_pull" in text and "TTFT p99, history first turn (ms)" in text
 
 
 def test_validation_fits_a_profile_and_reproduces_its_own_turns(tmp_path):
@@ -254,8 +254,8 @@ def test_validation_fits_a_profile_and_reproduces_its_own_turns(tmp_path):
                                                                     "--validate-samples"),
     (["--validate-samples", "TRACE", "--trace", "TRACE"], "--trace has no effect with --validate-samples"),
     (["--strategies", "kvshuttle,recompute", "--pull-threshold-tokens", "64"], "--pull-threshold-tokens has no "
-                                                                               "effect without threshold in "
-                                                                               "--strategies"),
+                                                                               "effect without threshold or "
+                                                                               "cache_aware_pull in --strategies"),
     (["--strategies", "threshold,cache_aware", "--idle-limit-s", "60"], "--idle-limit-s has no effect without "
                                                                         "kvshuttle in --strategies"),
 ])
@@ -277,3 +277,53 @@ def test_simulate_still_takes_the_valid_combinations(tmp_path):
                  ["--strategies", "threshold", "--pull-threshold-tokens", "64"],
                  ["--strategies", "kvshuttle", "--high-water", "0.9", "--low-water", "0.5"]):
         parse_config(SimulateConfig, *argv)
+
+
+# -- KV events and the index-fed planner ----------------------------------------------------------------------------
+
+
+def test_a_prefill_workers_kv_events_index_exactly_what_it_caches():
+    from kvshuttle.control_plane.kv_index.hashing import HashScheme
+    from kvshuttle.control_plane.kv_index.index import KvIndex
+
+    index = KvIndex(HashScheme(4))
+    p = PrefillWorker("p0", capacity_units=4, block_size=4, index={})
+    p.on_events, p.event_block_tokens = index.apply, 4
+    first, other = UnitChain(4), UnitChain(4)
+    first.extend(7, 8)
+    first.extend(8, 8)
+    other.extend(9, 8)
+    hashes = index.scheme.hashes(token_ids([(7, 8), (8, 8)]))
+    p.insert(first.keys, hashes)
+    assert index.cached_prefix_tokens("p0", hashes) == 16 == p.holds_units(first.keys) * 4
+    p.insert(other.keys, index.scheme.hashes(token_ids([(9, 8)])))  # evicts the first prompt's two oldest units
+    assert index.cached_prefix_tokens("p0", hashes) == 0 == p.holds_units(first.keys)
+    assert index.blocks("p0") == len(p.cache) == 4 and all(index.holds("p0", h) for h in p.cache.values())
+    assert p.event_seq == 2 and index.expected_seq("p0") == 2 and not index.stale_reason("p0")
+
+
+def _shared_prompt_sessions():
+    system = (5, 4096)  # a shared system prompt; each session then has its own first message
+    return [SimSession(f"s{i}", "t0", i * 5.0, [system, (900_000 + i, 300)], [SimTurn(0, 64), SimTurn(200, 64, 1.0)])
+            for i in range(4)]
+
+
+@pytest.mark.parametrize("prefill", [4, 70])  # 70: past 64 workers only those holding the first unit are asked
+def test_kvshuttle_sends_a_first_turn_to_the_prefill_worker_that_caches_its_system_prompt(prefill):
+    ps, ds, index = fleet(prefill=prefill, decode=2)
+    strategy = strategies.make("kvshuttle", ps, ds, random.Random(0), candidates=4, unit=256, prior=PrefillPrior(),
+                               index=index)
+    res = Simulation(_shared_prompt_sessions(), strategy, PROFILE, ps, ds, SimSettings()).run()
+    cols = res.turns
+    firsts = [i for i in range(len(cols)) if cols.history[i] == 0]
+    assert [cols.cached[i] for i in firsts] == [0, 4096, 4096, 4096]  # every later session hits the shared prompt
+    assert strategy.kv_index.total_blocks == sum(len(p.cache) for p in ps)
+
+
+def test_cache_aware_pull_pulls_only_what_its_prefill_worker_lacks_and_d_keeps_handles_until_the_ttl():
+    res = simulate([conversation()], "cache_aware_pull")
+    cols = res.turns
+    assert dict(cols.codes) == {reasons.NO_RECORD: 1, reasons.PULL_ALL: 2}
+    history = 2048 + 64 - 1
+    assert cols.cached[1] == 2048 and cols.pulled[1] == history - 2048  # P holds the first prompt: pulls the answer
+    assert res.held_fraction_max > 0 and res.evictions == dict.fromkeys(res.evictions, 0)

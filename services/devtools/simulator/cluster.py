@@ -5,16 +5,24 @@ A prefill worker's prefix cache is an LRU of *units* (``unit`` tokens each, whol
 blocks), keyed by a chained hash of their content, so two prompts that share a prefix share its units. The fleet
 keeps one index from a unit to the workers that hold it: the cache-aware router reads it (it stands for the
 router's own approximate tree, exact here, which flatters that router).
+
+A prefill worker can also publish its cache's changes as vLLM's KV events do (:mod:`control_plane.kv_index.events`:
+``BlockStored`` for the units a prefill stores or reuses, ``BlockRemoved`` for the units it evicts), one batch per
+prefill, numbered 0, 1, 2... with the units' real prefix-cache hashes (:class:`~control_plane.kv_index.hashing.
+HashScheme` over the prompt's token ids, blocks of one unit): kvshuttle's planner reads them through a
+:class:`~control_plane.kv_index.index.KvIndex`, as the scheduler reads the workers' events.
 """
 
 from __future__ import annotations
 
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvshuttle.control_plane.kv_eviction import HeldKv
+from kvshuttle.control_plane.kv_index.events import BlockRemoved, BlockStored, EventBatch
+from kvshuttle.control_plane.kv_index.hashing import EventHash
 from kvshuttle.control_plane.load import WorkerLoad
 
 
@@ -61,11 +69,24 @@ class PrefillWorker:
     capacity_units: int
     block_size: int
     index: dict[int, set[str]]  # the fleet's unit -> holders (shared)
-    cache: OrderedDict[int, None] = field(default_factory=OrderedDict)
+    cache: OrderedDict[int, EventHash | None] = field(default_factory=OrderedDict)  # unit -> its event hash
     queue: deque = field(default_factory=deque)
     busy: bool = False
     hits: int = 0
     looked_up: int = 0
+    # KV events: called with (worker id, sequence number, batch) after each insert that has hashes
+    on_events: Callable[[str, int, EventBatch], object] | None = None
+    event_seq: int = 0
+    event_block_tokens: int = 0  # the events' block size (the unit)
+
+    def holds_units(self, keys: list[int]) -> int:
+        """Leading units of ``keys`` this worker holds (a look, no touch)."""
+        n = 0
+        for key in keys:
+            if key not in self.cache:
+                break
+            n += 1
+        return n
 
     def cached_units(self, keys: list[int]) -> int:
         """Leading units of ``keys`` this worker holds (touched: they are about to be used)."""
@@ -77,20 +98,33 @@ class PrefillWorker:
             n += 1
         return n
 
-    def insert(self, keys: list[int]) -> None:
-        for key in keys:
+    def insert(self, keys: list[int], hashes: Sequence[EventHash] | None = None) -> None:
+        """A prefill's whole units (``keys``) stored or reused; ``hashes``: their prefix-cache hashes (as many),
+        published as one batch of KV events when given."""
+        for i, key in enumerate(keys):
             if key in self.cache:
                 self.cache.move_to_end(key)
                 continue
-            self.cache[key] = None
+            self.cache[key] = hashes[i] if hashes is not None else None
             self.index.setdefault(key, set()).add(self.worker_id)
+        removed: list[EventHash] = []
         while len(self.cache) > self.capacity_units:
-            gone, _ = self.cache.popitem(last=False)
+            gone, gone_hash = self.cache.popitem(last=False)
+            if gone_hash is not None:
+                removed.append(gone_hash)
             holders = self.index.get(gone)
             if holders is not None:
                 holders.discard(self.worker_id)
                 if not holders:
                     del self.index[gone]
+        if hashes is not None and self.on_events is not None and (keys or removed):
+            events: list = []
+            if keys:  # vLLM re-sends BlockStored for the blocks a request reused, too
+                events.append(BlockStored(tuple(hashes[:len(keys)]), None, (), self.event_block_tokens, medium="GPU"))
+            if removed:
+                events.append(BlockRemoved(tuple(removed), medium="GPU"))
+            seq, self.event_seq = self.event_seq, self.event_seq + 1
+            self.on_events(self.worker_id, seq, EventBatch(float(seq), tuple(events)))
 
     def load(self, unit: int) -> WorkerLoad:
         return WorkerLoad(running=int(self.busy), waiting=len(self.queue), used_tokens=len(self.cache) * unit,

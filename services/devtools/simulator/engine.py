@@ -203,12 +203,14 @@ class Simulation:
         n = live.chain.tokens
         record = live.record
         view = None
-        prompt: Sequence[int] = range(n)  # the ids are read only when a pull is possible
+        prompt: Sequence[int] = range(n)  # the ids are read only when a pull is possible, or to hash the prompt
+        if self.strategy.reads_kv_events:
+            prompt = token_ids(live.segments)
         if record is not None and self.pulls_possible:
             view = HandleView(record.handle_json, record.covered, self.profile.block_size,
                               expires_in_s=record.expires_at - self.now, claimed=False, source_alive=True,
                               prefix_digest=record.digest, checkpoints=record.checkpoints, kv_freed=record.freed)
-            if not record.freed and record.expires_at > self.now:
+            if not record.freed and record.expires_at > self.now and isinstance(prompt, range):
                 prompt = token_ids(live.segments)
         unit = self.settings.unit_tokens
         keys = live.chain.keys[: n // unit]
@@ -232,7 +234,7 @@ class Simulation:
     def _lose_pull(self, flight: InFlight) -> None:
         r = flight.routed
         flight.routed = Routed(r.prefill, r.decode, Choice.RECOMPUTE, PULL_LOST, pullable=r.reusable,
-                               cached_estimate=r.cached_estimate, policy=r.policy)
+                               cached_estimate=r.cached_estimate, policy=r.policy, block_hashes=r.block_hashes)
         flight.code = PULL_LOST
 
     # -- prefill -------------------------------------------------------------------------------------------------
@@ -262,7 +264,7 @@ class Simulation:
         r = flight.routed
         p = r.prefill
         p.busy = False
-        p.insert(flight.keys)
+        p.insert(flight.keys, r.block_hashes)
         record = flight.live.record
         pulled = r.choice is Choice.PULL
         if pulled:

@@ -64,7 +64,8 @@ class SimulateConfig:
     prefill_cache_tokens: int = setting(0, "Override the profile's prefill prefix-cache capacity (tokens; 0: keep)")
     decode_kv_tokens: int = setting(0, "Override the profile's decode KV capacity (tokens; 0: keep)")
     link_gbit_s: float = setting(0.0, "Override the profile's P-D link (Gbit/s of goodput; 0: keep)")
-    pull_threshold_tokens: int = setting(16, "The threshold strategy's fewest reusable tokens worth a pull")
+    pull_threshold_tokens: int = setting(16, "The threshold and cache_aware_pull strategies' fewest reusable "
+                                             "tokens worth a pull")
     idle_limit_s: float = setting(240.0, "kvshuttle: free a handle idle this long (0: never)")
     high_water: float = setting(0.8, "kvshuttle: free under pressure past this share of D's KV")
     low_water: float = setting(0.6, "kvshuttle: ... down to this share")
@@ -122,8 +123,8 @@ class SimulateConfig:
         for name in AGENTIC:
             require_effect(self, name, not self.trace, "with --trace (the trace's sessions are replayed instead of "
                                                        "the agentic workload)")
-        require_effect(self, "pull_threshold_tokens", "threshold" in names,
-                       "without threshold in --strategies (it is that strategy's rule)")
+        require_effect(self, "pull_threshold_tokens", "threshold" in names or "cache_aware_pull" in names,
+                       "without threshold or cache_aware_pull in --strategies (it is their pull rule)")
         for name in ("idle_limit_s", "high_water", "low_water"):
             require_effect(self, name, "kvshuttle" in names,
                            "without kvshuttle in --strategies (only it frees held decode KV)")

@@ -63,7 +63,7 @@ def _fmt(value: Any, scale: float = 1.0, unit: str = "") -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """One column per strategy: the headline figures, then TTFT p50 by history bucket."""
+    """One column per strategy: the headline figures, then TTFT p50 and p99 by history bucket."""
     if not rows:
         return "(no results)"
     slo = rows[0]["slo_ms"]
@@ -81,8 +81,9 @@ def table(rows: list[dict[str, Any]]) -> str:
     ]
     for label, key, scale, unit in spec:
         lines.append((label, [_fmt(r.get(key), scale, unit) for r in rows]))
-    for _, _, name in BUCKETS:
-        lines.append((f"TTFT p50, history {name} (ms)", [_fmt(r["by_history"][name]["p50_ms"]) for r in rows]))
+    for q in ("p50", "p99"):
+        for _, _, name in BUCKETS:
+            lines.append((f"TTFT {q}, history {name} (ms)", [_fmt(r["by_history"][name][f"{q}_ms"]) for r in rows]))
     width = max(len(label) for label, _ in lines)
     col = max(12, *(len(v) for _, vals in lines for v in vals))
     return "\n".join(f"{label:<{width}}  " + "  ".join(f"{v:>{col}}" for v in vals) for label, vals in lines)

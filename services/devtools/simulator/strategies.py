@@ -1,7 +1,9 @@
 """What each simulated deployment does with a turn: where it runs, and whether the history's KV is pulled.
 
 - ``kvshuttle``: the real :class:`~kvshuttle.control_plane.planner.Planner` with the cost policy (it learns from
-  the turns the simulator reports), its load-aware selector and prefix-cache hints, and the decode-KV capacity
+  the turns the simulator reports), its load-aware selector and each prefill worker's prefix-cache hit as a
+  :class:`~kvshuttle.control_plane.kv_index.index.KvIndex` of the workers' KV events says (``prefix_hits``; the
+  simulated prefill workers publish them, :mod:`.cluster`), as the scheduler runs it, and the decode-KV capacity
   policy (:mod:`~kvshuttle.control_plane.kv_eviction`: idle, pressure and room, value ranking). A recompute frees
   the session's unused handle (the gateway does).
 - ``threshold``: the same planner and selector with vLLM's own rule (pull when at least ``pull_threshold_tokens``
@@ -13,6 +15,10 @@
   imbalanced past both thresholds, the least-loaded P; else the P holding the longest cached prefix if it covers more
   than ``cache_threshold`` of the prompt, else the P with the emptiest cache. D: the less loaded of two at random
   (power of two). D frees a turn's KV when it ends.
+- ``cache_aware_pull``: what a user can assemble from SMG and vLLM alone: ``cache_aware``'s choice of P, then
+  vLLM's pull rule on that P: pull the session's history from D when the handle is valid and extends into the prompt
+  and the pull would load at least ``pull_threshold_tokens`` that P's own prefix cache does not hold; recompute
+  otherwise. D keeps every handle until its TTL (vLLM's ``decoder_kv_blocks_ttl``), as with ``threshold``.
 
 At 1,000 workers no router scores every worker per turn: the planner strategies run the planner with ``candidates``
 (the scheduler's ``--candidates``): it scores that many workers of each role at random, plus the session's last
@@ -28,14 +34,16 @@ from dataclasses import dataclass
 
 from kvshuttle.control_plane import reasons
 from kvshuttle.control_plane.cost_model import PrefillCostModel, PrefillPrior
-from kvshuttle.control_plane.decision import Choice, HandleView
+from kvshuttle.control_plane.decision import Choice, HandleView, PullPolicy, decide
+from kvshuttle.control_plane.kv_index.hashing import HashScheme
+from kvshuttle.control_plane.kv_index.index import KvIndex
 from kvshuttle.control_plane.load import WorkerLoad
 from kvshuttle.control_plane.planner import Planner
 from kvshuttle.control_plane.policies import CostPolicy, Outcome, ThresholdPolicy
 from kvshuttle.control_plane.selection import LoadAwareSelector
 from kvshuttle.services.devtools.simulator.cluster import DecodeWorker, PrefillWorker
 
-NAMES = ("kvshuttle", "threshold", "recompute", "cache_aware")
+NAMES = ("kvshuttle", "threshold", "recompute", "cache_aware", "cache_aware_pull")
 
 
 @dataclass(slots=True)
@@ -48,6 +56,7 @@ class Routed:
     pullable: int = 0  # a RECOMPUTE's safe alternative
     cached_estimate: int = 0
     policy: str = ""
+    block_hashes: list | None = None  # the prompt's whole units' prefix-cache hashes (strategies that read events)
 
 
 class Strategy:
@@ -55,6 +64,7 @@ class Strategy:
     keeps_kv = False  # D holds the turn's KV after it (a handle the next turn may pull)
     manages_kv = False  # kvshuttle's decode-KV capacity policy frees held handles
     frees_unused = False  # a recompute frees the session's unused handle at once
+    reads_kv_events = False  # routes by an index of the prefill workers' KV events (needs the prompt's token ids)
 
     def __init__(self, prefill: Sequence[PrefillWorker], decode: Sequence[DecodeWorker], rng: random.Random,
                  candidates: int, unit: int):
@@ -122,12 +132,40 @@ class PlannerStrategy(Strategy):
 
 
 class KvShuttle(PlannerStrategy):
-    name = "kvshuttle"
-    keeps_kv = manages_kv = frees_unused = True
+    """The planner fed each prefill worker's prefix-cache hit for the prompt by a :class:`KvIndex` of the workers'
+    KV events (blocks of one unit, hashed as vLLM hashes them), as the scheduler feeds it."""
 
-    def __init__(self, *args, prior: PrefillPrior):
+    name = "kvshuttle"
+    keeps_kv = manages_kv = frees_unused = reads_kv_events = True
+
+    def __init__(self, *args, prior: PrefillPrior, index: dict[int, set[str]] | None = None):
         model = PrefillCostModel(prior)
         super().__init__(*args, policy=CostPolicy(model), model=model)
+        self.kv_index = KvIndex(HashScheme(self.unit))
+        self.fleet_index = index
+        for p in self.prefill:
+            p.on_events, p.event_block_tokens = self.kv_index.apply, self.unit
+
+    def route(self, session, prompt, handle, source, unit_keys) -> Routed:
+        hashes = self.kv_index.scheme.hashes(prompt)
+        lookup = hashes[:(len(prompt) - 1) // self.unit]  # P always computes the last token
+        if self.fleet_index is None or len(self.prefill) <= 64:
+            asked = [p.worker_id for p in self.prefill]
+        else:
+            # At a thousand workers, ask the index only about the workers that hold the prompt's first unit (the
+            # fleet's unit index names them: the same blocks the KV events stored) and the session's last prefill
+            # worker; every other worker holds none of it, and absent from ``prefix_hits`` it is estimated 0 too.
+            asked = sorted(self.fleet_index.get(unit_keys[0], ())) if unit_keys else []
+            last = self.planner.cache_hints.worker_of(session)
+            if last is not None:
+                asked.append(last)
+        hits = {w: self.kv_index.cached_prefix_tokens(w, lookup) for w in asked}
+        tp = self.planner.plan(prompt, handle, prefill=self.prefill, decode=self.decode, loads=self.loads,
+                               source_worker=source, disable_pull=self.disable_pull, session=session,
+                               prefix_hits=hits)
+        plan = tp.plan
+        return Routed(tp.prefill, tp.decode, plan.choice, plan.code, plan.reusable_tokens, plan.pullable_tokens,
+                      tp.cached_tokens, tp.policy.name, hashes)
 
 
 class Threshold(PlannerStrategy):
@@ -164,6 +202,10 @@ class CacheAware(Strategy):
         return self.rng.choice([w for w in workers if key(w) == best])
 
     def route(self, session, prompt, handle, source, unit_keys) -> Routed:
+        p, d = self._prefill_worker(len(prompt), unit_keys), self._decode_worker()
+        return Routed(p, d, Choice.RECOMPUTE, reasons.NO_RECORD, policy=self.name)  # it keeps no handles
+
+    def _prefill_worker(self, n: int, unit_keys: list[int]) -> PrefillWorker:
         def load(w: PrefillWorker) -> int:
             return len(w.queue) + w.busy
 
@@ -180,25 +222,54 @@ class CacheAware(Strategy):
                 if not common:
                     break
                 holders, matched = common, matched + 1
-            n = len(prompt)
             if holders and matched * self.unit > self.cache_threshold * n:
                 p = self._least([self.by_id[w] for w in sorted(holders)], load)  # sorted: runs repeat exactly
             else:
                 p = self._least(self.prefill, lambda w: len(w.cache))
+        return p
+
+    def _decode_worker(self) -> DecodeWorker:
         a, b = self.rng.sample(self.decode, 2) if len(self.decode) > 1 else (self.decode[0],) * 2
-        d = a if a.used_tokens + a.reserved_tokens <= b.used_tokens + b.reserved_tokens else b
-        return Routed(p, d, Choice.RECOMPUTE, reasons.NO_RECORD, policy=self.name)  # it keeps no handles
+        return a if a.used_tokens + a.reserved_tokens <= b.used_tokens + b.reserved_tokens else b
+
+
+class CacheAwarePull(CacheAware):
+    """``cache_aware``'s P, then vLLM's pull rule on it (see the module docstring); D keeps handles until the TTL."""
+
+    name = "cache_aware_pull"
+    keeps_kv = True
+
+    def __init__(self, *args, index: dict[int, set[str]], pull_threshold_tokens: int = 16,
+                 expiry_guard_s: float = 2.0):
+        super().__init__(*args, index=index)
+        self.safety = PullPolicy(pull_threshold_tokens, expiry_guard_s)
+
+    def route(self, session, prompt, handle, source, unit_keys) -> Routed:
+        n = len(prompt)
+        p, d = self._prefill_worker(n, unit_keys), self._decode_worker()
+        if handle is None:
+            return Routed(p, d, Choice.RECOMPUTE, reasons.NO_RECORD, policy=self.name)
+        safe = decide(prompt, handle, self.safety)
+        if safe.choice is not Choice.PULL:
+            return Routed(p, d, Choice.RECOMPUTE, safe.code, pullable=safe.pullable_tokens, policy=self.name)
+        held = p.holds_units(unit_keys) * self.unit  # P's own prefix cache: what the pull need not load
+        if safe.reusable_tokens - held < self.safety.pull_threshold_tokens:
+            return Routed(p, d, Choice.RECOMPUTE, reasons.BELOW_THRESHOLD, pullable=safe.reusable_tokens,
+                          cached_estimate=held, policy=self.name)
+        return Routed(p, d, Choice.PULL, safe.code, safe.reusable_tokens, cached_estimate=held, policy=self.name)
 
 
 def make(name: str, prefill, decode, rng: random.Random, *, candidates: int, unit: int, prior: PrefillPrior,
          index: dict[int, set[str]], pull_threshold_tokens: int = 16) -> Strategy:
     args = (prefill, decode, rng, candidates, unit)
     if name == "kvshuttle":
-        return KvShuttle(*args, prior=prior)
+        return KvShuttle(*args, prior=prior, index=index)
     if name == "threshold":
         return Threshold(*args, prior=prior, pull_threshold_tokens=pull_threshold_tokens)
     if name == "recompute":
         return Recompute(*args, prior=prior)
     if name == "cache_aware":
         return CacheAware(*args, index=index)
+    if name == "cache_aware_pull":
+        return CacheAwarePull(*args, index=index, pull_threshold_tokens=pull_threshold_tokens)
     raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(NAMES)}")

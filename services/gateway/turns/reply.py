@@ -44,6 +44,8 @@ def kv_body(kv: KvOutcome, timings: dict[str, float]) -> dict[str, Any]:
         "predicted_pull_ms": fig.predicted_pull_ms if fig else 0.0,
         "predicted_recompute_ms": fig.predicted_recompute_ms if fig else 0.0,
         "worker_choice": fig.worker_choice if fig else "", "worker_failures": kv.worker_failures,
+        # the planner's prediction of P's own prefix-cache hit (the KV feed's index, or the session's last P)
+        "predicted_cached_tokens": fig.cached_tokens_estimate if fig else 0,
         "record": kv.record, **({"record_error": kv.record_error} if kv.record_error else {}),
         "timings_ms": timings,
     }

@@ -213,15 +213,44 @@ the bundled Redis's Service, or historyStore.url / historyStore.urlSecret. Fails
 {{- end -}}
 {{- end -}}
 
-{{/* KVSHUTTLE_HISTORY_STORE of the registry and the scheduler. */}}
-{{- define "kvshuttle.historyStoreEnv" -}}
-{{- $url := include "kvshuttle.historyStoreUrl" . }}
-- name: KVSHUTTLE_HISTORY_STORE
+{{/* An environment variable holding the history store's Redis URL: its value, or from historyStore.urlSecret. Call
+with (list $ name). */}}
+{{- define "kvshuttle.historyStoreUrlEnv" -}}
+{{- $ := index . 0 -}}
+{{- $url := include "kvshuttle.historyStoreUrl" $ }}
+- name: {{ index . 1 }}
 {{- if $url }}
   value: {{ $url | quote }}
 {{- else }}
   valueFrom:
-    secretKeyRef: {name: {{ .Values.historyStore.urlSecret.name | quote }}, key: {{ .Values.historyStore.urlSecret.key | quote }}}
+    secretKeyRef: {name: {{ $.Values.historyStore.urlSecret.name | quote }}, key: {{ $.Values.historyStore.urlSecret.key | quote }}}
+{{- end }}
+{{- end -}}
+
+{{/* KVSHUTTLE_HISTORY_STORE of the registry and the scheduler. */}}
+{{- define "kvshuttle.historyStoreEnv" -}}
+{{- include "kvshuttle.historyStoreUrlEnv" (list . "KVSHUTTLE_HISTORY_STORE") }}
+{{- end -}}
+
+{{/* "true" when the KV feed is on (kvFeed.enabled): prefill workers publish, the planners follow. */}}
+{{- define "kvshuttle.kvFeedEnabled" -}}
+{{- if and .Values.kvFeed .Values.kvFeed.enabled -}}true{{- end -}}
+{{- end -}}
+
+{{/*
+The KV feed (kvFeed): KVSHUTTLE_KV_FEED, the history store's Redis, for the prefill workers (which publish to it) and
+the planners (the schedulers, a gateway planning in process, which follow it); nothing when it is off. The feed's keys
+are under etcd.keyPrefix: the planners' --key-prefix, and the workers' KVSHUTTLE_KV_FEED_KEY_PREFIX (withPrefix).
+Call with (list $ withPrefix).
+*/}}
+{{- define "kvshuttle.kvFeedEnv" -}}
+{{- $ := index . 0 -}}
+{{- if include "kvshuttle.kvFeedEnabled" $ }}
+{{- include "kvshuttle.historyStoreUrlEnv" (list $ "KVSHUTTLE_KV_FEED") }}
+{{- if index . 1 }}
+- name: KVSHUTTLE_KV_FEED_KEY_PREFIX
+  value: {{ $.Values.etcd.keyPrefix | quote }}
+{{- end }}
 {{- end }}
 {{- end -}}
 

@@ -20,7 +20,7 @@ WORKER_ROLE_PREFILL: WorkerRole
 WORKER_ROLE_DECODE: WorkerRole
 
 class Worker(_message.Message):
-    __slots__ = ("worker_id", "role", "engine_id", "grpc_address", "nixl_host", "nixl_port", "block_size", "kv_blocks_ttl_s", "model", "registered_at", "lease_id", "kv_bytes_per_token")
+    __slots__ = ("worker_id", "role", "engine_id", "grpc_address", "nixl_host", "nixl_port", "block_size", "kv_blocks_ttl_s", "model", "registered_at", "lease_id", "kv_bytes_per_token", "prefix_hash_algo", "prefix_hash_seed", "kv_events")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,9 @@ class Worker(_message.Message):
     REGISTERED_AT_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HASH_ALGO_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HASH_SEED_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     engine_id: str
@@ -45,7 +48,10 @@ class Worker(_message.Message):
     registered_at: _timestamp_pb2.Timestamp
     lease_id: int
     kv_bytes_per_token: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., engine_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., nixl_host: _Optional[str] = ..., nixl_port: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_blocks_ttl_s: _Optional[int] = ..., model: _Optional[str] = ..., registered_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., lease_id: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ...) -> None: ...
+    prefix_hash_algo: str
+    prefix_hash_seed: str
+    kv_events: bool
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., engine_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., nixl_host: _Optional[str] = ..., nixl_port: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_blocks_ttl_s: _Optional[int] = ..., model: _Optional[str] = ..., registered_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., lease_id: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., prefix_hash_algo: _Optional[str] = ..., prefix_hash_seed: _Optional[str] = ..., kv_events: _Optional[bool] = ...) -> None: ...
 
 class Session(_message.Message):
     __slots__ = ("session_id", "tenant", "decode_worker_id", "kv_transfer_params_json", "covered_tokens", "block_size", "token_ids", "expires_at", "updated_at", "turn", "claimed", "revision", "prefix_digest", "lease_id", "created_at", "kv_freed", "text_key", "checkpoints", "history_tokens", "history_generation", "text_chars", "head_token_ids", "handle_digest", "text_boundaries")

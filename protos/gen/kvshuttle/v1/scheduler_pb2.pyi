@@ -20,7 +20,7 @@ DECISION_PULL: Decision
 DECISION_RECOMPUTE: Decision
 
 class PlanTurnRequest(_message.Message):
-    __slots__ = ("session_id", "tenant", "prompt_token_ids", "prompt_ids_packed", "disable_pull", "exclude_worker_ids", "session_snapshot", "session_not_found", "policy", "max_tokens", "history_match_tokens")
+    __slots__ = ("session_id", "tenant", "prompt_token_ids", "prompt_ids_packed", "disable_pull", "exclude_worker_ids", "session_snapshot", "session_not_found", "policy", "max_tokens", "history_match_tokens", "cache_salt")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class PlanTurnRequest(_message.Message):
     POLICY_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HISTORY_MATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tenant: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -43,7 +44,8 @@ class PlanTurnRequest(_message.Message):
     policy: str
     max_tokens: int
     history_match_tokens: int
-    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_ids_packed: _Optional[bytes] = ..., disable_pull: _Optional[bool] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ..., session_snapshot: _Optional[_Union[_registry_pb2.GetSessionResponse, _Mapping]] = ..., session_not_found: _Optional[bool] = ..., policy: _Optional[str] = ..., max_tokens: _Optional[int] = ..., history_match_tokens: _Optional[int] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_ids_packed: _Optional[bytes] = ..., disable_pull: _Optional[bool] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ..., session_snapshot: _Optional[_Union[_registry_pb2.GetSessionResponse, _Mapping]] = ..., session_not_found: _Optional[bool] = ..., policy: _Optional[str] = ..., max_tokens: _Optional[int] = ..., history_match_tokens: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class PlanFigures(_message.Message):
     __slots__ = ("prompt_tokens", "session_found", "covered_tokens", "matched_tokens", "reusable_tokens", "compute_tokens", "block_size", "expires_in_s", "pull_threshold_tokens", "source_worker_alive", "snapshot_stale", "policy", "predicted_pull_ms", "predicted_recompute_ms", "pullable_tokens", "predicted_wait_ms", "worker_choice", "cached_tokens_estimate")
@@ -222,7 +224,7 @@ class WorkerLoadStats(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., pending: _Optional[int] = ..., used_tokens: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., age_s: _Optional[float] = ..., reachable: _Optional[bool] = ..., assigned_turns: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("policies", "compute", "transfers", "loads", "reported_turns", "decode_kv", "kv_managed", "kv_eviction_policy", "kv_leading", "learning")
+    __slots__ = ("policies", "compute", "transfers", "loads", "reported_turns", "decode_kv", "kv_managed", "kv_eviction_policy", "kv_leading", "learning", "kv_index")
     POLICIES_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_FIELD_NUMBER: _ClassVar[int]
@@ -233,6 +235,7 @@ class GetStatsResponse(_message.Message):
     KV_EVICTION_POLICY_FIELD_NUMBER: _ClassVar[int]
     KV_LEADING_FIELD_NUMBER: _ClassVar[int]
     LEARNING_FIELD_NUMBER: _ClassVar[int]
+    KV_INDEX_FIELD_NUMBER: _ClassVar[int]
     policies: _containers.RepeatedCompositeFieldContainer[PolicyStats]
     compute: _containers.RepeatedCompositeFieldContainer[ComputeEstimate]
     transfers: _containers.RepeatedCompositeFieldContainer[TransferEstimate]
@@ -243,7 +246,38 @@ class GetStatsResponse(_message.Message):
     kv_eviction_policy: str
     kv_leading: bool
     learning: LearningStats
-    def __init__(self, policies: _Optional[_Iterable[_Union[PolicyStats, _Mapping]]] = ..., compute: _Optional[_Iterable[_Union[ComputeEstimate, _Mapping]]] = ..., transfers: _Optional[_Iterable[_Union[TransferEstimate, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[WorkerLoadStats, _Mapping]]] = ..., reported_turns: _Optional[int] = ..., decode_kv: _Optional[_Iterable[_Union[DecodeKvStats, _Mapping]]] = ..., kv_managed: _Optional[bool] = ..., kv_eviction_policy: _Optional[str] = ..., kv_leading: _Optional[bool] = ..., learning: _Optional[_Union[LearningStats, _Mapping]] = ...) -> None: ...
+    kv_index: KvIndexStats
+    def __init__(self, policies: _Optional[_Iterable[_Union[PolicyStats, _Mapping]]] = ..., compute: _Optional[_Iterable[_Union[ComputeEstimate, _Mapping]]] = ..., transfers: _Optional[_Iterable[_Union[TransferEstimate, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[WorkerLoadStats, _Mapping]]] = ..., reported_turns: _Optional[int] = ..., decode_kv: _Optional[_Iterable[_Union[DecodeKvStats, _Mapping]]] = ..., kv_managed: _Optional[bool] = ..., kv_eviction_policy: _Optional[str] = ..., kv_leading: _Optional[bool] = ..., learning: _Optional[_Union[LearningStats, _Mapping]] = ..., kv_index: _Optional[_Union[KvIndexStats, _Mapping]] = ...) -> None: ...
+
+class KvIndexStats(_message.Message):
+    __slots__ = ("following", "entries", "bad_entries", "workers", "breaks", "resyncs", "lookups")
+    FOLLOWING_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    BAD_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    BREAKS_FIELD_NUMBER: _ClassVar[int]
+    RESYNCS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    following: bool
+    entries: int
+    bad_entries: int
+    workers: _containers.RepeatedCompositeFieldContainer[KvIndexWorker]
+    breaks: int
+    resyncs: int
+    lookups: int
+    def __init__(self, following: _Optional[bool] = ..., entries: _Optional[int] = ..., bad_entries: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[KvIndexWorker, _Mapping]]] = ..., breaks: _Optional[int] = ..., resyncs: _Optional[int] = ..., lookups: _Optional[int] = ...) -> None: ...
+
+class KvIndexWorker(_message.Message):
+    __slots__ = ("worker_id", "blocks", "stale_reason", "awaiting_snapshot")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STALE_REASON_FIELD_NUMBER: _ClassVar[int]
+    AWAITING_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    blocks: int
+    stale_reason: str
+    awaiting_snapshot: bool
+    def __init__(self, worker_id: _Optional[str] = ..., blocks: _Optional[int] = ..., stale_reason: _Optional[str] = ..., awaiting_snapshot: _Optional[bool] = ...) -> None: ...
 
 class LearningStats(_message.Message):
     __slots__ = ("mode", "replica", "applied_revision", "applied_outcomes", "pending_outcomes", "dropped_outcomes", "loaded_snapshot_revision", "written_snapshot_revision", "leading", "missed_batches")

@@ -1,0 +1,343 @@
+"""`kvshuttle bench-gateway`: the gateway's own streaming capacity. Every generated token goes through one Python
+gateway process (gRPC in from vLLM, parse, detokenize, SSE out); this drives the real ``kvshuttle gateway`` process
+(planner in-process, records on) against fake prefill and decode engines that serve vLLM's gRPC API and stream
+tokens at a set rate per stream with no model (services/devtools/bench/fake_engine.py, each in its own process), on
+a real etcd and session registry, and measures:
+
+* streamed tokens per second per gateway core: tokens delivered to the clients / the gateway process's CPU seconds
+  (utime + stime from /proc) over the same interval;
+* the inter-token delay the clients see (p50 / p99 over every gap of every stream), and whether the level's streams
+  are held under ``--itl-bound-ms`` at p99;
+
+at each concurrency level (``--streams``), with the answer parsers off (no tools, no reasoning parser) and on
+(``--tool-call-parser`` + ``--reasoning-parser`` on the gateway, ``tools`` in every request). Every stream's text is
+checked against the detokenized token ids the fake engine sent. Writes ``gateway.json`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvshuttle.services.commands.gateway import PROFILE_ENV, UVLOOP_ENV
+from kvshuttle.services.common.config import load, require, setting
+from kvshuttle.services.common.processes import ChildProcess
+from kvshuttle.services.devtools.server_process import free_port
+
+log = logging.getLogger("kvshuttle.bench.gateway")
+REPO = Path(__file__).resolve().parents[3]
+TEXT = ("The quick brown fox jumps over the lazy dog while the five boxing wizards jump quickly, and every "
+        "sentence keeps going with plain words so that each token decodes to ordinary text. ")
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+
+
+@dataclasses.dataclass
+class GatewayBenchConfig:
+    """The gateway's streaming capacity against fake engines (no vLLM)."""
+
+    ENV_PREFIX = "KVSHUTTLE_BENCH_GATEWAY_"
+    streams: str = setting("1,64,512", "Concurrent streams per level, comma-separated")
+    tokens: int = setting(256, "Tokens per stream (max_tokens)")
+    interval_ms: float = setting(20.0, "The fake decode engine's delay between a stream's tokens (0: as fast as read)")
+    modes: str = setting("off,on", "Answer parsers: off (no tools, no reasoning parser), on (tools in each request, "
+                                   "--tool-call-parser and --reasoning-parser on the gateway), comma-separated")
+    loops: str = setting("asyncio", "The gateway's event loop(s), comma-separated: asyncio (the gateway's default), "
+                                    "uvloop (KVSHUTTLE_GATEWAY_UVLOOP=1): both measure one against the other in one run")
+    tool_call_parser: str = setting("hermes", "The gateway's --tool-call-parser in mode on")
+    reasoning_parser: str = setting("qwen3", "The gateway's --reasoning-parser in mode on")
+    itl_bound_ms: float = setting(50.0, "The p99 inter-token delay a level's streams must stay under")
+    model_dir: str = setting("", "Model directory (tokenizer + chat template; default: the offline tiny-tools model, "
+                                 "built on first use)", env="KVSHUTTLE_MODEL_DIR")
+    gateway_args: str = setting("", "More `kvshuttle gateway` flags (space-separated)")
+    out: str = setting("", "Output directory for gateway.json and logs (default var/bench/gateway-<timestamp>)")
+    timeout_s: float = setting(300.0, "Deadline of one level")
+    profile: bool = setting(False, "cProfile each gateway process (the event loop's thread): <out>/gateway-<mode>.prof "
+                                   "and the top functions by own time in <out>/gateway-<mode>.prof.txt")
+    log_level: str = setting("WARNING", "Log level (also the gateway's)")
+
+    def validate(self) -> None:
+        for name, allowed in (("loops", ("asyncio", "uvloop")), ("modes", ("off", "on"))):
+            values = [v.strip() for v in getattr(self, name).split(",") if v.strip()]
+            require(bool(values) and all(v in allowed for v in values),
+                    f"--{name} takes {' or '.join(allowed)}, comma-separated; got {getattr(self, name)!r}")
+        try:
+            levels = [int(v) for v in self.streams.split(",") if v.strip()]
+        except ValueError:
+            levels = []
+        require(bool(levels) and all(n >= 1 for n in levels), "--streams takes stream counts >= 1, comma-separated")
+        require(self.tokens >= 1 and self.interval_ms >= 0 and self.timeout_s > 0,
+                "--tokens >= 1, --interval-ms >= 0, --timeout-s > 0")
+
+
+def _model_dir(cfg: GatewayBenchConfig) -> Path:
+    if cfg.model_dir:
+        return Path(cfg.model_dir).resolve()
+    from kvshuttle.workers.model_builder import TINY_TOOLS, build_model
+
+    path = REPO / "var" / "models" / TINY_TOOLS
+    build_model(path, TINY_TOOLS)  # a no-op when already complete
+    return path
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+class Services:
+    """etcd, the registry (in this process), the fake P and D engines (own processes), and a gateway process."""
+
+    def __init__(self, cfg: GatewayBenchConfig, work: Path, model_dir: Path, token_ids: list[int]):
+        self.cfg, self.work, self.model_dir, self.token_ids = cfg, work, model_dir, token_ids
+        self.etcd = None
+        self.registry = None
+        self.engines: dict[str, tuple[ChildProcess, str]] = {}
+        self.children: list[ChildProcess] = []
+
+    async def start(self) -> None:
+        from kvshuttle.services.devtools.etcd_process import EtcdProcess
+        from kvshuttle.services.registry.server import RegistryConfig, serve
+
+        self.etcd = EtcdProcess(data_dir=self.work / "etcd")
+        await self.etcd.astart()
+        self.registry = await serve(RegistryConfig(listen="127.0.0.1:0", etcd_endpoints=self.etcd.endpoints,
+                                                   key_prefix="/bench-gateway/"))
+        for role in ("prefill", "decode"):
+            port = free_port()
+            child = ChildProcess(f"fake-{role}", [sys.executable, "-m", "kvshuttle.services.devtools.bench.fake_engine",
+                                                  "--port", str(port), "--engine-id", f"engine-{role}",
+                                                  "--interval-ms", str(self.cfg.interval_ms if role == "decode" else 0),
+                                                  "--tokens", ",".join(map(str, self.token_ids)),
+                                                  "--offset", "1" if role == "decode" else "0"],
+                                 self.work / f"fake-{role}.log", cwd=REPO)
+            await child.start()
+            self.children.append(child)
+            self.engines[role] = (child, f"127.0.0.1:{port}")
+        await self._register()
+
+    async def _register(self) -> None:
+        import grpc
+        from kvshuttle.services.common.grpc_server import client_channel
+        from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+
+        channel = client_channel(self.registry.address)
+        stub = registry_pb2_grpc.SessionRegistryStub(channel)
+        deadline = time.monotonic() + 30
+        for role, (_, address) in self.engines.items():
+            from grpc_health.v1 import health_pb2, health_pb2_grpc
+            async with grpc.aio.insecure_channel(address) as ch:  # the engine is up
+                while True:
+                    try:
+                        await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
+                        break
+                    except grpc.aio.AioRpcError:
+                        if time.monotonic() > deadline:
+                            raise TimeoutError(f"fake {role} engine did not start") from None
+                        await asyncio.sleep(0.2)
+            port = int(address.rsplit(":", 1)[1])
+            worker = common_pb2.Worker(
+                worker_id=f"{role}-0", engine_id=f"engine-{role}", grpc_address=address,
+                role=common_pb2.WORKER_ROLE_PREFILL if role == "prefill" else common_pb2.WORKER_ROLE_DECODE,
+                nixl_host="127.0.0.1", nixl_port=port + 1, block_size=16, kv_blocks_ttl_s=480, model="tiny")
+            await stub.RegisterWorker(registry_pb2.RegisterWorkerRequest(worker=worker, lease_ttl_s=3600))
+        await channel.close()
+
+    async def gateway(self, name: str, *flags: str, uvloop: bool = False) -> tuple[ChildProcess, str]:
+        import httpx
+
+        http = free_port()
+        child = ChildProcess(name, [sys.executable, "-m", "kvshuttle.services.commands", "gateway",
+                                    "--http-listen", f"127.0.0.1:{http}", "--grpc-listen", f"127.0.0.1:{free_port()}",
+                                    "--registry", self.registry.address, "--scheduler", "local",
+                                    "--model-dir", str(self.model_dir), "--max-model-len", "4096",
+                                    "--log-level", self.cfg.log_level, *flags, *self.cfg.gateway_args.split()],
+                             self.work / f"{name}.log", cwd=REPO,
+                             env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                                  UVLOOP_ENV: "1" if uvloop else "0",
+                                  PROFILE_ENV: str(self.work / f"{name}.prof") if self.cfg.profile else None})
+        await child.start()
+        self.children.append(child)
+        base, deadline = f"http://127.0.0.1:{http}", time.monotonic() + 120
+        async with httpx.AsyncClient(base_url=base, timeout=5) as client:
+            while True:
+                if child.returncode is not None:
+                    raise RuntimeError(f"{name} exited ({child.returncode}):\n{child.log_tail(30)}")
+                try:
+                    if (await client.get("/health")).status_code == 200:
+                        return child, base
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{name} did not answer /health:\n{child.log_tail(30)}")
+                await asyncio.sleep(0.3)
+
+    async def stop(self) -> None:
+        for child in reversed(self.children):
+            await child.stop()
+        if self.registry is not None:
+            await self.registry.stop(grace=0.5)
+        if self.etcd is not None:
+            await self.etcd.astop()
+
+
+async def _stream(client, body: dict, gaps: list[float]) -> tuple[str, int]:
+    """One streamed chat answer: its text (content + reasoning + tool-call arguments) and completion tokens; each
+    gap between two chunks that carried text goes to ``gaps`` (seconds)."""
+    parts, usage, last = [], 0, None
+    async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]["completion_tokens"]
+            for choice in chunk.get("choices") or ():
+                delta = choice.get("delta") or {}
+                text = (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+                for call in delta.get("tool_calls") or ():
+                    text += (call.get("function") or {}).get("arguments") or ""
+                if text:
+                    now = time.perf_counter()
+                    if last is not None:
+                        gaps.append(now - last)
+                    last = now
+                    parts.append(text)
+    return "".join(parts), usage
+
+
+async def run_level(base: str, pid: int, streams: int, cfg: GatewayBenchConfig, tools: bool, expected: str) -> dict:
+    import httpx
+
+    limits = httpx.Limits(max_connections=streams + 8, max_keepalive_connections=streams + 8)
+    gaps: list[float] = []
+    async with httpx.AsyncClient(base_url=base, timeout=cfg.timeout_s, limits=limits) as client:
+        def body(i: int) -> dict:
+            b = {"messages": [{"role": "user", "content": f"Stream {i}: tell me a story."}],
+                 "max_tokens": cfg.tokens, "stream": True, "stream_options": {"include_usage": True},
+                 "temperature": 0}
+            if tools:
+                b["tools"] = TOOLS
+            return b
+
+        await asyncio.gather(*(_stream(client, body(-1 - i), []) for i in range(min(streams, 8))))  # warm-up
+        cpu0, t0 = _cpu_s(pid), time.perf_counter()
+        results = await asyncio.wait_for(asyncio.gather(*(_stream(client, body(i), gaps) for i in range(streams))),
+                                         cfg.timeout_s)
+        wall, cpu = time.perf_counter() - t0, _cpu_s(pid) - cpu0
+    tokens = sum(n for _, n in results)
+    complete = sum(1 for text, n in results if n == cfg.tokens and text == expected)
+    if complete < streams:
+        log.warning("incomplete stream: %r (%d tokens) != %r", results[0][0][:120], results[0][1], expected[:120])
+    p99 = _pct(gaps, 0.99) * 1000
+    return {"streams": streams, "tools_and_reasoning": tools, "tokens": tokens, "complete_streams": complete,
+            "wall_s": round(wall, 3), "gateway_cpu_s": round(cpu, 3),
+            "tokens_per_s": round(tokens / wall, 1), "gateway_cores": round(cpu / wall, 3),
+            "tokens_per_core_s": round(tokens / cpu, 1) if cpu else None,
+            "cores_per_10k_tokens_s": round(cpu / wall / (tokens / wall) * 10000, 3) if tokens else None,
+            "itl_p50_ms": round(_pct(gaps, 0.5) * 1000, 2), "itl_p99_ms": round(p99, 2),
+            "held_under_bound": p99 < cfg.itl_bound_ms and complete == streams}
+
+
+def _profile_text(path: Path, top: int = 40) -> None:
+    import io
+    import pstats
+
+    if not path.exists():
+        log.warning("no profile at %s (the gateway did not exit cleanly)", path)
+        return
+    buf = io.StringIO()
+    pstats.Stats(str(path), stream=buf).sort_stats("tottime").print_stats(top)
+    Path(f"{path}.txt").write_text(buf.getvalue())
+
+
+def smg_status() -> str:
+    smg = REPO / ".smg" / "bin" / "smg"
+    return "installed (not driven by this version of bench-gateway)" if smg.exists() else "not installed"
+
+
+async def run_benchmark(cfg: GatewayBenchConfig, emit=print) -> tuple[dict, Path]:
+    from transformers import AutoTokenizer
+
+    out = Path(cfg.out or REPO / "var" / "bench" / f"gateway-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    model_dir = _model_dir(cfg)
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    token_ids = tok.encode(TEXT, add_special_tokens=False)
+    expected_ids = [token_ids[i % len(token_ids)] for i in range(cfg.tokens)]
+    expected = tok.decode(expected_ids)
+    levels = [int(s) for s in cfg.streams.split(",") if s.strip()]
+    modes = [m.strip() for m in cfg.modes.split(",") if m.strip()]
+    services = Services(cfg, out, model_dir, token_ids)
+    rows = []
+    try:
+        await services.start()
+        for loop in [x.strip() for x in cfg.loops.split(",") if x.strip()]:
+            for mode in modes:
+                flags = (["--tool-call-parser", cfg.tool_call_parser, "--reasoning-parser", cfg.reasoning_parser]
+                         if mode == "on" else [])
+                name = f"gateway-{mode}-{loop}"
+                child, base = await services.gateway(name, *flags, uvloop=loop == "uvloop")
+                try:
+                    for streams in levels:
+                        row = {"loop": loop, **await run_level(base, child.pid, streams, cfg, mode == "on", expected)}
+                        emit(json.dumps(row))
+                        rows.append(row)
+                finally:
+                    await child.stop()
+                    services.children.remove(child)
+                if cfg.profile:
+                    _profile_text(out / f"{name}.prof")
+    finally:
+        await services.stop()
+    report = {"config": {k: getattr(cfg, k) for k in ("streams", "tokens", "interval_ms", "modes", "loops",
+                                                    "itl_bound_ms")},
+              "host": {"cpus": os.cpu_count(), "loadavg": os.getloadavg()}, "kvshuttle": rows, "smg": smg_status()}
+    (out / "gateway.json").write_text(json.dumps(report, indent=2))
+    emit(table(report))
+    return report, out
+
+
+def table(report: dict) -> str:
+    lines = [f"{'loop':>7} {'parsers':>7} {'streams':>7} {'tok/s':>9} {'gw cores':>8} {'tok/s/core':>10} {'cores/10k':>9} "
+             f"{'itl p50':>7} {'itl p99':>7} {'held':>5} {'complete':>8}"]
+    for r in report["kvshuttle"]:
+        lines.append(f"{r['loop']:>7} {'on' if r['tools_and_reasoning'] else 'off':>7} {r['streams']:>7} {r['tokens_per_s']:>9} "
+                     f"{r['gateway_cores']:>8} {r['tokens_per_core_s']:>10} {r['cores_per_10k_tokens_s']:>9} "
+                     f"{r['itl_p50_ms']:>7} {r['itl_p99_ms']:>7} {str(r['held_under_bound']):>5} "
+                     f"{r['complete_streams']:>4}/{r['streams']}")
+    lines.append(f"smg: {report['smg']}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    cfg = load(GatewayBenchConfig, argv, prog="kvshuttle bench-gateway")
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    try:
+        asyncio.run(run_benchmark(cfg))
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+
+
+if __name__ == "__main__":
+    main()
