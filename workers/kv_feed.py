@@ -74,8 +74,15 @@ class KvFeedAgent:
                         self._arrived.set()
                         delay = self.retry_s
                 except EngineError as exc:
-                    log.log(logging.DEBUG if self.subscriptions == 1 else logging.WARNING,
-                            "KV event stream from the engine broke (%s); resubscribing", exc)
+                    log.warning("KV event stream from the engine broke (%s); resubscribing", exc)
+                except asyncio.CancelledError:
+                    task = asyncio.current_task()
+                    if task is not None and task.cancelling():
+                        raise  # this agent is stopping
+                    # grpc.aio raises CancelledError when the server cancels the stream: resubscribe
+                    log.warning("KV event stream cancelled by the engine's server; resubscribing")
+                except Exception:  # noqa: BLE001 - never stop following the engine's events
+                    log.exception("KV event stream failed; resubscribing")
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
         finally:
@@ -84,6 +91,16 @@ class KvFeedAgent:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _entries(self) -> None:
+        while True:
+            try:
+                await self._entries_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - a failed entry must not stop the next ones
+                log.exception("publishing KV events failed; continuing")
+                await asyncio.sleep(self.retry_s)
+
+    async def _entries_once(self) -> None:
         while True:
             await self._arrived.wait()
             if self.coalesce_s > 0:

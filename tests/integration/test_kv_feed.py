@@ -34,6 +34,8 @@ class Engine:
         self.subscriptions += 1
         yield EventBatch(ts=0.0, events=(AllBlocksCleared(),))  # the relay's snapshot starts with a clear
         while (batch := await self.queue.get()) is not None:
+            if batch == "cancel":  # grpc.aio raises CancelledError when the server cancels the stream
+                raise asyncio.CancelledError
             yield batch
         raise EngineError(None, "stream broke")
 
@@ -104,6 +106,8 @@ async def test_readers_early_late_and_behind_all_end_with_the_workers_view(redis
         # the engine's stream breaks: the agent resubscribes, the relay's snapshot (a clear, then the cache) follows
         await engine.queue.put(None)
         await until(lambda: engine.subscriptions == 2, 5, "a resubscription")
+        await engine.queue.put("cancel")  # the server cancels the stream: the agent resubscribes too
+        await until(lambda: engine.subscriptions == 3, 5, "a resubscription after a cancelled stream")
         await put(engine, stored(400))
         await until(lambda: set(late_index.held(W)) == {400}, 5, "the clear and the new block")
         assert agent.published_failures == 0
