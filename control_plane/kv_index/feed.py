@@ -22,7 +22,7 @@ Rules, per worker:
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvshuttle.control_plane.kv_index.events import EventBatch
 from kvshuttle.control_plane.kv_index.index import KvIndex
@@ -44,7 +44,6 @@ class FeedStats:
     resyncs: int = 0  # snapshots applied
     stale_snapshots: int = 0  # snapshots too old to close a break
     epochs: int = 0  # new epochs seen (agent starts)
-    by_worker_breaks: dict[str, int] = field(default_factory=dict)
 
 
 class FeedFollower:
@@ -83,7 +82,6 @@ class FeedFollower:
     def _break(self, worker_id: str, follow: _Follow, seq: int) -> None:
         """Entries before ``seq`` are missing: restart the view empty (under-stating) and keep what follows."""
         self.stats.breaks += 1
-        self.stats.by_worker_breaks[worker_id] = self.stats.by_worker_breaks.get(worker_id, 0) + 1
         self.index.resync(worker_id)
         if follow.kept is None:
             follow.kept, follow.dropped = deque(), 0

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 
 import redis.asyncio as aioredis
 from google.protobuf.message import DecodeError
@@ -76,21 +75,18 @@ class KvFeedPublisher:
 
 class KvFeedReader:
     """A planner's side: follows the stream into ``follower`` (its index) from a background task; ``start`` /
-    ``await stop``. ``wanted(worker_id)``: whether a worker's entries are wanted (a registered prefill worker; None:
-    all). Workers awaiting a snapshot are re-read every ``snapshot_retry_s``. Never raises: Redis failures are
+    ``await stop``. Workers awaiting a snapshot are re-read every ``snapshot_retry_s``. Never raises: Redis failures are
     retried with backoff (the index keeps its last state meanwhile; ``connected`` says whether the last read
     worked)."""
 
     def __init__(self, url: str, key_prefix: str, follower: FeedFollower, *, block_ms: int = 1000,
-                 count: int = 1000, snapshot_retry_s: float = 1.0,
-                 wanted: Callable[[str], bool] | None = None):
+                 count: int = 1000, snapshot_retry_s: float = 1.0):
         self._redis = aioredis.from_url(url, socket_timeout=block_ms / 1000 + 5, socket_connect_timeout=5)
         self.prefix = normalized_prefix(key_prefix)
         self.stream = self.prefix + STREAM
         self.follower = follower
         self.block_ms, self.count = block_ms, count
         self.snapshot_retry_s = snapshot_retry_s
-        self.wanted = wanted
         self.last_id = ""
         self.connected = False
         self.entries = 0  # entries read
@@ -150,8 +146,6 @@ class KvFeedReader:
 
     async def _apply_snapshot(self, worker: str) -> str | None:
         """Read and offer ``worker``'s snapshot to the follower; its stream id when it was applied."""
-        if self.wanted is not None and not self.wanted(worker):
-            return None
         raw = await self._redis.hgetall(self.prefix + SNAPSHOT + worker)
         if not raw or b"b" not in raw:
             return None
@@ -180,8 +174,6 @@ class KvFeedReader:
             entry = kv_feed_pb2.KvFeedBatch.FromString(payload)
             if not entry.worker_id:
                 raise BadFeedEntry("an entry that names no worker")
-            if self.wanted is not None and not self.wanted(entry.worker_id):
-                return
             batch = from_feed(entry)
         except (BadFeedEntry, DecodeError, ValueError) as exc:
             self.bad_entries += 1
