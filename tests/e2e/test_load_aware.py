@@ -30,7 +30,6 @@ from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_
 from tests.support.e2e import (
     EXTRA_STARTUP_TIMEOUT_S,
     chat,
-    flush_prefill,
     new_session,
     start_prefill_worker,
     user_turn,
@@ -292,15 +291,15 @@ async def test_first_turns_land_on_the_prefill_worker_that_caches_their_prefix(s
 
     prefill_ids = sorted(w.worker_id for w in stack.workers if w.role == common_pb2.WORKER_ROLE_PREFILL)
     prefill_ids.append(extra.name)
-    await flush_prefill(stack)
     sched_channel = stack.channel(stack.scheduler_address)
     scheduler = scheduler_pb2_grpc.TransferSchedulerStub(sched_channel)
     try:
         await until(lambda: scheduler_sees(scheduler, extra.name, lambda row: row.reachable), 30,
                     f"the scheduler to see {extra.name}")
+        addresses = {w.worker_id: w.grpc_address for w in stack.workers} | {extra.name: extra.worker.grpc_address}
+        await index_shows_flushed(scheduler, {w: addresses[w] for w in prefill_ids})
         holder: dict[int, str] = {}
         checked = 0
-        addresses = {w.worker_id: w.grpc_address for w in stack.workers} | {extra.name: extra.worker.grpc_address}
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=300) as client:
             for n in range(2):
                 background = None
@@ -352,6 +351,27 @@ async def test_first_turns_land_on_the_prefill_worker_that_caches_their_prefix(s
         assert checked == len(holder) >= 2
     finally:
         await sched_channel.close()
+
+
+async def index_shows_flushed(scheduler, addresses: dict[str, str]) -> None:
+    """Flush each prefill worker's prefix cache and wait until the scheduler's index shows it empty. vLLM publishes KV
+    events only when its engine steps, so the ``AllBlocksCleared`` of a flush on an idle engine waits for its next
+    request: each worker gets one prompt shorter than a block (it stores no block) to step once."""
+    from kvshuttle.services.engine.client import EngineClient
+
+    for worker_id, address in addresses.items():
+        client = EngineClient(address, timeout_s=60)
+        try:
+            await until(client.flush_cache, 40, f"{worker_id} to accept FlushCache", interval_s=0.5)
+            async for _ in client.generate(f"index-settle-{worker_id}", [11, 12, 13, 14], max_tokens=1, stream=False):
+                pass
+        finally:
+            await client.close()
+        await until(lambda: _blocks_of(scheduler, worker_id, 0), 15, f"the index to show {worker_id} flushed")
+
+
+async def _blocks_of(scheduler, worker_id: str, blocks: int) -> bool:
+    return (await index_blocks(scheduler)).get(worker_id, 0) == blocks
 
 
 async def _grew(scheduler, before: dict[str, int], worker_id: str) -> bool:

@@ -52,6 +52,8 @@ class TurnTap:
         self.client = httpx.AsyncClient(base_url=upstream, timeout=600)
         self.lock = asyncio.Lock()
         self.turns: list[TappedTurn] = []
+        self._finishing: set[asyncio.Task] = set()
+        self.errors: list[BaseException] = []
         self.server = HttpServer(Starlette(routes=[
             Route("/{path:path}", self.forward, methods=["GET", "POST", "DELETE"])]), "127.0.0.1:0")
         self.base_url = f"http://{self.server.address}"
@@ -63,9 +65,22 @@ class TurnTap:
         return self
 
     async def __aexit__(self, *exc) -> None:
-        await self.server.stop()
-        await self.client.aclose()
-        await self._channel.close()
+        try:
+            if exc[0] is None:
+                await self.settled()
+        finally:
+            await self.server.stop()
+            await self.client.aclose()
+            await self._channel.close()
+
+    async def settled(self, timeout_s: float = 300.0) -> list[TappedTurn]:
+        """The turns, once the one in flight is noted: a client has its answer before the tap has noted the turn."""
+        await asyncio.wait_for(self.lock.acquire(), timeout_s)
+        self.lock.release()
+        await asyncio.gather(*self._finishing, return_exceptions=True)
+        if self.errors:
+            raise RuntimeError(f"the tap could not note a turn: {self.errors[0]!r}") from self.errors[0]
+        return self.turns
 
     async def forward(self, request: Request):
         body = await request.body()
@@ -82,16 +97,36 @@ class TurnTap:
             raise
 
         async def relay():
+            complete = False
             try:
                 async for chunk in upstream.aiter_raw():
                     yield chunk
-                await upstream.aclose()
-                await self._note(request.url.path, upstream, before)
+                complete = True
             finally:
-                self.lock.release()
+                # A client may hang up as soon as it has the last chunk (the server then cancels this generator): the
+                # turn is noted anyway, by a task of its own, which __aexit__ waits for.
+                task = asyncio.create_task(self._finish(request.url.path, upstream, before, complete))
+                self._finishing.add(task)
+                task.add_done_callback(self._finishing.discard)
 
         headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS}
         return StreamingResponse(relay(), status_code=upstream.status_code, headers=headers)
+
+    async def _finish(self, path: str, upstream: httpx.Response, before: dict[str, float], complete: bool) -> None:
+        try:
+            if not complete:  # the client left early: the gateway still ends (and records) the turn
+                try:
+                    async for _ in upstream.aiter_raw():
+                        pass
+                except httpx.HTTPError:
+                    pass
+            await upstream.aclose()
+            await self._note(path, upstream, before)
+        except BaseException as e:
+            self.errors.append(e)
+            raise
+        finally:
+            self.lock.release()
 
     async def _note(self, path: str, resp: httpx.Response, before: dict[str, float]) -> None:
         h = resp.headers

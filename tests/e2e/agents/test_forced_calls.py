@@ -141,6 +141,7 @@ async def test_a_forced_call_echoed_back_re_renders_and_the_next_turn_pulls(fami
         named = await client.chat.completions.create(
             messages=messages, tool_choice={"type": "function", "function": {"name": "pick_city"}},
             max_tokens=FORCED_MAX_TOKENS, **args)
+        await tap.settled()
         assert not (why := _forced_ok(named, named=True)), \
             f"named: {why}; written {_written(tokenizer, tap.turns[0])!r}"
         messages += _echo(named)
@@ -148,6 +149,7 @@ async def test_a_forced_call_echoed_back_re_renders_and_the_next_turn_pulls(fami
         required = await client.chat.completions.create(messages=messages, tool_choice="required",
                                                         parallel_tool_calls=family in PARALLEL,
                                                         max_tokens=FORCED_MAX_TOKENS, **args)
+        await tap.settled()
         assert not (why := _forced_ok(required, named=False)), \
             f"required: {why}; written {_written(tokenizer, tap.turns[1])!r}"
         messages += _echo(required)
