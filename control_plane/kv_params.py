@@ -14,9 +14,25 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+# The key kvshuttle's vLLM plugin adds to the kv_transfer_params a prefill worker returns: the prompt tokens it
+# loaded over NIXL for the request (workers/vllm_loaded_tokens.py). vLLM itself reports only their sum with the
+# tokens its own prefix cache held (``cached_tokens``).
+LOADED_TOKENS_KEY = "kvshuttle_loaded_tokens"
+
 
 class HandleError(ValueError):
     """A kv_transfer_params dict that is not a usable decode-side handle."""
+
+
+def take_loaded_tokens(params: dict[str, Any] | None, cached_tokens: int) -> int | None:
+    """Remove ``LOADED_TOKENS_KEY`` from P's returned ``params`` (they go on to D without it); the tokens P loaded
+    over NIXL, within ``0..cached_tokens``; None when P did not say (a worker without kvshuttle's plugin)."""
+    if not params or LOADED_TOKENS_KEY not in params:
+        return None
+    raw = params.pop(LOADED_TOKENS_KEY)
+    if isinstance(raw, bool) or not isinstance(raw, int):
+        return None
+    return max(0, min(raw, cached_tokens))
 
 
 def prefill_request_params() -> dict[str, Any]:

@@ -28,8 +28,10 @@ from kvshuttle.services.common.telemetry import setup_tracing, shutdown_tracing
 from kvshuttle.services.common.tls import ClientTls
 from kvshuttle.services.engine.client import EngineClient, EngineError, ServerInfo, fast_reconnect_channel
 from kvshuttle.services.store.kv_feed import KvFeedPublisher
+from kvshuttle.services.store.load_feed import LoadFeedPublisher
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 from kvshuttle.workers.kv_feed import KvFeedAgent
+from kvshuttle.workers.load_feed import LoadFeedAgent
 from kvshuttle.workers.vllm_process import VllmProcess, WorkerConfig, vllm_command
 
 log = logging.getLogger("kvshuttle.worker")
@@ -167,6 +169,7 @@ class Agent:
         self._started = time.monotonic()
         self.metrics = None  # the metrics endpoint (--metrics-listen), once vLLM's metrics directory exists
         self.kv_feed: KvFeedAgent | None = None  # with --kv-feed on a prefill worker, once the engine is up
+        self.load_feed: LoadFeedAgent | None = None  # with --kv-feed, once the engine is up
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -182,6 +185,7 @@ class Agent:
         status = 0
         link_task: asyncio.Task | None = None
         feed_task: asyncio.Task | None = None
+        load_task: asyncio.Task | None = None
         try:
             await self.process.start()
             log.info("started vLLM (%s, pid %s) for %s on %s; log %s", self.cfg.role, self.process.pid,
@@ -194,6 +198,9 @@ class Agent:
             if self.cfg.kv_events:
                 self.kv_feed = self._kv_feed_agent()
                 feed_task = asyncio.create_task(self.kv_feed.run(), name="kv-feed")
+            if self.cfg.load_feed:
+                self.load_feed = self._load_feed_agent()
+                load_task = asyncio.create_task(self.load_feed.run(), name="load-feed")
             self.link = RegistryLink(self.cfg.registry, self._worker_record(), self.cfg.lease_ttl_s,
                                      on_registered=self._announce, tls=self.cfg.client_tls())
             metrics.WORKER_STATE.register(self.link.metrics_state)
@@ -206,7 +213,7 @@ class Agent:
             log.error("%s\n--- vLLM log tail ---\n%s", exc, self.process.log_tail())
             status = 1
         finally:
-            for task in (link_task, feed_task):
+            for task in (link_task, feed_task, load_task):
                 if task is not None:
                     task.cancel()
                     await asyncio.gather(task, return_exceptions=True)
@@ -215,6 +222,8 @@ class Agent:
                 await self.link.close()
             if self.kv_feed is not None:
                 await self.kv_feed.close()
+            if self.load_feed is not None:
+                await self.load_feed.close()
             code = await self.process.stop()
             log.info("vLLM stopped (exit %s); agent exits %d", code, status)
             await self.engine.close()
@@ -290,7 +299,8 @@ class Agent:
             nixl_host=cfg.nixl_host, nixl_port=cfg.nixl_port, block_size=info.block_size,
             kv_blocks_ttl_s=cfg.decoder_kv_blocks_ttl, model=cfg.model_name,
             kv_bytes_per_token=_kv_bytes_per_token(cfg.model, info.model_dtype),
-            prefix_hash_algo=cfg.prefix_hash_algo, prefix_hash_seed=cfg.prefix_hash_seed, kv_events=cfg.kv_events)
+            prefix_hash_algo=cfg.prefix_hash_algo, prefix_hash_seed=cfg.prefix_hash_seed, kv_events=cfg.kv_events,
+            load_feed=cfg.load_feed)
 
     def _kv_feed_agent(self) -> KvFeedAgent:
         """The one subscriber to this worker's KV events, publishing them to the feed (workers/kv_feed.py)."""
@@ -300,6 +310,15 @@ class Agent:
         log.info("publishing this worker's KV events to the KV feed at %s", cfg.kv_feed)
         return KvFeedAgent(cfg.id, engine, publisher, cfg.prefix_hash_scheme(self.info.block_size),
                            snapshot_interval_s=cfg.kv_feed_snapshot_s, ttl_s=max(60.0, 6 * cfg.kv_feed_snapshot_s))
+
+    def _load_feed_agent(self) -> LoadFeedAgent:
+        """This worker's load samples, polled over loopback and published for the planners (workers/load_feed.py)."""
+        cfg = self.cfg
+        engine = EngineClient(cfg.local_grpc_address, timeout_s=5.0)
+        log.info("publishing this worker's load every %g s to the load feed at %s", cfg.load_feed_interval_s,
+                 cfg.kv_feed)
+        return LoadFeedAgent(cfg.id, engine, LoadFeedPublisher(cfg.kv_feed, cfg.kv_feed_key_prefix),
+                             interval_s=cfg.load_feed_interval_s)
 
     def _announce(self, resp: registry_pb2.RegisterWorkerResponse) -> None:
         if self.link.registrations != 1:

@@ -17,7 +17,8 @@ CPU) for one second before they sleep on a socket. On 2 cores, three engines doi
 the control plane waiting for a CPU; a few milliseconds of spinning keeps a busy engine's latency and frees the core
 when it is idle.
 
-Always: in the process that serves vLLM's gRPC API, ``VllmEngineServicer.Generate`` learns to take a per-request
+Always: a prefill worker's answer to a pull says how many prompt tokens it loaded over NIXL
+(workers/vllm_loaded_tokens.py). And in the process that serves vLLM's gRPC API, ``VllmEngineServicer.Generate`` learns to take a per-request
 prefix-cache salt from call metadata (workers/vllm_cache_salt.py: each tenant's own prefix cache). Calls without it
 run unchanged.
 """
@@ -110,8 +111,18 @@ def _install_cache_salts() -> None:
         log.exception("could not install per-request cache salts on vLLM's gRPC servicer")
 
 
+def _install_loaded_tokens() -> None:
+    try:
+        from kvshuttle.workers import vllm_loaded_tokens
+
+        vllm_loaded_tokens.install()
+    except Exception:  # noqa: BLE001 - never stop vLLM here: the gateway then reports what a pull could cover
+        log.exception("could not install the loaded-token count on vLLM's NIXL connector")
+
+
 def register() -> None:
     _install_cache_salts()
+    _install_loaded_tokens()
     if os.environ.get(DIE_ENV) == "1":
         tie_to_parent()
     spin_ms = _int_env(SPIN_ENV)

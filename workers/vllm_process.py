@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from kvshuttle.control_plane.kv_index import hashing
-from kvshuttle.services.common.config import TelemetryConfig, require, setting
+from kvshuttle.services.common.config import TelemetryConfig, require, require_effect, setting
 from kvshuttle.services.common.processes import ChildProcess
 from kvshuttle.services.common.tls import TlsClientConfig
 
@@ -59,6 +59,9 @@ class WorkerConfig(TelemetryConfig, TlsClientConfig):
         env="KVSHUTTLE_KV_FEED")
     kv_feed_key_prefix: str = setting("/kvshuttle/", "Key prefix of the KV feed in Redis (the planners' --key-prefix)",
                                       env="KVSHUTTLE_KV_FEED_KEY_PREFIX")
+    load_feed_interval_s: float = setting(
+        0.5, "With --kv-feed: seconds between this worker's load samples (its engine's GetLoads, polled by its agent "
+             "over loopback) published to the feed for the planners, which then need not poll it; 0: not published")
     kv_feed_snapshot_s: float = setting(5.0, "Seconds between the KV feed snapshots of this worker's cache (while it "
                                              "changes): how soon a planner that missed entries knows it again")
     decoder_kv_blocks_ttl: int = setting(480, "Seconds a decode worker keeps a finished turn's blocks")
@@ -119,6 +122,8 @@ class WorkerConfig(TelemetryConfig, TlsClientConfig):
         require(not self.kv_feed or self.kv_feed.startswith(("redis://", "rediss://", "unix://")),
                 "--kv-feed must be a redis://, rediss:// or unix:// URL")
         require(self.kv_feed_snapshot_s > 0, "--kv-feed-snapshot-s must be > 0")
+        require(self.load_feed_interval_s >= 0, "--load-feed-interval-s must be >= 0")
+        require_effect(self, "load_feed_interval_s", bool(self.kv_feed), "without --kv-feed")
         require(self.kv_recompute_threshold >= 0, "--kv-recompute-threshold must be >= 0")
         require(self.kv_lease_duration_s >= 1 and self.decoder_kv_blocks_ttl >= 1, "KV lease and TTL must be >= 1 s")
         seed = self.prefix_hash_seed
@@ -133,6 +138,11 @@ class WorkerConfig(TelemetryConfig, TlsClientConfig):
     def kv_events(self) -> bool:
         """Whether this worker's vLLM publishes KV-cache events (a prefill worker with a KV feed)."""
         return bool(self.kv_feed) and self.role == "prefill"
+
+    @property
+    def load_feed(self) -> bool:
+        """Whether this worker's agent publishes its engine's load samples to the feed (any role)."""
+        return bool(self.kv_feed) and self.load_feed_interval_s > 0
 
     @property
     def public_host(self) -> str:

@@ -14,6 +14,13 @@ numbers are its scheduler's stats after the last engine step, so a request shows
 and the engine has stepped with it: a sample taken right after the note would clear a turn it does not count yet
 (a turn noted while a poll is in flight always stays pending until a later one).
 
+**The load feed** (``feed_url``: the KV feed's Redis): each worker's agent polls its own engine and publishes the
+samples to one stream (workers/load_feed.py), and the monitor reads that stream (services/store/load_feed.py)
+instead of polling. It polls only the workers whose samples have not arrived for ``FEED_STALE_INTERVALS`` of their
+interval (not publishing, their agent or its Redis path gone, or the feed down), so a dead worker is still found
+unreachable. A feed sample's poll time is the worker's clock, mapped onto this host's: the ``pending`` rule above
+assumes the two agree to well within ``pending_grace_s``.
+
 Failures are normal while a worker starts (registered before its first answer, or restarting): they are logged at
 debug level until the worker has answered once, then as a warning when it turns unreachable (at most once per
 ``LOG_EVERY_S``). The task never raises; a poll never blocks the event loop.
@@ -29,8 +36,10 @@ from collections import deque
 from collections.abc import Callable
 
 from kvshuttle.control_plane.load import WorkerLoad, parse_get_loads, smoothed
+from kvshuttle.control_plane.load_feed import FeedSample
 from kvshuttle.services.engine.client import EngineClient
 from kvshuttle.services.scheduler.worker_view import WorkerView
+from kvshuttle.services.store.load_feed import LoadFeedReader
 from kvshuttle.v1 import common_pb2
 from opentelemetry.instrumentation.utils import suppress_instrumentation
 
@@ -42,6 +51,10 @@ STARTUP_GRACE_S = 120.0
 PENDING_ORPHAN_S = 10.0
 # Notes no sample has cleared in this long are dropped (a worker that stopped answering keeps no unbounded list).
 PENDING_MAX_AGE_S = 30.0
+# A worker's feed samples count as stopped (it is polled instead) after this many of its intervals without one...
+FEED_STALE_INTERVALS = 4
+# ... and never sooner than this.
+FEED_STALE_MIN_S = 2.0
 
 
 @dataclasses.dataclass
@@ -57,6 +70,9 @@ class _Worker:
     in_flight: asyncio.Task | None = None
     last_logged: float = float("-inf")
     last_error: str = ""
+    source: str = ""  # where the last sample came from: "feed" or "poll"
+    fed_at: float = float("-inf")  # monotonic time the last feed sample arrived
+    feed_interval_s: float = 0.0
 
 
 class LoadMonitor:
@@ -69,7 +85,8 @@ class LoadMonitor:
     def __init__(self, workers: WorkerView, interval_s: float = 0.5, timeout_s: float = 1.0,
                  unreachable_after: int = 2, *, pending_grace_s: float = 0.25,
                  client_factory: Callable[[str, float], EngineClient] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, feed_url: str = "", feed_key_prefix: str = "/kvshuttle/",
+                 wall_clock: Callable[[], float] = time.time):
         if interval_s <= 0 or timeout_s <= 0 or unreachable_after < 1 or pending_grace_s < 0:
             raise ValueError("interval_s and timeout_s must be > 0, unreachable_after >= 1, pending_grace_s >= 0")
         self._view = workers
@@ -84,13 +101,19 @@ class LoadMonitor:
         self._pending: dict[str, deque[tuple[float, int]]] = {}
         self._task: asyncio.Task | None = None
         self._closing: set[asyncio.Task] = set()
+        self._wall_clock = wall_clock
+        self.feed = LoadFeedReader(feed_url, feed_key_prefix, self.on_feed_sample) if feed_url else None
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="load-monitor")
+        if self.feed is not None:
+            self.feed.start()
 
     async def stop(self) -> None:
+        if self.feed is not None:
+            await self.feed.stop()
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -135,6 +158,20 @@ class LoadMonitor:
             return None
         return w.sample is not None and w.failures < self.unreachable_after
 
+    def source(self, worker_id: str) -> str:
+        """Where ``worker_id``'s last sample came from ("feed", "poll"; "" before the first)."""
+        w = self._workers.get(worker_id)
+        return w.source if w is not None else ""
+
+    def fill_feed_stats(self, out) -> None:
+        """GetStats' ``load_feed`` (a ``scheduler_pb2.LoadFeedStats``); nothing without a feed."""
+        if self.feed is None:
+            return
+        now = self._clock()
+        out.following, out.samples, out.bad_entries = self.feed.connected, self.feed.samples, self.feed.bad_entries
+        fed = sum(1 for w in self._workers.values() if self._fed(w, now))
+        out.fed_workers, out.polled_workers = fed, len(self._workers) - fed
+
     def note_assigned(self, worker_id: str, tokens: int) -> None:
         """The scheduler has just sent a turn of ``tokens`` prompt tokens to this worker."""
         self._pending.setdefault(worker_id, deque()).append((self._clock(), max(0, int(tokens))))
@@ -162,8 +199,10 @@ class LoadMonitor:
             while True:
                 try:
                     self._sync()
-                    for worker_id in list(self._workers):
-                        self._launch(worker_id)
+                    now = self._clock()
+                    for worker_id, w in list(self._workers.items()):
+                        if not self._fed(w, now):
+                            self._launch(worker_id)
                 except asyncio.CancelledError:
                     raise
                 except Exception:  # never let the monitor die: the planning path would fall back to stale numbers
@@ -227,6 +266,11 @@ class LoadMonitor:
         w.in_flight = asyncio.create_task(self._poll(worker_id, w), name=f"load-poll-{worker_id}")
         return w.in_flight
 
+    def _fed(self, w: _Worker, now: float) -> bool:
+        """Whether ``w``'s load comes from the feed now (its samples arrive: it need not be polled)."""
+        return (self.feed is not None and self.feed.connected
+                and now - w.fed_at <= max(FEED_STALE_MIN_S, FEED_STALE_INTERVALS * w.feed_interval_s))
+
     async def _poll(self, worker_id: str, w: _Worker) -> None:
         sent = self._clock()
         try:
@@ -235,23 +279,42 @@ class LoadMonitor:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - any failure is "no answer this time"
-            self._failed(worker_id, w, exc)
-            return
-        finally:
             w.polls += 1
+            self._failed(worker_id, w, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+            return
+        w.polls += 1
         if self._workers.get(worker_id) is not w:
             return  # left the view while the poll was in flight
+        self._sampled(worker_id, w, sample, sent, "poll")
+
+    def on_feed_sample(self, sample: FeedSample) -> None:
+        """A sample from the load feed (the worker's agent polled its engine at ``sample.polled_at``)."""
+        w = self._workers.get(sample.worker_id)
+        if w is None:
+            return  # not in the view (yet): its next sample follows within its interval
+        now = self._clock()
+        sent = min(now, now - (self._wall_clock() - sample.polled_at))  # the worker's poll time, on this clock
+        if sent < w.sampled_at:
+            return  # older than what this replica has (a poll of its own overtook it)
+        w.fed_at, w.feed_interval_s = now, sample.interval_s
+        w.polls += 1
+        if sample.load is None:
+            self._failed(sample.worker_id, w, f"(its agent's poll) {sample.error}")
+        else:
+            self._sampled(sample.worker_id, w, sample.load, sent, "feed")
+
+    def _sampled(self, worker_id: str, w: _Worker, sample: WorkerLoad, sent: float, source: str) -> None:
         if w.failures >= self.unreachable_after and w.sample is not None and w.last_logged > w.sampled_at:
             log.info("worker %s answers load polls again (after %d failures)", worker_id, w.failures)
         w.previous = w.sample if w.failures == 0 else None
-        w.sample, w.sampled_at, w.failures = sample, sent, 0
+        w.sample, w.sampled_at, w.failures, w.source = sample, sent, 0, source
         notes = self._pending.get(worker_id)
         while notes and notes[0][0] + self.pending_grace_s <= sent:
             notes.popleft()
 
-    def _failed(self, worker_id: str, w: _Worker, exc: BaseException) -> None:
+    def _failed(self, worker_id: str, w: _Worker, error: str) -> None:
         w.failures += 1
-        w.last_error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        w.last_error = error
         now = self._clock()
         if w.sample is None:  # never answered: starting up (normal), or not a vLLM worker at all
             level = logging.WARNING if now - w.added_at > STARTUP_GRACE_S else logging.DEBUG

@@ -371,12 +371,15 @@ class PlanningService:
                 row.running, row.waiting, row.pending = load.running, load.waiting, load.pending
                 row.used_tokens, row.capacity_tokens = load.used_tokens, load.capacity_tokens
                 row.age_s, row.reachable = load.age_s, load.reachable
+                row.source = self.loads.source(worker_id)
         if self.kv is not None:
             out.kv_managed, out.kv_eviction_policy, out.kv_leading = True, self.kv.ranking.name, self.kv.leading
             self.kv.fill_stats(out)
         self.learning.fill_stats(out.learning)
         if self.prefix is not None:
             self.prefix.fill_stats(out.kv_index)
+        if self.loads is not None and self.loads.feed is not None:
+            self.loads.fill_feed_stats(out.load_feed)
         return out
 
 

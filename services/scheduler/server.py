@@ -75,8 +75,10 @@ class SchedulerConfig(TelemetryConfig, TlsConfig, EtcdSecurityConfig):
     load_timeout_s: float = setting(1.0, "Deadline of one GetLoads poll")
     kv_feed: str = setting("", "Redis URL of the KV feed the prefill workers publish their KV-cache events to "
                                "(their --kv-feed; keys under --key-prefix): the planner then knows which prompt "
-                               "blocks each prefill worker caches and routes turns to them; empty: it knows only "
-                               "which worker served each session's last turn", env="KVSHUTTLE_KV_FEED")
+                               "blocks each prefill worker caches and routes turns to them, and reads the workers' "
+                               "load samples there instead of polling each (it polls those whose samples stop); "
+                               "empty: it knows only which worker served each session's last turn, and polls every "
+                               "worker", env="KVSHUTTLE_KV_FEED")
     pull_threshold_tokens: int = setting(16, "threshold policy: fewest reusable tokens worth a pull")
     expiry_guard_s: float = setting(2.0, "Refuse a pull when the handle expires within this many seconds")
     registry_timeout_s: float = setting(2.0, "Deadline for each registry (or etcd) call on the planning path")
@@ -195,7 +197,8 @@ class SchedulerService:
         self.workers = WorkerView(registry)
         self.planner = cfg.make_planner()
         self.claims = self.make_claims(cfg, registry)
-        self.loads = (LoadMonitor(self.workers, cfg.load_poll_interval_s, cfg.load_timeout_s)
+        self.loads = (LoadMonitor(self.workers, cfg.load_poll_interval_s, cfg.load_timeout_s,
+                                  feed_url=cfg.kv_feed, feed_key_prefix=cfg.key_prefix)
                       if cfg.load_poll_interval_s > 0 else None)
         self.prefix = PrefixIndex(self.workers, cfg.kv_feed, cfg.key_prefix) if cfg.kv_feed else None
         self.kv = (KvManager(self.claims, self.workers, self.loads, self.planner.model, cfg.kv_limits(),

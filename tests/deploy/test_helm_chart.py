@@ -407,7 +407,7 @@ def expected_worker_flags(values: dict, role: str) -> list[str]:
         flags += ["--metrics-listen", f"0.0.0.0:{values['metrics']['port']}"]
     if values["tracing"]["enabled"] and values["tracing"]["vllm"]:
         flags += ["--vllm-otlp-traces-endpoint", values["tracing"]["otlpEndpoint"]]
-    if role == "prefill" and values["kvFeed"]["enabled"]:  # KVSHUTTLE_KV_FEED, KVSHUTTLE_KV_FEED_KEY_PREFIX
+    if values["kvFeed"]["enabled"]:  # KVSHUTTLE_KV_FEED, KVSHUTTLE_KV_FEED_KEY_PREFIX
         flags += ["--kv-feed", history_store_url(values), "--kv-feed-key-prefix", values["etcd"]["keyPrefix"]]
     settings = {**values["workers"]["settings"], **values[role].get("settings", {})}
     for key, value in settings.items():
@@ -557,7 +557,7 @@ def test_an_external_history_store_is_passed_through(pod_root):
             assert "KVSHUTTLE_HISTORY_STORE" not in env, command
 
 
-# --- the KV feed: prefill workers publish their KV events to the history store's Redis, the planners follow -------
+# --- the KV feed: prefill workers publish their KV events, every worker its load, to the history store's Redis ------
 
 def kv_feed_env(docs) -> dict[str, dict[str, dict]]:
     """component -> its containers' KVSHUTTLE_KV_FEED* env entries as rendered (value or valueFrom), every pod kind."""
@@ -594,10 +594,10 @@ def feed_configs(docs, root: Path) -> dict:
 
 @pytest.mark.parametrize("profile", PROFILE_IDS)
 def test_prefill_workers_publish_the_kv_feed_that_the_planners_follow(profile, pod_root):
-    """kvFeed is on by default: the prefill workers publish their vLLM's KV events to the history store's Redis, under
-    the planners' key prefix, and the scheduler replicas (and the gateways, when they plan in process) follow that
-    same stream; decode workers, the registry and a gateway that does not plan get none of it. Each process's own
-    config parses what the chart renders (the snapshot interval is a worker setting)."""
+    """kvFeed is on by default: the prefill workers publish their vLLM's KV events, and every worker its load samples,
+    to the history store's Redis, under the planners' key prefix, and the scheduler replicas (and the gateways, when
+    they plan in process) follow those streams; the registry and a gateway that does not plan get none of it. Each
+    process's own config parses what the chart renders (the snapshot interval is a worker setting)."""
     values = merged_values(profile)
     url = history_store_url(values)
     for plan_in_process in (False, True):
@@ -605,18 +605,19 @@ def test_prefill_workers_publish_the_kv_feed_that_the_planners_follow(profile, p
                         "prefill.settings.kv-feed-snapshot-s=2") if plan_in_process else rendered(profile)
         envs = kv_feed_env(docs)
         planners = ["scheduler"] + (["gateway"] if plan_in_process else [])
-        assert sorted(c for c, e in envs.items() if e) == sorted(["prefill", *planners]), (profile, envs)
-        assert set(envs["prefill"]) == {"KVSHUTTLE_KV_FEED", "KVSHUTTLE_KV_FEED_KEY_PREFIX"}
+        assert sorted(c for c, e in envs.items() if e) == sorted(["prefill", "decode", *planners]), (profile, envs)
+        assert set(envs["prefill"]) == set(envs["decode"]) == {"KVSHUTTLE_KV_FEED", "KVSHUTTLE_KV_FEED_KEY_PREFIX"}
         assert all(set(envs[p]) == {"KVSHUTTLE_KV_FEED"} for p in planners)  # their --key-prefix is the feed's
         cfgs = feed_configs(docs, pod_root)
         prefill, decode = cfgs["prefill"], cfgs["decode"]
-        assert prefill.kv_feed == url and prefill.kv_events, profile
-        assert not decode.kv_feed and not decode.kv_events, profile
+        assert prefill.kv_feed == url and prefill.kv_events and prefill.load_feed, profile
+        assert decode.kv_feed == url and not decode.kv_events and decode.load_feed, profile  # loads, no KV events
         assert prefill.kv_feed_snapshot_s == (2 if plan_in_process else WorkerConfig().kv_feed_snapshot_s)
         for planner in planners:
             cfg = cfgs[planner]
             assert cfg.kv_feed == url and cfg.history_store == url, (profile, planner)
-            assert cfg.key_prefix == prefill.kv_feed_key_prefix == values["etcd"]["keyPrefix"], (profile, planner)
+            assert cfg.key_prefix == prefill.kv_feed_key_prefix == decode.kv_feed_key_prefix \
+                == values["etcd"]["keyPrefix"], (profile, planner)
         assert "gateway" not in cfgs or plan_in_process
 
 
@@ -643,39 +644,40 @@ def test_the_kv_feed_uses_your_own_redis_from_its_url_or_secret(pod_root):
     docs = rendered("gpu-1p1d", "--set", "historyStore.bundled=false", "--set", f"historyStore.url={url}",
                     "--set", "gateway.planInProcess=true")
     cfgs = feed_configs(docs, pod_root)
-    assert {name: cfg.kv_feed for name, cfg in cfgs.items()} == {"prefill": url, "decode": "", "scheduler": url,
+    assert {name: cfg.kv_feed for name, cfg in cfgs.items()} == {"prefill": url, "decode": url, "scheduler": url,
                                                                  "gateway": url}
 
     docs = rendered("gpu-1p1d", "--set", "historyStore.bundled=false", "--set", "historyStore.urlSecret.name=redis-url",
                     "--set", "historyStore.urlSecret.key=redis", "--set", "gateway.planInProcess=true")
     from_secret = {"secretKeyRef": {"name": "redis-url", "key": "redis"}}
     envs = kv_feed_env(docs)
-    for component in ("prefill", "scheduler", "gateway"):
+    for component in ("prefill", "decode", "scheduler", "gateway"):
         assert envs[component]["KVSHUTTLE_KV_FEED"] == {"name": "KVSHUTTLE_KV_FEED", "valueFrom": from_secret}
     assert envs["prefill"]["KVSHUTTLE_KV_FEED_KEY_PREFIX"]["value"] == "/kvshuttle/"
-    assert not envs["decode"] and not envs["registry"]
+    assert envs["decode"]["KVSHUTTLE_KV_FEED_KEY_PREFIX"]["value"] == "/kvshuttle/"
+    assert not envs["registry"]
     for command, c in kvshuttle_containers(docs):
         if command != "worker":
             history = next(e for e in c["env"] if e["name"] == "KVSHUTTLE_HISTORY_STORE")
             assert history["valueFrom"] == from_secret, command
 
 
-def test_prefill_workers_reach_the_redis_only_with_the_kv_feed():
-    """The NetworkPolicy lets the prefill workers reach the history store's Redis (bundled: its pod; your own: its
-    port) while the KV feed is on, and not once it is off; decode workers never."""
+def test_workers_reach_the_redis_only_with_the_kv_feed():
+    """The NetworkPolicy lets the workers reach the history store's Redis (bundled: its pod; your own: its port)
+    while the KV feed is on (prefill workers publish KV events and loads, decode workers loads), and not once it is
+    off."""
     port = merged_values("gpu-1p1d")["historyStore"]["port"]
     on, _, _ = allowed_paths(rendered("gpu-1p1d"))
     off, _, _ = allowed_paths(rendered("gpu-1p1d", "--set", "kvFeed.enabled=false"))
-    assert ("prefill", "history", port) in on and ("prefill", "history", port) not in off
     assert {(s, p) for s, d, p in on if d == "history"} - {(s, p) for s, d, p in off if d == "history"} == {
-        ("prefill", port)}
-    assert not [path for path in on | off if path[:2] == ("decode", "history")]
+        ("prefill", port), ("decode", port)}
+    assert not [path for path in off if path[:2] in (("prefill", "history"), ("decode", "history"))]
 
     own = ("--set", "historyStore.bundled=false", "--set", "historyStore.url=redis://redis.infra.svc:6390/0")
     _, _, out_on = allowed_paths(rendered("gpu-1p1d", *own))
     _, _, out_off = allowed_paths(rendered("gpu-1p1d", *own, "--set", "kvFeed.enabled=false"))
-    assert ("prefill", "internet", 6390, "TCP") in out_on and ("prefill", "internet", 6390, "TCP") not in out_off
-    assert not [path for path in out_on | out_off if path[0] == "decode" and path[2] == 6390]
+    for role in WORKERS:
+        assert (role, "internet", 6390, "TCP") in out_on and (role, "internet", 6390, "TCP") not in out_off
 
 
 def test_tls_probes_use_the_health_check_command(pod_root):
@@ -1220,7 +1222,7 @@ def expected_inside(values: dict, pods: set[str]) -> set:
     if values["etcd"]["mode"] == "bundled":
         paths |= {(s, "etcd", values["etcd"]["bundled"]["clientPort"]) for s in stores}
         paths |= {("etcd", "etcd", values["etcd"]["bundled"]["peerPort"])}
-    redis_clients = stores + (["prefill"] if values["kvFeed"]["enabled"] else [])  # prefill: publishes the KV feed
+    redis_clients = stores + (["prefill", "decode"] if values["kvFeed"]["enabled"] else [])  # they publish the feeds
     if values["historyStore"]["bundled"]:
         paths |= {(s, "history", values["historyStore"]["port"]) for s in redis_clients}
     if "smoke-test" in pods:
@@ -1247,7 +1249,7 @@ def expected_outside(values: dict, pods: set[str]) -> tuple[set, set]:
         for s in stores:
             out_ports[s] |= {int(e.rsplit(":", 1)[1]) for e in values["etcd"]["external"]["endpoints"]}
     if not values["historyStore"]["bundled"]:
-        for s in stores + (["prefill"] if values["kvFeed"]["enabled"] else []):
+        for s in stores + (list(WORKERS) if values["kvFeed"]["enabled"] else []):
             out_ports[s].add(int(re.search(r":(\d+)(/|$)", values["historyStore"]["url"].split("@")[-1]).group(1)))
     outbound |= {(c, o.name, port, "TCP") for c, ports in out_ports.items() for port in ports for o in OUTSIDE}
     return inbound, outbound

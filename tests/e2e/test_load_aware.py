@@ -224,6 +224,11 @@ async def test_busy_prefill_worker_is_avoided(stack, extra):
         # the scheduler's load monitor (a sample every 0.5 s) sees the busy worker's load
         await until(lambda: scheduler_sees(scheduler, busy_id, lambda row: row.running + row.waiting > 0), 10,
                     f"the scheduler to see {busy_id} busy")
+        # every worker's load reaches the scheduler through the load feed (its agent polls it): none is polled
+        stats = await scheduler.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5.0)
+        sources = {r.worker_id: r.source for r in stats.loads}
+        assert set(sources.values()) == {"feed"} and {busy_id, idle_id} <= set(sources), sources
+        assert stats.load_feed.following and stats.load_feed.polled_workers == 0, stats.load_feed
         busy_picks = await plan_prefill_ids(scheduler, PLANS, spacing_s=0.25, seen=idle_id)
         counts = collections.Counter(busy_picks)
         print(f"plans while {busy_id} is busy: {dict(counts)}; GetLoads after: "

@@ -134,3 +134,27 @@ async def test_two_requests_on_one_session_at_once_pull_exactly_once(stack):
     for resp in (first, second):  # both succeed, with the answer a recompute gives
         assert resp.json()["choices"][0]["message"] == reference["choices"][0]["message"]
         assert tokens(resp.json()["usage"]) == tokens(reference["usage"])
+
+
+async def test_a_warm_prefill_worker_pulls_only_what_its_cache_lacks_and_the_turn_says_so(stack):
+    """P keeps its prefix cache between turns (vLLM's default): the second turn's P holds the first prompt's blocks,
+    so the pull loads only the rest of the history (the answer, from D). The turn reports what P loaded over NIXL and
+    computed, exactly as P's own counters count them, not what the pull could have covered."""
+    session = new_session("warm-pull")
+    await flush_prefill(stack)
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=300) as client:
+        history, first = await _two_turns(client, session, "You are a careful coding agent. " * 30)
+        before = prompt_token_sources(stack)
+        resp = await chat(client, session, [*history, user_turn(1)])
+        delta = {k: v - before.get(k, 0) for k, v in prompt_token_sources(stack).items()}
+    body = resp.json()
+    kv, usage = body["kvshuttle"], body["usage"]
+    assert kv["decision"] == "pull", kv["reason"]
+    assert kv["prefill_worker"] == first["kvshuttle"]["prefill_worker"], \
+        f"the index sends the turn to the prefill worker caching its history: {kv['worker_choice']}"
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    assert delta.get("local_cache_hit", 0) >= 128, f"P's own cache held the first prompt's blocks: {delta}"
+    assert delta.get("external_kv_transfer", 0) == kv["pulled_tokens"] < kv["covered_tokens"], (delta, kv)
+    assert delta.get("local_cache_hit", 0) == cached - kv["pulled_tokens"], (delta, cached, kv)
+    assert delta.get("local_compute", 0) == kv["computed_tokens"] == usage["prompt_tokens"] - cached, (delta, kv)
+    assert int(resp.headers["X-KV-Pulled-Tokens"]) == kv["pulled_tokens"]

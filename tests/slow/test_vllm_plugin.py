@@ -75,3 +75,50 @@ def _running(pid: int) -> bool:
     except (FileNotFoundError, IndexError):
         return False
     return state != "Z"
+
+
+class _Scheduler:
+    """Stands in for the NIXL connector's scheduler side: records what it was told, returns D's params."""
+
+    def __init__(self):
+        self.allocs: list[tuple[str, int]] = []
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        self.allocs.append((request.request_id, num_external_tokens))
+
+    def request_finished(self, request, block_ids):
+        return True, {"do_remote_prefill": True, "remote_block_ids": [[1, 2]], "remote_num_tokens": 300}
+
+
+class _Request:
+    def __init__(self, request_id: str, **params):
+        self.request_id, self.kv_transfer_params = request_id, params
+
+
+def test_a_prefill_workers_pull_reports_the_tokens_it_loaded():
+    """vLLM's real NIXL connector class, wrapped by the plugin: a prefill worker's pull returns params that say how
+    many tokens the connector loaded; a recompute, and a decode worker's own pull, return them unchanged."""
+    nixl = pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector")
+    from kvshuttle.control_plane.kv_params import LOADED_TOKENS_KEY
+    from kvshuttle.workers import vllm_loaded_tokens
+
+    assert vllm_loaded_tokens.install() and vllm_loaded_tokens.install()  # once, however often vLLM loads plugins
+    connector = object.__new__(nixl.NixlPullConnector)  # no engine: only the scheduler-side calls are made
+    connector.connector_scheduler = scheduler = _Scheduler()
+
+    # P's pull as vLLM's scheduler hands it over (do_remote_prefill already off); told again, with 0, once loaded
+    pull = _Request("p-pull", do_remote_decode=True, do_remote_prefill=False, remote_engine_id="d-engine")
+    connector.update_state_after_alloc(pull, None, 256)
+    connector.update_state_after_alloc(pull, None, 0)
+    delay, params = connector.request_finished(pull, [1, 2])
+    assert delay and params[LOADED_TOKENS_KEY] == 256 and params["remote_num_tokens"] == 300
+    assert scheduler.allocs == [("p-pull", 256), ("p-pull", 0)]
+
+    recompute = _Request("p-recompute", do_remote_decode=True, do_remote_prefill=False, remote_engine_id=None)
+    connector.update_state_after_alloc(recompute, None, 0)
+    assert LOADED_TOKENS_KEY not in connector.request_finished_all_groups(recompute, ([1],))[1]
+
+    decode = _Request("d-pull", do_remote_prefill=False, remote_engine_id="p-engine")  # D loading P's blocks
+    connector.update_state_after_alloc(decode, None, 512)
+    assert LOADED_TOKENS_KEY not in connector.request_finished(decode, [3])[1]
+    assert not connector.__dict__[vllm_loaded_tokens._MARK], "nothing is kept once a request finished"

@@ -74,3 +74,17 @@ def test_the_freeing_read_takes_the_first_block_or_all_of_a_shorter_handle():
     assert (params["remote_num_tokens"], params["remote_block_ids"], prompt) == (40, [[7]], list(range(41)))
     with pytest.raises(kv_params.HandleError):  # the token after the pulled ones must be known
         kv_params.free_read(short, list(range(40)), 128)
+
+
+def test_the_loaded_token_count_is_taken_out_of_ps_params_and_bounded():
+    """P's returned params carry the tokens it loaded over NIXL (kvshuttle's plugin); the gateway takes the key out
+    (D gets vLLM's own params) and never reports more than P's cached tokens; absent or malformed: unknown."""
+    from kvshuttle.control_plane.kv_params import LOADED_TOKENS_KEY, take_loaded_tokens
+
+    params = {"remote_block_ids": [[1]], LOADED_TOKENS_KEY: 256}
+    assert take_loaded_tokens(params, 900) == 256 and params == {"remote_block_ids": [[1]]}
+    assert take_loaded_tokens({LOADED_TOKENS_KEY: 5000}, 900) == 900
+    assert take_loaded_tokens({LOADED_TOKENS_KEY: -3}, 900) == 0
+    assert take_loaded_tokens({"remote_block_ids": [[1]]}, 900) is None and take_loaded_tokens(None, 900) is None
+    bad = {LOADED_TOKENS_KEY: "256"}
+    assert take_loaded_tokens(bad, 900) is None and bad == {}

@@ -235,9 +235,9 @@ def test_validation_fits_a_profile_and_reproduces_its_own_turns(tmp_path):
     path = tmp_path / "samples.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     rep = v.validate(path, warm_up=0)
-    assert rep["checked_conversations"] == 2 and rep["within_tolerance"], v.format_validation(rep)
+    assert rep["runs"][0]["checked_conversations"] == 2 and rep["within_tolerance"], v.format_validation(rep)
     assert rep["coefficients"]["tpot_ms"] == pytest.approx(truth.tpot_ms)
-    assert set(rep["table"]) == set(v.MODES)
+    assert set(rep["runs"][0]["modes"]) == set(v.MODES)
     assert v.validate(path)["warm_up_conversations"] == ["c0"]
     with pytest.raises(v.ValidationError, match="no samples of mode"):
         (tmp_path / "other.jsonl").write_text(json.dumps({**rows[0], "mode": "smg"}) + "\n")
@@ -327,3 +327,62 @@ def test_cache_aware_pull_pulls_only_what_its_prefill_worker_lacks_and_d_keeps_h
     history = 2048 + 64 - 1
     assert cols.cached[1] == 2048 and cols.pulled[1] == history - 2048  # P holds the first prompt: pulls the answer
     assert res.held_fraction_max > 0 and res.evictions == dict.fromkeys(res.evictions, 0)
+
+
+def test_a_closed_loop_starts_each_waiting_session_when_one_ends():
+    """sessions_in_flight=2: the third session starts (its first gap) after the first of the two running ends."""
+    sessions = [conversation(f"s{i}", start=0.0, turns=2, first=512, new=128, out=8) for i in range(3)]
+    sessions[2].turns[0].gap_s = 0.5
+    res = simulate(sessions, "recompute", sessions_in_flight=2)
+    cols = res.turns
+    first_of = {cols.session[i]: cols.arrival[i] for i in range(len(cols)) if cols.turn[i] == 0}
+    ends = sorted(cols.arrival[i] + cols.ttft_ms[i] / 1000 + 7 * PROFILE.tpot_ms / 1000
+                  for i in range(len(cols)) if cols.turn[i] == 1)
+    assert first_of[0] == first_of[1] == 0.0
+    assert first_of[2] == pytest.approx(ends[0] + 0.5)
+    assert res.peak_live_sessions == 2
+
+
+def test_validation_replays_two_prefill_workers_and_a_closed_loop(tmp_path):
+    """Samples of two runs made by the simulator itself (2 P with prefix caches, 1 D, the kvshuttle planner): one
+    conversation at a time, then three at a time. The fit on the first run's half reproduces the second run (its
+    queueing included) per bucket, the turns each P served and the prompt tokens cached, pulled and computed."""
+    from kvshuttle.services.devtools.simulator import validate as v
+
+    truth = dataclasses.replace(profile("cpu-tiny"), noise=0.0)
+    cache = 200_000
+
+    def run(name: str, in_flight: int):
+        convs = [conversation(f"{name}{i:02d}", turns=5, first=700 + 150 * (i % 5), new=250 + 40 * (i % 4), out=24)
+                 for i in range(10)]
+        for i, session in enumerate(convs):
+            session.start_s = i * 1e-3  # the bench's order
+        index: dict[int, set[str]] = {}
+        ps = [PrefillWorker(f"p{i}", cache // truth.block_size, truth.block_size, index) for i in range(2)]
+        ds = [DecodeWorker("d0", truth.decode_kv_tokens, truth.block_size)]
+        strategy = strategies.make("kvshuttle", ps, ds, random.Random(0), candidates=2, unit=truth.block_size,
+                                   prior=PrefillPrior(), index=index)
+        cols = Simulation(convs, strategy, truth, ps, ds,
+                          SimSettings(unit_tokens=truth.block_size, sessions_in_flight=in_flight)).run().turns
+        rows = [{"mode": "pull", "conversation": convs[cols.session[i]].session_id, "turn": cols.turn[i] + 1,
+                 "prompt_tokens": cols.prompt[i], "history_tokens": cols.history[i], "ttft_ms": cols.ttft_ms[i],
+                 "latency_ms": cols.ttft_ms[i] + 23 * truth.tpot_ms, "output_tokens": 24,
+                 "pulled_tokens": cols.pulled[i], "computed_tokens": cols.computed[i], "cached_tokens": cols.cached[i],
+                 "prefill_worker": f"prefill-{cols.prefill[i]}", "decode_worker": "decode-0",
+                 "sent_at": 1_000_000 + cols.arrival[i]} for i in range(len(cols))]
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return path
+
+    one, three = run("a", 1), run("b", 3)
+    rep = v.validate(f"{one},{three}", prefill_cache_tokens=cache, warm_up=0)
+    text = v.format_validation(rep)
+    assert rep["within_tolerance"], text
+    second = rep["runs"][1]["modes"]["pull"]
+    assert second["in_flight"] == 3 and second["prefill_workers"] == 2, text
+    assert sum(second["turns_per_prefill"]["simulated"]) == 50 and len(second["turns_per_prefill"]["simulated"]) == 2
+    assert second["turns_per_prefill"]["measured"] == second["turns_per_prefill"]["simulated"], text
+    assert second["prompt_token_shares"]["measured"] == second["prompt_token_shares"]["simulated"], text
+    assert rep["runs"][1]["checked_conversations"] == 10 and rep["runs"][0]["checked_conversations"] == 5
+    # a cap of one at a time would be a different run: the closed loop is what reproduces the queueing
+    assert v.in_flight(v.load_samples(one)) == 1

@@ -266,6 +266,7 @@ class GatewayLane:
     async def turn(self, turn: Turn) -> TurnSample:
         h = self.history
         h.add_inputs(turn)
+        sent_at = time.time()
         try:
             got = await stream_chat(self.client, self.session, self.request(turn))
         except StreamError as exc:
@@ -281,7 +282,9 @@ class GatewayLane:
             history_tokens=history, new_tokens=prompt - history,
             ttft_ms=got.ttft_ms, latency_ms=got.latency_ms, output_tokens=output,
             decision=info["decision"], pulled_tokens=info["pulled_tokens"], computed_tokens=info["computed_tokens"],
-            output_digest=message_digest(got.message))
+            output_digest=message_digest(got.message), prefill_worker=info.get("prefill_worker", ""),
+            decode_worker=info.get("decode_worker", ""),
+            cached_tokens=max(0, prompt - info["pulled_tokens"] - info["computed_tokens"]), sent_at=sent_at)
 
     async def close(self) -> None:
         await self.client.delete(f"/v1/sessions/{self.session}")

@@ -29,6 +29,12 @@ class TurnSample:
     pulled_tokens: int  # prompt tokens P loaded over NIXL (worker-reported); 0 when not pulled
     computed_tokens: int  # prompt tokens the prefilling worker computed itself
     output_digest: str = ""  # short hash of the generated token ids: equal across modes when answers agree
+    # Where and when (the gateway modes; the simulator's validation replays them): the workers that served the turn,
+    # the prompt tokens P found in its own prefix cache, and the wall-clock time the request was sent (Unix s).
+    prefill_worker: str = ""
+    decode_worker: str = ""
+    cached_tokens: int = 0
+    sent_at: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)

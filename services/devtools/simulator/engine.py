@@ -48,6 +48,9 @@ class SimSettings:
     unit_tokens: int = 256  # prefix-cache accounting unit
     limits: ev.KvLimits = field(default_factory=ev.KvLimits)
     seed: int = 0
+    # > 0: a closed loop of this many sessions at a time (a benchmark client's concurrency): the first ones start at
+    # their ``start_s``, each later one (in order of ``start_s``) its first turn's ``gap_s`` after one ends.
+    sessions_in_flight: int = 0
 
 
 @dataclass(slots=True)
@@ -105,6 +108,8 @@ class Columns:
     def __init__(self) -> None:
         self.arrival, self.ttft_ms, self.p_wait_ms, self.d_wait_ms = (array("d") for _ in range(4))
         self.prompt, self.history, self.pulled, self.computed, self.cached = (array("q") for _ in range(5))
+        # which turn each row is (index into the simulation's sessions, turn number) and its prefill worker's index
+        self.session, self.turn, self.prefill = array("q"), array("i"), array("i")
         self.codes: dict[str, int] = {}
 
     def __len__(self) -> int:
@@ -149,6 +154,9 @@ class Simulation:
         self.result = Result(strategy.name, Columns(), len(sessions), prefill_workers=len(self.prefill))
         self.ranking = ev.make_ranking("value", strategy.model) if strategy.manages_kv and strategy.model else None
         self.pulls_possible = strategy.keeps_kv
+        self._session_index = {id(s): i for i, s in enumerate(self.sessions)}
+        self._prefill_index = {p.worker_id: i for i, p in enumerate(self.prefill)}
+        self._waiting: list[SimSession] = []  # closed loop: sessions not started yet, next last
 
     # -- the event loop ------------------------------------------------------------------------------------------
 
@@ -159,7 +167,12 @@ class Simulation:
 
     def run(self) -> Result:
         unit = self.settings.unit_tokens
-        for s in self.sessions:
+        starting = list(self.sessions)
+        if self.settings.sessions_in_flight > 0:
+            ordered = sorted(self.sessions, key=lambda s: s.start_s)
+            starting = ordered[:self.settings.sessions_in_flight]
+            self._waiting = ordered[self.settings.sessions_in_flight:][::-1]
+        for s in starting:
             self._push(s.start_s, _ARRIVE, Live(s, UnitChain(unit), [], created=s.start_s))
         if self.sessions:
             self.result.started = min(s.start_s for s in self.sessions)
@@ -314,6 +327,9 @@ class Simulation:
         cols.pulled.append(flight.pulled)
         cols.computed.append(flight.computed)
         cols.cached.append(flight.cached)
+        cols.session.append(self._session_index[id(flight.live.spec)])
+        cols.turn.append(flight.live.turn)
+        cols.prefill.append(self._prefill_index[flight.routed.prefill.worker_id])
         cols.codes[flight.code] = cols.codes.get(flight.code, 0) + 1
         res.bytes_p_to_d += flight.prompt * prof.kv_bytes_per_token
         res.bytes_d_to_p += flight.pulled * prof.kv_bytes_per_token
@@ -344,6 +360,10 @@ class Simulation:
             self._push(self.now + live.spec.turns[live.turn].gap_s, _ARRIVE, live)
         else:
             self.live -= 1
+            if self._waiting:  # closed loop: the next session takes this one's place
+                nxt = self._waiting.pop()
+                start = self.now + (nxt.turns[0].gap_s if nxt.turns else 0.0)
+                self._push(start, _ARRIVE, Live(nxt, UnitChain(self.settings.unit_tokens), [], created=start))
         self.result.ended = max(self.result.ended, self.now)
         self._wake(d)
 

@@ -71,9 +71,10 @@ class SimulateConfig:
     low_water: float = setting(0.6, "kvshuttle: ... down to this share")
     slo_ms: float = setting(2000.0, "TTFT SLO for goodput (turns/s answered within it)")
     validate_samples: str = setting("", "Instead of a run: fit the cpu-tiny profile to half the conversations of a `kvshuttle "
-                                "bench` samples.jsonl (pull and recompute modes) and compare the simulated TTFT of the "
-                                "other half with the measured one (--prefill-cache-tokens: P's prefix cache there; 0: "
-                                "the bench's default, cold)")
+                                "bench` samples.jsonl (pull and recompute modes), replay that run and any more given "
+                                "(comma-separated: e.g. a higher --concurrency) on as many workers and conversations "
+                                "in flight as they had, and compare the simulated turns with the measured ones "
+                                "(--prefill-cache-tokens: P's prefix cache there; 0: the bench's default, cold)")
     validate_profile: str = setting("cpu-tiny", "--validate-samples: the profile whose KV size and capacities the fit "
                                                 "keeps (its costs are fitted)", choices=tuple(PROFILES))
     validate_warm_up: int = setting(1, "--validate-samples: leave out the run's first conversations (the engines' "
@@ -107,9 +108,8 @@ class SimulateConfig:
                 f"--unit-tokens must be a multiple of the profile's block size ({prof.block_size})")
         if self.trace:
             require(Path(self.trace).is_file(), f"--trace {self.trace!r}: no such file")
-        if self.validate_samples:
-            require(Path(self.validate_samples).is_file(), f"--validate-samples {self.validate_samples!r}: no such "
-                                                           "file")
+        for path in filter(None, self.validate_samples.split(",")):
+            require(Path(path).is_file(), f"--validate-samples {path!r}: no such file")
         self.validate_effects(names)
 
     def validate_effects(self, names: Sequence[str]) -> None:

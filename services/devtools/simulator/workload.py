@@ -38,7 +38,7 @@ class TraceError(ValueError):
 class SimTurn:
     new_tokens: int  # tokens added after the history (0 on the first turn: its prompt is the session's ``first``)
     output_tokens: int
-    gap_s: float = 0.0  # after the previous answer ended (first turn: unused)
+    gap_s: float = 0.0  # after the previous answer ended (first turn: after the session it waits for, in a closed loop)
 
 
 @dataclass(slots=True)

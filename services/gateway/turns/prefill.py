@@ -33,7 +33,10 @@ async def run(rt: TurnServices, ctx: TurnContext, attempt: int = 0) -> None:
     p_final = await prefill(rt, f"{ctx.id}-{attempt}" if attempt else ctx.id, ctx.plan, ctx.prompt_ids, kv, req)
     ctx.timings["prefill_ms"] = elapsed_ms(t)
     kv.computed_tokens = len(ctx.prompt_ids) - p_final.cached_tokens
-    kv.pulled_tokens = ctx.plan.figures.reusable_tokens if kv.decision == "pull" else 0
+    # what P loaded over NIXL (its own prefix cache may have held the start of the history); a worker that does not
+    # say (no kvshuttle plugin): what the pull covered
+    loaded = kv_params.take_loaded_tokens(p_final.kv_transfer_params, p_final.cached_tokens)
+    kv.pulled_tokens = (ctx.plan.figures.reusable_tokens if loaded is None else loaded) if kv.decision == "pull" else 0
     report(rt, ctx.plan, kv, len(ctx.prompt_ids), ctx.timings["prefill_ms"], req.session_id, req.tenant)
     ctx.span.set_attributes({"kvshuttle.pulled_tokens": kv.pulled_tokens,
                              "kvshuttle.computed_tokens": kv.computed_tokens,

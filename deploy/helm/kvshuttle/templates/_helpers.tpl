@@ -238,8 +238,9 @@ with (list $ name). */}}
 {{- end -}}
 
 {{/*
-The KV feed (kvFeed): KVSHUTTLE_KV_FEED, the history store's Redis, for the prefill workers (which publish to it) and
-the planners (the schedulers, a gateway planning in process, which follow it); nothing when it is off. The feed's keys
+The KV feed (kvFeed): KVSHUTTLE_KV_FEED, the history store's Redis, for the workers (prefill workers publish their KV
+events to it, every worker its load samples) and the planners (the schedulers, a gateway planning in process, which
+follow it); nothing when it is off. The feed's keys
 are under etcd.keyPrefix: the planners' --key-prefix, and the workers' KVSHUTTLE_KV_FEED_KEY_PREFIX (withPrefix).
 Call with (list $ withPrefix).
 */}}

@@ -20,7 +20,7 @@ WORKER_ROLE_PREFILL: WorkerRole
 WORKER_ROLE_DECODE: WorkerRole
 
 class Worker(_message.Message):
-    __slots__ = ("worker_id", "role", "engine_id", "grpc_address", "nixl_host", "nixl_port", "block_size", "kv_blocks_ttl_s", "model", "registered_at", "lease_id", "kv_bytes_per_token", "prefix_hash_algo", "prefix_hash_seed", "kv_events")
+    __slots__ = ("worker_id", "role", "engine_id", "grpc_address", "nixl_host", "nixl_port", "block_size", "kv_blocks_ttl_s", "model", "registered_at", "lease_id", "kv_bytes_per_token", "prefix_hash_algo", "prefix_hash_seed", "kv_events", "load_feed")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class Worker(_message.Message):
     PREFIX_HASH_ALGO_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HASH_SEED_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FEED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     engine_id: str
@@ -51,7 +52,8 @@ class Worker(_message.Message):
     prefix_hash_algo: str
     prefix_hash_seed: str
     kv_events: bool
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., engine_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., nixl_host: _Optional[str] = ..., nixl_port: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_blocks_ttl_s: _Optional[int] = ..., model: _Optional[str] = ..., registered_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., lease_id: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., prefix_hash_algo: _Optional[str] = ..., prefix_hash_seed: _Optional[str] = ..., kv_events: _Optional[bool] = ...) -> None: ...
+    load_feed: bool
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., engine_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., nixl_host: _Optional[str] = ..., nixl_port: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_blocks_ttl_s: _Optional[int] = ..., model: _Optional[str] = ..., registered_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., lease_id: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., prefix_hash_algo: _Optional[str] = ..., prefix_hash_seed: _Optional[str] = ..., kv_events: _Optional[bool] = ..., load_feed: _Optional[bool] = ...) -> None: ...
 
 class Session(_message.Message):
     __slots__ = ("session_id", "tenant", "decode_worker_id", "kv_transfer_params_json", "covered_tokens", "block_size", "token_ids", "expires_at", "updated_at", "turn", "claimed", "revision", "prefix_digest", "lease_id", "created_at", "kv_freed", "text_key", "checkpoints", "history_tokens", "history_generation", "text_chars", "head_token_ids", "handle_digest", "text_boundaries")

@@ -49,3 +49,27 @@ class KvFeedRemoved(_message.Message):
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class WorkerLoadSample(_message.Message):
+    __slots__ = ("worker_id", "polled_at", "interval_s", "error", "running", "waiting", "used_tokens", "capacity_tokens", "waiting_uncached_tokens", "cache_hit_rate")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    POLLED_AT_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    USED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_UNCACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    polled_at: float
+    interval_s: float
+    error: str
+    running: int
+    waiting: int
+    used_tokens: int
+    capacity_tokens: int
+    waiting_uncached_tokens: int
+    cache_hit_rate: float
+    def __init__(self, worker_id: _Optional[str] = ..., polled_at: _Optional[float] = ..., interval_s: _Optional[float] = ..., error: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., used_tokens: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., waiting_uncached_tokens: _Optional[int] = ..., cache_hit_rate: _Optional[float] = ...) -> None: ...

@@ -202,7 +202,7 @@ class TransferEstimate(_message.Message):
     def __init__(self, prefill_worker_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., ms_per_transfer: _Optional[float] = ..., ms_per_kpulled: _Optional[float] = ..., observations: _Optional[int] = ...) -> None: ...
 
 class WorkerLoadStats(_message.Message):
-    __slots__ = ("worker_id", "running", "waiting", "pending", "used_tokens", "capacity_tokens", "age_s", "reachable", "assigned_turns")
+    __slots__ = ("worker_id", "running", "waiting", "pending", "used_tokens", "capacity_tokens", "age_s", "reachable", "assigned_turns", "source")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +212,7 @@ class WorkerLoadStats(_message.Message):
     AGE_S_FIELD_NUMBER: _ClassVar[int]
     REACHABLE_FIELD_NUMBER: _ClassVar[int]
     ASSIGNED_TURNS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     running: int
     waiting: int
@@ -221,10 +222,11 @@ class WorkerLoadStats(_message.Message):
     age_s: float
     reachable: bool
     assigned_turns: int
-    def __init__(self, worker_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., pending: _Optional[int] = ..., used_tokens: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., age_s: _Optional[float] = ..., reachable: _Optional[bool] = ..., assigned_turns: _Optional[int] = ...) -> None: ...
+    source: str
+    def __init__(self, worker_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., pending: _Optional[int] = ..., used_tokens: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., age_s: _Optional[float] = ..., reachable: _Optional[bool] = ..., assigned_turns: _Optional[int] = ..., source: _Optional[str] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("policies", "compute", "transfers", "loads", "reported_turns", "decode_kv", "kv_managed", "kv_eviction_policy", "kv_leading", "learning", "kv_index")
+    __slots__ = ("policies", "compute", "transfers", "loads", "reported_turns", "decode_kv", "kv_managed", "kv_eviction_policy", "kv_leading", "learning", "kv_index", "load_feed")
     POLICIES_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_FIELD_NUMBER: _ClassVar[int]
@@ -236,6 +238,7 @@ class GetStatsResponse(_message.Message):
     KV_LEADING_FIELD_NUMBER: _ClassVar[int]
     LEARNING_FIELD_NUMBER: _ClassVar[int]
     KV_INDEX_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FEED_FIELD_NUMBER: _ClassVar[int]
     policies: _containers.RepeatedCompositeFieldContainer[PolicyStats]
     compute: _containers.RepeatedCompositeFieldContainer[ComputeEstimate]
     transfers: _containers.RepeatedCompositeFieldContainer[TransferEstimate]
@@ -247,7 +250,22 @@ class GetStatsResponse(_message.Message):
     kv_leading: bool
     learning: LearningStats
     kv_index: KvIndexStats
-    def __init__(self, policies: _Optional[_Iterable[_Union[PolicyStats, _Mapping]]] = ..., compute: _Optional[_Iterable[_Union[ComputeEstimate, _Mapping]]] = ..., transfers: _Optional[_Iterable[_Union[TransferEstimate, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[WorkerLoadStats, _Mapping]]] = ..., reported_turns: _Optional[int] = ..., decode_kv: _Optional[_Iterable[_Union[DecodeKvStats, _Mapping]]] = ..., kv_managed: _Optional[bool] = ..., kv_eviction_policy: _Optional[str] = ..., kv_leading: _Optional[bool] = ..., learning: _Optional[_Union[LearningStats, _Mapping]] = ..., kv_index: _Optional[_Union[KvIndexStats, _Mapping]] = ...) -> None: ...
+    load_feed: LoadFeedStats
+    def __init__(self, policies: _Optional[_Iterable[_Union[PolicyStats, _Mapping]]] = ..., compute: _Optional[_Iterable[_Union[ComputeEstimate, _Mapping]]] = ..., transfers: _Optional[_Iterable[_Union[TransferEstimate, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[WorkerLoadStats, _Mapping]]] = ..., reported_turns: _Optional[int] = ..., decode_kv: _Optional[_Iterable[_Union[DecodeKvStats, _Mapping]]] = ..., kv_managed: _Optional[bool] = ..., kv_eviction_policy: _Optional[str] = ..., kv_leading: _Optional[bool] = ..., learning: _Optional[_Union[LearningStats, _Mapping]] = ..., kv_index: _Optional[_Union[KvIndexStats, _Mapping]] = ..., load_feed: _Optional[_Union[LoadFeedStats, _Mapping]] = ...) -> None: ...
+
+class LoadFeedStats(_message.Message):
+    __slots__ = ("following", "samples", "bad_entries", "fed_workers", "polled_workers")
+    FOLLOWING_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    BAD_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    FED_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    POLLED_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    following: bool
+    samples: int
+    bad_entries: int
+    fed_workers: int
+    polled_workers: int
+    def __init__(self, following: _Optional[bool] = ..., samples: _Optional[int] = ..., bad_entries: _Optional[int] = ..., fed_workers: _Optional[int] = ..., polled_workers: _Optional[int] = ...) -> None: ...
 
 class KvIndexStats(_message.Message):
     __slots__ = ("following", "entries", "bad_entries", "workers", "breaks", "resyncs", "lookups")
