@@ -163,7 +163,7 @@ async def test_bench_kv_feed_reads_a_synthetic_fleet_into_the_index():
     left it (stored less removed), and the cost figures it prints."""
     from kvshuttle.services.devtools.bench.kv_feed_load import KvFeedBenchConfig, bench, report, synthetic_entries
 
-    cfg = KvFeedBenchConfig(workers=20, entries=400, stored_blocks=8, removed_blocks=8)
+    cfg = KvFeedBenchConfig(workers=20, entries=400, stored_blocks=8, removed_blocks=8, load_samples=200)
     held: dict[str, set[int]] = {}
     for entry in synthetic_entries(cfg):
         blocks = held.setdefault(entry.worker_id, set())
@@ -178,3 +178,7 @@ async def test_bench_kv_feed_reads_a_synthetic_fleet_into_the_index():
     assert result["reader_us_per_entry"] > 0 and result["redis_us_per_entry_served"] > 0
     assert abs(result["replica_cores"] - 20 * 20.0 * result["reader_us_per_entry"] / 1e6) < 0.002
     assert "cores per planner replica" in report(result)
+    # the load feed: every sample read into a load monitor that then has every worker's load from the feed
+    assert result["load_workers_with_samples"] == 20 and result["load_bad_entries"] == 0
+    assert result["load_reader_us_per_sample"] > 0 and result["load_samples_per_s"] == 20 / 0.5
+    assert "load feed: 200 samples" in report(result)

@@ -386,3 +386,26 @@ def test_validation_replays_two_prefill_workers_and_a_closed_loop(tmp_path):
     assert rep["runs"][1]["checked_conversations"] == 10 and rep["runs"][0]["checked_conversations"] == 5
     # a cap of one at a time would be a different run: the closed loop is what reproduces the queueing
     assert v.in_flight(v.load_samples(one)) == 1
+
+
+def test_workers_sharing_a_host_share_its_cores():
+    """host_cores=1: two prefills computing at once each progress at half speed (processor sharing), so two equal
+    first turns arriving together both end at twice one's time; alone, a prefill takes its time."""
+    def first_ttfts(n_sessions: int, host_cores: float) -> list[float]:
+        sessions = [conversation(f"s{i}", turns=1, first=2048, out=1) for i in range(n_sessions)]
+        index: dict[int, set[str]] = {}
+        ps = [PrefillWorker(f"p{i}", 0, PROFILE.block_size, index) for i in range(2)]
+        ds = [DecodeWorker(f"d{i}", PROFILE.decode_kv_tokens, PROFILE.block_size) for i in range(2)]
+        strategy = strategies.make("recompute", ps, ds, random.Random(0), candidates=2, unit=256,
+                                   prior=PrefillPrior(), index=index)
+        res = Simulation(sessions, strategy, PROFILE, ps, ds, SimSettings(host_cores=host_cores)).run()
+        return sorted(res.turns.ttft_ms)
+
+    compute = PROFILE.compute_ms(2048, 0)
+    rest = PROFILE.handoff_ms(2048) + PROFILE.tpot_ms
+    assert first_ttfts(1, 1.0) == pytest.approx([compute + rest])  # alone: as on its own hardware
+    assert first_ttfts(2, 0.0) == pytest.approx([compute + rest] * 2)  # own hardware each: no slowdown
+    # one core for both: each prefill at half speed, and each first decode step shares the core with the other
+    # engine still busy (the other prefill finishing at the same instant, or the other D's stream)
+    assert first_ttfts(2, 1.0) == pytest.approx([2 * compute + 2 * rest] * 2)
+    assert first_ttfts(2, 2.0) == pytest.approx([compute + rest] * 2)  # a core each

@@ -12,6 +12,12 @@ a real etcd and session registry, and measures:
 at each concurrency level (``--streams``), with the answer parsers off (no tools, no reasoning parser) and on
 (``--tool-call-parser`` + ``--reasoning-parser`` on the gateway, ``tools`` in every request). Every stream's text is
 checked against the detokenized token ids the fake engine sent. Writes ``gateway.json`` under ``--out``.
+
+The same levels, modes and request bodies are then driven through SMG (PyPI ``smg``, ``smg launch
+--pd-disaggregation``, as ``kvshuttle bench --modes smg`` starts it; ``--smg required|auto|off``) in front of the same
+fake prefill engine and a fake decode engine of its own (SMG streams D's tokens only, and drops P's first token,
+so its D starts the answer at its first token; the kvshuttle gateway's D continues after P's). SMG's CPU seconds
+are its process tree's, read the same way; the report divides the two gateways' tokens per core level by level.
 """
 
 from __future__ import annotations
@@ -29,6 +35,13 @@ from pathlib import Path
 from kvshuttle.services.commands.gateway import PROFILE_ENV, UVLOOP_ENV
 from kvshuttle.services.common.config import load, require, setting
 from kvshuttle.services.common.processes import ChildProcess
+from kvshuttle.services.devtools.bench.smg import (
+    DEFAULT_SMG_BIN,
+    SMG_TOOL_CALL_PARSERS,
+    SmgMissing,
+    SmgRouter,
+    smg_binary,
+)
 from kvshuttle.services.devtools.server_process import free_port
 
 log = logging.getLogger("kvshuttle.bench.gateway")
@@ -39,6 +52,10 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                            "parameters": {"type": "object",
                                                           "properties": {"city": {"type": "string"}},
                                                           "required": ["city"]}}}]
+
+
+SMG_MODES = ("required", "auto", "off")
+SMG_LOOP = "smg"  # the ``loop`` of SMG's rows (its own runtime, tokio)
 
 
 @dataclasses.dataclass
@@ -64,6 +81,10 @@ class GatewayBenchConfig:
     profile: bool = setting(False, "cProfile each gateway process (the event loop's thread): <out>/gateway-<mode>.prof "
                                    "and the top functions by own time in <out>/gateway-<mode>.prof.txt")
     log_level: str = setting("WARNING", "Log level (also the gateway's)")
+    smg: str = setting("auto", "Drive SMG (`smg launch --pd-disaggregation`) at the same levels against the same fake "
+                               "engines: required (an error when it is not installed), auto (its rows say why when "
+                               "it is not), off", choices=SMG_MODES)
+    smg_bin: str = setting(DEFAULT_SMG_BIN, "The smg executable (relative: from the repository root)")
 
     def validate(self) -> None:
         for name, allowed in (("loops", ("asyncio", "uvloop")), ("modes", ("off", "on"))):
@@ -95,6 +116,89 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _children(pid: int) -> list[int]:
+    """``pid``'s child processes (from every thread's /proc children list)."""
+    kids: list[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/children") as f:
+                    kids.extend(int(k) for k in f.read().split())
+            except OSError:
+                pass
+    except OSError:
+        pass
+    return kids
+
+
+def tree_cpu_s(pid: int, cpu_s=_cpu_s, children=_children) -> float:
+    """CPU seconds (utime + stime, every thread) of ``pid`` and its descendants that are running now (``cpu_s``
+    and ``children`` read /proc)."""
+    total, todo, seen = 0.0, [pid], set()
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        try:
+            total += cpu_s(p)
+        except (OSError, IndexError, ValueError):
+            continue  # exited meanwhile
+        todo.extend(children(p))
+    return total
+
+
+def smg_plan(choice: str, path: str, root: Path = REPO) -> tuple[Path | None, str]:
+    """Whether the run drives SMG: (its executable, or None, and what its part of the report says). ``path`` is
+    relative to ``root``. SmgMissing with ``required`` when it is not there."""
+    if choice == "off":
+        return None, "not measured (--smg off)"
+    candidate = Path(path) if Path(path).is_absolute() else root / path
+    try:
+        binary = smg_binary(str(candidate))
+    except SmgMissing as exc:
+        if choice == "required":
+            raise
+        return None, f"not measured: {exc}"
+    return binary, f"measured ({binary})"
+
+
+def smg_parser_flags(tools: bool, tool_call_parser: str, reasoning_parser: str) -> tuple[str, str]:
+    """SMG's ``tool_call_parser`` (the gateway's name, which ``smg_command`` translates) and extra flags for a
+    mode: none with the parsers off; the gateway's parsers' counterparts with them on."""
+    if not tools:
+        return "", ""
+    if tool_call_parser not in SMG_TOOL_CALL_PARSERS:
+        raise ValueError(f"no SMG tool-call parser known for {tool_call_parser!r}")
+    return tool_call_parser, (f"--reasoning-parser {reasoning_parser}" if reasoning_parser else "")
+
+
+def compare(kvshuttle: list[dict], smg: list[dict]) -> list[dict]:
+    """Per kvshuttle row, SMG's row at the same parsers and streams: tokens per core of both, their ratio
+    (kvshuttle / SMG; None when either is missing) and gateway cores per 10k decode tokens/s of both."""
+    by_level = {(r["tools_and_reasoning"], r["streams"]): r for r in smg}
+    out = []
+    for r in kvshuttle:
+        other = by_level.get((r["tools_and_reasoning"], r["streams"])) or {}
+        kv_core, smg_core = r.get("tokens_per_core_s"), other.get("tokens_per_core_s")
+        out.append({"loop": r["loop"], "tools_and_reasoning": r["tools_and_reasoning"], "streams": r["streams"],
+                    "kvshuttle_tokens_per_core_s": kv_core, "smg_tokens_per_core_s": smg_core,
+                    "ratio_per_core": round(kv_core / smg_core, 3) if kv_core and smg_core else None,
+                    "kvshuttle_cores_per_10k_tokens_s": r.get("cores_per_10k_tokens_s"),
+                    "smg_cores_per_10k_tokens_s": other.get("cores_per_10k_tokens_s"),
+                    "kvshuttle_held": r["held_under_bound"], "smg_held": other.get("held_under_bound")})
+    return out
+
+
+def streams_held(rows: list[dict]) -> dict[str, int]:
+    """The most streams held under the bound (0: none), per ``loop/parsers``."""
+    held: dict[str, int] = {}
+    for r in rows:
+        key = f"{r['loop']}/{'on' if r['tools_and_reasoning'] else 'off'}"
+        held[key] = max(held.get(key, 0), r["streams"] if r["held_under_bound"] else 0)
+    return held
+
+
 def _pct(values: list[float], q: float) -> float:
     if not values:
         return 0.0
@@ -105,8 +209,8 @@ def _pct(values: list[float], q: float) -> float:
 class Services:
     """etcd, the registry (in this process), the fake P and D engines (own processes), and a gateway process."""
 
-    def __init__(self, cfg: GatewayBenchConfig, work: Path, model_dir: Path, token_ids: list[int]):
-        self.cfg, self.work, self.model_dir, self.token_ids = cfg, work, model_dir, token_ids
+    def __init__(self, cfg: GatewayBenchConfig, work: Path, model_dir: Path, token_ids: list[int], smg: bool = False):
+        self.cfg, self.work, self.model_dir, self.token_ids, self.smg = cfg, work, model_dir, token_ids, smg
         self.etcd = None
         self.registry = None
         self.engines: dict[str, tuple[ChildProcess, str]] = {}
@@ -120,13 +224,16 @@ class Services:
         await self.etcd.astart()
         self.registry = await serve(RegistryConfig(listen="127.0.0.1:0", etcd_endpoints=self.etcd.endpoints,
                                                    key_prefix="/bench-gateway/"))
-        for role in ("prefill", "decode"):
+        # SMG's decode engine starts the answer at the first token (SMG streams D's tokens only); the gateway's
+        # continues after P's first token.
+        for role in ("prefill", "decode", *(("decode-smg",) if self.smg else ())):
             port = free_port()
             child = ChildProcess(f"fake-{role}", [sys.executable, "-m", "kvshuttle.services.devtools.bench.fake_engine",
                                                   "--port", str(port), "--engine-id", f"engine-{role}",
-                                                  "--interval-ms", str(self.cfg.interval_ms if role == "decode" else 0),
+                                                  "--interval-ms", str(0 if role == "prefill" else self.cfg.interval_ms),
                                                   "--tokens", ",".join(map(str, self.token_ids)),
-                                                  "--offset", "1" if role == "decode" else "0"],
+                                                  "--offset", "1" if role == "decode" else "0",
+                                                  "--model-path", str(self.model_dir)],
                                  self.work / f"fake-{role}.log", cwd=REPO)
             await child.start()
             self.children.append(child)
@@ -152,6 +259,8 @@ class Services:
                         if time.monotonic() > deadline:
                             raise TimeoutError(f"fake {role} engine did not start") from None
                         await asyncio.sleep(0.2)
+            if role not in ("prefill", "decode"):
+                continue  # SMG's own: it is SMG's worker, not the registry's
             port = int(address.rsplit(":", 1)[1])
             worker = common_pb2.Worker(
                 worker_id=f"{role}-0", engine_id=f"engine-{role}", grpc_address=address,
@@ -225,7 +334,10 @@ async def _stream(client, body: dict, gaps: list[float]) -> tuple[str, int]:
     return "".join(parts), usage
 
 
-async def run_level(base: str, pid: int, streams: int, cfg: GatewayBenchConfig, tools: bool, expected: str) -> dict:
+async def run_level(base: str, pid: int, streams: int, cfg: GatewayBenchConfig, tools: bool, expected: str,
+                    model: str | None = None) -> dict:
+    """One level through the gateway at ``base`` (``pid``: its process; CPU seconds of its process tree).
+    ``model``: the ``model`` field of every request (SMG requires one; the kvshuttle gateway serves its own)."""
     import httpx
 
     limits = httpx.Limits(max_connections=streams + 8, max_keepalive_connections=streams + 8)
@@ -237,13 +349,15 @@ async def run_level(base: str, pid: int, streams: int, cfg: GatewayBenchConfig, 
                  "temperature": 0}
             if tools:
                 b["tools"] = TOOLS
+            if model:
+                b["model"] = model
             return b
 
         await asyncio.gather(*(_stream(client, body(-1 - i), []) for i in range(min(streams, 8))))  # warm-up
-        cpu0, t0 = _cpu_s(pid), time.perf_counter()
+        cpu0, t0 = tree_cpu_s(pid), time.perf_counter()
         results = await asyncio.wait_for(asyncio.gather(*(_stream(client, body(i), gaps) for i in range(streams))),
                                          cfg.timeout_s)
-        wall, cpu = time.perf_counter() - t0, _cpu_s(pid) - cpu0
+        wall, cpu = time.perf_counter() - t0, tree_cpu_s(pid) - cpu0
     tokens = sum(n for _, n in results)
     complete = sum(1 for text, n in results if n == cfg.tokens and text == expected)
     if complete < streams:
@@ -270,9 +384,25 @@ def _profile_text(path: Path, top: int = 40) -> None:
     Path(f"{path}.txt").write_text(buf.getvalue())
 
 
-def smg_status() -> str:
-    smg = REPO / ".smg" / "bin" / "smg"
-    return "installed (not driven by this version of bench-gateway)" if smg.exists() else "not installed"
+async def run_smg(services: Services, binary: Path, cfg: GatewayBenchConfig, mode: str, levels: list[int],
+                  expected: str, out: Path, emit) -> list[dict]:
+    """SMG in P/D mode in front of the fake P and SMG's fake D, at every level of one parsers mode."""
+    tools = mode == "on"
+    tool_parser, extra = smg_parser_flags(tools, cfg.tool_call_parser, cfg.reasoning_parser)
+    router = SmgRouter(binary, prefill=[services.engines["prefill"][1]], decode=[services.engines["decode-smg"][1]],
+                       model_dir=services.model_dir, log_path=out / f"smg-{mode}.log", tool_call_parser=tool_parser,
+                       silence_s=max(60, int(cfg.timeout_s)), extra_args=extra)
+    rows = []
+    try:
+        await router.start(timeout_s=60)
+        for streams in levels:
+            row = {"loop": SMG_LOOP, **await run_level(router.base_url, router.child.pid, streams, cfg, tools,
+                                                         expected, model=router.model)}
+            emit(json.dumps(row))
+            rows.append(row)
+    finally:
+        await router.stop()
+    return rows
 
 
 async def run_benchmark(cfg: GatewayBenchConfig, emit=print) -> tuple[dict, Path]:
@@ -287,8 +417,11 @@ async def run_benchmark(cfg: GatewayBenchConfig, emit=print) -> tuple[dict, Path
     expected = tok.decode(expected_ids)
     levels = [int(s) for s in cfg.streams.split(",") if s.strip()]
     modes = [m.strip() for m in cfg.modes.split(",") if m.strip()]
-    services = Services(cfg, out, model_dir, token_ids)
-    rows = []
+    smg_bin, smg_note = smg_plan(cfg.smg, cfg.smg_bin)  # SmgMissing (with --smg required) before anything starts
+    services = Services(cfg, out, model_dir, token_ids, smg=smg_bin is not None)
+    rows: list[dict] = []
+    smg_rows: list[dict] = []
+    load_start = os.getloadavg()
     try:
         await services.start()
         for loop in [x.strip() for x in cfg.loops.split(",") if x.strip()]:
@@ -307,25 +440,44 @@ async def run_benchmark(cfg: GatewayBenchConfig, emit=print) -> tuple[dict, Path
                     services.children.remove(child)
                 if cfg.profile:
                     _profile_text(out / f"{name}.prof")
+        if smg_bin is not None:
+            for mode in modes:
+                smg_rows += await run_smg(services, smg_bin, cfg, mode, levels, expected, out, emit)
     finally:
         await services.stop()
     report = {"config": {k: getattr(cfg, k) for k in ("streams", "tokens", "interval_ms", "modes", "loops",
-                                                    "itl_bound_ms")},
-              "host": {"cpus": os.cpu_count(), "loadavg": os.getloadavg()}, "kvshuttle": rows, "smg": smg_status()}
+                                                    "itl_bound_ms", "smg")},
+              "host": {"cpus": os.cpu_count(), "loadavg": os.getloadavg(), "loadavg_start": load_start},
+              "kvshuttle": rows, "smg": {"status": smg_note, "rows": smg_rows},
+              "comparison": compare(rows, smg_rows) if smg_rows else [],
+              "streams_held": streams_held(rows + smg_rows)}
     (out / "gateway.json").write_text(json.dumps(report, indent=2))
     emit(table(report))
     return report, out
 
 
 def table(report: dict) -> str:
+    """The rows of both gateways (SMG's ``loop``: smg), then the ratio of tokens per core level by level."""
+    smg = report["smg"]
     lines = [f"{'loop':>7} {'parsers':>7} {'streams':>7} {'tok/s':>9} {'gw cores':>8} {'tok/s/core':>10} {'cores/10k':>9} "
              f"{'itl p50':>7} {'itl p99':>7} {'held':>5} {'complete':>8}"]
-    for r in report["kvshuttle"]:
-        lines.append(f"{r['loop']:>7} {'on' if r['tools_and_reasoning'] else 'off':>7} {r['streams']:>7} {r['tokens_per_s']:>9} "
-                     f"{r['gateway_cores']:>8} {r['tokens_per_core_s']:>10} {r['cores_per_10k_tokens_s']:>9} "
-                     f"{r['itl_p50_ms']:>7} {r['itl_p99_ms']:>7} {str(r['held_under_bound']):>5} "
+    for r in report["kvshuttle"] + smg["rows"]:
+        lines.append(f"{r['loop']:>7} {'on' if r['tools_and_reasoning'] else 'off':>7} {r['streams']:>7} {r['tokens_per_s']!s:>9} "
+                     f"{r['gateway_cores']!s:>8} {r['tokens_per_core_s']!s:>10} {r['cores_per_10k_tokens_s']!s:>9} "
+                     f"{r['itl_p50_ms']!s:>7} {r['itl_p99_ms']!s:>7} {str(r['held_under_bound']):>5} "
                      f"{r['complete_streams']:>4}/{r['streams']}")
-    lines.append(f"smg: {report['smg']}")
+    lines.append(f"smg: {smg['status']}")
+    if report.get("comparison"):
+        lines.append(f"{'loop':>7} {'parsers':>7} {'streams':>7} {'kvs tok/s/core':>14} {'smg tok/s/core':>14} "
+                     f"{'kvs/smg':>7} {'kvs cores/10k':>13} {'smg cores/10k':>13}")
+        for c in report["comparison"]:
+            lines.append(f"{c['loop']:>7} {'on' if c['tools_and_reasoning'] else 'off':>7} {c['streams']:>7} "
+                         f"{c['kvshuttle_tokens_per_core_s']!s:>14} {c['smg_tokens_per_core_s']!s:>14} "
+                         f"{c['ratio_per_core']!s:>7} {c['kvshuttle_cores_per_10k_tokens_s']!s:>13} "
+                         f"{c['smg_cores_per_10k_tokens_s']!s:>13}")
+    held = report.get("streams_held") or {}
+    if held:
+        lines.append("streams held (p99 ITL under the bound): " + ", ".join(f"{k} {v}" for k, v in held.items()))
     return "\n".join(lines)
 
 

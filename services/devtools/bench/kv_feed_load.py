@@ -9,6 +9,11 @@ Redis's CPU per entry served, then what that makes at a given fleet event rate: 
 ``--entries-per-worker-s`` entries a second (at most 1 / the agents' coalescing window, 20/s, when busy), for one
 replica and for ``--replicas`` replicas sharing the one Redis.
 
+The load feed too (``--load-samples``): the stream of the workers' load samples (every worker's agent publishes one
+each ``--load-interval-s``), read by the planners' :class:`~kvshuttle.services.store.load_feed.LoadFeedReader` into a
+real :class:`~kvshuttle.services.scheduler.load_monitor.LoadMonitor` that knows every synthetic worker: CPU per
+sample, and what the fleet's sample rate makes per replica (what the planners no longer spend polling).
+
 Figures are CPU seconds (``getrusage`` of this process while only the reader runs; Redis's ``INFO cpu``), not wall time: a loaded machine
 changes them little.
 """
@@ -29,9 +34,15 @@ from kvshuttle.control_plane.kv_index.feed import FeedFollower
 from kvshuttle.control_plane.kv_index.feed_codec import to_feed
 from kvshuttle.control_plane.kv_index.hashing import HashScheme
 from kvshuttle.control_plane.kv_index.index import KvIndex
+from kvshuttle.control_plane.load import WorkerLoad
+from kvshuttle.control_plane.load_feed import to_feed as load_to_feed
 from kvshuttle.services.common.config import TelemetryConfig, load, require, setting
 from kvshuttle.services.devtools.redis_process import RedisProcess
+from kvshuttle.services.scheduler.load_monitor import LoadMonitor
+from kvshuttle.services.scheduler.worker_view import WorkerView
+from kvshuttle.services.store import load_feed
 from kvshuttle.services.store.kv_feed import STREAM, KvFeedReader
+from kvshuttle.v1 import common_pb2, registry_pb2
 
 PREFIX = "/bench-kv-feed/"
 
@@ -48,6 +59,9 @@ class KvFeedBenchConfig(TelemetryConfig):
     entries_per_worker_s: float = setting(20.0, "Entries a busy worker's agent publishes a second (at most 1 / its "
                                                 "coalescing window, 0.05 s by default), for the projection")
     replicas: int = setting(50, "Planner replicas reading the one feed, for the projection of Redis's load")
+    load_samples: int = setting(20_000, "Load-feed samples to fill its stream with and read back (0: skip)")
+    load_interval_s: float = setting(0.5, "Seconds between a worker's load samples (the workers' "
+                                          "--load-feed-interval-s), for the projection")
     json_out: str = setting("", "Also write the result as JSON to this file")
     log_level: str = setting("WARNING", "Log level", env="KVSHUTTLE_LOG_LEVEL")
 
@@ -56,6 +70,7 @@ class KvFeedBenchConfig(TelemetryConfig):
         require(self.stored_blocks >= 1 and self.removed_blocks >= 0 and self.block_size >= 1,
                 "--stored-blocks >= 1, --removed-blocks >= 0, --block-size >= 1")
         require(self.entries_per_worker_s > 0 and self.replicas >= 1, "--entries-per-worker-s > 0, --replicas >= 1")
+        require(self.load_samples >= 0 and self.load_interval_s > 0, "--load-samples >= 0, --load-interval-s > 0")
 
 
 def synthetic_entries(cfg: KvFeedBenchConfig, seed: int = 7):
@@ -122,6 +137,60 @@ async def read_all(url: str, cfg: KvFeedBenchConfig) -> dict:
             "bad_entries": reader.bad_entries, "max_rss_mib": usage1.ru_maxrss / 1024}
 
 
+class _NoClient:
+    """The monitor's per-worker client: never called (the synthetic workers are fed, not polled)."""
+
+    async def close(self) -> None:
+        pass
+
+
+async def fill_loads(url: str, cfg: KvFeedBenchConfig) -> None:
+    client = aioredis.from_url(url)
+    stream, pipe, now = PREFIX + load_feed.STREAM, client.pipeline(transaction=False), time.time()
+    try:
+        for i in range(cfg.load_samples):
+            w = i % cfg.workers
+            numbers = WorkerLoad(running=i % 7, waiting=i % 3, used_tokens=1000 * (i % 50), capacity_tokens=262_144,
+                              waiting_uncached_tokens=128 * (i % 5), cache_hit_rate=0.5)
+            sample = load_to_feed(f"synthetic-{w}", now + i * cfg.load_interval_s / cfg.workers, cfg.load_interval_s,
+                                  numbers)
+            pipe.xadd(stream, {"b": sample.SerializeToString()})
+            if (i + 1) % 500 == 0:
+                await pipe.execute()
+                pipe = client.pipeline(transaction=False)
+        await pipe.execute()
+    finally:
+        await client.aclose()
+
+
+async def read_loads(url: str, cfg: KvFeedBenchConfig) -> dict:
+    """One LoadFeedReader into a LoadMonitor that knows every synthetic worker, from the stream's start."""
+    view = WorkerView(registry=None)
+    view.apply(registry_pb2.WatchWorkersResponse(
+        type=registry_pb2.WatchWorkersResponse.EVENT_TYPE_SNAPSHOT,
+        workers=[common_pb2.Worker(worker_id=f"synthetic-{w}", role=common_pb2.WORKER_ROLE_PREFILL,
+                                   grpc_address=f"10.0.{w // 250}.{w % 250}:50051") for w in range(cfg.workers)]))
+    monitor = LoadMonitor(view, client_factory=lambda address, timeout: _NoClient(), feed_url=url,
+                          feed_key_prefix=PREFIX)
+    monitor._sync()  # the workers, without the poller (nothing here is polled)
+    reader = monitor.feed
+    reader.last_id = "0-0"
+    usage0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    reader.start()
+    try:
+        while reader.samples + reader.bad_entries < cfg.load_samples:
+            if reader._task is not None and reader._task.done():
+                raise RuntimeError(f"the load reader stopped: {reader._task.exception()!r}")
+            await asyncio.sleep(0.05)
+        fed = sum(1 for worker_id in monitor.loads() if monitor.source(worker_id) == "feed")
+    finally:
+        wall = time.perf_counter() - t0
+        usage1 = resource.getrusage(resource.RUSAGE_SELF)
+        await monitor.stop()
+    return {"load_reader_cpu_s": (usage1.ru_utime - usage0.ru_utime) + (usage1.ru_stime - usage0.ru_stime),
+            "load_reader_wall_s": wall, "load_workers_with_samples": fed, "load_bad_entries": reader.bad_entries}
+
+
 async def redis_cpu(url: str) -> float:
     client = aioredis.from_url(url)
     try:
@@ -141,13 +210,27 @@ async def bench(cfg: KvFeedBenchConfig) -> dict:
         redis0 = await redis_cpu(server.url)
         result = await read_all(server.url, cfg)
         redis_read_cpu = await redis_cpu(server.url) - redis0
+        loads: dict = {}
+        if cfg.load_samples:
+            await fill_loads(server.url, cfg)
+            redis0 = await redis_cpu(server.url)
+            loads = await read_loads(server.url, cfg)
+            loads["redis_load_read_cpu_s"] = await redis_cpu(server.url) - redis0
     finally:
         await server.astop()
     hashes = cfg.entries * (cfg.stored_blocks + cfg.removed_blocks)
     per_entry_us = result["reader_cpu_s"] / cfg.entries * 1e6
     rate = cfg.workers * cfg.entries_per_worker_s
     redis_per_entry_us = redis_read_cpu / cfg.entries * 1e6
+    if loads:
+        per_sample_us = loads["load_reader_cpu_s"] / cfg.load_samples * 1e6
+        sample_rate = cfg.workers / cfg.load_interval_s
+        loads.update(load_reader_us_per_sample=round(per_sample_us, 2), load_samples_per_s=sample_rate,
+                     load_replica_cores=round(sample_rate * per_sample_us / 1e6, 3),
+                     load_redis_cores_for_replicas=round(
+                         sample_rate * loads["redis_load_read_cpu_s"] / cfg.load_samples * cfg.replicas, 3))
     return {
+        **loads,
         "config": dataclasses.asdict(cfg), "fill_s": round(fill_s, 2), "stream_bytes": stream_bytes,
         "bytes_per_entry": round(stream_bytes / cfg.entries, 1), **result,
         "reader_us_per_entry": round(per_entry_us, 2), "reader_us_per_hash": round(result["reader_cpu_s"] / hashes * 1e6, 3),
@@ -172,7 +255,13 @@ def report(r: dict) -> str:
         f"at {c['workers']:,} workers x {c['entries_per_worker_s']:g} entries/s = {r['fleet_entries_per_s']:,.0f} "
         f"entries/s: {r['replica_cores']:.2f} cores per planner replica; Redis {r['redis_cores_for_replicas']:.2f} "
         f"cores to serve {c['replicas']} replicas",
-    ])
+    ] + ([
+        f"load feed: {c['load_samples']:,} samples read into a load monitor of {c['workers']:,} workers in "
+        f"{r['load_reader_cpu_s']:.2f} CPU s: {r['load_reader_us_per_sample']:.1f} us per sample; at one sample per "
+        f"worker every {c['load_interval_s']:g} s ({r['load_samples_per_s']:,.0f}/s): {r['load_replica_cores']:.3f} "
+        f"cores per planner replica, Redis {r['load_redis_cores_for_replicas']:.2f} cores for {c['replicas']} "
+        f"replicas ({r['load_workers_with_samples']:,} workers with a sample, {r['load_bad_entries']} bad entries)",
+    ] if "load_reader_cpu_s" in r else []))
 
 
 def main(argv: list[str] | None = None) -> int:

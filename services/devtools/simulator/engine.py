@@ -51,6 +51,11 @@ class SimSettings:
     # > 0: a closed loop of this many sessions at a time (a benchmark client's concurrency): the first ones start at
     # their ``start_s``, each later one (in order of ``start_s``) its first turn's ``gap_s`` after one ends.
     sessions_in_flight: int = 0
+    # > 0: every worker runs on one host of this many cores (a CPU deployment, as `kvshuttle bench`'s local stack):
+    # while k engines are busy (prefill workers computing, decode workers with a stream), prefills progress
+    # max(1, k / host_cores) times slower (processor sharing: re-timed whenever k changes), and a turn's first
+    # decode step takes that much longer. 0: each worker has its own hardware.
+    host_cores: float = 0.0
 
 
 @dataclass(slots=True)
@@ -96,6 +101,12 @@ class InFlight:
     need: int = 0  # D's KV tokens for prompt + answer (whole blocks)
     p_start: float = 0.0
     p_end: float = 0.0
+    # a shared host (SimSettings.host_cores): the prefill's work left at full speed (ms), since when at which slowdown,
+    # and which of its completion events is current
+    work_ms: float = 0.0
+    rate_since: float = 0.0
+    share: float = 1.0
+    version: int = 0
     cached: int = 0
     pulled: int = 0
     computed: int = 0
@@ -157,6 +168,9 @@ class Simulation:
         self._session_index = {id(s): i for i, s in enumerate(self.sessions)}
         self._prefill_index = {p.worker_id: i for i, p in enumerate(self.prefill)}
         self._waiting: list[SimSession] = []  # closed loop: sessions not started yet, next last
+        self._streams: dict[str, int] = {d.worker_id: 0 for d in self.decode}  # decode streams in flight per D
+        self._computing: set[InFlight] = set()  # prefills in progress (a shared host: processor sharing)
+        self._shared = settings.host_cores > 0
 
     # -- the event loop ------------------------------------------------------------------------------------------
 
@@ -269,11 +283,44 @@ class Simulation:
         service = prof.compute_ms(flight.computed, n - flight.computed) * self._noise()
         if flight.pulled:
             service += prof.transfer_ms(flight.pulled) * self._noise()
-        flight.p_start, flight.p_end = self.now, self.now + service / 1000
+        flight.p_start = self.now
+        if self._shared:  # processor sharing: its end moves whenever the busy engines change
+            flight.work_ms, flight.rate_since = service, self.now
+            self._computing.add(flight)
+            self._retime()
+            return
+        flight.p_end = self.now + service / 1000
         self.result.prefill_busy_s += service / 1000
         self._push(flight.p_end, _P_DONE, flight)
 
-    def _prefill_done(self, flight: InFlight) -> None:
+    def _retime(self) -> None:
+        """The busy engines changed (a shared host): every prefill in progress runs at the new share from now on."""
+        share = self._share()
+        for f in self._computing:
+            f.work_ms = max(0.0, f.work_ms - (self.now - f.rate_since) * 1000 / f.share)
+            f.rate_since, f.share = self.now, share
+            f.version += 1
+            self._push(self.now + f.work_ms * share / 1000, _P_DONE, (f, f.version))
+
+    def _share(self) -> float:
+        """How many times longer work takes now on a shared host (``SimSettings.host_cores``): busy engines per
+        core."""
+        if not self._shared:
+            return 1.0
+        busy = len(self._computing) + sum(1 for n in self._streams.values() if n)
+        return max(1.0, busy / self.settings.host_cores)
+
+    def _prefill_done(self, obj) -> None:
+        if isinstance(obj, tuple):  # a shared host: only the current completion of a re-timed prefill counts
+            flight, version = obj
+            if version != flight.version:
+                return
+            self._computing.discard(flight)
+            flight.p_end = self.now
+            self.result.prefill_busy_s += self.now - flight.p_start
+            self._retime()
+        else:
+            flight = obj
         r = flight.routed
         p = r.prefill
         p.busy = False
@@ -314,8 +361,11 @@ class Simulation:
     def _admit(self, d: DecodeWorker, flight: InFlight) -> None:
         d.reserved_tokens -= flight.need
         d.admit(flight.need)
+        self._streams[d.worker_id] += 1
+        if self._streams[d.worker_id] == 1 and self._shared:
+            self._retime()
         prof = self.profile
-        first = self.now + (prof.handoff_ms(flight.prompt) * self._noise() + prof.tpot_ms) / 1000
+        first = self.now + (prof.handoff_ms(flight.prompt) * self._noise() + prof.tpot_ms) * self._share() / 1000
         res = self.result
         cols = res.turns
         cols.arrival.append(flight.arrival)
@@ -340,6 +390,9 @@ class Simulation:
         live, r = flight.live, flight.routed
         d = r.decode
         d.finish(flight.need)
+        self._streams[d.worker_id] -= 1
+        if not self._streams[d.worker_id] and self._shared:
+            self._retime()
         seg = next(self._own)
         live.segments.append((seg, flight.output))
         live.chain.extend(seg, flight.output)

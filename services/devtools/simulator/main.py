@@ -79,6 +79,9 @@ class SimulateConfig:
                                                 "keeps (its costs are fitted)", choices=tuple(PROFILES))
     validate_warm_up: int = setting(1, "--validate-samples: leave out the run's first conversations (the engines' "
                                        "warm-up)")
+    validate_host_cores: float = setting(0.0, "--validate-samples: the measured runs' workers shared one host of this "
+                                              "many cores (the bench's local stack: the machine's); 0: each worker "
+                                              "had its own hardware")
     jobs: int = setting(2, "Strategies simulated in parallel (processes)")
     out: str = setting("var/bench/simulate.json", "Where the JSON report goes ('': not written)")
 
@@ -94,6 +97,7 @@ class SimulateConfig:
         require(self.agent_gap_s > 0 and self.chat_gap_s > 0, "--agent-gap-s and --chat-gap-s must be > 0")
         require(self.ttl_s > 0 and self.tick_s > 0 and self.slo_ms > 0, "--ttl-s, --tick-s and --slo-ms must be > 0")
         require(self.validate_warm_up >= 0, "--validate-warm-up must be >= 0")
+        require(self.validate_host_cores >= 0, "--validate-host-cores must be >= 0")
         require(self.trace_block >= 1 and self.jobs >= 1 and self.pull_threshold_tokens >= 1,
                 "--trace-block, --jobs and --pull-threshold-tokens must be >= 1")
         require(min(self.prefill_cache_tokens, self.decode_kv_tokens, self.link_gbit_s, self.idle_limit_s) >= 0,
@@ -114,7 +118,7 @@ class SimulateConfig:
 
     def validate_effects(self, names: Sequence[str]) -> None:
         """Settings another one makes a no-op, when given: an error naming both flags."""
-        for name in ("validate_profile", "validate_warm_up"):
+        for name in ("validate_profile", "validate_warm_up", "validate_host_cores"):
             require_effect(self, name, bool(self.validate_samples), "without --validate-samples")
         for name in ("trace", "write_trace"):
             require_effect(self, name, not self.validate_samples,
@@ -222,7 +226,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if cfg.validate_samples:
         try:
             rep = validation.validate(cfg.validate_samples, base=cfg.validate_profile,
-                                      prefill_cache_tokens=cfg.prefill_cache_tokens, warm_up=cfg.validate_warm_up)
+                                      prefill_cache_tokens=cfg.prefill_cache_tokens, warm_up=cfg.validate_warm_up,
+                                      host_cores=cfg.validate_host_cores)
         except validation.ValidationError as exc:
             raise SystemExit(f"kvshuttle simulate --validate-samples: {exc}") from None
         print(validation.format_validation(rep), flush=True)

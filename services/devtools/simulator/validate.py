@@ -16,7 +16,8 @@ Every run is then replayed whole, per mode, on as many prefill and decode worker
 it: a closed loop of as many conversations at a time as were in flight (the bench's ``--concurrency``, read off the
 send times), each turn sent as long after the previous answer as it was (pull mode: the kvshuttle strategy, its
 planner and prefix index; recompute mode: the recompute strategy). The checked turns are the first run's other half
-and every turn of the later runs (the first ``warm_up`` conversations of each run aside: the engines' warm-up).
+and every turn of the later runs (the first ``warm_up`` conversations of each concurrent slot aside: the engines'
+warm-up).
 Simulated against measured, per history bucket: TTFT p50 and p90; and per run: the turns each prefill worker served
 (busiest first) and the prompt tokens found in P's cache, pulled and computed. The verdict: every bucket of at least
 ``MIN_JUDGED_TURNS`` turns within ``TOLERANCE`` at p50 and p90.
@@ -163,7 +164,7 @@ def _bucket(history: int) -> str:
 
 
 def simulate_mode(rows: list[dict[str, Any]], mode: str, prof: Profile, prefill_cache_tokens: int,
-                  seed: int = 0) -> dict[tuple[str, int], dict[str, Any]]:
+                  seed: int = 0, host_cores: float = 0.0) -> dict[tuple[str, int], dict[str, Any]]:
     """Every turn of ``rows`` (one mode of one run) simulated: (conversation, turn) -> the simulated TTFT (ms), the
     prefill worker (its index), and the prompt tokens cached, pulled and computed."""
     sessions = sessions_of(rows)
@@ -175,7 +176,7 @@ def simulate_mode(rows: list[dict[str, Any]], mode: str, prof: Profile, prefill_
     ds = [DecodeWorker(f"d{i}", prof.decode_kv_tokens, prof.block_size) for i in range(n_decode)]
     strategy = strategies.make(MODES[mode], ps, ds, random.Random(seed), candidates=max(n_prefill, n_decode),
                                unit=unit, prior=PrefillPrior(), index=index)
-    settings = SimSettings(unit_tokens=unit, seed=seed, sessions_in_flight=in_flight(rows))
+    settings = SimSettings(unit_tokens=unit, seed=seed, sessions_in_flight=in_flight(rows), host_cores=host_cores)
     cols = Simulation(sessions, strategy, prof, ps, ds, settings).run().turns
     measured = _conversations(rows)
     out = {}
@@ -241,13 +242,14 @@ def _compare(checked: list[dict[str, Any]], simulated: dict[tuple[str, int], dic
 
 
 def validate(paths: str | Path | list[str | Path], *, base: str = "cpu-tiny", prefill_cache_tokens: int = 0,
-             warm_up: int = 1) -> dict[str, Any]:
+             warm_up: int = 1, host_cores: float = 0.0) -> dict[str, Any]:
     """Fit on the first run's even-numbered conversations; replay every run; compare the first run's other half and
     the later runs' conversations, per mode and bucket.
 
-    The first ``warm_up`` conversations of each run are left out of the fit and the checks (they are replayed: they
-    load the workers as they did): they pay for the engines' warm-up (the first NIXL handshake on a link, the first
-    compiled shapes and grammars), seconds the simulator does not model."""
+    The first ``warm_up`` conversations of each run's concurrent slots are left out of the fit and the checks (they
+    are replayed: they load the workers as they did): they pay for the engines' warm-up (the first NIXL handshake on a link, the first
+    compiled shapes and grammars), seconds the simulator does not model. ``host_cores`` > 0: the run's workers shared
+    one host of that many cores (``SimSettings.host_cores``), as the bench's local stack does."""
     if isinstance(paths, str | Path):
         paths = [p for p in str(paths).split(",") if p]
     if not paths:
@@ -255,8 +257,11 @@ def validate(paths: str | Path | list[str | Path], *, base: str = "cpu-tiny", pr
     runs = [(str(p), load_samples(p)) for p in paths]
 
     def kept(rows: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
-        order = list(_conversations(rows))  # in the order the bench started them, over all modes
-        return order[:warm_up], order[warm_up:]
+        """The run's warm-up conversations (the first ``warm_up`` of each of its concurrent slots: those started
+        together pay the cold start together) and the others, in the order the bench started them."""
+        order = list(_conversations(rows))
+        cold = warm_up * max(in_flight([r for r in rows if r["mode"] == mode]) for mode in {r["mode"] for r in rows})
+        return order[:cold], order[cold:]
 
     first_path, first_rows = runs[0]
     skipped, conversations = kept(first_rows)
@@ -276,7 +281,7 @@ def validate(paths: str | Path | list[str | Path], *, base: str = "cpu-tiny", pr
             checked = [r for r in mode_rows if r["conversation"] in check]
             if not checked:
                 continue
-            simulated = simulate_mode(mode_rows, mode, prof, prefill_cache_tokens)
+            simulated = simulate_mode(mode_rows, mode, prof, prefill_cache_tokens, host_cores=host_cores)
             per_mode[mode] = _compare(checked, simulated) | {
                 "in_flight": in_flight(mode_rows),
                 "prefill_workers": max(1, len({r["prefill_worker"] for r in mode_rows if r["prefill_worker"]}))}
@@ -288,7 +293,7 @@ def validate(paths: str | Path | list[str | Path], *, base: str = "cpu-tiny", pr
     return {"samples": [p for p, _ in runs], "warm_up_conversations": skipped, "fit_conversations": len(fit_convs),
             "fit_turns": len(fit_rows), "coefficients": coefficients, "profile": dataclasses.asdict(prof),
             "runs": checks, "worst_error": round(worst, 3), "within_tolerance": worst <= TOLERANCE,
-            "tolerance": TOLERANCE, "min_judged_turns": MIN_JUDGED_TURNS}
+            "tolerance": TOLERANCE, "min_judged_turns": MIN_JUDGED_TURNS, "host_cores": host_cores}
 
 
 def format_validation(rep: dict[str, Any]) -> str:
@@ -298,7 +303,8 @@ def format_validation(rep: dict[str, Any]) -> str:
              f"{', '.join(rep['warm_up_conversations']) or 'none'})",
              f"fit: {c['F_ms']:.1f} ms + {c['ms_per_ktoken']:.1f} ms/1k computed + {c['ms_per_ktoken_kcontext']:.2f} "
              f"ms/1k computed/1k context + {c['ms_per_ktoken_moved']:.2f} ms/1k moved + {c['ms_per_transfer']:.1f} ms "
-             f"per pull; decode {c['tpot_ms']:.1f} ms/token"]
+             f"per pull; decode {c['tpot_ms']:.1f} ms/token"
+             + (f"; the workers share {rep['host_cores']:g} cores" if rep.get("host_cores") else "")]
     for run in rep["runs"]:
         lines += ["", f"{run['samples']}: {run['checked_conversations']} conversations checked"]
         lines.append(f"{'mode':<10} {'history':<11} {'turns':>5} {'p50 real':>9} {'p50 sim':>9} {'sim/real':>8} "

@@ -23,6 +23,7 @@ from kvshuttle.services.gateway.turns.context import Delta, TurnContext, elapsed
 from kvshuttle.services.gateway.turns.errors import DecodeFailed, TurnError
 from kvshuttle.services.gateway.turns.request import TurnRequest
 from kvshuttle.services.gateway.turns.spans import tracer
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 if TYPE_CHECKING:
@@ -179,21 +180,86 @@ async def run(rt: TurnServices, ctx: TurnContext) -> AsyncIterator[Delta]:
         yield delta
 
 
+class StallWatchdog:
+    """Bounds each wait for a stream's next item to ``timeout_s``, as ``asyncio.wait_for`` around each wait would,
+    for one timer per stream instead of a task, a future and a timer per item: ``waiting`` and ``done`` mark a
+    wait (a clock read), and the timer, when it fires, re-arms itself at the current wait's deadline, or cancels
+    the waiting task once a wait has lasted ``timeout_s``. After a CancelledError out of the wait, ``stalled`` says
+    whether it was the watchdog's (then the task's cancellation is undone, as ``asyncio.timeout`` does)."""
+
+    __slots__ = ("timeout_s", "_loop", "_task", "_since", "_handle", "_cancelling", "_fired")
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._loop = asyncio.get_running_loop()
+        self._task: asyncio.Task | None = None
+        self._since: float | None = None  # when the current wait began (loop time); None between waits
+        self._handle: asyncio.TimerHandle | None = None
+        self._cancelling = 0
+        self._fired = False
+
+    def waiting(self) -> None:
+        """The current task starts waiting for the next item (call right before the await)."""
+        self._since = now = self._loop.time()
+        self._task = asyncio.current_task()
+        if self._handle is None:
+            self._handle = self._loop.call_at(now + self.timeout_s, self._check)
+
+    def done(self) -> None:
+        """The wait is over (an item, the end, an error)."""
+        self._since = None
+
+    def _check(self) -> None:
+        self._handle = None
+        since = self._since
+        if since is None or self._task is None:
+            return  # between waits: the next wait arms the timer again
+        due = since + self.timeout_s
+        if due - self._loop.time() > 0.001:
+            self._handle = self._loop.call_at(due, self._check)
+            return
+        self._fired = True
+        self._cancelling = self._task.cancelling()
+        self._task.cancel()
+
+    def stalled(self) -> bool:
+        """Whether the CancelledError the wait raised was the watchdog's (a cancellation from elsewhere stays)."""
+        if not self._fired or self._task is None:
+            return False
+        self._fired = False
+        return self._task.uncancel() <= self._cancelling
+
+    def close(self) -> None:
+        self._since = None
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+
 async def stream_tokens(rt: TurnServices, engine: EngineClient, request_id: str, prompt: list[int], span,
                         **kwargs: Any) -> AsyncIterator[Any]:
     """D's stream, each item awaited at most ``decode_stall_timeout_s`` (a hung worker fails like a dead one).
     The call is made with ``span`` current (its client span is a child), which is never current across a yield."""
     stream = engine.generate(request_id, prompt, stream=True, **kwargs).__aiter__()
+    watchdog = StallWatchdog(rt.decode_stall_timeout_s)
     try:
         while True:
+            # trace.use_span(span) without its context manager's per-token cost (it records nothing here).
+            token = otel_context.attach(trace.set_span_in_context(span))
+            watchdog.waiting()
             try:
-                with trace.use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False):
-                    item = await asyncio.wait_for(anext(stream), rt.decode_stall_timeout_s)
+                item = await anext(stream)
             except StopAsyncIteration:
                 return
-            except TimeoutError:
-                raise EngineError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                  f"no token for {rt.decode_stall_timeout_s:g} s") from None
+            except asyncio.CancelledError:
+                if watchdog.stalled():
+                    raise EngineError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                      f"no token for {rt.decode_stall_timeout_s:g} s") from None
+                raise
+            finally:
+                watchdog.done()
+                otel_context.detach(token)
             yield item
     finally:
+        watchdog.close()
         await stream.aclose()

@@ -1,0 +1,123 @@
+"""`kvshuttle bench-gateway`'s SMG side without running it: whether SMG is driven (--smg required|auto|off), its
+parser flags per mode, the kvshuttle ÷ SMG comparison per level, the streams held, the table, the process-tree CPU
+reading, and what the fake engine tells SMG about the model."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from kvshuttle.services.common.config import ConfigError, load
+from kvshuttle.services.devtools.bench import gateway_capacity as gc
+from kvshuttle.services.devtools.bench.fake_engine import model_facts
+from kvshuttle.services.devtools.bench.smg import SmgMissing
+
+
+def row(loop, tools, streams, per_core, held=True):
+    return {"loop": loop, "streams": streams, "tools_and_reasoning": tools, "tokens": streams * 10,
+            "complete_streams": streams, "wall_s": 1.0, "gateway_cpu_s": 0.5, "tokens_per_s": 100.0,
+            "gateway_cores": 0.5, "tokens_per_core_s": per_core,
+            "cores_per_10k_tokens_s": round(10000 / per_core, 3) if per_core else None, "itl_p50_ms": 20.0,
+            "itl_p99_ms": 30.0, "held_under_bound": held}
+
+
+def test_smg_off_is_not_looked_for(tmp_path):
+    assert gc.smg_plan("off", "nowhere/smg", root=tmp_path) == (None, "not measured (--smg off)")
+
+
+def test_a_missing_smg_is_an_error_only_when_required(tmp_path):
+    with pytest.raises(SmgMissing, match="make install"):
+        gc.smg_plan("required", ".smg/bin/smg", root=tmp_path)
+    binary, note = gc.smg_plan("auto", ".smg/bin/smg", root=tmp_path)
+    assert binary is None and note.startswith("not measured: ") and "make install" in note
+
+
+def test_an_installed_smg_is_driven_relative_to_the_root_or_absolute(tmp_path):
+    smg = tmp_path / ".smg" / "bin" / "smg"
+    smg.parent.mkdir(parents=True)
+    smg.write_text("#!/bin/sh\n")
+    for choice in ("auto", "required"):
+        assert gc.smg_plan(choice, ".smg/bin/smg", root=tmp_path) == (smg, f"measured ({smg})")
+    assert gc.smg_plan("auto", str(smg), root=tmp_path / "elsewhere")[0] == smg
+
+
+def test_the_smg_flag_and_its_environment_variable(monkeypatch):
+    assert load(gc.GatewayBenchConfig, []).smg == "auto"
+    assert load(gc.GatewayBenchConfig, ["--smg", "off"]).smg == "off"
+    monkeypatch.setenv("KVSHUTTLE_BENCH_GATEWAY_SMG", "required")
+    monkeypatch.setenv("KVSHUTTLE_BENCH_GATEWAY_SMG_BIN", "/opt/smg")
+    cfg = load(gc.GatewayBenchConfig, [])
+    assert (cfg.smg, cfg.smg_bin) == ("required", "/opt/smg")
+    with pytest.raises((ConfigError, SystemExit)):
+        load(gc.GatewayBenchConfig, ["--smg", "sometimes"])
+
+
+def test_smg_parsers_follow_the_mode():
+    assert gc.smg_parser_flags(False, "hermes", "qwen3") == ("", "")
+    assert gc.smg_parser_flags(True, "hermes", "qwen3") == ("hermes", "--reasoning-parser qwen3")
+    assert gc.smg_parser_flags(True, "hermes", "") == ("hermes", "")
+    with pytest.raises(ValueError, match="no SMG tool-call parser"):
+        gc.smg_parser_flags(True, "mistral-ish", "qwen3")
+
+
+def test_the_comparison_divides_per_core_throughput_level_by_level():
+    kv = [row("asyncio", False, 1, 1000.0), row("asyncio", False, 64, 4000.0), row("uvloop", True, 64, 3000.0),
+          row("asyncio", False, 512, None, held=False)]
+    smg = [row("smg", False, 1, 2500.0), row("smg", False, 64, 16000.0, held=False), row("smg", True, 64, 6000.0)]
+    got = gc.compare(kv, smg)
+    assert [(c["loop"], c["tools_and_reasoning"], c["streams"], c["ratio_per_core"]) for c in got] == [
+        ("asyncio", False, 1, 0.4), ("asyncio", False, 64, 0.25), ("uvloop", True, 64, 0.5),
+        ("asyncio", False, 512, None)]
+    assert got[1]["kvshuttle_cores_per_10k_tokens_s"] == 2.5 and got[1]["smg_cores_per_10k_tokens_s"] == 0.625
+    assert got[1]["kvshuttle_held"] is True and got[1]["smg_held"] is False
+    assert got[3]["smg_tokens_per_core_s"] is None and got[3]["smg_held"] is None  # SMG has no such level
+
+
+def test_streams_held_is_the_largest_level_held_per_loop_and_parsers():
+    rows = [row("asyncio", False, 1, 1.0), row("asyncio", False, 64, 1.0), row("asyncio", False, 512, 1.0, False),
+            row("asyncio", True, 1, 1.0, False), row("smg", True, 512, 1.0)]
+    assert gc.streams_held(rows) == {"asyncio/off": 64, "asyncio/on": 0, "smg/on": 512}
+
+
+def test_the_table_shows_both_gateways_and_the_ratio():
+    kv, smg = [row("asyncio", False, 64, 4000.0)], [row("smg", False, 64, 16000.0)]
+    report = {"kvshuttle": kv, "smg": {"status": "measured (/x/smg)", "rows": smg},
+              "comparison": gc.compare(kv, smg), "streams_held": gc.streams_held(kv + smg)}
+    text = gc.table(report)
+    assert "tok/s/core" in text and "smg: measured (/x/smg)" in text and "kvs/smg" in text
+    assert any(line.split()[:3] == ["smg", "off", "64"] for line in text.splitlines())
+    assert any(line.split()[:4] == ["asyncio", "off", "64", "4000.0"] and "0.25" in line.split()
+               for line in text.splitlines())
+    assert "asyncio/off 64, smg/off 64" in text
+    missing = gc.table({"kvshuttle": kv, "smg": {"status": "not measured (--smg off)", "rows": []}, "comparison": []})
+    assert "smg: not measured (--smg off)" in missing and "kvs/smg" not in missing
+
+
+def test_tree_cpu_sums_the_process_and_its_descendants():
+    cpu = {1: 1.0, 2: 0.5, 3: 0.25, 4: 2.0}
+    kids = {1: [2, 3], 2: [9], 3: [], 4: [], 9: []}  # 9 exited between the two reads
+
+    def read(pid):
+        if pid not in cpu:
+            raise FileNotFoundError(pid)
+        return cpu[pid]
+
+    assert gc.tree_cpu_s(1, cpu_s=read, children=kids.__getitem__) == 1.75
+    assert gc.tree_cpu_s(7, cpu_s=read, children=kids.__getitem__) == 0.0  # gone: nothing to read
+    assert gc.tree_cpu_s(os.getpid()) >= gc._cpu_s(os.getpid()) > 0  # /proc itself
+
+
+def test_the_fake_engine_reads_the_model_s_vocabulary_and_eos(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 4096, "eos_token_id": 2}))
+    assert model_facts(str(tmp_path)) == (4096, [2])
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 10, "eos_token_id": [1, 7]}))
+    assert model_facts(str(tmp_path)) == (10, [1, 7])
+    assert model_facts("") == (0, [])
+    assert model_facts(str(tmp_path / "missing")) == (0, [])
+
+
+def test_a_level_too_short_for_a_cpu_tick_prints_as_none():
+    kv, smg = [row("asyncio", False, 1, 1000.0)], [row("smg", False, 1, None)]  # 0 CPU ticks: no tokens per core
+    text = gc.table({"kvshuttle": kv, "smg": {"status": "measured", "rows": smg}, "comparison": gc.compare(kv, smg)})
+    assert any(line.split()[:3] == ["smg", "off", "1"] and "None" in line.split() for line in text.splitlines())
