@@ -3,10 +3,11 @@
 vLLM reports a request's ``num_cached_tokens``: the prompt tokens it did not compute, its own prefix cache's and the
 ones a pull loaded from a decode worker alike. Only the engine's scheduler knows the split: it tells the NIXL
 connector how many tokens the request's transfer brings (``update_state_after_alloc``). ``install`` (run by the
-plugin in every vLLM process; it matters in the engine core's) wraps the connector to note that count for a prefill
-worker's request that pulls, and to add it to the ``kv_transfer_params`` the prefill worker returns when the request
-finishes (``kv_params.LOADED_TOKENS_KEY``). The gateway takes it out before it hands those params to D, and reports the
-turn's pulled tokens exactly (without it: the tokens the pull could cover).
+plugin in every vLLM process) has vLLM's connector factory wrap the NIXL connector when it loads it (in the engine
+core, for the scheduler): the connector notes that count for a prefill worker's request that pulls, and adds it to
+the ``kv_transfer_params`` the prefill worker returns when the request finishes (``kv_params.LOADED_TOKENS_KEY``).
+The gateway takes it out before it hands those params to D, and reports the turn's pulled tokens exactly (without
+it: the tokens the pull could cover).
 """
 
 from __future__ import annotations
@@ -21,14 +22,32 @@ _MARK = "_kvshuttle_loaded_tokens"
 
 
 def install() -> bool:
-    """Wrap vLLM's NIXL connector (once); False when this vLLM has none (nothing to report)."""
+    """Have vLLM's connector factory wrap the NIXL connector's class when it loads it (importing NIXL here could
+    abort a process that has no use for it); False when this vLLM has no connector factory."""
     try:
-        from vllm.distributed.kv_transfer.kv_connector.v1.nixl import connector as nixl
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     except ImportError:
         return False
-    cls = nixl.NixlBaseConnector
-    if getattr(cls, _MARK, False):
+    if getattr(KVConnectorFactory, _MARK, False):
         return True
+    original = KVConnectorFactory.get_connector_class.__func__
+
+    def get_connector_class(cls, kv_transfer_config):
+        connector_cls = original(cls, kv_transfer_config)
+        base = next((k for k in connector_cls.__mro__ if k.__name__ == "NixlBaseConnector"), None)
+        if base is not None:
+            wrap(base)
+        return connector_cls
+
+    KVConnectorFactory.get_connector_class = classmethod(get_connector_class)
+    setattr(KVConnectorFactory, _MARK, True)
+    return True
+
+
+def wrap(cls: type) -> None:
+    """Wrap vLLM's NIXL connector class (``NixlBaseConnector``: its scheduler-side calls), once."""
+    if cls.__dict__.get(_MARK, False):
+        return
     alloc, finished, finished_all = cls.update_state_after_alloc, cls.request_finished, \
         cls.request_finished_all_groups
 
@@ -62,4 +81,3 @@ def install() -> bool:
     cls.request_finished = request_finished
     cls.request_finished_all_groups = request_finished_all_groups
     setattr(cls, _MARK, True)
-    return True

@@ -77,8 +77,9 @@ def _running(pid: int) -> bool:
     return state != "Z"
 
 
-class _Scheduler:
-    """Stands in for the NIXL connector's scheduler side: records what it was told, returns D's params."""
+class _NixlConnector:
+    """Stands in for vLLM's NixlBaseConnector (the same scheduler-side methods): records what it was told, returns
+    the params a prefill worker hands to D."""
 
     def __init__(self):
         self.allocs: list[tuple[str, int]] = []
@@ -89,6 +90,9 @@ class _Scheduler:
     def request_finished(self, request, block_ids):
         return True, {"do_remote_prefill": True, "remote_block_ids": [[1, 2]], "remote_num_tokens": 300}
 
+    def request_finished_all_groups(self, request, block_ids):
+        return self.request_finished(request, block_ids[0])
+
 
 class _Request:
     def __init__(self, request_id: str, **params):
@@ -96,15 +100,15 @@ class _Request:
 
 
 def test_a_prefill_workers_pull_reports_the_tokens_it_loaded():
-    """vLLM's real NIXL connector class, wrapped by the plugin: a prefill worker's pull returns params that say how
-    many tokens the connector loaded; a recompute, and a decode worker's own pull, return them unchanged."""
-    nixl = pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector")
+    """The connector wrapped by the plugin: a prefill worker's pull returns params that say how many tokens the
+    connector loaded; a recompute, and a decode worker's own pull, return them unchanged."""
     from kvshuttle.control_plane.kv_params import LOADED_TOKENS_KEY
     from kvshuttle.workers import vllm_loaded_tokens
 
-    assert vllm_loaded_tokens.install() and vllm_loaded_tokens.install()  # once, however often vLLM loads plugins
-    connector = object.__new__(nixl.NixlPullConnector)  # no engine: only the scheduler-side calls are made
-    connector.connector_scheduler = scheduler = _Scheduler()
+    cls = type("NixlBaseConnector", (_NixlConnector,), {})
+    vllm_loaded_tokens.wrap(cls)
+    vllm_loaded_tokens.wrap(cls)  # once, however often
+    connector = cls()
 
     # P's pull as vLLM's scheduler hands it over (do_remote_prefill already off); told again, with 0, once loaded
     pull = _Request("p-pull", do_remote_decode=True, do_remote_prefill=False, remote_engine_id="d-engine")
@@ -112,7 +116,7 @@ def test_a_prefill_workers_pull_reports_the_tokens_it_loaded():
     connector.update_state_after_alloc(pull, None, 0)
     delay, params = connector.request_finished(pull, [1, 2])
     assert delay and params[LOADED_TOKENS_KEY] == 256 and params["remote_num_tokens"] == 300
-    assert scheduler.allocs == [("p-pull", 256), ("p-pull", 0)]
+    assert connector.allocs == [("p-pull", 256), ("p-pull", 0)]
 
     recompute = _Request("p-recompute", do_remote_decode=True, do_remote_prefill=False, remote_engine_id=None)
     connector.update_state_after_alloc(recompute, None, 0)
@@ -122,3 +126,29 @@ def test_a_prefill_workers_pull_reports_the_tokens_it_loaded():
     connector.update_state_after_alloc(decode, None, 512)
     assert LOADED_TOKENS_KEY not in connector.request_finished(decode, [3])[1]
     assert not connector.__dict__[vllm_loaded_tokens._MARK], "nothing is kept once a request finished"
+
+
+WRAPPED_BY_THE_FACTORY = """
+from vllm.config.kv_transfer import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from kvshuttle.workers import vllm_plugin
+vllm_plugin.register()
+cls = KVConnectorFactory.get_connector_class(KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both"))
+base = next(k for k in cls.__mro__ if k.__name__ == "NixlBaseConnector")
+names = ("update_state_after_alloc", "request_finished", "request_finished_all_groups")
+print(cls.__name__, *(getattr(base, n).__module__ for n in names))
+"""
+
+
+def test_vllms_connector_factory_hands_out_the_wrapped_nixl_connector():
+    """In a process of its own (NIXL is loaded only where vLLM creates the connector, never by the plugin itself:
+    loading it can abort a process): after the plugin's register, vLLM's factory gives the NIXL connector class
+    with the plugin's scheduler-side methods."""
+    pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.factory")
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", WRAPPED_BY_THE_FACTORY], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    name, *modules = out.stdout.split()[-4:]
+    assert name.startswith("Nixl") and modules == ["kvshuttle.workers.vllm_loaded_tokens"] * 3, out.stdout
