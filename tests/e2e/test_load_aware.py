@@ -227,8 +227,9 @@ async def test_busy_prefill_worker_is_avoided(stack, extra):
         # every worker's load reaches the scheduler through the load feed (its agent polls it): none is polled
         stats = await scheduler.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5.0)
         sources = {r.worker_id: r.source for r in stats.loads}
-        assert set(sources.values()) == {"feed"} and {busy_id, idle_id} <= set(sources), sources
-        assert stats.load_feed.following and stats.load_feed.polled_workers == 0, stats.load_feed
+        live = [w.worker_id for w in stack.workers] + [busy_id]  # (workers of other tests may be gone: polled)
+        assert all(sources.get(w) == "feed" for w in live), sources
+        assert stats.load_feed.following and stats.load_feed.fed_workers >= len(live), stats.load_feed
         busy_picks = await plan_prefill_ids(scheduler, PLANS, spacing_s=0.25, seen=idle_id)
         counts = collections.Counter(busy_picks)
         print(f"plans while {busy_id} is busy: {dict(counts)}; GetLoads after: "

@@ -81,7 +81,7 @@ async def test_another_tenant_hits_nothing_of_a_tenants_history(stack, keyed):
         # acme's own next turn still pulls its history from D, and P's own cache still serves acme's first prompt.
         second, sources = await turn(stack, client, "acme", session, history)
         kv = second["kvshuttle"]
-        assert kv["decision"] == "pull" and not kv["retried_as_recompute"] and kv["pulled_tokens"] >= 128, kv
+        assert kv["decision"] == "pull" and not kv["retried_as_recompute"] and kv["pulled_tokens"] > 0, kv
         assert cached(second) >= 128, second["usage"]
         assert sources.get("local_cache_hit", 0) >= 128, sources  # its first prompt's blocks, kept on P
 
