@@ -73,7 +73,37 @@ class KvFeedPublisher:
         await self._redis.aclose()
 
 
-class KvFeedReader:
+class StreamFollower:
+    """A planner's blocking ``XREAD`` loop on one stream, in a background task: ``start`` / ``await stop``.
+    Subclasses set ``_redis``, ``block_ms`` and ``TASK_NAME``, and write ``_run`` (looping while not ``_stopping``)."""
+
+    TASK_NAME = "feed-reader"
+    _redis: aioredis.Redis
+    block_ms: int
+    _task: asyncio.Task | None = None
+    _stopping = False
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=self.TASK_NAME)
+
+    async def _run(self) -> None:
+        raise NotImplementedError
+
+    async def stop(self) -> None:
+        """Stop after the read in progress (a cancelled blocking XREAD can leave redis-py waiting on the
+        connection); cancelled if it takes longer than the read's block time and a margin."""
+        self._stopping = True
+        if self._task is not None:
+            done, _ = await asyncio.wait({self._task}, timeout=self.block_ms / 1000 + 2.0)
+            if not done:
+                self._task.cancel()
+                await asyncio.wait({self._task}, timeout=2.0)
+        await self._redis.aclose()
+
+
+class KvFeedReader(StreamFollower):
+    TASK_NAME = "kv-feed-reader"
+
     """A planner's side: follows the stream into ``follower`` (its index) from a background task; ``start`` /
     ``await stop``. Workers awaiting a snapshot are re-read every ``snapshot_retry_s``. Never raises: Redis failures are
     retried with backoff (the index keeps its last state meanwhile; ``connected`` says whether the last read
@@ -92,23 +122,7 @@ class KvFeedReader:
         self.entries = 0  # entries read
         self.bad_entries = 0
         self.ready = asyncio.Event()  # set once the snapshots were read and the stream is being followed
-        self._task: asyncio.Task | None = None
-        self._stopping = False
         self._snapshot_tried: dict[str, float] = {}
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="kv-feed-reader")
-
-    async def stop(self) -> None:
-        """Stop after the read in progress (a cancelled blocking XREAD can leave redis-py waiting on the
-        connection); cancelled if it takes longer than the read's block time and a margin."""
-        self._stopping = True
-        if self._task is not None:
-            done, _ = await asyncio.wait({self._task}, timeout=self.block_ms / 1000 + 2.0)
-            if not done:
-                self._task.cancel()
-                await asyncio.wait({self._task}, timeout=2.0)
-        await self._redis.aclose()
 
     async def _run(self) -> None:
         delay = 0.2

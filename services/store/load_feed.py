@@ -20,6 +20,7 @@ import redis.asyncio as aioredis
 from google.protobuf.message import DecodeError
 from kvshuttle.control_plane.load_feed import BadLoadSample, FeedSample, from_feed
 from kvshuttle.services.store.keys import normalized_prefix
+from kvshuttle.services.store.kv_feed import StreamFollower
 from kvshuttle.v1 import kv_feed_pb2
 from redis.exceptions import RedisError
 
@@ -45,10 +46,12 @@ class LoadFeedPublisher:
         await self._redis.aclose()
 
 
-class LoadFeedReader:
+class LoadFeedReader(StreamFollower):
     """A planner's side: follows the stream from a background task, handing each sample to ``on_sample``;
-    ``start`` / ``await stop``. Never raises: Redis failures are retried with backoff (``connected`` says whether
-    the last read worked; the caller polls the workers meanwhile)."""
+    ``start`` / ``await stop`` (:class:`StreamFollower`). Never raises: Redis failures are retried with backoff
+    (``connected`` says whether the last read worked; the caller polls the workers meanwhile)."""
+
+    TASK_NAME = "load-feed-reader"
 
     def __init__(self, url: str, key_prefix: str, on_sample: Callable[[FeedSample], None], *, block_ms: int = 1000,
                  count: int = 2000):
@@ -60,22 +63,6 @@ class LoadFeedReader:
         self.connected = False
         self.samples = 0
         self.bad_entries = 0
-        self._task: asyncio.Task | None = None
-        self._stopping = False
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="load-feed-reader")
-
-    async def stop(self) -> None:
-        """Stop after the read in progress (a cancelled blocking XREAD can leave redis-py waiting on the
-        connection); cancelled if it takes longer than the read's block time and a margin."""
-        self._stopping = True
-        if self._task is not None:
-            done, _ = await asyncio.wait({self._task}, timeout=self.block_ms / 1000 + 2.0)
-            if not done:
-                self._task.cancel()
-                await asyncio.wait({self._task}, timeout=2.0)
-        await self._redis.aclose()
 
     async def _run(self) -> None:
         delay = 0.2
