@@ -18,7 +18,10 @@ from kvshuttle.control_plane.prefix import HASH_BYTES, MAX_CHECKPOINTS, ids_byte
 from kvshuttle.v1 import common_pb2, registry_pb2
 
 MAX_ID_LEN = 256
-_ID_RE = re.compile(r"[A-Za-z0-9._:@=+-]+")
+# An id: the alphabet below, and not only dots ("." and ".." name paths: a URL path or a proxy would resolve them).
+# No look-around, so JSON Schema, pydantic (Rust regex) and Python share the one pattern (ID_PATTERN, "" allowed).
+ID_PATTERN = r"^(|[.]*[A-Za-z0-9_:@=+-][A-Za-z0-9._:@=+-]*)$"
+_ID_RE = re.compile(ID_PATTERN)
 # The session record's lease outlives the handle by this much, so a reader sees "expired" (negative expires_in_s)
 # rather than the record vanishing while a turn plans with it. Claims check expires_at, never the lease.
 LEASE_GRACE_S = 2
@@ -54,12 +57,15 @@ DEFAULT_TENANT = "default"
 
 
 def validate_id(kind: str, value: str) -> str:
-    """Ids become etcd key segments: 1..256 chars of ``A-Z a-z 0-9 . _ : @ = + -`` (no ``/``, no spaces)."""
+    """Ids become etcd key segments and URL path segments: 1..256 chars of ``A-Z a-z 0-9 . _ : @ = + -`` (no ``/``,
+    no spaces), not only dots (``.``, ``..``)."""
     if not value:
         raise InvalidArgument(f"{kind} is required")
     if len(value) > MAX_ID_LEN:
         raise InvalidArgument(f"{kind} is {len(value)} characters long; at most {MAX_ID_LEN} allowed")
     if not _ID_RE.fullmatch(value):
+        if value.strip(".") == "":
+            raise InvalidArgument(f"{kind} {value[:64]!r} is not an id: an id of dots only names a path")
         raise InvalidArgument(f"{kind} {value[:64]!r} has characters outside A-Z a-z 0-9 . _ : @ = + -")
     return value
 

@@ -51,6 +51,9 @@ SPAN_ATTRIBUTES: dict[str, str] = {
     "kvshuttle.worker_choice": "why these workers (the scheduler's explanation, as in `PlanFigures.worker_choice`)",
     "kvshuttle.kv_room_freed": "held KV handles freed on the chosen decode worker to make room for this turn",
     "kvshuttle.disable_pull": "the request forced a recompute (`disable_pull`)",
+    "kvshuttle.max_tokens_source": "where the answer's limit (`gen_ai.request.max_tokens`) came from: `request`, the "
+                                   "gateway's `default` (`--default-max-tokens`), or the `context` left after the "
+                                   "prompt",
     "kvshuttle.history_kept_tokens": "the session's recorded ids the prompt starts with: all of them, or those up to "
                                      "a text boundary (the history re-rendered differently past it)",
     "kvshuttle.history_match_tokens": "the prompt's leading ids equal to the session's recorded ids, as the gateway "

@@ -54,7 +54,7 @@ from kvshuttle.services.gateway.chat_tools import FUNCTION_NAME, MAX_TOOLS, Fiel
 from kvshuttle.services.gateway.http_entry import GatewayRoute
 from kvshuttle.services.gateway.http_guard import caller
 from kvshuttle.services.gateway.input_check import InputError
-from kvshuttle.services.gateway.request_model import StrictIn
+from kvshuttle.services.gateway.request_model import StrictIn, session_id_of
 from kvshuttle.services.gateway.turns import Delta, TurnContext, TurnError, TurnRunner
 from kvshuttle.services.gateway.turns.builder import (
     ANTHROPIC_TOOLS,
@@ -530,7 +530,7 @@ def anthropic_routes(runner: TurnRunner, served_model: str, default_max_tokens: 
                                                                     "supported: end with a user message")
         stop = list(body.stop_sequences or [])
         who = caller(request)  # the tenant comes from the API key only (no identity: 401)
-        req = builder.request(tools, session_id=request.headers.get("x-session-id") or "", tenant=who.tenant,
+        req = builder.request(tools, session_id=session_id_of(request.headers), tenant=who.tenant,
                               messages=messages, template_vars=template_vars(body, tools), max_tokens=body.max_tokens,
                               temperature=body.temperature, top_p=1.0 if body.top_p is None else body.top_p,
                               top_k=body.top_k or 0, stop=stop, constraint=builder.constraint(None, "", tools),
@@ -549,7 +549,7 @@ def anthropic_routes(runner: TurnRunner, served_model: str, default_max_tokens: 
             "id": f"msg_{turn.id}", "type": "message", "role": "assistant", "model": served_model,
             "content": blocks.content, "stop_reason": reason, "stop_sequence": sequence,
             "usage": usage(Usage.of(finished)),
-            "kvshuttle": kv_body(finished.kv, finished.timings),
+            "kvshuttle": kv_body(finished.kv, finished.timings, turn.request),
         }, headers={**kv_headers(finished.kv), "X-Session-ID": req.session_id, "request-id": turn.id})
 
     @router.post(COUNT_TOKENS_PATH, responses={200: {"description": "The prompt's tokens",
@@ -593,7 +593,7 @@ async def _stream(runner: TurnRunner, turn: TurnContext, model: str, blocks: Con
             yield _sse("message_delta", {
                 "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
                 "usage": usage(Usage.of(event)),
-                "kvshuttle": kv_body(event.kv, event.timings)})
+                "kvshuttle": kv_body(event.kv, event.timings, turn.request)})
             yield _sse("message_stop", {"type": "message_stop"})
             finished = True
         if not finished:

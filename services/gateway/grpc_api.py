@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+from typing import Any
 
 import grpc
 from google.protobuf import duration_pb2, json_format, unknown_fields
@@ -130,6 +131,11 @@ def add_gateway_servicer(servicer: gateway_pb2_grpc.GatewayServicer, server) -> 
     server.add_registered_method_handlers(service.full_name, handlers)
 
 
+def _limit(turn: TurnContext) -> dict[str, Any]:
+    """The answer's limit and where it came from (the responses' max_tokens, max_tokens_source)."""
+    return {"max_tokens": turn.request.max_tokens or 0, "max_tokens_source": turn.request.max_tokens_source}
+
+
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, runner: TurnRunner, served_model: str, default_max_tokens: int, keys: KeyRing | None = None,
                  quotas: TenantQuotas | None = None, bridge_token: str = ""):
@@ -253,20 +259,22 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         turn, f = await self._unary(self._complete_request, request, context)
         return gateway_pb2.CompleteResponse(
             id=turn.id, model=self.served_model, text=f.text, token_ids=f.output_ids, prompt_token_ids=turn.prompt_ids,
-            finish_reason=f.finish_reason, usage=usage(f), kv=kv_report(f.kv), timings=turn_timings(f.timings))
+            finish_reason=f.finish_reason, usage=usage(f), kv=kv_report(f.kv), timings=turn_timings(f.timings),
+            **_limit(turn))
 
     async def ChatComplete(self, request, context):
         turn, f = await self._unary(self._chat_request, request, context)
         return gateway_pb2.ChatCompleteResponse(
             id=turn.id, model=self.served_model, message=gateway_pb2.ChatMessage(role="assistant", content=f.text),
             token_ids=f.output_ids, prompt_token_ids=turn.prompt_ids, finish_reason=f.finish_reason, usage=usage(f),
-            kv=kv_report(f.kv), timings=turn_timings(f.timings))
+            kv=kv_report(f.kv), timings=turn_timings(f.timings), **_limit(turn))
 
     async def _stream(self, req_fn, msg, context):
         try:
             turn = await self._prepare(self._authorized(req_fn, msg, context), context)
             yield gateway_pb2.TurnEvent(started=gateway_pb2.TurnEvent.Started(
-                id=turn.id, model=self.served_model, kv=kv_report(turn.kv), prompt_tokens=len(turn.prompt_ids)))
+                id=turn.id, model=self.served_model, kv=kv_report(turn.kv), prompt_tokens=len(turn.prompt_ids),
+                **_limit(turn)))
             async for event in self.runner.decode(turn):
                 if isinstance(event, Delta):
                     yield gateway_pb2.TurnEvent(delta=gateway_pb2.TurnEvent.Delta(text=event.text,

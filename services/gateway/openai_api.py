@@ -42,7 +42,7 @@ from kvshuttle.services.gateway.http_entry import GatewayRoute, guarded
 from kvshuttle.services.gateway.http_guard import caller
 from kvshuttle.services.gateway.input_check import INT32_MAX
 from kvshuttle.services.gateway.logprob_format import Spell, chat_content, completion_logprobs, speller
-from kvshuttle.services.gateway.request_model import SESSION_ID_PATTERN, UNSUPPORTED, StrictIn
+from kvshuttle.services.gateway.request_model import SESSION_ID_PATTERN, UNSUPPORTED, StrictIn, session_id_of
 from kvshuttle.services.gateway.structured_output import (
     ResponseFormatIn,
     StructuredOutputsIn,
@@ -302,7 +302,7 @@ def create_app(runner: TurnRunner, served_model: str, default_max_tokens: int,
     def turn_request(body: SamplingIn, request: Request, max_tokens: int | None, **prompt: Any) -> TurnRequest:
         builder.check_model(body.model)
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        session = request.headers.get("x-session-id") or body.conversation_id or ""
+        session = session_id_of(request.headers, body.conversation_id)
         who = caller(request)  # the tenant comes from the API key only (no identity: 401)
         return builder.request(session_id=session, tenant=who.tenant, max_tokens=max_tokens,
                                temperature=body.temperature, top_p=body.top_p, seed=body.seed,
@@ -335,7 +335,7 @@ def create_app(runner: TurnRunner, served_model: str, default_max_tokens: int,
         return JSONResponse({
             "id": turn.id, "object": shape.object, "created": int(time.time()), "model": served_model,
             "choices": [choice], "usage": usage(Usage.of(finished)), **token_ids,
-            "kvshuttle": kv_body(finished.kv, finished.timings),
+            "kvshuttle": kv_body(finished.kv, finished.timings, turn.request),
         }, headers={**kv_headers(finished.kv), "X-Session-ID": req.session_id})
 
     def structured(body: SamplingIn) -> tuple[Constraint | None, str]:
@@ -480,7 +480,7 @@ async def _stream(runner: TurnRunner, turn: TurnContext, model: str, include_usa
                                                                             answer.streamed_calls)}]}
             else:
                 last = {**base, "choices": [shape.choice("", event.finish_reason)]}
-            yield _sse({**last, "kvshuttle": kv_body(event.kv, event.timings)})
+            yield _sse({**last, "kvshuttle": kv_body(event.kv, event.timings, turn.request)})
             if include_usage:
                 yield _sse({**base, "choices": [], "usage": usage(Usage.of(event))})
     yield _sse("[DONE]")

@@ -3,15 +3,31 @@ silently. Shared by the OpenAI, Anthropic and Responses front ends, so none impo
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from kvshuttle.control_plane.session import ID_PATTERN, InvalidArgument, validate_id
+from kvshuttle.services.gateway.chat_tools import FieldError
 from pydantic import BaseModel, ConfigDict, model_validator
 from pydantic_core import PydanticCustomError
 
 UNSUPPORTED = "unsupported_fields"  # the pydantic error type of fields the gateway does not apply
 
-# kvshuttle.control_plane.session.validate_id's alphabet; "" means no session.
-SESSION_ID_PATTERN = r"^[A-Za-z0-9._:@=+-]*$"
+# kvshuttle.control_plane.session.validate_id's rule; "" means no session.
+SESSION_ID_PATTERN = ID_PATTERN
+SESSION_HEADER = "X-Session-ID"
+
+
+def session_id_of(headers: Mapping[str, str], conversation_id: str | None = None) -> str:
+    """A turn's session id: the ``X-Session-ID`` header's, else the body's ``conversation_id`` (checked by its
+    model's pattern), "" for none. A header that holds no id (``..``, ``a/b``) is a FieldError naming it."""
+    session = headers.get(SESSION_HEADER.lower()) or ""
+    if not session:
+        return conversation_id or ""
+    try:
+        return validate_id(f"{SESSION_HEADER} header", session)
+    except InvalidArgument as exc:
+        raise FieldError(SESSION_HEADER, str(exc)) from None
 
 
 def _same(value: Any, neutral: Any) -> bool:

@@ -36,7 +36,7 @@ from kvshuttle.services.gateway.chat_tools import MAX_TOOLS, FieldError, Functio
 from kvshuttle.services.gateway.http_entry import guarded
 from kvshuttle.services.gateway.http_guard import caller
 from kvshuttle.services.gateway.input_check import INT32_MAX
-from kvshuttle.services.gateway.request_model import SESSION_ID_PATTERN, StrictIn
+from kvshuttle.services.gateway.request_model import SESSION_ID_PATTERN, StrictIn, session_id_of
 from kvshuttle.services.gateway.turns import Delta, Finished, TurnContext, TurnError, TurnRunner
 from kvshuttle.services.gateway.turns.builder import RESPONSES_TOOLS, NamedTool, TurnBuilder
 from kvshuttle.services.gateway.turns.reply import Usage, drain, kv_body, kv_headers
@@ -429,7 +429,7 @@ def add_responses_routes(app: FastAPI, runner: TurnRunner, served_model: str, de
         tools = builder.tools(body.tools or [], NamedTool(choice.name) if isinstance(choice, NamedFunctionChoice)
                               else choice, RESPONSES_TOOLS, parallel=body.parallel_tool_calls)
         history: list[dict[str, Any]] = []
-        session = request.headers.get("x-session-id") or body.conversation_id or ""
+        session = session_id_of(request.headers, body.conversation_id)
         if body.previous_response_id:
             chain = await load_chain(who.tenant, body.previous_response_id, "previous_response_id")
             history = [item for _, stored in chain for item in stored["items"]]
@@ -451,7 +451,7 @@ def add_responses_routes(app: FastAPI, runner: TurnRunner, served_model: str, de
         async def finished(event: Finished) -> dict[str, Any]:
             used = await Usage.of(event).with_reasoning(runner.tokenizer, event.answer_events)
             out = {**response, "output": output.items, **_outcome(event, used),
-                   "kvshuttle": kv_body(event.kv, event.timings)}
+                   "kvshuttle": kv_body(event.kv, event.timings, turn.request)}
             if body.store:  # only what is new in this turn: the conversation before it is the previous responses'
                 await _store(runner, out, [*new_items, *stored_items(output.items)], event.kv.session_id or session,
                              who.tenant, response_ttl_s)
@@ -587,7 +587,7 @@ def _response(body: ResponsesIn, turn: TurnContext, model: str) -> dict[str, Any
             "status": "in_progress", "model": model, "output": [], "previous_response_id": body.previous_response_id,
             "instructions": body.instructions, "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
             "tool_choice": choice or "auto", "parallel_tool_calls": body.parallel_tool_calls,
-            "temperature": body.temperature, "top_p": body.top_p, "max_output_tokens": body.max_output_tokens,
+            "temperature": body.temperature, "top_p": body.top_p, "max_output_tokens": turn.request.max_tokens,
             "store": body.store, "text": {"format": fmt}, "reasoning": {"effort": None, "summary": None},
             "metadata": body.metadata or {}, "user": body.user, "truncation": "disabled", "error": None,
             "incomplete_details": None, "usage": None}

@@ -29,6 +29,7 @@ import re
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import unquote_to_bytes
 
 import grpc
 from google.api import annotations_pb2, http_pb2
@@ -43,7 +44,8 @@ from starlette.convertors import StringConvertor
 from starlette.datastructures import URLPath
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
-from starlette.routing import NoMatchFound, Route
+from starlette.routing import Match, NoMatchFound, Route
+from starlette.types import Scope
 
 try:  # Trace context: make the gRPC client span a child of the incoming HTTP request's trace.
     from opentelemetry import context as otel_context
@@ -349,6 +351,25 @@ class _BridgeRoute(Route):
 
     def url_path_for(self, name: str, /, **path_params: Any) -> URLPath:  # templates are not reversible in general
         raise NoMatchFound(name, path_params)
+
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        """Matched on the path as sent, each variable percent-decoded after (google/api/http.proto: a client encodes
+        a single-segment variable's ``/`` as ``%2F``, so ``/v1/sessions/a%2Fb`` is session ``a/b``, which the method
+        refuses by name, not a path with one more segment)."""
+        raw = scope.get("raw_path")
+        if scope["type"] != "http" or not raw or scope.get("root_path"):
+            return super().matches(scope)
+        match = self.path_regex.match(raw.decode("latin-1"))
+        if not match:
+            return Match.NONE, {}
+        params = {**scope.get("path_params", {}), **{k: _decoded(v) for k, v in match.groupdict().items()}}
+        child = {"endpoint": self.endpoint, "path_params": params}
+        return (Match.PARTIAL if self.methods and scope["method"] not in self.methods else Match.FULL), child
+
+
+def _decoded(raw: str) -> str:
+    """A path variable as sent (percent-encoded UTF-8), decoded; bytes that are not UTF-8 become U+FFFD."""
+    return unquote_to_bytes(raw.encode("latin-1")).decode("utf-8", "replace")
 
 
 class _Endpoint:

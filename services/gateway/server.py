@@ -118,7 +118,14 @@ class GatewayConfig(TelemetryConfig, TlsConfig):
                                      env="KVSHUTTLE_SERVED_MODEL_NAME")
     max_model_len: int = setting(0, "Context length in tokens (0: the model's max_position_embeddings)",
                                  env="KVSHUTTLE_MAX_MODEL_LEN")
-    default_max_tokens: int = setting(128, "max_tokens when a request gives none")
+    default_max_tokens: int = setting(0, "The limit of an answer whose request sets none (max_tokens, "
+                                         "max_completion_tokens, max_output_tokens; Anthropic's is required), when "
+                                         "less than what the context leaves after the prompt; the answer then says "
+                                         "so (finish_reason length, the Responses object's max_output_tokens, the "
+                                         "kvshuttle object's max_tokens_source 'default'). 0: no default, up to the "
+                                         "context left, as vLLM and OpenAI do")
+    answer_room_tokens: int = setting(1024, "KV room the scheduler makes on the decode worker (freeing held KV) for "
+                                            "an answer that only the context limits; the answer may grow past it")
     tool_call_parser: str = setting("", "How the model writes tool calls (vLLM's parser names); empty: requests with "
                                         "tools are refused unless tool_choice is 'none'",
                                     choices=["", *TOOL_CALL_PARSERS])
@@ -182,7 +189,8 @@ class GatewayConfig(TelemetryConfig, TlsConfig):
         require(Path(self.model_dir, "tokenizer.json").is_file(), f"no tokenizer.json in {self.model_dir}")
         require(not self.chat_template or Path(self.chat_template).is_file(),
                 f"--chat-template {self.chat_template!r} is not a file")
-        require(self.default_max_tokens >= 1, "--default-max-tokens must be >= 1")
+        require(self.default_max_tokens >= 0, "--default-max-tokens must be >= 0 (0: the context left)")
+        require(self.answer_room_tokens >= 0, "--answer-room-tokens must be >= 0")
         require(1 <= self.response_ttl_s <= 30 * 86400, "--response-ttl-s must be between 1 and 2592000 (30 days)")
         require(1 <= self.response_chain_max_responses <= MAX_CHAIN_RESPONSES,
                 f"--response-chain-max-responses must be between 1 and {MAX_CHAIN_RESPONSES}")
@@ -280,6 +288,7 @@ class GatewayService:
             worker_retries=cfg.worker_retries)
         self.runner.max_prompt_tokens = cfg.max_prompt_tokens
         self.runner.free_unrecorded_kv = cfg.free_unrecorded_kv
+        self.runner.answer_room_tokens = cfg.answer_room_tokens
         self.runner.find_sessions = cfg.find_sessions
         self.runner.served_model, self.runner.kv_bytes_per_token = cfg.model_name(), cfg.kv_bytes_per_token()
         self.runner.quotas = self.quotas

@@ -137,6 +137,31 @@ async def test_grpc_gateway_unary_and_stream(stack):
     assert done.usage.prompt_tokens - done.kv.computed_tokens >= len(first.prompt_token_ids) // 128 * 128 > 0
 
 
+async def test_an_answer_without_a_limit_runs_to_the_end_of_the_context(stack):
+    """No max_tokens (what agent frameworks send): up to the context left after the prompt, as vLLM does, on chat,
+    Responses and gRPC, each saying which limit applied. The prompt leaves a few hundred tokens; the chat asks vLLM's
+    ignore_eos so the tiny random model writes them all."""
+    client = openai_client(stack)
+    model = (await client.models.list()).data[0].id
+    context = stack.cfg.max_model_len
+    filler = " ".join(f"step {i}: read the next file." for i in range(390))
+    chat = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": filler}],
+                                                temperature=0, extra_body={"ignore_eos": True})
+    left = context - chat.usage.prompt_tokens
+    assert 100 < left < 600, left
+    assert chat.usage.completion_tokens == left and chat.choices[0].finish_reason == "length"
+    extra = chat.model_extra["kvshuttle"]
+    assert (extra["max_tokens"], extra["max_tokens_source"]) == (left, "context")
+    resp = await client.responses.create(model=model, input=filler, temperature=0, store=False)
+    assert resp.max_output_tokens == context - resp.usage.input_tokens
+    assert resp.usage.output_tokens == resp.max_output_tokens or resp.status == "completed", resp.usage
+    async with grpc.aio.insecure_channel(stack.gateway_grpc) as channel:
+        reply = await gateway_pb2_grpc.GatewayStub(channel).Complete(gateway_pb2.CompleteRequest(
+            prompt=filler, sampling=gateway_pb2.SamplingOptions(ignore_eos=True)))
+    assert len(reply.token_ids) == reply.max_tokens == context - len(reply.prompt_token_ids)
+    assert reply.max_tokens_source == "context" and reply.finish_reason == "length"
+
+
 async def test_prompts_that_fill_their_last_block_exactly(stack):
     """A prompt of a whole number of KV blocks: P (prefix caching on) hands D exactly the prompt's blocks, so D must
     sample the first token itself (prompt + P's token would need one more block; vLLM's connector asserts on that

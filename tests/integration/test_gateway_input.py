@@ -172,3 +172,62 @@ async def test_the_grpc_api_refuses_out_of_range_integers_and_undecodable_text(g
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "UTF-8" in err.value.details(), err.value
     finally:
         await channel.close()
+
+
+NOT_IDS = ["..", ".", "a/b"]  # "." and "..": path names a proxy or a URL resolves; "/": a path separator
+SESSION_ROUTES = [("/v1/chat/completions", {"messages": HI, "max_tokens": 2}), ("/v1/completions", {"prompt": "hi"}),
+                  ("/v1/responses", {"input": "hi"}), ("/v1/messages", ANTHROPIC)]
+
+
+@pytest.mark.parametrize("session", NOT_IDS)
+@pytest.mark.parametrize("path, body", SESSION_ROUTES, ids=[r[0] for r in SESSION_ROUTES])
+async def test_a_session_header_that_is_no_id_is_a_400_naming_it(http, path, body, session):
+    resp = await http.post(path, json=body, headers={"X-Session-ID": session})
+    assert resp.status_code == 400, resp.text
+    if path == "/v1/messages":
+        error = resp.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["message"].startswith("X-Session-ID:"), error
+    else:
+        error = resp.json()["error"]
+        assert error["param"] == "X-Session-ID" and "X-Session-ID header" in error["message"], error
+
+
+@pytest.mark.parametrize("session", NOT_IDS)
+@pytest.mark.parametrize("path, body", SESSION_ROUTES[:3], ids=[r[0] for r in SESSION_ROUTES[:3]])
+async def test_a_conversation_id_that_is_no_id_is_a_400_naming_it(http, path, body, session):
+    resp = await http.post(path, json={**body, "conversation_id": session})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "conversation_id", resp.text
+
+
+async def test_an_id_with_dots_and_other_characters_is_still_an_id(http):
+    """Only an id of dots is refused: ``a..b`` or ``.x`` get past the check (to the scheduler: no worker, 503)."""
+    for session in ("a..b", ".x", "x."):
+        resp = await http.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 2},
+                               headers={"X-Session-ID": session})
+        assert resp.status_code == 503 and "no live prefill worker" in resp.text, (session, resp.text)
+
+
+@pytest.mark.parametrize("method, path", [("GET", "/v1/sessions/{}"), ("DELETE", "/v1/sessions/{}"),
+                                          ("POST", "/v1/sessions/{}/end")])
+@pytest.mark.parametrize("session", ["%2E%2E", "%2E", "..%2F.."])
+async def test_a_session_path_that_is_no_id_is_a_400(http, method, path, session):
+    resp = await http.request(method, path.format(session))
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["status"] == "INVALID_ARGUMENT" and "session_id" in error["message"], error
+
+
+async def test_the_grpc_api_refuses_a_session_id_that_is_no_id(gateway):
+    channel = client_channel(gateway.grpc_address)
+    stub = gateway_pb2_grpc.GatewayStub(channel)
+    try:
+        for session in NOT_IDS:
+            for call in (stub.Complete(gateway_pb2.CompleteRequest(prompt="hi", session_id=session), timeout=10),
+                         stub.EndSession(gateway_pb2.EndSessionRequest(session_id=session), timeout=10)):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await call
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+                assert err.value.details().startswith("session_id"), err.value.details()
+    finally:
+        await channel.close()

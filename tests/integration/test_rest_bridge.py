@@ -211,9 +211,13 @@ async def test_get_session_path_and_query(client):
 
 
 async def test_path_variable_is_percent_decoded(client):
+    """A single-segment variable's ``/`` travels as ``%2F`` (google/api/http.proto): matched as sent, then decoded, so
+    the method gets ``s/2`` (and names it when it refuses it); a bare ``/`` is another path."""
     r = await client.get("/v1/sessions/s%2F2", params={"tenant": "t"})
-    # Starlette decodes %2F before routing, so a single-segment variable cannot hold a '/'.
-    assert r.status_code == 404
+    assert r.status_code == 200 and r.json()["session"]["sessionId"] == "s/2", r.text
+    r = await client.get("/v1/sessions/%62ad", params={"tenant": "t"})  # "bad", percent-encoded
+    assert_error(r, 400, "INVALID_ARGUMENT", "session_id 'bad'")
+    assert (await client.get("/v1/sessions/s/2", params={"tenant": "t"})).status_code == 404
 
 
 async def test_delete_session(client):

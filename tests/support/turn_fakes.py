@@ -41,13 +41,14 @@ BLOCK = 4  # the fake decode worker's KV block size
 class Engine:
     def __init__(self, fail_prefills: int = 0, answer: str = "ok", tight_blocks: bool = False,
                  fail_code: grpc.StatusCode = grpc.StatusCode.INTERNAL, die_after: int | None = None,
-                 hang_after: int | None = None):
+                 hang_after: int | None = None, ends: bool = False):
         """``tight_blocks``: the handle P returns lists only the prompt's blocks (vLLM with prefix caching), not one
         for the token P generated. ``die_after`` / ``hang_after``: a decode stream that fails (UNAVAILABLE) or stops
-        answering after that many tokens."""
+        answering after that many tokens. ``ends``: the answer ends where its text does (finish_reason stop, as a
+        model's end-of-sequence token), unless max_tokens cuts it first; else every answer finishes with length."""
         self.fail_prefills, self.answer, self.prefills, self.calls = fail_prefills, answer, [], []
         self.tight_blocks, self.fail_code = tight_blocks, fail_code
-        self.die_after, self.hang_after = die_after, hang_after
+        self.die_after, self.hang_after, self.ends = die_after, hang_after, ends
 
     async def prefill(self, request_id, prompt_ids, *, kv_transfer_params, **sampling):
         self.prefills.append(kv_transfer_params)
@@ -71,7 +72,9 @@ class Engine:
             if n == self.hang_after:
                 await asyncio.sleep(3600)
             yield Chunk([i], len(prompt_ids), 0)
-        yield Final(ids, "length", len(prompt_ids), len(ids), 0, {"do_remote_decode": True, "handle": 1})
+        ended = self.ends and len(ids) == len(self.answer) < kw.get("max_tokens", len(self.answer) + 1)
+        yield Final(ids, "stop" if ended else "length", len(prompt_ids), len(ids), 0,
+                    {"do_remote_decode": True, "handle": 1})
 
     async def close(self):
         pass

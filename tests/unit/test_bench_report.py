@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
 from kvshuttle.services.devtools.bench.report import build_report, format_table, write_outputs
 from kvshuttle.services.devtools.bench.samples import IDEAL, PULL, RECOMPUTE, TurnSample
 from kvshuttle.services.devtools.bench.stats import percentile, summary
+
+# matplotlib lists the machine's fonts (fc-list, a process) the first time it runs on a machine, to build its font
+# cache: done here, at collection, before the unit tests' no-process rule applies (a fresh CI machine has no cache).
+with contextlib.suppress(ImportError):  # without matplotlib (no bench extra), write_outputs writes no plot
+    import matplotlib.font_manager  # noqa: F401
 
 # ---------------------------------------------------------------------------------------------------------------
 # stats

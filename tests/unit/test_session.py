@@ -35,14 +35,15 @@ def turn(**kw) -> registry_pb2.RecordTurnRequest:
     return registry_pb2.RecordTurnRequest(**fields)
 
 
-@pytest.mark.parametrize("value", ["a", "conv-1", "Tenant_A.b:c@d=e+f", "x" * 256, "0123"])
+@pytest.mark.parametrize("value", ["a", "conv-1", "Tenant_A.b:c@d=e+f", "x" * 256, "0123", ".x", "a..b", "x."])
 def test_validate_id_accepts(value):
     assert rules.validate_id("session_id", value) == value
 
 
 @pytest.mark.parametrize("value, words", [
     ("", "required"), ("x" * 257, "at most 256"), ("a/b", "characters"), ("a b", "characters"),
-    ("ü", "characters"), ("a\n", "characters"),
+    ("ü", "characters"), ("a\n", "characters"), (".", "not an id"), ("..", "not an id"), ("...", "not an id"),
+    ("../a", "characters"),
 ])
 def test_validate_id_rejects(value, words):
     with pytest.raises(rules.InvalidArgument, match=words):

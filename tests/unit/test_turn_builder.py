@@ -76,7 +76,8 @@ def test_calls_are_parsed_and_kept_with_their_special_tokens():
     assert use.calls and use.forced is None
     req = b.request(use, messages=[{"role": "user", "content": "x"}])
     assert req.parsing.tools is not None and req.parsing.request_tools == use.tools
-    assert req.skip_special_tokens is False and req.max_tokens == 17  # the gateway's default length
+    assert req.skip_special_tokens is False and req.max_tokens is None  # none asked: set with the prompt's length
+    assert req.default_max_tokens == 17  # the gateway's default, if the context leaves more
     plain = b.request(b.tools([WEATHER], "none"), skip_special_tokens=True, max_tokens=5)
     assert plain.parsing.tools is None and plain.skip_special_tokens is True and plain.max_tokens == 5
 

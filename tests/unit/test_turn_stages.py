@@ -37,6 +37,10 @@ def runner(decision=scheduler_pb2.DECISION_RECOMPUTE, registry=None, prefill=Non
 
 
 def context(req: TurnRequest, **fields) -> TurnContext:
+    """A turn for one stage; a request that sets no limit gets 64 tokens, as the runner's length check gives it
+    before any stage that generates runs."""
+    if req.max_tokens is None:
+        req.max_tokens, req.max_tokens_source = 64, "context"
     return TurnContext("t1", req, 0.0, span=tracer.start_span("test"), **fields)
 
 

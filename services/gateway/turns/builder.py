@@ -7,7 +7,7 @@ It owns the rules a turn's request follows whatever API it came through:
 - the constraint: structured output, or the grammar that forces a tool call, and where it starts (after the
   reasoning the prompt leaves room for);
 - the special-tokens rule (call tags and Harmony's channel markers that are special tokens stay in the text);
-- the default answer length.
+- the answer's limit when the request sets none (the gateway's default, else the context left).
 
 What a turn reports back (usage, KV headers, ``drain``) is in reply.py.
 """
@@ -100,8 +100,10 @@ NO_TOOLS = ToolUse([])
 class TurnBuilder:
     """The gateway's turn rules for one served model and its parsers (vLLM's names; "": that part unparsed)."""
 
-    def __init__(self, served_model: str, default_max_tokens: int, *, tool_call_parser: str = "",
+    def __init__(self, served_model: str, default_max_tokens: int = 0, *, tool_call_parser: str = "",
                  reasoning_parser: str = ""):
+        """``default_max_tokens``: the limit of an answer whose request sets none (0: the context left after the
+        prompt, as vLLM does)."""
         self.served_model = served_model
         self.default_max_tokens = default_max_tokens
         self.parsers = Parsers(tool_call_parser, reasoning_parser)
@@ -152,7 +154,7 @@ class TurnBuilder:
         tags and the special-tokens rule follow from the tools and the parsers. ``constraint_after_reasoning``:
         the constraint starts after the reasoning the prompt leaves room for (the gateway's own constraints; vLLM's
         raw ``structured_outputs`` applies from the first token, as in vLLM)."""
-        req = TurnRequest(max_tokens=max_tokens or self.default_max_tokens,
+        req = TurnRequest(max_tokens=max_tokens or None, default_max_tokens=self.default_max_tokens,
                           parsing=self.parsers.parsing(tools.calls, tools.tools if tools.calls else None), **fields)
         if req.constraint is not None and constraint_after_reasoning:
             req.reasoning_tags = self.parsers.think_tags

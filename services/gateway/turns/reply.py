@@ -12,6 +12,7 @@ from kvshuttle.control_plane.answer import Event, Piece
 from kvshuttle.control_plane.reasoning import REASONING
 from kvshuttle.services.gateway.turns.context import Finished, KvOutcome, Tokenizer, TurnContext
 from kvshuttle.services.gateway.turns.errors import TurnError
+from kvshuttle.services.gateway.turns.request import TurnRequest
 
 if TYPE_CHECKING:
     from kvshuttle.services.gateway.turns.runner import TurnRunner
@@ -32,10 +33,12 @@ def kv_headers(kv: KvOutcome) -> dict[str, str]:
     }
 
 
-def kv_body(kv: KvOutcome, timings: dict[str, float]) -> dict[str, Any]:
-    """The same, and the plan's figures, as the ``kvshuttle`` object of a response body (or last stream event)."""
+def kv_body(kv: KvOutcome, timings: dict[str, float], req: TurnRequest) -> dict[str, Any]:
+    """The same, and the plan's figures, as the ``kvshuttle`` object of a response body (or last stream event); with
+    the answer's limit and where it came from (``request``, the gateway's ``default``, or the ``context`` left)."""
     fig = kv.figures
     return {
+        "max_tokens": req.max_tokens, "max_tokens_source": req.max_tokens_source,
         "decision": kv.decision, "reason": kv.reason, "reason_code": kv.reason_code, "pulled_tokens": kv.pulled_tokens,
         "computed_tokens": kv.computed_tokens, "retried_as_recompute": kv.retried_as_recompute,
         "session_source": kv.session_source, "prefill_worker": kv.prefill_worker_id, "decode_worker": kv.decode_worker_id,

@@ -9,7 +9,7 @@ from typing import Any
 
 import grpc
 from kvshuttle.control_plane.constraints import Constraint
-from kvshuttle.control_plane.session import DEFAULT_TENANT
+from kvshuttle.control_plane.session import DEFAULT_TENANT, InvalidArgument, validate_id
 from kvshuttle.services.gateway.turns.errors import TurnError
 from kvshuttle.services.gateway.turns.parsers import AnswerParsing
 
@@ -26,7 +26,12 @@ class TurnRequest:
     template_vars: dict[str, Any] = field(default_factory=dict)  # for the chat template: tools, chat_template_kwargs
     prompt_text: str | None = None
     prompt_ids: list[int] | None = None
-    max_tokens: int = 64
+    # The most tokens the answer may have: the request's, or None (none asked: the gateway's default_max_tokens, else
+    # the context left after the prompt, as vLLM does). check_length sets it, and max_tokens_source, once the
+    # prompt's length is known.
+    max_tokens: int | None = None
+    default_max_tokens: int = 0  # the gateway's limit for a request that sets none (0: the context left)
+    max_tokens_source: str = ""  # "request", "default" (the gateway's) or "context" (what the context leaves)
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
@@ -78,6 +83,13 @@ class TurnRequest:
                 "skip_special_tokens": self.skip_special_tokens,
                 "spaces_between_special_tokens": self.spaces_between_special_tokens, "logprobs": self.logprobs}
 
+    def room_tokens(self, answer_room_tokens: int) -> int:
+        """The answer's KV room the scheduler makes on the decode worker: its limit, or for an answer that only the
+        context limits (none asked), at most ``answer_room_tokens`` (a whole context of room per turn would free
+        held KV it will most likely not need; the answer may still grow to its limit, as vLLM's scheduler allows)."""
+        limit = self.max_tokens or 0
+        return min(limit, answer_room_tokens) if self.max_tokens_source == "context" else limit
+
     @property
     def penalizes_output(self) -> bool:
         """Presence/frequency penalties count the answer's tokens: only a worker that samples all of them applies
@@ -92,7 +104,7 @@ def _bad(message: str) -> TurnError:
 def validate(req: TurnRequest, *, max_model_len: int, vocab: int | None) -> None:
     """Checks shared by the HTTP and gRPC front ends (types are already checked by each). ``vocab``: the model's
     vocabulary size, when known."""
-    if not 1 <= req.max_tokens <= max_model_len:
+    if req.max_tokens is not None and not 1 <= req.max_tokens <= max_model_len:
         raise _bad(f"max_tokens must be between 1 and {max_model_len}")
     if not 0.0 <= req.temperature <= 2.0:
         raise _bad("temperature must be between 0 and 2")
@@ -107,8 +119,9 @@ def validate(req: TurnRequest, *, max_model_len: int, vocab: int | None) -> None
             raise _bad(f"{name} must be in [-2, 2], got {getattr(req, name)}")
     if not (math.isfinite(req.repetition_penalty) and req.repetition_penalty > 0.0):
         raise _bad(f"repetition_penalty must be a finite number greater than 0, got {req.repetition_penalty}")
-    if not 0 <= req.min_tokens <= req.max_tokens:
-        raise _bad(f"min_tokens must be between 0 and max_tokens ({req.max_tokens}), got {req.min_tokens}")
+    if not 0 <= req.min_tokens <= (max_model_len if req.max_tokens is None else req.max_tokens):
+        raise _bad(f"min_tokens must be between 0 and max_tokens ({req.max_tokens or max_model_len}), got "
+                   f"{req.min_tokens}")
     if len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise _bad(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(req.stop_token_ids)}")
     if len(req.logit_bias) > MAX_LOGIT_BIAS:
@@ -121,8 +134,11 @@ def validate(req: TurnRequest, *, max_model_len: int, vocab: int | None) -> None
     odd = [(i, b) for i, b in req.logit_bias.items() if not -100.0 <= b <= 100.0]
     if odd:
         raise _bad(f"logit_bias: the bias of token id {odd[0][0]} must be in [-100, 100], got {odd[0][1]}")
-    if len(req.session_id) > 256:
-        raise _bad("session id longer than 256 characters")
+    if req.session_id:
+        try:
+            validate_id("session_id", req.session_id)
+        except InvalidArgument as exc:
+            raise _bad(str(exc)) from None
     if req.messages is not None and not req.messages:
         raise _bad("messages must not be empty")
     if req.stop:
@@ -139,12 +155,31 @@ def validate(req: TurnRequest, *, max_model_len: int, vocab: int | None) -> None
 
 
 def check_length(req: TurnRequest, prompt_ids: list[int], *, max_prompt_tokens: int, max_model_len: int) -> None:
-    """The prompt, once its ids are known: not empty, within the gateway's limit and the model's context."""
+    """The prompt, once its ids are known: not empty, within the gateway's limit and the model's context; and the
+    answer's limit (``req.max_tokens``, ``max_tokens_source``): the request's, which must fit; else the gateway's
+    default, or what the context leaves when that is less or there is none (vLLM's rule)."""
     if not prompt_ids:
         raise _bad("the prompt is empty")
     if max_prompt_tokens and len(prompt_ids) > max_prompt_tokens:
         raise _bad(f"the prompt has {len(prompt_ids)} tokens; this gateway accepts at most {max_prompt_tokens} "
                    "(max prompt tokens)")
-    if len(prompt_ids) + req.max_tokens > max_model_len:
-        raise _bad(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the model's context "
-                   f"of {max_model_len} tokens")
+    left = max_model_len - len(prompt_ids)
+    if req.max_tokens_source in ("default", "context"):  # checked again (a prompt built again): resolved again
+        req.max_tokens = None
+    if req.max_tokens is not None:
+        if req.max_tokens > left:
+            raise _bad(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the model's "
+                       f"context of {max_model_len} tokens")
+        req.max_tokens_source = "request"
+        return
+    if left < 1:
+        raise _bad(f"the prompt ({len(prompt_ids)} tokens) leaves no room for an answer in the model's context of "
+                   f"{max_model_len} tokens")
+    if 0 < req.default_max_tokens < left:
+        req.max_tokens, req.max_tokens_source = req.default_max_tokens, "default"
+    else:
+        req.max_tokens, req.max_tokens_source = left, "context"
+    if req.min_tokens > req.max_tokens:
+        raise _bad(f"min_tokens ({req.min_tokens}) is more than the answer may have: {req.max_tokens} tokens ("
+                   + ("the gateway's default max_tokens)" if req.max_tokens_source == "default" else
+                      "what the model's context leaves after the prompt)"))

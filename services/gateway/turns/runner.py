@@ -54,6 +54,7 @@ from kvshuttle.services.gateway.turns.errors import DecodeFailed, SnapshotStale,
 from kvshuttle.services.gateway.turns.request import TurnRequest, check_length, validate
 from kvshuttle.services.gateway.turns.spans import (
     finished_attributes,
+    limit_attributes,
     record_failure,
     release_span,
     request_attributes,
@@ -115,6 +116,7 @@ class TurnRunner:
         self.degraded: dict[str, int] = dict.fromkeys(DEGRADED_KINDS, 0)
         self.release_unused_handles = True
         self.free_unrecorded_kv = True  # free the KV of turns nothing records (no session id, record refused)
+        self.answer_room_tokens = 1024  # KV room planned for an answer only the context limits (room_tokens)
         self.released_handles = 0  # KV handles freed on their decode worker: unused, unrecorded, or ended sessions
         # Chats sent without a session id continue the session their prompt text extends (FindSession), or start a
         # new one, recorded under a new id; off: such turns are not recorded (their KV is freed after the answer).
@@ -167,8 +169,9 @@ class TurnRunner:
         vocab = getattr(self.tokenizer, "vocab_size", None)
         validate(req, max_model_len=self.max_model_len, vocab=vocab if isinstance(vocab, int) else None)
 
-    def check_length(self, req: TurnRequest, prompt_ids: list[int]) -> None:
+    def check_length(self, req: TurnRequest, prompt_ids: list[int], span: trace.Span) -> None:
         check_length(req, prompt_ids, max_prompt_tokens=self.max_prompt_tokens, max_model_len=self.max_model_len)
+        span.set_attributes(limit_attributes(req))
 
     def hidden_token_ids(self, req: TurnRequest) -> set[int]:
         return decoding.hidden_token_ids(self, req)
@@ -199,7 +202,7 @@ class TurnRunner:
                 if req.session_id:
                     snapshot = ctx.known_session.snapshot
                     ctx.span.set_attribute("kvshuttle.turn_index", snapshot.session.turn + 1 if snapshot else 1)
-                self.check_length(req, ctx.prompt_ids)
+                self.check_length(req, ctx.prompt_ids, ctx.span)
                 if ctx.quota is not None:
                     ctx.quota.charge_prompt(len(ctx.prompt_ids))
                 await self._plan(ctx)
@@ -267,7 +270,7 @@ class TurnRunner:
         except SnapshotStale:
             self.forget_record(req.tenant, req.session_id)
             await prompting.build(self, ctx, fresh=True)
-            self.check_length(req, ctx.prompt_ids)
+            self.check_length(req, ctx.prompt_ids, ctx.span)
             await planning.run(self, ctx, settle=True)
 
     async def _prefill(self, turn_id: str, plan: scheduler_pb2.PlanTurnResponse, prompt_ids: list[int],

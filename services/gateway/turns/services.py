@@ -13,6 +13,7 @@ from kvshuttle.services.engine.client import EngineClient
 from kvshuttle.services.gateway.turns.context import Tokenizer
 from kvshuttle.services.gateway.turns.request import TurnRequest
 from kvshuttle.v1 import common_pb2, registry_pb2_grpc, scheduler_pb2_grpc
+from opentelemetry import trace
 
 
 class TurnServices(Protocol):
@@ -28,6 +29,7 @@ class TurnServices(Protocol):
     find_sessions: bool
     release_unused_handles: bool
     free_unrecorded_kv: bool
+    answer_room_tokens: int
     kv_bytes_per_token: int
     # counters
     degraded: dict[str, int]
@@ -38,7 +40,7 @@ class TurnServices(Protocol):
 
     def cache_salt(self, tenant: str) -> str: ...
 
-    def check_length(self, req: TurnRequest, prompt_ids: list[int]) -> None: ...
+    def check_length(self, req: TurnRequest, prompt_ids: list[int], span: trace.Span) -> None: ...
 
     def own_record(self, tenant: str, session_id: str) -> common_pb2.Session | None: ...
 

@@ -20,12 +20,14 @@ def request_attributes(req: TurnRequest, model: str) -> dict[str, Any]:
     """The turn span's request attributes: OpenTelemetry's GenAI ones, the tenant and the session id (hashed)."""
     attrs: dict[str, Any] = {
         "gen_ai.operation.name": "chat" if req.messages is not None else "text_completion",
-        "gen_ai.provider.name": "vllm", "gen_ai.request.max_tokens": req.max_tokens,
+        "gen_ai.provider.name": "vllm",
         "gen_ai.request.temperature": req.temperature, "gen_ai.request.top_p": req.top_p,
         "kvshuttle.tenant": req.tenant, "kvshuttle.session": hashed(req.session_id) if req.session_id else "",
     }
     if model:
         attrs["gen_ai.request.model"] = model
+    if req.max_tokens is not None:  # none asked: set once the prompt's length decides it (limit_attributes)
+        attrs["gen_ai.request.max_tokens"] = req.max_tokens
     if req.seed is not None:
         attrs["gen_ai.request.seed"] = req.seed
     # The other GenAI request attributes the conventions define, when the request sets them.
@@ -46,6 +48,11 @@ def request_attributes(req: TurnRequest, model: str) -> dict[str, Any]:
     if req.cache_key:
         attrs["kvshuttle.prompt_cache_key"] = hashed(req.cache_key)
     return attrs
+
+
+def limit_attributes(req: TurnRequest) -> dict[str, Any]:
+    """The answer's limit once the prompt's length is known, and where it came from (TurnRequest.max_tokens_source)."""
+    return {"gen_ai.request.max_tokens": req.max_tokens, "kvshuttle.max_tokens_source": req.max_tokens_source}
 
 
 def predicted_ttft(plan: scheduler_pb2.PlanTurnResponse) -> dict[str, float]:

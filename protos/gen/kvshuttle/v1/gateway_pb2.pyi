@@ -178,7 +178,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class CompleteResponse(_message.Message):
-    __slots__ = ("id", "model", "text", "token_ids", "prompt_token_ids", "finish_reason", "usage", "kv", "timings")
+    __slots__ = ("id", "model", "text", "token_ids", "prompt_token_ids", "finish_reason", "usage", "kv", "timings", "max_tokens", "max_tokens_source")
     ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +188,8 @@ class CompleteResponse(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_SOURCE_FIELD_NUMBER: _ClassVar[int]
     id: str
     model: str
     text: str
@@ -197,10 +199,12 @@ class CompleteResponse(_message.Message):
     usage: Usage
     kv: KvReport
     timings: TurnTimings
-    def __init__(self, id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., kv: _Optional[_Union[KvReport, _Mapping]] = ..., timings: _Optional[_Union[TurnTimings, _Mapping]] = ...) -> None: ...
+    max_tokens: int
+    max_tokens_source: str
+    def __init__(self, id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., kv: _Optional[_Union[KvReport, _Mapping]] = ..., timings: _Optional[_Union[TurnTimings, _Mapping]] = ..., max_tokens: _Optional[int] = ..., max_tokens_source: _Optional[str] = ...) -> None: ...
 
 class ChatCompleteResponse(_message.Message):
-    __slots__ = ("id", "model", "message", "token_ids", "prompt_token_ids", "finish_reason", "usage", "kv", "timings")
+    __slots__ = ("id", "model", "message", "token_ids", "prompt_token_ids", "finish_reason", "usage", "kv", "timings", "max_tokens", "max_tokens_source")
     ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +214,8 @@ class ChatCompleteResponse(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_SOURCE_FIELD_NUMBER: _ClassVar[int]
     id: str
     model: str
     message: ChatMessage
@@ -219,21 +225,27 @@ class ChatCompleteResponse(_message.Message):
     usage: Usage
     kv: KvReport
     timings: TurnTimings
-    def __init__(self, id: _Optional[str] = ..., model: _Optional[str] = ..., message: _Optional[_Union[ChatMessage, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., kv: _Optional[_Union[KvReport, _Mapping]] = ..., timings: _Optional[_Union[TurnTimings, _Mapping]] = ...) -> None: ...
+    max_tokens: int
+    max_tokens_source: str
+    def __init__(self, id: _Optional[str] = ..., model: _Optional[str] = ..., message: _Optional[_Union[ChatMessage, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., kv: _Optional[_Union[KvReport, _Mapping]] = ..., timings: _Optional[_Union[TurnTimings, _Mapping]] = ..., max_tokens: _Optional[int] = ..., max_tokens_source: _Optional[str] = ...) -> None: ...
 
 class TurnEvent(_message.Message):
     __slots__ = ("started", "delta", "finished")
     class Started(_message.Message):
-        __slots__ = ("id", "model", "kv", "prompt_tokens")
+        __slots__ = ("id", "model", "kv", "prompt_tokens", "max_tokens", "max_tokens_source")
         ID_FIELD_NUMBER: _ClassVar[int]
         MODEL_FIELD_NUMBER: _ClassVar[int]
         KV_FIELD_NUMBER: _ClassVar[int]
         PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+        MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+        MAX_TOKENS_SOURCE_FIELD_NUMBER: _ClassVar[int]
         id: str
         model: str
         kv: KvReport
         prompt_tokens: int
-        def __init__(self, id: _Optional[str] = ..., model: _Optional[str] = ..., kv: _Optional[_Union[KvReport, _Mapping]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+        max_tokens: int
+        max_tokens_source: str
+        def __init__(self, id: _Optional[str] = ..., model: _Optional[str] = ..., kv: _Optional[_Union[KvReport, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_tokens_source: _Optional[str] = ...) -> None: ...
     class Delta(_message.Message):
         __slots__ = ("text", "token_ids")
         TEXT_FIELD_NUMBER: _ClassVar[int]
