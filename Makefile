@@ -7,14 +7,20 @@ PY := .venv/bin/python
 install:
 	@bash scripts/bootstrap.sh
 
+# MODEL: the model variant `make demo`, `make up` and `make bench` run (empty: the command's default), e.g.
+# `make demo MODEL=smollm2` for a real model (SmolLM2-135M-Instruct); ARGS: more flags for the command.
+MODEL ?=
+ARGS ?=
+MODEL_FLAG = $(if $(MODEL),--model-variant $(MODEL))
+
 demo: install
-	@$(PY) -m kvshuttle.services.commands demo
+	@$(PY) -m kvshuttle.services.commands demo $(MODEL_FLAG) $(ARGS)
 
 up: install
-	@$(PY) -m kvshuttle.services.commands up
+	@$(PY) -m kvshuttle.services.commands up $(MODEL_FLAG) $(ARGS)
 
 bench: install
-	@$(PY) -m kvshuttle.services.commands bench
+	@$(PY) -m kvshuttle.services.commands bench $(MODEL_FLAG) $(ARGS)
 
 # Every test; CI runs this (.ci/run). Two passes: tests/unit and tests/integration in parallel (2 workers), then
 # tests/slow, tests/e2e and tests/deploy in one process (the e2e tests share one vLLM pair per session). Both passes

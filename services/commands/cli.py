@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 from collections.abc import Sequence
 
+from kvshuttle.services.commands.installs import DEV, install_of, missing
+
 PKG = "kvshuttle.services"
-DEV = f"{PKG}.devtools"  # the local stack, demo and benches: not in the control-plane image
 
 # subcommand -> (module with main(argv), one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -66,17 +68,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"kvshuttle: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         raise SystemExit(2)
+    install = install_of(COMMANDS[name][0])
+    lacking = missing(install)
+    if lacking:  # e.g. make-model without torch: one line that says which install has it, not a traceback
+        print(f"kvshuttle: {name} needs {install.name} ({', '.join(lacking)} not installed): {install.pip}",
+              file=sys.stderr)
+        return 2
     try:
         module = importlib.import_module(COMMANDS[name][0])
+        if module.__name__ == f"{DEV}.stack":
+            return module.main(rest, command=name) or 0
+        return module.main(rest) or 0
     except ModuleNotFoundError as exc:
-        if not (exc.name or "").startswith(DEV):
+        if (exc.name or "").startswith(DEV):  # the control-plane image removes the development tools
+            print(f"kvshuttle: {name} is not in this installation (it leaves out {DEV}); {name} runs from "
+                  f"{install.pip}", file=sys.stderr)
+            return 2
+        top = (exc.name or "").partition(".")[0]
+        if not top or top == "kvshuttle" or importlib.util.find_spec(top) is not None:
             raise
-        print(f"kvshuttle: {name!r} is a development command ({DEV}), which this installation leaves out; "
-              "run it from the project's checkout or the worker image", file=sys.stderr)
+        print(f"kvshuttle: {name} needs the module {top!r}, which is not installed; {name} runs from "
+              f"{install.pip}", file=sys.stderr)
         return 2
-    if module.__name__ == f"{DEV}.stack":
-        return module.main(rest, command=name) or 0
-    return module.main(rest) or 0
 
 
 if __name__ == "__main__":

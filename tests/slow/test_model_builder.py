@@ -42,3 +42,46 @@ def test_tiny_tools_is_the_tiny_model_with_the_agent_chat_template(model_dir, tm
     assert model_builder.is_complete(model_dir, model_builder.recipe_hash(
         model_builder.recipe("tiny", model_builder.corpus_files())))
     assert set(MODEL_VARIANTS) == set(model_builder.VARIANTS)
+
+
+def test_smollm2_is_the_wheels_gguf_de_quantized_with_its_own_tokenizer_and_template(smollm2_model_dir):
+    """The real model (workers/gguf_model.py): a complete directory is kept; what vLLM loads is plain fp32 (no GGUF
+    quantization_config, the tied lm_head left out); the chat template is the GGUF's own, in tokenizer_config.json
+    (what the gateway reads) too, and renders as transformers renders it; digits are split as SmolLM2's tokenizer
+    splits them (transformers' GGUF converter alone would not)."""
+    import json
+
+    import torch
+    from gguf import GGUFReader
+    from kvshuttle.services.gateway.tokenizer import GatewayTokenizer
+    from kvshuttle.workers import gguf_model
+    from safetensors import safe_open
+    from transformers import AutoTokenizer
+
+    stamp = (smollm2_model_dir / model_builder.STAMP).stat().st_mtime_ns
+    assert model_builder.build_model(smollm2_model_dir, "smollm2") == smollm2_model_dir
+    assert (smollm2_model_dir / model_builder.STAMP).stat().st_mtime_ns == stamp
+    assert model_builder.is_complete(smollm2_model_dir, model_builder.recipe_hash(model_builder.recipe("smollm2", [])))
+
+    config = json.loads((smollm2_model_dir / "config.json").read_text())
+    assert "quantization_config" not in config and config["architectures"] == ["LlamaForCausalLM"]
+    assert config["tie_word_embeddings"] and config["dtype"] == "float32" and config["rms_norm_eps"] == 1e-5
+    assert {k: config[k] for k in gguf_model.ARCH} == gguf_model.ARCH
+    with safe_open(smollm2_model_dir / "model.safetensors", "pt") as weights:
+        assert "lm_head.weight" not in weights.keys() and len(weights.keys()) == 272
+        assert weights.get_tensor("model.embed_tokens.weight").dtype == torch.float32
+
+    template = str(GGUFReader(str(gguf_model.gguf_path())).fields["tokenizer.chat_template"].contents())
+    assert "You are a helpful AI assistant named SmolLM" in template
+    assert json.loads((smollm2_model_dir / "tokenizer_config.json").read_text())["chat_template"] == template
+    assert (smollm2_model_dir / "chat_template.jinja").read_text() == template
+    ours, theirs = GatewayTokenizer(smollm2_model_dir), AutoTokenizer.from_pretrained(smollm2_model_dir)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    text = ours.render_chat(messages, True)
+    assert text == theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+    assert ours.encode(text, False)[:1] == [theirs.convert_tokens_to_ids("<|im_start|>")]  # one special token
+    # Digits first, one by one: the two spaces before "12" are one token (GPT-2's split alone gives two).
+    assert theirs.convert_ids_to_tokens(theirs.encode("a  12", add_special_tokens=False)) == ["a", "ĠĠ", "1", "2"]
+    assert ours.encode("a  12", False) == theirs.encode("a  12", add_special_tokens=False)

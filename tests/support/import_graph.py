@@ -50,6 +50,20 @@ def imports(name: str, path: Path) -> Iterator[Import]:
                 yield Import(name, f"{base}.{alias.name}", node.lineno)
 
 
+def imports_on_import(name: str, path: Path) -> list[Import]:
+    """The imports that run when module ``name`` is imported: those of :func:`imports` less the ones inside a
+    function (or lambda) and under ``if TYPE_CHECKING:``."""
+    tree = ast.parse(path.read_text(), str(path))
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            skipped.update(id(n) for n in ast.walk(node))
+        elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped.update(id(n) for part in node.body for n in ast.walk(part))
+    lines = {n.lineno for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom) and id(n) not in skipped}
+    return [imp for imp in imports(name, path) if imp.line in lines]
+
+
 def layer_of(module: str, layers: list[tuple[str, ...]]) -> int | None:
     """Index of the layer whose prefixes match ``module`` most specifically (0 = top); None: not ours."""
     best, depth = None, -1

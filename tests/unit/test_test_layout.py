@@ -11,7 +11,7 @@ there starts a process or builds a model. A module under tests/unit/, or any tes
 so on), must not import ``subprocess``/``multiprocessing``/``pty`` nor use ``sys.executable``, ``os.system``,
 ``os.fork``, ``os.exec*``, ``os.spawn*``, ``os.posix_spawn*`` or ``asyncio.create_subprocess_*`` (that covers
 ``buf``, child interpreters and the vLLM/Harmony reference parsers), and must not build the test models
-(``build_model``, the conftest fixtures ``model_dir``/``agent_model_dir``/``tools_model_dir``) nor import torch,
+(``build_model``, the conftest fixtures that build them: ``MODEL_FIXTURES``) nor import torch,
 transformers, vLLM or NIXL. Such tests go to tests/slow/ (marked ``slow`` by its conftest). tests/unit/conftest.py
 also refuses any process a unit test starts at run time, through whatever code (the check here reads only source).
 """
@@ -37,7 +37,7 @@ SPAWNING_MODULES = ("subprocess", "multiprocessing", "pty", "concurrent.futures.
 MODEL_MODULES = ("torch", "transformers", "vllm", "nixl")
 SPAWNING_NAMES = re.compile(r"^(sys\.executable|os\.(system|popen|fork|forkpty|exec\w*|spawn\w*|posix_spawnp?)"
                             r"|asyncio\.create_subprocess_\w+)$")
-MODEL_FIXTURES = ("model_dir", "agent_model_dir", "tools_model_dir")
+MODEL_FIXTURES = ("model_dir", "agent_model_dir", "tools_model_dir", "smollm2_model_dir")
 MODEL_BUILDER = "build_model"
 GUARD = "tests.unit.conftest"  # refuses processes at run time, so it names them
 

@@ -51,7 +51,7 @@ from kvshuttle.services.devtools.bench.workload import (
     agentic_conversations,
     load_conversations,
 )
-from kvshuttle.services.devtools.stack import MODEL_VARIANTS, Stack, StackConfig
+from kvshuttle.services.devtools.stack import MODEL_VARIANTS, Stack, StackConfig, model_unbuildable
 
 log = logging.getLogger("kvshuttle.bench")
 ALL_MODES = (PULL, RECOMPUTE, IDEAL, DIRECT)  # the default set
@@ -97,11 +97,17 @@ class BenchConfig(StackConfig):
     turn_timeout_s: float = setting(600.0, "Deadline of one turn")
     # Stack settings with other defaults for a benchmark run (a model whose chat template renders tools and tool
     # calls, and the parser that reads them).
-    model_dir: str = setting("var/models/tiny-tools", "Model directory; built with make-model if missing (its chat "
-                                                      "template must render tools and hermes tool calls)",
+    model_dir: str = setting("", "Model directory (default: var/models/<model variant>); built with make-model if "
+                                 "missing (a chat template that renders tools and hermes tool calls, or see --tools)",
                              env="KVSHUTTLE_MODEL_DIR")
     model_variant: str = setting("tiny-tools", "Variant to build when the model is missing (tiny-tools: the tiny "
-                                               "model with a chat template for tools)", choices=MODEL_VARIANTS)
+                                               "model with a chat template for tools; smollm2: a real instruct model, "
+                                               "whose template renders no tools, so --tools auto replays plain chats)",
+                                 choices=MODEL_VARIANTS)
+    tools: str = setting("auto", "The conversations' tools and forced tool calls: on; off (plain chats: the tools in "
+                                 "the system prompt, each tool result in the user's message, as the soak replays "
+                                 "them); auto: off when the model's chat template cannot render tools and hermes "
+                                 "calls (e.g. smollm2's), else on", choices=("auto", "on", "off"))
     tool_call_parser: str = setting("hermes", "The gateway's --tool-call-parser: the bench forces its tool calls in "
                                               "hermes syntax", choices=("hermes",))
     reasoning_parser: str = setting("", "The gateway's --reasoning-parser: none for the bench (its forced tool calls "
@@ -179,6 +185,21 @@ def workload(cfg: BenchConfig) -> list[Conversation]:
                                  system_tokens=cfg.system_tokens,
                                  turn_tokens=(cfg.turn_tokens_min, cfg.turn_tokens_max), max_tokens=cfg.max_tokens,
                                  max_turns=cfg.max_turns)
+
+
+def plain_if_needed(conversations: list[Conversation], tokenizer, tools: str) -> list[Conversation]:
+    """The conversations as replayed under ``--tools``: with ``off``, or ``auto`` and a chat template that cannot
+    render them, as plain chats (Conversation.plain)."""
+    with_tools = next((c.tools for c in conversations if c.tools), None)
+    if not with_tools or tools == "on":
+        return conversations
+    if tools == "auto":
+        try:
+            lanes_mod.check_template(tokenizer, with_tools)
+            return conversations
+        except ValueError as exc:
+            log.info("replaying plain chats (--tools auto): %s", exc)
+    return [c.plain() for c in conversations]
 
 
 @dataclasses.dataclass
@@ -283,6 +304,7 @@ async def run_bench(cfg: BenchConfig) -> int:
             await stack.ensure_model()
         model_dir = stack.model_dir if stack is not None else Path(cfg.model_dir)
         tokenizer = await asyncio.to_thread(GatewayTokenizer, model_dir)
+        conversations = plain_if_needed(conversations, tokenizer, cfg.tools)
         tools = next((c.tools for c in conversations if c.tools), None)
         if tools:
             try:
@@ -380,6 +402,7 @@ async def run_bench(cfg: BenchConfig) -> int:
         "run_id": run_id, "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
         "wall_s": round(time.time() - started, 1), "modes": modes, "conversations": len(conversations),
         "concurrency": cfg.concurrency, "seed": cfg.seed, "workload": cfg.conversation_file or "agentic",
+        "tools": any(c.tools for c in conversations),
         "max_history_tokens": cfg.max_history_tokens, "max_tokens": cfg.max_tokens,
         "prefill_cache": cfg.prefill_cache, "model": str(cfg.model_dir), "dtype": cfg.dtype,
         "tool_calls": sum(1 for c in conversations for t in c.turns if t.call), "call_arguments": cfg.call_arguments,
@@ -425,6 +448,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not cfg.gateway_url and shutil.which("etcd") is None and not os.environ.get("KVSHUTTLE_ETCD_BIN"):
         raise SystemExit("etcd is not installed: run `make install` (installs Debian's etcd-server)")
+    unbuildable = model_unbuildable(cfg)
+    if unbuildable:
+        raise SystemExit(f"kvshuttle bench: {unbuildable}")
 
     async def run() -> int:
         task = asyncio.current_task()
