@@ -4,7 +4,8 @@ hypothesis builds request bodies field by field: mostly plausible, with one fiel
 missing, out of range, huge, or strange (unknown model, malformed session ids, negative and huge max_tokens, odd
 roles, token-id prompts with bad ids), plus raw bodies that are not JSON or not UTF-8. Every answer must be a 2xx or a
 4xx with an OpenAI-style JSON error and a message; never a 5xx, a dropped connection or a hang. The gateway must
-serve a normal conversation afterwards. Valid requests run real turns with at most 4 tokens.
+serve a normal conversation afterwards. Valid requests run real turns with at most 4 tokens (a gateway of
+its own, --default-max-tokens 4, for those that set no limit).
 
 Hostile input (issue #26; services/gateway/input_check.py): lone surrogates, deep nesting, huge and non-finite
 numbers, put in any one field (or as a field's name) of a valid request to every HTTP route, and undecodable bytes
@@ -21,9 +22,10 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from kvshuttle.services.devtools.etcd_process import free_port
 from kvshuttle.v1 import gateway_pb2, gateway_pb2_grpc
 
-from tests.support.e2e import new_session
+from tests.support.e2e import new_session, spawn_gateway
 
 pytestmark = pytest.mark.e2e
 EXAMPLES = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
@@ -83,8 +85,20 @@ def post(client: httpx.Client, path: str, body) -> None:
 
 
 @pytest.fixture(scope="module")
-def client(stack):
-    with httpx.Client(base_url=stack.base_url, timeout=120) as c:
+async def capped(stack):
+    """A gateway of the stack's own with an operator cap of 4 tokens (--default-max-tokens): the fuzzer's valid
+    requests that set no max_tokens (absent, null, or 0 over gRPC) would run to the end of the context otherwise. Its
+    HTTP base URL and gRPC address."""
+    grpc_address = f"127.0.0.1:{free_port()}"
+    child, base_url = await spawn_gateway(stack, "gateway-http-fuzz", "--grpc-listen", grpc_address,
+                                          "--default-max-tokens", "4")
+    yield base_url, grpc_address
+    await child.stop()
+
+
+@pytest.fixture(scope="module")
+def client(capped):
+    with httpx.Client(base_url=capped[0], timeout=120) as c:
         yield c
 
 
@@ -129,8 +143,8 @@ GRPC_IDS = mostly(st.from_regex(r"fuzz-[a-z0-9]{1,8}", fullmatch=True), st.text(
 
 
 @pytest.fixture(scope="module")
-def gateway(stack):
-    with grpc.insecure_channel(stack.gateway_grpc) as channel:
+def gateway(capped):
+    with grpc.insecure_channel(capped[1]) as channel:
         yield gateway_pb2_grpc.GatewayStub(channel)
 
 

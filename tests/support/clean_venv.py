@@ -16,7 +16,7 @@ import shutil
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from kvshuttle.services.commands import cli
@@ -69,6 +69,28 @@ def pip_install(venv: Path, wheel: Path, extras: tuple[str, ...], cwd: Path, tim
                           env=pip_env(f"{venv / 'bin'}:{SYSTEM_PATH}"))
     assert done.returncode == 0, f"pip install {target} failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
     return time.monotonic() - start
+
+
+_EARLY: dict[tuple[str, ...], Future] = {}
+
+
+def install_early(root: Path, extras: tuple[str, ...]) -> Future:
+    """Build the wheel and ``pip install`` it with ``extras`` into a new venv under ``root``, in a thread of its own,
+    from now on (once per session and extras): a future of (venv, seconds pip took). tests/deploy/conftest.py starts
+    the worker install (minutes of pip, mostly one core) as soon as the session is collected, so that it runs beside
+    the slow and end-to-end tests that come before tests/deploy, not after them."""
+    if extras not in _EARLY:
+        def work() -> tuple[Path, float]:
+            (root / "wheel").mkdir(parents=True, exist_ok=True)
+            (root / "src").mkdir(parents=True, exist_ok=True)
+            wheel = build_wheel(root / "wheel", root / "src")
+            venv = new_venv(root / "venv")
+            return venv, pip_install(venv, wheel, extras, root, timeout=1800)
+
+        pool = ThreadPoolExecutor(1, thread_name_prefix="install-early")
+        _EARLY[extras] = pool.submit(work)
+        pool.shutdown(wait=False)
+    return _EARLY[extras]
 
 
 def run_env(venv: Path, home: Path) -> dict[str, str]:
