@@ -2,10 +2,14 @@
 # `make test-fast` the quick ones (unit, integration).
 PY := .venv/bin/python
 
-.PHONY: install demo up bench test test-fast protos lint chart chart-schema docs clean
+.PHONY: install install-demo demo up bench test test-fast protos lint chart chart-schema docs clean
 
 install:
 	@bash scripts/bootstrap.sh
+
+# What `make demo` and `make up` need, and no more (no test or bench tools): a newcomer's first run is shorter.
+install-demo:
+	@bash scripts/bootstrap.sh demo
 
 # MODEL: the model variant `make demo`, `make up` and `make bench` run (empty: the command's default), e.g.
 # `make demo MODEL=smollm2` for a real model (SmolLM2-135M-Instruct); ARGS: more flags for the command.
@@ -13,10 +17,10 @@ MODEL ?=
 ARGS ?=
 MODEL_FLAG = $(if $(MODEL),--model-variant $(MODEL))
 
-demo: install
+demo: install-demo
 	@$(PY) -m kvshuttle.services.commands demo $(MODEL_FLAG) $(ARGS)
 
-up: install
+up: install-demo
 	@$(PY) -m kvshuttle.services.commands up $(MODEL_FLAG) $(ARGS)
 
 bench: install

