@@ -11,17 +11,19 @@ install:
 install-demo:
 	@bash scripts/bootstrap.sh demo
 
-# MODEL: the model variant `make demo`, `make up` and `make bench` run (empty: the command's default), e.g.
-# `make demo MODEL=smollm2` for a real model (SmolLM2-135M-Instruct); ARGS: more flags for the command.
+# MODEL: the model variant `make demo`, `make up` and `make bench` run. `make demo` and `make up` run a real model
+# (SmolLM2-135M-Instruct, `smollm2`) unless told otherwise (`make demo MODEL=tiny`: a tiny random Llama, faster, its
+# answers noise); `make bench` runs the command's default (tiny) unless told. ARGS: more flags for the command.
 MODEL ?=
 ARGS ?=
 MODEL_FLAG = $(if $(MODEL),--model-variant $(MODEL))
+DEMO_MODEL_FLAG = --model-variant $(or $(MODEL),smollm2)
 
 demo: install-demo
-	@$(PY) -m kvshuttle.services.commands demo $(MODEL_FLAG) $(ARGS)
+	@$(PY) -m kvshuttle.services.commands demo $(DEMO_MODEL_FLAG) $(ARGS)
 
 up: install-demo
-	@$(PY) -m kvshuttle.services.commands up $(MODEL_FLAG) $(ARGS)
+	@$(PY) -m kvshuttle.services.commands up $(DEMO_MODEL_FLAG) $(ARGS)
 
 bench: install
 	@$(PY) -m kvshuttle.services.commands bench $(MODEL_FLAG) $(ARGS)

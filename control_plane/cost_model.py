@@ -8,6 +8,17 @@ A prefill worker P's time for a turn is modelled in two parts, each fitted separ
     RECOMPUTE ≈ compute_ms(prompt − P's own prefix-cache hit)
     PULL      ≈ compute_ms(the new tokens) + transfer_ms(the reusable tokens)
 
+A turn continued on the decode worker D that holds the session's KV (LOCAL) is modelled per decode worker::
+
+    local_ms(D)        ≈ fixed + a·computed + b·computed·context + s·streams          (per decode worker)
+    itl_delay_ms(D)    ≈ a·computed + b·computed·context
+
+``computed`` is what D's prefix cache does not hold; ``streams`` the requests D is decoding meanwhile (its batch: each
+step of the prefill also decodes them). ``itl_delay_ms`` is the prefill's own work, inserted into D's batch: the extra
+wait every one of D's streams sees for its next token (an upper bound when vLLM splits the prefill into chunks).
+Until D has served local turns, it is priced with the fleet's compute fit (decode and prefill workers run the same
+model on the same hardware) plus the ``ms_per_decode_stream`` prior.
+
 ``computed`` tokens P computes itself (attention over ``context`` tokens makes it super-linear); ``pulled`` tokens it
 loads over NIXL. The compute part is fitted from turns that pulled nothing (every conversation's first turn is one);
 the transfer part from pulls, as what the compute part does not explain. Fitting them apart keeps each fit small and
@@ -46,6 +57,11 @@ def transfer_features(pulled: int) -> list[float]:
     return [1.0, pulled / 1000]
 
 
+def local_features(computed: int, context: int, streams: int) -> list[float]:
+    """Inputs of a decode worker's local fit: the compute fit's, and the streams it decodes meanwhile."""
+    return [*compute_features(computed, context), float(streams)]
+
+
 @dataclass(frozen=True)
 class PrefillPrior:
     """What the model assumes before measuring, and how it weighs and forgets measurements."""
@@ -55,6 +71,7 @@ class PrefillPrior:
     ms_per_ktoken_per_kcontext: float = 10.0  # attention: per thousand computed tokens per thousand of context
     ms_per_transfer: float = 5.0  # per pull (connection, D's side, notification)
     ms_per_kpulled: float = 2.0  # per thousand pulled tokens
+    ms_per_decode_stream: float = 1.0  # a turn continued on D: per stream D decodes meanwhile (its batch's step)
     prior_weight: float = 0.05  # the priors' weight, in observations (small: measurements take over fast)
     window: int = 8  # observations kept per size class (tokens computed, or pulled, by powers of two)
     half_life: float = 4.0  # newer observations of a size class after which an observation's weight has halved
@@ -63,7 +80,8 @@ class PrefillPrior:
     change_after: int = 3  # this many far-off observations in a row, same direction: forget older ones
 
     def __post_init__(self) -> None:
-        for name in ("fixed_ms", "ms_per_ktoken", "ms_per_ktoken_per_kcontext", "ms_per_transfer", "ms_per_kpulled"):
+        for name in ("fixed_ms", "ms_per_ktoken", "ms_per_ktoken_per_kcontext", "ms_per_transfer", "ms_per_kpulled",
+                     "ms_per_decode_stream"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if (self.prior_weight <= 0 or self.window < 2 or self.half_life <= 0 or self.memory <= 0
@@ -77,6 +95,9 @@ class PrefillPrior:
 
     def transfer(self) -> list[float]:
         return [self.ms_per_transfer, self.ms_per_kpulled]
+
+    def local(self) -> list[float]:
+        return [*self.compute(), self.ms_per_decode_stream]
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
@@ -269,11 +290,22 @@ class Prediction:
 
 
 @dataclass(frozen=True)
+class LocalPrediction:
+    """A turn continued on the decode worker holding its KV."""
+
+    ms: float  # its time to the first token: D's queue, then the uncached part computed within D's batch
+    itl_delay_ms: float  # the extra wait for the next token of each stream D is decoding meanwhile
+    streams: int  # the streams D is decoding (running and assigned)
+    cached_tokens: int  # prompt tokens D's prefix cache is predicted to hold (the session's held KV)
+
+
+@dataclass(frozen=True)
 class Turn:
     computed: int
     context: int
     pulled: int
     ms: float
+    streams: int = 0  # a local turn: the streams its decode worker decoded meanwhile
 
 
 class PrefillCostModel:
@@ -290,6 +322,8 @@ class PrefillCostModel:
         self._most_link: tuple[str, str] | None = None
         self._most_link_of: dict[str, tuple[str, str]] = {}
         self._links_of: dict[str, set[tuple[str, str]]] = {}  # worker -> its links (for the stale marks)
+        self._local: dict[str, RecentFit[Turn]] = {}  # decode worker -> its fit of turns continued on it
+        self._most_local: str | None = None
 
     def _compute_fit(self, worker: str) -> RecentFit[Turn] | None:
         """The worker's fit; for a worker not measured yet, the most-measured one's (workers of a fleet are alike,
@@ -365,6 +399,47 @@ class PrefillCostModel:
     def _more_measured(self, key: tuple[str, str], than: tuple[str, str] | None) -> bool:
         return than is None or self._links[key].observations > self._links[than].observations
 
+    def observe_local(self, worker: str, *, prompt_tokens: int, computed_tokens: int, streams: int,
+                      ms: float) -> None:
+        """A turn continued on decode worker ``worker``: the prompt tokens it computed (its prefix cache held the
+        rest), the streams it decoded meanwhile, and its time to the first token."""
+        if prompt_tokens <= 0 or computed_tokens < 0 or streams < 0 or ms < 0:
+            raise ValueError("token counts, streams and time must be non-negative, and the prompt non-empty")
+        fit = self._local.get(worker)
+        if fit is None:
+            fit = self._local[worker] = RecentFit(self.prior.local(), self.prior, _local_xy, _computed_of)
+        fit.add(Turn(computed_tokens, prompt_tokens, 0, ms, streams))
+        most = self._local.get(self._most_local) if self._most_local is not None else None
+        if most is None or fit.observations > most.observations:
+            self._most_local = worker
+
+    def local_theta(self, worker: str) -> list[float]:
+        """``worker``'s local fit; a decode worker not measured yet: the most-measured one's, else the fleet's
+        compute fit with the per-stream prior."""
+        fit = self._local.get(worker)
+        if fit is None and self._most_local is not None:
+            fit = self._local[self._most_local]
+        if fit is not None:
+            return fit.theta
+        reference = self._compute_fit(self._most_measured or "")
+        compute = reference.theta if reference else self.prior.compute()
+        return [*compute, self.prior.ms_per_decode_stream]
+
+    def predict_local(self, worker: str, *, prompt_tokens: int, cached_tokens: int, streams: int,
+                      waiting: int = 0) -> LocalPrediction:
+        """The turn continued on decode worker ``worker``, whose prefix cache holds ``cached_tokens`` of the prompt
+        (D computes at least the last prompt token) while it decodes ``streams`` streams; ``waiting`` requests
+        queued on D before it."""
+        fixed, per_k, per_k_kctx, per_stream = self.local_theta(worker)
+        computed = max(1, prompt_tokens - cached_tokens)
+        k = computed / 1000
+        work = per_k * k + per_k_kctx * k * prompt_tokens / 1000
+        ms = fixed + work + per_stream * streams
+        return LocalPrediction(ms * (1 + waiting), work, streams, prompt_tokens - computed)
+
+    def local_fits(self) -> dict[str, RecentFit[Turn]]:
+        return dict(self._local)
+
     @property
     def reference_worker(self) -> str | None:
         """The most-measured prefill worker (None before any measurement): the fleet's compute fit."""
@@ -416,6 +491,8 @@ class PrefillCostModel:
             "most_measured": self._most_measured,
             "most_link": list(self._most_link) if self._most_link is not None else None,
             "most_link_of": {worker: key[1] for worker, key in self._most_link_of.items()},
+            "local": {worker: fit.state() for worker, fit in self._local.items()},
+            "most_local": self._most_local,
         }
 
     def load_state(self, state: Mapping[str, Any]) -> None:
@@ -445,8 +522,17 @@ class PrefillCostModel:
             most_link = _link_in(state["most_link"], links) if state["most_link"] is not None else None
             most_link_of = {_str(worker, "worker"): _link_in([worker, source], links)
                             for worker, source in _mapping(state["most_link_of"], "most_link_of").items()}
+            local: dict[str, RecentFit[Turn]] = {}
+            for worker, fit_state in _mapping(state.get("local", {}), "local").items():
+                fit = local[_str(worker, "worker")] = RecentFit(self.prior.local(), self.prior, _local_xy,
+                                                                _computed_of)
+                fit.load_state(fit_state)
+            most_local = state.get("most_local")
+            if most_local is not None and most_local not in local:
+                raise ValueError(f"most_local {most_local!r} has no local fit")
         self._compute, self._links, self._links_of, self._stale = compute, links, links_of, stale
         self._most_measured, self._most_link, self._most_link_of = most_measured, most_link, most_link_of
+        self._local, self._most_local = local, most_local
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any], prior: PrefillPrior | None = None) -> PrefillCostModel:
@@ -460,6 +546,10 @@ def _compute_xy(t: Turn) -> tuple[list[float], float, float]:
     return compute_features(t.computed, t.context), t.ms, t.ms
 
 
+def _local_xy(t: Turn) -> tuple[list[float], float, float]:
+    return local_features(t.computed, t.context, t.streams), t.ms, t.ms
+
+
 def _computed_of(t: Turn) -> int:
     return t.computed
 
@@ -471,7 +561,7 @@ def _pulled_of(t: Turn) -> int:
 # Snapshots (state / load_state): JSON-friendly encodings, and checks that turn a malformed one into a ValueError.
 
 def _turn_out(t: Turn) -> list:
-    return [t.computed, t.context, t.pulled, t.ms]
+    return [t.computed, t.context, t.pulled, t.ms, *((t.streams,) if t.streams else ())]
 
 
 def _xy_out(xy: tuple) -> list:
@@ -533,9 +623,12 @@ def _index(value: Any, observations: int) -> int:
 
 
 def _turn_in(value: Any) -> Turn:
-    computed, context, pulled, ms = _list(value, "turn", length=4)
+    items = _list(value, "turn")
+    if len(items) not in (4, 5):
+        raise ValueError(f"turn has {len(items)} items, not 4 or 5")
+    computed, context, pulled, ms, *streams = items
     return Turn(_int(computed, "computed", low=0), _int(context, "context", low=0), _int(pulled, "pulled", low=0),
-                _number(ms, "ms"))
+                _number(ms, "ms"), _int(streams[0], "streams", low=0) if streams else 0)
 
 
 def _xy_in(value: Any, n: int) -> tuple[list[float], float, float]:

@@ -1,8 +1,10 @@
-"""Pull or recompute: the per-turn decision, as pure code.
+"""Pull, recompute or continue on D: the per-turn safety rules, as pure code.
 
 The scheduler adapts it to gRPC; a simulator can call it directly. A PULL is only ever planned when the new
 prompt provably extends the handle's tokens (prefix digests), the handle is unexpired, unclaimed and its decode worker
-alive, and enough tokens are reusable to be worth a transfer.
+alive, and enough tokens are reusable to be worth a transfer. The same rules make a turn safe to continue on that
+decode worker (LOCAL): its held blocks are the reusable tokens, served from its own prefix cache; whether a safe
+turn pulls, recomputes or continues on D is the policy's choice (:mod:`.policies`).
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from kvshuttle.control_plane.prefix import matched_prefix_tokens
 
 
 class Choice(enum.Enum):
-    PULL = "pull"
-    RECOMPUTE = "recompute"
+    PULL = "pull"  # P loads the history's KV from the decode worker holding it, computes the rest
+    RECOMPUTE = "recompute"  # P computes the prompt (less its own prefix-cache hit)
+    LOCAL = "local"  # the decode worker holding the history serves the whole turn from its own prefix cache
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ The order matters. The safety rules (:func:`.decision.decide`) do not depend on 
 come first and say how many tokens a pull could reuse; that lets the prefill worker be chosen by its predicted time
 for *this* turn (a worker with a slow link to the session's decode worker, or a long queue, loses); then the policy
 judges pull vs recompute on that worker, and the expiry rule checks the predicted end of the pull against the
-handle's expiry. The decode worker is chosen last, by free KV cache.
+handle's expiry. The decode worker is chosen last, by free KV cache; or, when the policy continues the turn on the
+decode worker that holds the session's KV (LOCAL), it is that one.
 
 With ``candidates`` set, each turn scores only that many workers of each role, drawn at random, plus the prefill
 worker that prefilled the session's last turn (its prefix cache): at a thousand workers, scoring all of them per
@@ -21,7 +22,7 @@ from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from kvshuttle.control_plane.cost_model import Prediction, PrefillCostModel
+from kvshuttle.control_plane.cost_model import LocalPrediction, Prediction, PrefillCostModel
 from kvshuttle.control_plane.decision import Choice, HandleView, Plan, decide
 from kvshuttle.control_plane.load import WorkerLoad
 from kvshuttle.control_plane.policies import (
@@ -51,6 +52,7 @@ class TurnPlan(Generic[W]):
     wait_ms: float  # predicted wait at the prefill worker
     worker_choice: str  # why these workers
     cached_tokens: int = 0  # the prefill worker's predicted prefix-cache hit
+    local: LocalPrediction | None = None  # the turn continued on the session's decode worker (None: not an option)
 
 
 class Planner(Generic[W]):
@@ -91,6 +93,7 @@ class Planner(Generic[W]):
         prefill worker."""
         chosen_policy = self.policy(policy)
         n = len(prompt)
+        holder = next((w for w in decode if w.worker_id == source_worker), None) if source_worker else None
         if self.candidates:
             keep = [self.cache_hints.worker_of(session)]
             if prefix_hits:
@@ -146,14 +149,25 @@ class Planner(Generic[W]):
         load = loads.get(chosen, UNKNOWN)
         prediction = predict(chosen)
         wait_ms = load.queued * option_ms(prediction)
+        local = None
+        if can_pull and handle is not None and holder is not None and source_worker not in exclude:
+            held = loads.get(source_worker, UNKNOWN)
+            on_d = min(safe.matched_tokens, n - 1)  # D's prefix cache holds whole blocks
+            local = self.model.predict_local(
+                source_worker, prompt_tokens=n, streams=held.running + held.pending, waiting=held.waiting,
+                cached_tokens=on_d // handle.block_size * handle.block_size if handle.block_size > 0 else 0)
         ctx = PolicyInputs(p.worker.worker_id, source_worker, prediction if can_pull else None, wait_ms,
-                          handle.expires_in_s if handle else 0.0)
+                          handle.expires_in_s if handle else 0.0, local=local)
         final = plan_turn(chosen_policy, safe, ctx)
-        if session is not None:
-            self.cache_hints.note(session, p.worker.worker_id, n)
         hit = cached[chosen]
         why = f"{p.why}, {hit} of {n} prompt tokens cached there" if hit else p.why
-        return TurnPlan(final, chosen_policy, p.worker, d.worker, prediction, wait_ms, f"{why}; {d.why}", hit)
+        if final.choice is Choice.LOCAL:
+            assert holder is not None
+            return TurnPlan(final, chosen_policy, p.worker, holder, prediction, wait_ms,
+                            f"{why}; decode {holder.worker_id}: holds the session's KV", hit, local)
+        if session is not None:
+            self.cache_hints.note(session, p.worker.worker_id, n)
+        return TurnPlan(final, chosen_policy, p.worker, d.worker, prediction, wait_ms, f"{why}; {d.why}", hit, local)
 
     def _sample(self, workers: Sequence[W], exclude: Collection[str], *keep: str | None) -> Sequence[W]:
         """``candidates`` of ``workers`` (outside ``exclude``) at random, each of ``keep`` among them when it is
@@ -182,6 +196,12 @@ class Planner(Generic[W]):
     def observe(self, outcome: Outcome) -> bool | None:
         """Learn from a reported turn; returns whether it counts as a regret (None: it had no alternative)."""
         regret = self.regret.record(outcome, self.model)
+        if outcome.decision is Choice.LOCAL:
+            self.model.observe_local(outcome.decode_worker, prompt_tokens=outcome.prompt_tokens,
+                                     computed_tokens=outcome.computed_tokens, streams=outcome.streams,
+                                     ms=outcome.prefill_ms)
+            self.reported += 1
+            return regret
         if outcome.decision is Choice.RECOMPUTE:
             self.cache_hints.observe(outcome.prefill_worker, estimated=outcome.cached_estimate,
                                      actual=outcome.prompt_tokens - outcome.computed_tokens)

@@ -13,6 +13,14 @@ to pull. They differ in when a safe pull is worth it. After the policy, one rule
   expires) and a near-tie prediction is within the model's noise. While a link has
   few measured pulls, and then on one eligible turn in ``explore_every``, it pulls even when the model disagrees
   (within ``explore_ratio``), so it never stops measuring pulls.
+
+  Then, on a turn that could pull, it may **continue on D** (LOCAL; ``continue_on_decode``): ``auto`` when the
+  turn's predicted time to first token on D (its queue, the part its prefix cache lacks computed within its batch)
+  plus its price to the others (the extra delay it adds to each stream D is decoding, times those streams: the
+  latency all of D's users lose) is within ``local_margin`` of the best option on P (its queue included): a tie goes
+  to D, which moves no KV over the network and leaves P free; ``always`` on every turn that could pull; ``never`` not
+  at all. Either way, never when the extra delay it would add to each of D's streams (the prefill's work inside D's
+  batch) exceeds ``decode_itl_slo_ms``, the decode inter-token SLO.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from kvshuttle.control_plane import reasons as why
-from kvshuttle.control_plane.cost_model import Prediction, PrefillCostModel, PrefillPrior
+from kvshuttle.control_plane.cost_model import LocalPrediction, Prediction, PrefillCostModel, PrefillPrior
 from kvshuttle.control_plane.decision import Choice, Plan, PullPolicy
 
 
@@ -38,6 +46,8 @@ class PolicyInputs:
     prediction: Prediction | None = None  # both options on the prefill worker (cost model)
     wait_ms: float = 0.0  # predicted wait at the prefill worker before this turn's prefill starts
     expires_in_s: float = 0.0  # the handle's time left
+    # the turn continued on the decode worker holding the KV (None: not possible, e.g. that worker is excluded)
+    local: LocalPrediction | None = None
 
 
 @dataclass(frozen=True)
@@ -54,6 +64,8 @@ class Outcome:
     pullable_tokens: int = 0  # a RECOMPUTE's alternative: tokens a safe pull would have loaded (0: none)
     policy: str = ""  # the policy that planned the turn
     cached_estimate: int = 0  # the prefill worker's prefix-cache hit the plan predicted
+    decode_worker: str = ""  # LOCAL: the decode worker that served the turn (prefill_ms: its time to first token)
+    streams: int = 0  # LOCAL: the streams that decode worker was decoding meanwhile
 
 
 def demote(plan: Plan, code: str, reason: str) -> Plan:
@@ -81,7 +93,8 @@ class CostPolicy:
 
     def __init__(self, model: PrefillCostModel, expiry_guard_s: float = 2.0, min_pull_tokens: int = 1,
                  explore_every: int = 20, explore_ratio: float = 2.0, warmup_pulls: int = 3,
-                 recompute_margin: float = 0.1, name: str = "cost"):
+                 recompute_margin: float = 0.1, name: str = "cost", continue_on_decode: str = "auto",
+                 local_margin: float = 0.1, decode_itl_slo_ms: float = 100.0):
         if expiry_guard_s < 0:
             raise PolicyError(f"{name}: expiry_guard_s must be >= 0")
         if min_pull_tokens < 1:
@@ -90,6 +103,15 @@ class CostPolicy:
             raise PolicyError(f"{name}: explore_every and warmup_pulls must be >= 0, explore_ratio >= 1")
         if not 0 <= recompute_margin < 1:
             raise PolicyError(f"{name}: recompute_margin must be in [0, 1)")
+        if continue_on_decode not in LOCAL_MODES:
+            raise PolicyError(f"{name}: continue_on_decode must be one of {', '.join(LOCAL_MODES)}, not "
+                              f"{continue_on_decode!r}")
+        if not 0 <= local_margin < 1:
+            raise PolicyError(f"{name}: local_margin must be in [0, 1)")
+        if not decode_itl_slo_ms > 0:
+            raise PolicyError(f"{name}: decode_itl_slo_ms must be > 0")
+        self.continue_on_decode, self.local_margin, self.decode_itl_slo_ms = (continue_on_decode, local_margin,
+                                                                              decode_itl_slo_ms)
         self.recompute_margin = recompute_margin
         self.name = name
         self.safety = PullPolicy(min_pull_tokens, expiry_guard_s)
@@ -98,6 +120,9 @@ class CostPolicy:
         self._eligible: dict[tuple[str, str], int] = {}
 
     def choose(self, plan: Plan, ctx: PolicyInputs) -> Plan:
+        local = self._local(plan, ctx)
+        if local is not None:
+            return local
         predicted = ctx.prediction
         if plan.choice is not Choice.PULL or predicted is None or predicted.pull_ms is None:
             return plan
@@ -111,6 +136,32 @@ class CostPolicy:
             return plan
         return demote(plan, why.COST_MODEL, f"cost model: recompute is faster ({figures})")  # by more than the margin
 
+    def _local(self, plan: Plan, ctx: PolicyInputs) -> Plan | None:
+        """The plan continued on D, when this policy takes it (see the module docstring); None otherwise (the
+        reason for not taking it is added to ``plan.reason`` when D was an option)."""
+        local = ctx.local
+        if plan.choice is not Choice.PULL or local is None or self.continue_on_decode == NEVER:
+            return None
+        on_d = (f"continue on {ctx.source_worker}: predicted {local.ms:.1f} ms, {local.cached_tokens} of "
+                f"{plan.prompt_tokens} tokens held there")
+        if local.streams and local.itl_delay_ms > self.decode_itl_slo_ms:
+            plan.reason = (f"{plan.reason}; not continued on D: {local.itl_delay_ms:.1f} ms more per token for its "
+                           f"{local.streams} stream(s) would break the {self.decode_itl_slo_ms:g} ms inter-token SLO")
+            return None
+        if self.continue_on_decode == ALWAYS:
+            return continued(plan, local, why.LOCAL_ALWAYS, f"{on_d} (policy {self.name}: whenever it can)")
+        predicted = ctx.prediction
+        if predicted is None:
+            return None
+        on_p = ctx.wait_ms + (predicted.best_ms if predicted.pull_ms is not None else predicted.recompute_ms)
+        others = local.itl_delay_ms * local.streams  # what D's streams lose, together
+        price = f" + {others:.1f} ms to its {local.streams} stream(s)" if local.streams else ""
+        if local.ms + others <= on_p * (1 + self.local_margin):
+            return continued(plan, local, why.LOCAL_FASTEST, f"{on_d}{price}, vs {on_p:.1f} ms on "
+                                                             f"{ctx.prefill_worker}")
+        plan.reason = f"{plan.reason}; not continued on D ({local.ms:.1f} ms predicted there{price})"
+        return None
+
     def _explore(self, worker: str, source: str, predicted: Prediction) -> bool:
         if predicted.pull_ms is None or predicted.pull_ms > self.explore_ratio * predicted.recompute_ms:
             return False
@@ -122,6 +173,16 @@ class CostPolicy:
 
 
 Policy = ThresholdPolicy | CostPolicy
+
+
+AUTO, ALWAYS, NEVER = "auto", "always", "never"
+LOCAL_MODES = (AUTO, ALWAYS, NEVER)
+
+
+def continued(plan: Plan, local: LocalPrediction, code: str, reason: str) -> Plan:
+    """``plan`` (a safe pull) continued on the decode worker holding the KV: it computes what it does not hold."""
+    return Plan(Choice.LOCAL, reason, plan.prompt_tokens, matched_tokens=plan.matched_tokens,
+                reusable_tokens=local.cached_tokens, pullable_tokens=plan.reusable_tokens, code=code)
 
 
 def plan_turn(policy: Policy, plan: Plan, ctx: PolicyInputs) -> Plan:
@@ -148,7 +209,11 @@ class RegretMeter:
 
     def record(self, outcome: Outcome, model: PrefillCostModel) -> bool | None:
         """Count ``outcome`` (judged by ``model`` before it learns from it); None when it had no alternative."""
-        if outcome.decision is Choice.PULL:
+        if outcome.decision is Choice.LOCAL:  # the pull the turn could have made instead, on the plan's P
+            alternative = model.predict(outcome.prefill_worker, prompt_tokens=outcome.prompt_tokens,
+                                        reusable_tokens=outcome.pullable_tokens,
+                                        source=outcome.decode_worker).best_ms
+        elif outcome.decision is Choice.PULL:
             alternative = model.compute_ms(outcome.prefill_worker, outcome.prompt_tokens, outcome.prompt_tokens)
         elif outcome.pullable_tokens > 0:
             alternative = model.predict(outcome.prefill_worker, prompt_tokens=outcome.prompt_tokens,
@@ -204,20 +269,28 @@ def make_prior(params: Mapping[str, str] | None) -> PrefillPrior:
 
 
 KINDS = {ThresholdPolicy.kind: ("pull_threshold_tokens",),
-         CostPolicy.kind: ("min_pull_tokens", "explore_every", "explore_ratio", "warmup_pulls", "recompute_margin")}
+         CostPolicy.kind: ("min_pull_tokens", "explore_every", "explore_ratio", "warmup_pulls", "recompute_margin",
+                           "continue_on_decode", "local_margin", "decode_itl_slo_ms")}
+_FLOAT_PARAMS = ("explore_ratio", "recompute_margin", "local_margin", "decode_itl_slo_ms")
+_TEXT_PARAMS = ("continue_on_decode",)
 
 
 def make_policy(kind: str, params: Mapping[str, str] | None = None, *, model: PrefillCostModel,
-                expiry_guard_s: float = 2.0, name: str = "") -> Policy:
-    """The policy of ``kind`` with its parameters, validated; unknown kinds or keys are errors."""
+                expiry_guard_s: float = 2.0, name: str = "", decode_itl_slo_ms: float | None = None) -> Policy:
+    """The policy of ``kind`` with its parameters, validated; unknown kinds or keys are errors.
+    ``decode_itl_slo_ms``: the scheduler's decode inter-token SLO (a cost policy's default for it)."""
     params = dict(params or {})
     name = name or kind
     if kind not in KINDS:
         raise PolicyError(f"unknown policy {kind!r}; choose one of {', '.join(KINDS)}")
-    kwargs = {"expiry_guard_s": expiry_guard_s, "name": name}
+    kwargs: dict = {"expiry_guard_s": expiry_guard_s, "name": name}
+    if kind == CostPolicy.kind and decode_itl_slo_ms is not None:
+        kwargs["decode_itl_slo_ms"] = decode_itl_slo_ms
     for key in KINDS[kind]:
-        if key in params:
-            kwargs[key] = _number(name, params, key, float if key in ("explore_ratio", "recompute_margin") else int)
+        if key in params and key in _TEXT_PARAMS:
+            kwargs[key] = params.pop(key)
+        elif key in params:
+            kwargs[key] = _number(name, params, key, float if key in _FLOAT_PARAMS else int)
     if "expiry_guard_s" in params:
         kwargs["expiry_guard_s"] = _number(name, params, "expiry_guard_s", float)
     if params:

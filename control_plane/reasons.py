@@ -14,6 +14,12 @@ PULL_PREFIX = "pull_prefix"
 # PULL: the cost model predicts recomputing faster, but the pull is kept to keep measuring the P-D link.
 PULL_EXPLORE = "pull_explore"
 
+# LOCAL (continue on D): the turn could pull; the decode worker holding the history serves it from its own prefix
+# cache instead (no transfer, no prefill worker).
+LOCAL_FASTEST = "local_fastest"  # the cost model predicts continuing on D (its streams' delay included) about as fast
+# as the best option on P
+LOCAL_ALWAYS = "local_always"  # the policy continues on D whenever it can (continue_on_decode=always)
+
 # RECOMPUTE, decided by the safety rules (kvshuttle.control_plane.decision):
 PULL_DISABLED = "pull_disabled"  # the request disabled pulls (or a re-plan after a failed worker)
 NO_RECORD = "no_record"  # no recorded KV for the session (first turn, another tenant's id, dropped record)
@@ -42,10 +48,11 @@ WORKER_FAILED = "worker_failed"  # the prefill worker failed; the turn was plann
 UNKNOWN = "unknown"
 
 PULL_CODES = (PULL_ALL, PULL_PREFIX, PULL_EXPLORE)
+LOCAL_CODES = (LOCAL_FASTEST, LOCAL_ALWAYS)
 RECOMPUTE_CODES = (PULL_DISABLED, NO_RECORD, HANDLE_USED, KV_FREED_IDLE, KV_FREED_PRESSURE, EXPIRED, DECODE_WORKER_UNAVAILABLE, INCONSISTENT_RECORD,
                    DIVERGED, BELOW_THRESHOLD, HANDLE_UNUSABLE, COST_MODEL, WOULD_EXPIRE, STORE_UNAVAILABLE,
                    STORE_ERROR, CLAIM_REFUSED, CLAIM_MISMATCH, PULL_FAILED, WORKER_FAILED)
-VOCABULARY = frozenset((*PULL_CODES, *RECOMPUTE_CODES, UNKNOWN))
+VOCABULARY = frozenset((*PULL_CODES, *LOCAL_CODES, *RECOMPUTE_CODES, UNKNOWN))
 
 # What each code means (the documentation's reason-code reference is generated from this; tests check it covers the
 # vocabulary exactly).
@@ -53,6 +60,11 @@ DESCRIPTIONS: dict[str, str] = {
     PULL_ALL: "the prompt extends the recorded tokens: all of them are pulled",
     PULL_PREFIX: "the prompt shares whole blocks with the recorded tokens: those are pulled",
     PULL_EXPLORE: "the cost model predicts recomputing faster, but the link is pulled to keep measuring it",
+    LOCAL_FASTEST: "continued on the decode worker holding the history: its predicted time to first token, plus the "
+                   "delay it adds to that worker's streams, is within `local_margin` of the best option on P, and "
+                   "within the decode inter-token SLO",
+    LOCAL_ALWAYS: "continued on the decode worker holding the history: the policy does whenever it can "
+                  "(`continue_on_decode=always`), within the decode inter-token SLO",
     PULL_DISABLED: "the request disabled pulls (also re-plans after a failed worker)",
     NO_RECORD: "no recorded KV for the session (first turn, another tenant's id, dropped record)",
     HANDLE_USED: "the record's KV handle was already claimed by another turn",

@@ -286,15 +286,16 @@ def reasons_page() -> str:
     from kvshuttle.control_plane import reasons
 
     def decision(code_: str) -> str:
-        return "pull" if code_ in reasons.PULL_CODES else "recompute" if code_ in reasons.RECOMPUTE_CODES else "-"
+        return ("pull" if code_ in reasons.PULL_CODES else "local" if code_ in reasons.LOCAL_CODES
+                else "recompute" if code_ in reasons.RECOMPUTE_CODES else "-")
 
     out = ["# Reason codes", "",
-           "Why a turn pulls or recomputes, as one code of a small fixed vocabulary, generated from "
+           "Why a turn pulls, recomputes or continues on its decode worker (local), as one code of a small fixed vocabulary, generated from "
            "`kvshuttle.control_plane.reasons` when this site is built. The code is `reason_code` in "
            "`PlanTurnResponse` and the gateway's `KvReport`, the `X-KV-Reason-Code` header and "
            "`kvshuttle.reason_code` in HTTP responses (next to the free-text `reason`), and the `reason` label of "
            "the [metrics](metrics.md).", ""]
-    order = [*reasons.PULL_CODES, *reasons.RECOMPUTE_CODES, reasons.UNKNOWN]
+    order = [*reasons.PULL_CODES, *reasons.LOCAL_CODES, *reasons.RECOMPUTE_CODES, reasons.UNKNOWN]
     out += table(["Code", "Decision", "Meaning"],
                  [[code(c), decision(c), cell(reasons.DESCRIPTIONS[c])] for c in order])
     out += ["", "## Record outcomes", "",

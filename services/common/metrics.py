@@ -11,7 +11,7 @@ registers a callable returning a frozen snapshot (``GATEWAY_STATE.register(runne
 :class:`GatewayState`; :class:`SchedulerState` with its :class:`DecodeKvRow` rows; :class:`WorkerState`), and this
 module only sums the snapshots of the services registered in the process. It never reads their attributes.
 
-Labels are bounded: decisions (pull, recompute), reason codes (:mod:`kvshuttle.control_plane.reasons`), token kinds, failure
+Labels are bounded: decisions (pull, recompute, local), reason codes (:mod:`kvshuttle.control_plane.reasons`), token kinds, failure
 kinds, worker roles and states, gRPC methods that are registered on the server, etcd operation names, and the
 scheduler's configured policy names. Never a tenant, session or free text; a worker id only on the decode-KV
 gauges (one series per decode worker: bounded by the cluster's size), an etcd member's name only on the etcd
@@ -53,7 +53,7 @@ TURN_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 30
 FAST_BUCKETS = (0.00025, 0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
 GRPC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
-DECISIONS = ("pull", "recompute")
+DECISIONS = ("pull", "recompute", "local")
 TOKEN_KINDS = ("prompt", "pulled", "cached", "computed", "generated")
 FAILURE_KINDS = ("bad_request", "unavailable", "timeout", "cancelled", "internal")
 ROLES = ("prefill", "decode")
@@ -142,6 +142,8 @@ for _code in reasons.PULL_CODES:
     TURNS.labels("pull", _code)
 for _code in reasons.RECOMPUTE_CODES:
     TURNS.labels("recompute", _code)
+for _code in reasons.LOCAL_CODES:
+    TURNS.labels("local", _code)
 for _kind in TOKEN_KINDS:
     TURN_TOKENS.labels(_kind)
 for _kind in FAILURE_KINDS:

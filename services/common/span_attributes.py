@@ -14,8 +14,9 @@ SPAN_ATTRIBUTES: dict[str, str] = {
     "kvshuttle.tenant": "the caller's tenant (from its API key; `default` on an open gateway)",
     "kvshuttle.turn_index": "the session's turn number as the registry counts it (1: no record; starts again after a "
                             "record expired or was deleted); only with a session id",
-    "kvshuttle.decision": "`pull` or `recompute`: what happened (a pull that failed and was recomputed says "
-                          "`recompute`); on `prefill`, what that prefill call tried",
+    "kvshuttle.decision": "`pull`, `recompute` or `local` (continued on the decode worker holding the session's KV): "
+                          "what happened (a pull that failed and was recomputed says `recompute`); on `prefill`, "
+                          "what that prefill call tried",
     "kvshuttle.reason": "why, in words (the `X-KV-Reason` header)",
     "kvshuttle.reason_code": "why, as a reason code (`control_plane/reasons.py`; the metrics' `reason` label)",
     "kvshuttle.policy": "the scheduler policy that decided",
@@ -32,7 +33,8 @@ SPAN_ATTRIBUTES: dict[str, str] = {
     "kvshuttle.pullable_tokens": "tokens a refused pull would have moved (what the safety rules allow, before the "
                                  "policy)",
     "kvshuttle.pulled_tokens": "tokens P pulled from D over NIXL",
-    "kvshuttle.computed_tokens": "tokens P computed (prompt minus P's `cached_tokens`: pulled or its own prefix cache)",
+    "kvshuttle.computed_tokens": "tokens P computed (prompt minus P's `cached_tokens`: pulled or its own prefix cache); "
+                                 "a turn continued on D: tokens D computed",
     "kvshuttle.cached_tokens": "prompt tokens P did not compute (pulled from D, or in P's own prefix cache)",
     "kvshuttle.pulled_kv_bytes": "**an estimate** of the KV moved by the pull: pulled tokens × KV bytes per token from "
                                  "the model's `config.json` (2 × layers × KV heads × head dim × dtype size: 4096 for "
@@ -44,6 +46,13 @@ SPAN_ATTRIBUTES: dict[str, str] = {
     "kvshuttle.predicted_pull_ms": "the cost model's predicted prefill time with a pull, on the chosen P",
     "kvshuttle.predicted_recompute_ms": "the cost model's predicted prefill time with a recompute, on the chosen P",
     "kvshuttle.predicted_wait_ms": "the predicted wait at the chosen P (the requests ahead of this turn)",
+    "kvshuttle.predicted_local_ms": "the cost model's predicted time to first token of the turn continued on the "
+                                    "decode worker holding the session's KV (0: not an option)",
+    "kvshuttle.predicted_itl_delay_ms": "the cost model's predicted extra delay per token for each stream that decode "
+                                        "worker is decoding, were the turn continued there",
+    "kvshuttle.decode_streams": "the streams the session's decode worker was decoding as the turn was planned",
+    "kvshuttle.decode_cached_tokens": "a turn continued on D: prompt tokens D's prefix cache held (D's own "
+                                      "`cached_tokens`)",
     "kvshuttle.prefill_ms": "measured: P's prefill call (what the prediction is about)",
     "kvshuttle.ttft_ms": "measured: from the gateway's start of the turn to the answer's first token",
     "kvshuttle.prefill_worker": "the prefill worker's id (on the turn: the final one, after any failed worker)",

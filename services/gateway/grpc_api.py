@@ -20,7 +20,8 @@ from kvshuttle.services.gateway.turns.reply import Usage
 from kvshuttle.v1 import gateway_pb2, gateway_pb2_grpc, scheduler_pb2
 
 log = logging.getLogger(__name__)
-_DECISIONS = {"pull": scheduler_pb2.DECISION_PULL, "recompute": scheduler_pb2.DECISION_RECOMPUTE}
+_DECISIONS = {"pull": scheduler_pb2.DECISION_PULL, "recompute": scheduler_pb2.DECISION_RECOMPUTE,
+              "local": scheduler_pb2.DECISION_LOCAL}
 
 
 def kv_report(kv: KvOutcome) -> gateway_pb2.KvReport:

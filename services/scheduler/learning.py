@@ -45,6 +45,9 @@ from kvshuttle.services.common import metrics
 from kvshuttle.services.store.interface import StoreError
 from kvshuttle.v1 import scheduler_pb2
 
+CHOICES = {scheduler_pb2.DECISION_PULL: Choice.PULL, scheduler_pb2.DECISION_RECOMPUTE: Choice.RECOMPUTE,
+           scheduler_pb2.DECISION_LOCAL: Choice.LOCAL}
+
 log = logging.getLogger(__name__)
 SNAPSHOT_FORMAT = 1
 
@@ -58,11 +61,13 @@ def outcome_of(request: scheduler_pb2.ReportOutcomeRequest) -> tuple[Outcome, Ha
     learned from (every replica would refuse it alike, so it is refused before it is shared)."""
     if not request.prefill_worker_id or request.prompt_tokens <= 0:
         raise InvalidOutcome("prefill_worker_id and prompt_tokens are required")
-    if request.decision not in (scheduler_pb2.DECISION_PULL, scheduler_pb2.DECISION_RECOMPUTE):
-        raise InvalidOutcome("decision must be PULL or RECOMPUTE")
+    if request.decision not in CHOICES:
+        raise InvalidOutcome("decision must be PULL, RECOMPUTE or LOCAL")
     if min(request.pulled_tokens, request.computed_tokens, request.pullable_tokens,
-           request.cached_tokens_estimate) < 0:
-        raise InvalidOutcome("token counts must be non-negative")
+           request.cached_tokens_estimate, request.decode_streams) < 0:
+        raise InvalidOutcome("token counts and decode_streams must be non-negative")
+    if request.decision == scheduler_pb2.DECISION_LOCAL and (not request.decode_worker_id or request.pulled_tokens):
+        raise InvalidOutcome("a LOCAL outcome names its decode_worker_id and pulls nothing")
     if not math.isfinite(request.prefill_ms) or request.prefill_ms < 0:
         raise InvalidOutcome("prefill_ms must be a non-negative number")
     session = None
@@ -73,9 +78,10 @@ def outcome_of(request: scheduler_pb2.ReportOutcomeRequest) -> tuple[Outcome, Ha
             raise InvalidOutcome(str(exc)) from None
     outcome = Outcome(
         request.prefill_worker_id, request.prompt_tokens, request.pulled_tokens, request.computed_tokens,
-        request.prefill_ms, Choice.PULL if request.decision == scheduler_pb2.DECISION_PULL else Choice.RECOMPUTE,
+        request.prefill_ms, CHOICES[request.decision],
         source_worker=request.source_worker_id, pullable_tokens=request.pullable_tokens, policy=request.policy,
-        cached_estimate=request.cached_tokens_estimate)
+        cached_estimate=request.cached_tokens_estimate, decode_worker=request.decode_worker_id,
+        streams=request.decode_streams)
     return outcome, session
 
 
@@ -88,7 +94,8 @@ def apply(planner: Planner, request: scheduler_pb2.ReportOutcomeRequest) -> bool
         log.warning("outcome not learned: %s", exc)
         metrics.outcomes_learned("rejected")
         return False
-    if session is not None:  # the next turn may be planned elsewhere: it learns where this prefix lives too
+    if session is not None and outcome.decision is not Choice.LOCAL:  # the next turn may be planned elsewhere: it
+        # learns where this prefix lives too (a LOCAL turn left P's cache as it was)
         planner.cache_hints.note(session, outcome.prefill_worker, outcome.prompt_tokens)
     metrics.outcomes_learned("applied")
     return True

@@ -6,7 +6,8 @@ A plan goes through six steps, in this order:
    registry's worker list;
 2. **session**: the caller's snapshot of the record, or the record read (via the registry or etcd: ``claims``);
 3. **plan** with ``kvshuttle.control_plane.planner`` (once more after refreshing the worker list when no worker fits);
-4. **claim** the KV handle when the plan pulls: the pull goes ahead only if the claimed record gives the same plan;
+4. **claim** the KV handle when the plan pulls or continues on D: it goes ahead only if the claimed record gives the
+   same plan;
 5. **room**: the KV manager frees held KV on the decode worker for the turn's tokens;
 6. **answer**: the PlanTurnResponse with its figures, span attributes and metrics.
 
@@ -231,11 +232,12 @@ class PlanningService:
 
     async def claim(self, request: scheduler_pb2.PlanTurnRequest, prompt: Sequence[int], known: KnownSession,
                     planned: PlannedTurn) -> tuple[Plan, bool]:
-        """Step 4: when the plan pulls, take the handle at the planned revision; the pull goes ahead only if the
-        claimed record (the store's, not the caller's snapshot) gives the very same plan, else the turn recomputes.
-        Returns the plan and whether the caller's snapshot was stale (changed or gone)."""
+        """Step 4: when the plan pulls or continues on D, take the handle at the planned revision (one turn uses
+        it: a concurrent fork of the session recomputes); it goes ahead only if the claimed record (the store's, not
+        the caller's snapshot) gives the very same safe plan, else the turn recomputes. Returns the plan and whether
+        the caller's snapshot was stale (changed or gone)."""
         plan = planned.turn.plan
-        if plan.choice is not Choice.PULL:
+        if plan.choice is Choice.RECOMPUTE:
             return plan, False
         plan, refusal = await self._claim(request, known.session, plan, prompt, known.expires_in_s, planned.source,
                                           planned.exclude, planned.turn.policy)
@@ -263,10 +265,11 @@ class PlanningService:
             claimed.CopyFrom(resp.session)
             claimed.claimed = False  # judge the record as it was before our claim
             check = decide(prompt, handle_view(claimed, expires_in, source, exclude), policy.safety)
+            planned_safe = decide(prompt, handle_view(session, expires_in, source, exclude), policy.safety)
         else:
-            check = plan
+            check = planned_safe = plan
         if (check.choice, check.reusable_tokens, check.prefill_params) != (
-                plan.choice, plan.reusable_tokens, plan.prefill_params):
+                planned_safe.choice, planned_safe.reusable_tokens, planned_safe.prefill_params):
             log.warning("session %s: the claimed record disagrees with the planned one; recomputing",
                         hashed(request.session_id))
             return demote(plan, why.CLAIM_MISMATCH,
@@ -288,7 +291,7 @@ class PlanningService:
         freed = await self.kv.make_room(
             planned.turn.decode, len(prompt) + max(0, request.max_tokens),
             keep=(request.tenant or session_rules.DEFAULT_TENANT, request.session_id)
-            if plan.choice is Choice.PULL else None)
+            if plan.choice is not Choice.RECOMPUTE else None)
         if freed and span.is_recording():
             span.set_attribute("kvshuttle.kv_room_freed", freed)
 
@@ -297,7 +300,7 @@ class PlanningService:
                started: float) -> scheduler_pb2.PlanTurnResponse:
         """Step 6: the response, the assigned-turn counts, the span's attributes and the plan metrics."""
         turn, session, handle = planned.turn, known.session, planned.handle
-        policy, prefill, decode, predicted = turn.policy, turn.prefill, turn.decode, turn.prediction
+        policy, prefill, decode, predicted, local = turn.policy, turn.prefill, turn.decode, turn.prediction, turn.local
         figures = scheduler_pb2.PlanFigures(
             prompt_tokens=len(prompt), session_found=session is not None,
             covered_tokens=session.covered_tokens if session else 0, matched_tokens=plan.matched_tokens,
@@ -309,10 +312,13 @@ class PlanningService:
             predicted_recompute_ms=predicted.recompute_ms if predicted else 0.0,
             pullable_tokens=plan.pullable_tokens, predicted_wait_ms=turn.wait_ms, worker_choice=turn.worker_choice,
             cached_tokens_estimate=turn.cached_tokens,
+            predicted_local_ms=local.ms if local else 0.0, predicted_itl_delay_ms=local.itl_delay_ms if local else 0.0,
+            decode_streams=local.streams if local else 0,
         )
-        self._note_assigned(prefill.worker_id, plan.compute_tokens)
+        if plan.choice is not Choice.LOCAL:
+            self._note_assigned(prefill.worker_id, plan.compute_tokens)
         self._note_assigned(decode.worker_id, len(prompt))
-        decision = scheduler_pb2.DECISION_PULL if plan.choice is Choice.PULL else scheduler_pb2.DECISION_RECOMPUTE
+        decision = DECISIONS[plan.choice]
         if span.is_recording():
             span.set_attributes({
                 "kvshuttle.decision": plan.choice.value, "kvshuttle.reason": plan.reason,
@@ -324,13 +330,17 @@ class PlanningService:
                 "kvshuttle.predicted_pull_ms": figures.predicted_pull_ms,
                 "kvshuttle.predicted_recompute_ms": figures.predicted_recompute_ms,
                 "kvshuttle.predicted_wait_ms": turn.wait_ms, "kvshuttle.worker_choice": turn.worker_choice,
+                "kvshuttle.predicted_local_ms": figures.predicted_local_ms,
+                "kvshuttle.predicted_itl_delay_ms": figures.predicted_itl_delay_ms,
+                "kvshuttle.decode_streams": figures.decode_streams,
             })
         metrics.plan_made(policy=policy.name, decision=plan.choice.value, reason_code=plan.code,
                           seconds=time.perf_counter() - started)
         return scheduler_pb2.PlanTurnResponse(
             decision=decision, reason=plan.reason, reason_code=plan.code, prefill=prefill, decode=decode,
             prefill_kv_transfer_params_json=json.dumps(plan.prefill_params),
-            source=planned.source if plan.choice is Choice.PULL or plan.pullable_tokens else None, figures=figures,
+            source=planned.source if plan.choice is not Choice.RECOMPUTE or plan.pullable_tokens else None,
+            figures=figures,
         )
 
     def _note_assigned(self, worker_id: str, tokens: int) -> None:
@@ -363,6 +373,11 @@ class PlanningService:
         for (worker, source), fit in planner.model.link_fits().items():
             out.transfers.add(prefill_worker_id=worker, decode_worker_id=source, ms_per_transfer=fit.theta[0],
                               ms_per_kpulled=fit.theta[1], observations=fit.observations)
+        for worker, fit in planner.model.local_fits().items():
+            fixed, per_k, per_k_kctx, per_stream = fit.theta
+            out.local.add(decode_worker_id=worker, fixed_ms=fixed, ms_per_ktoken=per_k,
+                          ms_per_ktoken_per_kcontext=per_k_kctx, ms_per_decode_stream=per_stream,
+                          observations=fit.observations)
         loads = self.loads.loads() if self.loads is not None else {}
         for worker_id in sorted(set(loads) | set(self.assigned)):
             load = loads.get(worker_id)
@@ -419,6 +434,10 @@ def store_failure(exc: ClaimsError, what: str) -> tuple[str, str]:
     if exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return why.STORE_UNAVAILABLE, f"{session_rules.STORE_UNAVAILABLE} ({exc.code.name}): {what}: recompute"
     return why.STORE_ERROR, f"{what} ({exc.code.name}): recompute"
+
+
+DECISIONS = {Choice.PULL: scheduler_pb2.DECISION_PULL, Choice.RECOMPUTE: scheduler_pb2.DECISION_RECOMPUTE,
+             Choice.LOCAL: scheduler_pb2.DECISION_LOCAL}
 
 
 def demote(plan: Plan, code: str, reason: str) -> Plan:

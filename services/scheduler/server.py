@@ -60,7 +60,9 @@ class SchedulerConfig(TelemetryConfig, TlsConfig, EtcdSecurityConfig):
                                   "vLLM's rule)", choices=tuple(KINDS))
     policy_params: str = setting("", "The default policy's parameters as key=value,... (threshold: "
                                      "pull_threshold_tokens; cost: min_pull_tokens, explore_every, explore_ratio, "
-                                     "warmup_pulls, recompute_margin; both: expiry_guard_s)")
+                                     "warmup_pulls, recompute_margin, continue_on_decode (auto, always or never: "
+                                     "whether a turn that could pull may continue on the decode worker holding its "
+                                     "KV instead), local_margin, decode_itl_slo_ms; both: expiry_guard_s)")
     policies: str = setting("", "More named policies a request may choose (PlanTurnRequest.policy, the gateway's "
                                 "`policy` field), for A/B tests and benchmarks: name=kind[:key=value,...];...")
     cost_model_params: str = setting("", "The cost model's priors and fitting (key=value,...): fixed_ms, "
@@ -81,6 +83,10 @@ class SchedulerConfig(TelemetryConfig, TlsConfig, EtcdSecurityConfig):
                                "worker", env="KVSHUTTLE_KV_FEED")
     pull_threshold_tokens: int = setting(16, "threshold policy: fewest reusable tokens worth a pull")
     expiry_guard_s: float = setting(2.0, "Refuse a pull when the handle expires within this many seconds")
+    decode_itl_slo_ms: float = setting(100.0, "Decode inter-token SLO: a turn is never continued on its decode worker "
+                                              "when the prefill it would add to that worker's batch is predicted to "
+                                              "delay each stream it is decoding by more than this (cost policies; a "
+                                              "policy's decode_itl_slo_ms overrides it)")
     registry_timeout_s: float = setting(2.0, "Deadline for each registry (or etcd) call on the planning path")
     metrics_listen: str = setting("", "Serve Prometheus metrics at http://HOST:PORT/metrics (port 0: a free one, "
                                       "logged at start-up); empty: no metrics endpoint")
@@ -139,6 +145,7 @@ class SchedulerConfig(TelemetryConfig, TlsConfig, EtcdSecurityConfig):
                 "--kv-interval-s and --kv-room-timeout-s must be > 0")
         require(self.pull_threshold_tokens >= 1, "--pull-threshold-tokens must be >= 1")
         require(self.expiry_guard_s >= 0, "--expiry-guard-s must be >= 0")
+        require(self.decode_itl_slo_ms > 0, "--decode-itl-slo-ms must be > 0")
         require(self.registry_timeout_s > 0, "--registry-timeout-s must be > 0")
         if self.etcd_endpoints:
             try:
@@ -179,11 +186,13 @@ class SchedulerConfig(TelemetryConfig, TlsConfig, EtcdSecurityConfig):
         params = parse_params(self.policy_params)
         if self.policy == "threshold":
             params.setdefault("pull_threshold_tokens", str(self.pull_threshold_tokens))
-        policies = {self.policy: make_policy(self.policy, params, model=model, expiry_guard_s=self.expiry_guard_s)}
+        policies = {self.policy: make_policy(self.policy, params, model=model, expiry_guard_s=self.expiry_guard_s,
+                                             decode_itl_slo_ms=self.decode_itl_slo_ms)}
         for name, kind, extra in parse_policy_specs(self.policies):
             if name in policies:
                 raise PolicyError(f"policy name {name!r} is used twice")
-            policies[name] = make_policy(kind, extra, model=model, expiry_guard_s=self.expiry_guard_s, name=name)
+            policies[name] = make_policy(kind, extra, model=model, expiry_guard_s=self.expiry_guard_s, name=name,
+                                         decode_itl_slo_ms=self.decode_itl_slo_ms)
         return Planner(policies, self.policy, model, make_selector(self.selector), candidates=self.candidates)
 
 

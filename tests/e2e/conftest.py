@@ -43,7 +43,9 @@ async def stack(model_dir, otlp, tmp_path_factory):
     # prefill counters that many tests compare (the idle limit is tested with stand-in engines, test_kv_manager;
     # pressure and room, which the small decode worker of test_kv_capacity needs, stay on).
     s = Stack(cfg, scheduler_env={"KVSHUTTLE_SCHEDULER_POLICY": "threshold",
-                                  "KVSHUTTLE_SCHEDULER_POLICIES": sweep_policies(),
+                                  # on_d: continue on D whenever it can (test_local_turns)
+                                  "KVSHUTTLE_SCHEDULER_POLICIES": sweep_policies() + "; on_d=cost:continue_on_decode="
+                                                                  "always,decode_itl_slo_ms=60000",
                                   "KVSHUTTLE_SCHEDULER_KV_IDLE_LIMIT_S": "0"})
     try:
         await s.start()

@@ -29,6 +29,11 @@ from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc, scheduler_
 from tests.support.scheduler import digests, first_plan, handle_for, plan, record, register_pair, worker
 from tests.support.waits import until
 
+# These tests check the pulls' mechanics (claims, snapshots, handles): their default policy never continues on D; the
+# direct fixture's ON_D policy always does (test_direct_claims_hand_a_turn_continued_on_d_the_handle_once).
+PULLS_ONLY = "continue_on_decode=never"
+ON_D = "on-d"
+
 
 @pytest.fixture(scope="module", params=["registry", "etcd", "etcd+handles outside"])
 async def planes(etcd, request, tmp_path_factory):
@@ -42,7 +47,7 @@ async def planes(etcd, request, tmp_path_factory):
                                           expiry_margin_s=5, history_store=history,
                                           handle_inline_bytes=0 if outside else 1024))
     # the workers here are registry records without engines: no load polls (they would mark them unreachable)
-    scheduler = SchedulerService(SchedulerConfig(listen="127.0.0.1:0", registry=registry.address,
+    scheduler = SchedulerService(SchedulerConfig(listen="127.0.0.1:0", policy_params=PULLS_ONLY, registry=registry.address,
                                                  pull_threshold_tokens=16, key_prefix=prefix, load_poll_interval_s=0,
                                                  etcd_endpoints=etcd if request.param != "registry" else "",
                                                  history_store=history if outside else ""))
@@ -63,7 +68,7 @@ async def test_a_handle_kept_outside_the_record_is_read_by_the_scheduler_and_onl
     history = f"sqlite:{tmp_path / 'history.db'}"
     registry = await serve(RegistryConfig(listen="127.0.0.1:0", etcd_endpoints=etcd, key_prefix=prefix,
                                           expiry_margin_s=5, history_store=history, handle_inline_bytes=0))
-    schedulers = [SchedulerService(SchedulerConfig(listen="127.0.0.1:0", registry=registry.address,
+    schedulers = [SchedulerService(SchedulerConfig(listen="127.0.0.1:0", policy_params=PULLS_ONLY, registry=registry.address,
                                                    pull_threshold_tokens=16, key_prefix=prefix,
                                                    load_poll_interval_s=0, etcd_endpoints=etcd, history_store=store))
                   for store in (history, "")]
@@ -256,7 +261,7 @@ async def test_bad_plans_are_rejected_with_a_status(planes):
 async def test_cost_policy_learns_from_reported_outcomes(etcd):
     registry = await serve(RegistryConfig(listen="127.0.0.1:0", etcd_endpoints=etcd,
                                           key_prefix=f"/cost-{uuid.uuid4().hex[:6]}/", expiry_margin_s=5))
-    scheduler = SchedulerService(SchedulerConfig(listen="127.0.0.1:0", registry=registry.address, policy="cost",
+    scheduler = SchedulerService(SchedulerConfig(listen="127.0.0.1:0", policy_params=PULLS_ONLY, registry=registry.address, policy="cost",
                                                  load_poll_interval_s=0))  # fake workers: nothing to poll
     await scheduler.start()
     channels = [client_channel(registry.address), client_channel(scheduler.address)]
@@ -304,8 +309,9 @@ async def direct(etcd):
     prefix = f"/direct-{uuid.uuid4().hex[:6]}/"
     registry = await serve(RegistryConfig(listen="127.0.0.1:0", etcd_endpoints=etcd, key_prefix=prefix,
                                           expiry_margin_s=5))
-    scheduler = SchedulerService(SchedulerConfig(listen="127.0.0.1:0", registry=registry.address,
-                                                 etcd_endpoints=etcd, key_prefix=prefix, load_poll_interval_s=0))
+    scheduler = SchedulerService(SchedulerConfig(listen="127.0.0.1:0", policy_params=PULLS_ONLY, registry=registry.address,
+                                                 etcd_endpoints=etcd, key_prefix=prefix, load_poll_interval_s=0,
+                                                 policies=f"{ON_D}=cost:continue_on_decode=always"))
     await scheduler.start()
     channels = [client_channel(registry.address), client_channel(scheduler.address)]
     reg = registry_pb2_grpc.SessionRegistryStub(channels[0])
@@ -343,6 +349,25 @@ async def test_direct_claims_pull_once_and_concurrent_plans_recompute(direct):
         assert after.session.claimed and not after.session.kv_transfer_params_json
         again = await plan(sched, session, history + [1])
         assert again.decision == scheduler_pb2.DECISION_RECOMPUTE and "already" in again.reason, again.reason
+
+
+async def test_direct_claims_hand_a_turn_continued_on_d_the_handle_once(direct):
+    """A turn continued on D claims the session's handle as a pull does: of concurrent forks, one continues on the
+    decode worker that holds the KV, the others recompute (never two turns on one handle)."""
+    reg, sched, d, _ = direct
+    history = list(range(4000, 4200))
+    session = f"s-{uuid.uuid4().hex[:8]}"
+    snapshot = await record(reg, session, d, history)
+    plans = await asyncio.gather(*(plan(sched, session, history + [1], session_snapshot=snapshot, policy=ON_D)
+                                   for _ in range(6)))
+    local = [p for p in plans if p.decision == scheduler_pb2.DECISION_LOCAL]
+    assert len(local) == 1, [p.reason for p in plans]
+    (on_d,) = local
+    assert on_d.decode.worker_id == on_d.source.worker_id == "d0" and on_d.reason_code == "local_always"
+    assert on_d.figures.predicted_local_ms > 0 and on_d.figures.pullable_tokens == 199
+    assert all(p.decision == scheduler_pb2.DECISION_RECOMPUTE for p in plans if p is not on_d)
+    after = await reg.GetSession(registry_pb2.GetSessionRequest(session_id=session))
+    assert after.session.claimed and not after.session.kv_transfer_params_json
 
 
 async def test_direct_claims_refuse_a_stale_revision_and_agree_with_the_registry(direct, etcd):
@@ -429,7 +454,7 @@ _TRACED = textwrap.dedent("""
         assert tracing_enabled()
         prefix = f"/traced-{uuid.uuid4().hex[:6]}/"
         registry = await serve(RegistryConfig(listen="127.0.0.1:0", etcd_endpoints=etcd, key_prefix=prefix))
-        scheduler = SchedulerService(SchedulerConfig(listen="127.0.0.1:0", registry=registry.address,
+        scheduler = SchedulerService(SchedulerConfig(listen="127.0.0.1:0", policy_params="continue_on_decode=never", registry=registry.address,
                                                      etcd_endpoints=etcd, key_prefix=prefix, load_poll_interval_s=0))
         await scheduler.start()
         channels = [client_channel(registry.address), client_channel(scheduler.address)]

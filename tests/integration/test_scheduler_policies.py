@@ -25,7 +25,7 @@ async def stubs(etcd, request):
     registry = await serve(RegistryConfig(listen="127.0.0.1:0", etcd_endpoints=etcd,
                                           key_prefix=f"/pol-{uuid.uuid4().hex[:6]}/", expiry_margin_s=5))
     scheduler = SchedulerService(SchedulerConfig(
-        listen="127.0.0.1:0", registry=registry.address, policy="cost",
+        listen="127.0.0.1:0", registry=registry.address, policy="cost", policy_params="continue_on_decode=never",
         policies="t512=threshold:pull_threshold_tokens=512; always-pull=threshold:pull_threshold_tokens=1",
         load_poll_interval_s=request.param))
     await scheduler.start()

@@ -41,14 +41,15 @@ BLOCK = 4  # the fake decode worker's KV block size
 class Engine:
     def __init__(self, fail_prefills: int = 0, answer: str = "ok", tight_blocks: bool = False,
                  fail_code: grpc.StatusCode = grpc.StatusCode.INTERNAL, die_after: int | None = None,
-                 hang_after: int | None = None, ends: bool = False):
+                 hang_after: int | None = None, ends: bool = False, cached: int = 0):
         """``tight_blocks``: the handle P returns lists only the prompt's blocks (vLLM with prefix caching), not one
         for the token P generated. ``die_after`` / ``hang_after``: a decode stream that fails (UNAVAILABLE) or stops
         answering after that many tokens. ``ends``: the answer ends where its text does (finish_reason stop, as a
-        model's end-of-sequence token), unless max_tokens cuts it first; else every answer finishes with length."""
+        model's end-of-sequence token), unless max_tokens cuts it first; else every answer finishes with length.
+        ``cached``: the prompt tokens a decode stream's final message says its prefix cache held."""
         self.fail_prefills, self.answer, self.prefills, self.calls = fail_prefills, answer, [], []
         self.tight_blocks, self.fail_code = tight_blocks, fail_code
-        self.die_after, self.hang_after, self.ends = die_after, hang_after, ends
+        self.die_after, self.hang_after, self.ends, self.cached = die_after, hang_after, ends, cached
 
     async def prefill(self, request_id, prompt_ids, *, kv_transfer_params, **sampling):
         self.prefills.append(kv_transfer_params)
@@ -73,7 +74,7 @@ class Engine:
                 await asyncio.sleep(3600)
             yield Chunk([i], len(prompt_ids), 0)
         ended = self.ends and len(ids) == len(self.answer) < kw.get("max_tokens", len(self.answer) + 1)
-        yield Final(ids, "stop" if ended else "length", len(prompt_ids), len(ids), 0,
+        yield Final(ids, "stop" if ended else "length", len(prompt_ids), len(ids), self.cached,
                     {"do_remote_decode": True, "handle": 1})
 
     async def close(self):
@@ -175,6 +176,15 @@ class Scheduler:
         live_d = [w for w in self.decodes if w not in request.exclude_worker_ids]
         if not live_p or not live_d:
             raise _rpc_error(grpc.StatusCode.UNAVAILABLE)
+        if self.decision == scheduler_pb2.DECISION_LOCAL and not request.disable_pull:  # on the session's D, "d"
+            return scheduler_pb2.PlanTurnResponse(
+                decision=scheduler_pb2.DECISION_LOCAL, reason="test", reason_code="local_always",
+                prefill_kv_transfer_params_json=json.dumps(kv_params.prefill_request_params()),
+                prefill=common_pb2.Worker(worker_id=live_p[0], grpc_address=f"{live_p[0]}:1"),
+                decode=common_pb2.Worker(worker_id="d", grpc_address="d:1", block_size=BLOCK),
+                source=common_pb2.Worker(worker_id="d", grpc_address="d:1", block_size=BLOCK),
+                figures=scheduler_pb2.PlanFigures(reusable_tokens=BLOCK, pullable_tokens=5, decode_streams=2,
+                                                  predicted_local_ms=12.5, source_worker_alive=True, policy="on_d"))
         pull = self.decision == scheduler_pb2.DECISION_PULL and not request.disable_pull
         params = PULL_PARAMS if pull else kv_params.prefill_request_params()
         return scheduler_pb2.PlanTurnResponse(

@@ -229,7 +229,8 @@ def test_an_empty_planner_s_snapshot_loads_and_works():
     empty = make_planner()
     snapshot = roundtrip(empty.learned_state())
     assert snapshot == {"version": 1, "model": {"compute": {}, "links": [], "stale": [], "most_measured": None,
-                                                "most_link": None, "most_link_of": {}},
+                                                "most_link": None, "most_link_of": {}, "local": {},
+                                                "most_local": None},
                         "regret": {"turns": {}, "regrets": {}}, "cache_trust": {}, "reported": 0}
     p = trained()
     p.load_learned_state(snapshot)  # forgets what it learned

@@ -73,6 +73,7 @@ def test_the_reference_lists_every_reason_code():
     documented = {row[0].strip("`"): row[1] for row in rows}
     assert set(documented) == reasons.VOCABULARY
     assert {code for code, decision in documented.items() if decision == "pull"} == set(reasons.PULL_CODES)
+    assert {code for code, decision in documented.items() if decision == "local"} == set(reasons.LOCAL_CODES)
 
 
 def test_the_reference_lists_every_etcd_operation():

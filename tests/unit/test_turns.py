@@ -632,3 +632,51 @@ async def test_the_next_turn_on_this_gateway_hashes_only_its_new_ids(monkeypatch
     await run(r, TurnRequest(session_id="s", messages=third, max_tokens=2))
     assert starts[-1] == 0 and registry.recorded[-1].prefix_digest == prefix_digest(registry.histories[-1],
                                                                                     len(registry.histories[-1]) - 1)
+
+
+# -- a turn continued on D (DECISION_LOCAL) ------------------------------------------------------------------------
+
+async def test_a_turn_continued_on_d_runs_on_d_alone_and_frees_the_claimed_handle():
+    history = [ord(c) for c in "<user>hi<assistant>ok"]
+    registry = ClaimingRegistry(recorded_session(history, len(history) - 1, text="<user>hi<assistant>ok"))
+    scheduler = Scheduler(scheduler_pb2.DECISION_LOCAL)
+    p, d = Engine(), Engine(answer="fine", cached=16)
+    r = TurnRunner(Tokenizer(), registry, scheduler, max_model_len=1000, first_token_from_prefill=True)
+    r._engines = {"p:1": p, "d:1": d}
+    turn, events = await run(r, TurnRequest(session_id="s", messages=MORE, max_tokens=4))
+    prompt = turn.prompt_ids
+    assert "".join(e.text for e in events if isinstance(e, Delta)) == "fine"
+    # D got the exact prompt (no first token from P: P prefilled nothing) with params that set no remote flag
+    (d_prompt, kw), = d.calls
+    assert d_prompt == prompt and kw["kv_transfer_params"] == {"kvshuttle_local": True} and kw["max_tokens"] == 4
+    assert not p.prefills
+    kv = turn.kv
+    assert (kv.decision, kv.reason_code, kv.prefill_worker_id, kv.decode_worker_id) == ("local", "local_always", "",
+                                                                                       "d")
+    assert kv.pulled_tokens == 0 and kv.computed_tokens == len(prompt) - 16  # D's own count of its cache hit
+    assert registry.recorded[-1].decode_worker_id == "d" and kv.record == "recorded"
+    # the claimed handle: freed by a one-block read on the plan's P (never claimed again: the plan claimed it)
+    await until(lambda: r.released_handles == 1, 5, "the previous handle freed")
+    (free_prompt, free_kw), = p.calls
+    assert free_kw["kv_transfer_params"]["remote_num_tokens"] == BLOCK and free_prompt == prompt[:BLOCK + 1]
+    assert not registry.claims
+    await until(lambda: scheduler.outcomes, 5, "the outcome reported")
+    (outcome,) = scheduler.outcomes
+    assert outcome.decision == scheduler_pb2.DECISION_LOCAL and outcome.decode_worker_id == "d"
+    assert outcome.decode_streams == 2 and outcome.computed_tokens == kv.computed_tokens and outcome.prefill_ms > 0
+    assert outcome.pulled_tokens == 0 and outcome.prefill_worker_id == "p"
+
+
+async def test_a_turn_continued_on_a_failing_d_is_recomputed_elsewhere_without_failing():
+    scheduler, registry = Scheduler(scheduler_pb2.DECISION_LOCAL, decodes=("d", "d2")), Registry()
+    r = TurnRunner(Tokenizer(), registry, scheduler, max_model_len=1000, first_token_from_prefill=False)
+    r._engines = {"p:1": Engine(), "d:1": Engine(answer="abc", die_after=0), "d2:1": Engine(answer="abc")}
+    turn, events = await run(r, TurnRequest(session_id="s", prompt_text="hello", max_tokens=3))
+    assert "".join(e.text for e in events if isinstance(e, Delta)) == "abc"
+    kv = turn.kv
+    assert (kv.decision, kv.reason_code, kv.prefill_worker_id, kv.decode_worker_id) == ("recompute", "worker_failed",
+                                                                                       "p", "d2")
+    assert kv.computed_tokens == len("hello") and kv.worker_failures[-1].startswith("decode worker d failed after 0")
+    retry = scheduler.requests[-1]
+    assert retry.disable_pull and list(retry.exclude_worker_ids) == ["d"]
+    assert registry.recorded[-1].decode_worker_id == "d2"

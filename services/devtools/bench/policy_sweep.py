@@ -127,8 +127,9 @@ class PolicySweepConfig(StackConfig, TlsClientConfig):
 
 def sweep_policies(cost_params: str = "") -> str:
     """The scheduler's extra policies the sweep's lanes name (KVSHUTTLE_SCHEDULER_POLICIES)."""
+    # the cost lane judges pull vs recompute (the lanes measure both): it does not continue turns on D
     return (f"{LANE_POLICIES[ALWAYS_PULL]}=threshold:pull_threshold_tokens=1; {LANE_POLICIES[COST]}=cost"
-            + (f":{cost_params}" if cost_params else ""))
+            ":continue_on_decode=never" + (f",{cost_params}" if cost_params else ""))
 
 
 def sweep_workload(cfg: PolicySweepConfig) -> list[Conversation]:

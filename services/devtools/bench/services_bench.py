@@ -154,6 +154,9 @@ LABELS = {
     ETCD_CLAIM: "etcd claim txn", GRPC_ECHO: "gRPC echo",
 }
 PROCESSES = ("client", "registry", "scheduler", "etcd")
+# The plan operations measure a pull's plan and claim (plan_pull) and a recompute's: the scheduler's cost policy
+# never continues these turns on D (on idle fake workers it would: a LOCAL plan claims the handle the same way).
+PLAN_POLICY_PARAMS = "continue_on_decode=never"
 ETCD_COUNTERS = {"etcd_disk_wal_write_bytes_total": "wal", "etcd_network_client_grpc_received_bytes_total": "received",
                  "etcd_network_client_grpc_sent_bytes_total": "sent",
                  "etcd_debugging_mvcc_total_put_size_in_bytes": "put"}
@@ -446,7 +449,8 @@ class Services:
         self.scheduler_address = await self._start_service(
             "scheduler", deadline, "--etcd-endpoints", self.etcd.endpoints if self.claims == "etcd" else "",
             "--history-store", self.history_store if self.claims == "etcd" else "",
-            "--load-poll-interval-s", "0")  # nothing listens at the fake workers: no GetLoads to poll
+            "--load-poll-interval-s", "0",  # nothing listens at the fake workers: no GetLoads to poll
+            "--policy-params", PLAN_POLICY_PARAMS)
 
     async def start_echo(self, reply_bytes: int) -> None:
         """The bare gRPC echo server (``echo_server_main``) in its own process, answering ``reply_bytes`` bytes."""
@@ -1177,7 +1181,8 @@ async def _start_embedded(services: Services) -> SchedulerService:
     service = SchedulerService(SchedulerConfig(
         listen="127.0.0.1:0", registry=services.registry_address,
         etcd_endpoints=services.etcd.endpoints if etcd and services.etcd else "",
-        history_store=services.history_store if etcd else "", load_poll_interval_s=0))
+        history_store=services.history_store if etcd else "", load_poll_interval_s=0,
+        policy_params=PLAN_POLICY_PARAMS))
     await service.start()
     return service
 

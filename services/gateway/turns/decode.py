@@ -94,6 +94,7 @@ class Decoding:
         done_at_first = self.done_at_first
         span = tracer.start_span("decode", context=trace.set_span_in_context(ctx.span),
                                  attributes={"kvshuttle.worker": ctx.plan.decode.worker_id})
+        stream_started = time.perf_counter()
         try:
             # When the answer already ended at P's token, D still runs one step: it reads the prompt's KV
             # (releasing P's blocks) and keeps prompt + first token for the next turn; its token is dropped.
@@ -110,6 +111,8 @@ class Decoding:
                     continue
                 if not output:
                     ctx.timings["ttft_ms"] = elapsed_ms(ctx.started)
+                    if ctx.kv.decision == "local":  # D's prefill: what the scheduler's cost model learns
+                        ctx.timings["prefill_ms"] = elapsed_ms(stream_started)
                 output.extend(item.token_ids)
                 self.pending.extend(item.token_ids)
                 output_lps.extend(item.logprobs or ())

@@ -1,4 +1,4 @@
-"""Stage 2, the plan: the scheduler picks P and D and decides pull or recompute (from the session snapshot the
+"""Stage 2, the plan: the scheduler picks P and D and decides pull, recompute or continue on D (from the session snapshot the
 prompt stage read, which it checks against its own view). A stale snapshot is SnapshotStale: the runner reads the
 record again and plans once more."""
 
@@ -24,6 +24,9 @@ if TYPE_CHECKING:
     from kvshuttle.services.gateway.turns.services import TurnServices
 
 log = logging.getLogger(__name__)
+DECISIONS = {scheduler_pb2.DECISION_PULL: "pull", scheduler_pb2.DECISION_RECOMPUTE: "recompute",
+             scheduler_pb2.DECISION_LOCAL: "local"}
+CLAIMING = (scheduler_pb2.DECISION_PULL, scheduler_pb2.DECISION_LOCAL)  # plans that claimed the session's handle
 
 
 async def run(rt: TurnServices, ctx: TurnContext, *, settle: bool = False) -> None:
@@ -36,18 +39,19 @@ async def run(rt: TurnServices, ctx: TurnContext, *, settle: bool = False) -> No
     ctx.timings["plan_ms"] = ctx.timings.get("plan_ms", 0.0) + elapsed_ms(t)
     if plan.figures.snapshot_stale and not settle:
         raise SnapshotStale()
-    if plan.decision == scheduler_pb2.DECISION_PULL:  # the claim consumed the record we hold
+    if plan.decision in CLAIMING:  # the claim consumed the record we hold
         rt.forget_record(req.tenant, req.session_id)
     if req.constraint is not None and req.reasoning_tags is not None and ctx.prompt_text:
         req.constraint = after_reasoning(req.constraint, req.reasoning_tags, ctx.prompt_text)
         req.reasoning_tags = None  # placed
-    if plan.decision != scheduler_pb2.DECISION_PULL and plan.reason.startswith(session_rules.STORE_UNAVAILABLE):
+    if plan.decision == scheduler_pb2.DECISION_RECOMPUTE and plan.reason.startswith(session_rules.STORE_UNAVAILABLE):
         rt.degraded["recomputed_store_unavailable"] += 1
         log.warning("turn %s recomputes without the session store: %s (%d such turns)", ctx.id, plan.reason,
                     rt.degraded["recomputed_store_unavailable"])
-    pull = plan.decision == scheduler_pb2.DECISION_PULL
     ctx.plan = plan
-    ctx.kv = KvOutcome("pull" if pull else "recompute", plan.reason, prefill_worker_id=plan.prefill.worker_id,
+    local = plan.decision == scheduler_pb2.DECISION_LOCAL
+    ctx.kv = KvOutcome(DECISIONS.get(plan.decision, "recompute"), plan.reason,
+                       prefill_worker_id="" if local else plan.prefill.worker_id,
                        decode_worker_id=plan.decode.worker_id, figures=plan.figures, reason_code=plan.reason_code,
                        session_source=req.session_source, session_id=req.session_id)
     ctx.span.set_attributes({

@@ -217,7 +217,7 @@ def release_unused_handle(rt: TurnServices, ctx: TurnContext) -> asyncio.Task | 
     Runs in the background; the record is written only after it (the claim is at the old record's revision)."""
     req, plan = ctx.request, ctx.plan
     snapshot = ctx.known_session.snapshot
-    if (plan.decision == scheduler_pb2.DECISION_PULL or snapshot is None or not rt.release_unused_handles
+    if (plan.decision != scheduler_pb2.DECISION_RECOMPUTE or snapshot is None or not rt.release_unused_handles
             or req.disable_pull):  # a forced recompute (benchmarks, comparisons) leaves the session's KV alone
         return None
     record = snapshot.session

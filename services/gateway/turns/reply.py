@@ -49,6 +49,11 @@ def kv_body(kv: KvOutcome, timings: dict[str, float], req: TurnRequest) -> dict[
         "worker_choice": fig.worker_choice if fig else "", "worker_failures": kv.worker_failures,
         # the planner's prediction of P's own prefix-cache hit (the KV feed's index, or the session's last P)
         "predicted_cached_tokens": fig.cached_tokens_estimate if fig else 0,
+        # the turn continued on the session's decode worker: its predicted time to first token, the extra delay per
+        # token it would add to each stream that worker is decoding, and how many it was decoding (0: no option)
+        "predicted_local_ms": fig.predicted_local_ms if fig else 0.0,
+        "predicted_itl_delay_ms": fig.predicted_itl_delay_ms if fig else 0.0,
+        "decode_streams": fig.decode_streams if fig else 0,
         "record": kv.record, **({"record_error": kv.record_error} if kv.record_error else {}),
         "timings_ms": timings,
     }

@@ -1,8 +1,8 @@
 """The turn runner: one turn through the disaggregated pair as a chain of stages over one TurnContext.
 
     prompt (prompt.py)   render the chat, find the session, exact prompt ids
-    plan (plan.py)       the scheduler's choice of P and D, pull or recompute
-    prefill (prefill.py) P pulls or computes the prompt's KV; D's kv_transfer_params
+    plan (plan.py)       the scheduler's choice of P and D: pull, recompute, or continue on D (local.py)
+    prefill (prefill.py) P pulls or computes the prompt's KV; D's kv_transfer_params (none when continued on D)
     decode (decode.py)   D's tokens as text deltas
     parse (parse.py)     what the deltas mean: reasoning, content, tool calls (events on each delta)
     record (record.py)   the registry keeps D's handle and the exact ids for the next turn
@@ -36,6 +36,7 @@ from kvshuttle.services.common import metrics
 from kvshuttle.services.common.telemetry import hashed
 from kvshuttle.services.engine.client import EngineClient, Final
 from kvshuttle.services.gateway.turns import decode as decoding
+from kvshuttle.services.gateway.turns import local as on_decode
 from kvshuttle.services.gateway.turns import parse as parsing
 from kvshuttle.services.gateway.turns import plan as planning
 from kvshuttle.services.gateway.turns import prefill as prefilling
@@ -206,6 +207,9 @@ class TurnRunner:
                 if ctx.quota is not None:
                     ctx.quota.charge_prompt(len(ctx.prompt_ids))
                 await self._plan(ctx)
+                if ctx.kv.decision == on_decode.DECISION:  # D serves the whole turn: no prefill
+                    ctx.decode_params = on_decode.request_params()
+                    return ctx
 
                 async def prefill_on(plan: scheduler_pb2.PlanTurnResponse, attempt: int) -> None:
                     ctx.plan = plan
@@ -234,6 +238,7 @@ class TurnRunner:
             async for delta in parsing.run(turn, self._decode(turn)):
                 yield delta
             assert turn.final is not None
+            on_decode.finished(self, turn)
             await recording.run(self, turn)
             turn.timings["total_ms"] = elapsed_ms(turn.started)
             req = turn.request
@@ -359,6 +364,11 @@ class TurnRunner:
         ctx.kv.worker_failures.extend(scratch.worker_failures)
         ctx.kv.worker_failures.append(f"{failure}; resumed on {plan.decode.worker_id} (prefilled "
                                       f"{len(resume_ids)} tokens on {plan.prefill.worker_id})")
+        if ctx.kv.decision == on_decode.DECISION:  # the turn continued on D became a recompute on P and another D
+            ctx.kv.decision, ctx.kv.reason_code = "recompute", why.WORKER_FAILED
+            ctx.kv.reason = f"{failure}: recomputed on {plan.prefill.worker_id}"
+            ctx.kv.prefill_worker_id = plan.prefill.worker_id
+            ctx.kv.computed_tokens = len(resume_ids) - p_final[0].cached_tokens
         ctx.kv.decode_worker_id = plan.decode.worker_id
         ctx.plan, ctx.decode_params = plan, p_final[0].kv_transfer_params
         return resume_ids

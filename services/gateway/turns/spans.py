@@ -56,9 +56,11 @@ def limit_attributes(req: TurnRequest) -> dict[str, Any]:
 
 
 def predicted_ttft(plan: scheduler_pb2.PlanTurnResponse) -> dict[str, float]:
-    """The scheduler's predicted time from the plan to P's first token (its wait at P + the chosen option's prefill),
-    when it predicted one."""
+    """The scheduler's predicted time from the plan to the first token (its wait at P + the chosen option's prefill;
+    a turn continued on D: D's predicted time), when it predicted one."""
     fig = plan.figures
+    if plan.decision == scheduler_pb2.DECISION_LOCAL:
+        return {"kvshuttle.predicted_ttft_ms": round(fig.predicted_local_ms, 3)} if fig.predicted_local_ms else {}
     prefill_ms = fig.predicted_pull_ms if plan.decision == scheduler_pb2.DECISION_PULL else fig.predicted_recompute_ms
     return {"kvshuttle.predicted_ttft_ms": round(fig.predicted_wait_ms + prefill_ms, 3)} if prefill_ms > 0 else {}
 

@@ -15,9 +15,11 @@ class Decision(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DECISION_UNSPECIFIED: _ClassVar[Decision]
     DECISION_PULL: _ClassVar[Decision]
     DECISION_RECOMPUTE: _ClassVar[Decision]
+    DECISION_LOCAL: _ClassVar[Decision]
 DECISION_UNSPECIFIED: Decision
 DECISION_PULL: Decision
 DECISION_RECOMPUTE: Decision
+DECISION_LOCAL: Decision
 
 class PlanTurnRequest(_message.Message):
     __slots__ = ("session_id", "tenant", "prompt_token_ids", "prompt_ids_packed", "disable_pull", "exclude_worker_ids", "session_snapshot", "session_not_found", "policy", "max_tokens", "history_match_tokens", "cache_salt")
@@ -48,7 +50,7 @@ class PlanTurnRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_ids_packed: _Optional[bytes] = ..., disable_pull: _Optional[bool] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ..., session_snapshot: _Optional[_Union[_registry_pb2.GetSessionResponse, _Mapping]] = ..., session_not_found: _Optional[bool] = ..., policy: _Optional[str] = ..., max_tokens: _Optional[int] = ..., history_match_tokens: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class PlanFigures(_message.Message):
-    __slots__ = ("prompt_tokens", "session_found", "covered_tokens", "matched_tokens", "reusable_tokens", "compute_tokens", "block_size", "expires_in_s", "pull_threshold_tokens", "source_worker_alive", "snapshot_stale", "policy", "predicted_pull_ms", "predicted_recompute_ms", "pullable_tokens", "predicted_wait_ms", "worker_choice", "cached_tokens_estimate")
+    __slots__ = ("prompt_tokens", "session_found", "covered_tokens", "matched_tokens", "reusable_tokens", "compute_tokens", "block_size", "expires_in_s", "pull_threshold_tokens", "source_worker_alive", "snapshot_stale", "policy", "predicted_pull_ms", "predicted_recompute_ms", "pullable_tokens", "predicted_wait_ms", "worker_choice", "cached_tokens_estimate", "predicted_local_ms", "predicted_itl_delay_ms", "decode_streams")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SESSION_FOUND_FIELD_NUMBER: _ClassVar[int]
     COVERED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +69,9 @@ class PlanFigures(_message.Message):
     PREDICTED_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     WORKER_CHOICE_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_ESTIMATE_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_LOCAL_MS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_ITL_DELAY_MS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STREAMS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     session_found: bool
     covered_tokens: int
@@ -85,10 +90,13 @@ class PlanFigures(_message.Message):
     predicted_wait_ms: float
     worker_choice: str
     cached_tokens_estimate: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., session_found: _Optional[bool] = ..., covered_tokens: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., reusable_tokens: _Optional[int] = ..., compute_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., expires_in_s: _Optional[float] = ..., pull_threshold_tokens: _Optional[int] = ..., source_worker_alive: _Optional[bool] = ..., snapshot_stale: _Optional[bool] = ..., policy: _Optional[str] = ..., predicted_pull_ms: _Optional[float] = ..., predicted_recompute_ms: _Optional[float] = ..., pullable_tokens: _Optional[int] = ..., predicted_wait_ms: _Optional[float] = ..., worker_choice: _Optional[str] = ..., cached_tokens_estimate: _Optional[int] = ...) -> None: ...
+    predicted_local_ms: float
+    predicted_itl_delay_ms: float
+    decode_streams: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., session_found: _Optional[bool] = ..., covered_tokens: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., reusable_tokens: _Optional[int] = ..., compute_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., expires_in_s: _Optional[float] = ..., pull_threshold_tokens: _Optional[int] = ..., source_worker_alive: _Optional[bool] = ..., snapshot_stale: _Optional[bool] = ..., policy: _Optional[str] = ..., predicted_pull_ms: _Optional[float] = ..., predicted_recompute_ms: _Optional[float] = ..., pullable_tokens: _Optional[int] = ..., predicted_wait_ms: _Optional[float] = ..., worker_choice: _Optional[str] = ..., cached_tokens_estimate: _Optional[int] = ..., predicted_local_ms: _Optional[float] = ..., predicted_itl_delay_ms: _Optional[float] = ..., decode_streams: _Optional[int] = ...) -> None: ...
 
 class ReportOutcomeRequest(_message.Message):
-    __slots__ = ("prefill_worker_id", "decode_worker_id", "prompt_tokens", "pulled_tokens", "computed_tokens", "prefill_ms", "decision", "source_worker_id", "pullable_tokens", "policy", "cached_tokens_estimate", "session_id", "tenant")
+    __slots__ = ("prefill_worker_id", "decode_worker_id", "prompt_tokens", "pulled_tokens", "computed_tokens", "prefill_ms", "decision", "source_worker_id", "pullable_tokens", "policy", "cached_tokens_estimate", "session_id", "tenant", "decode_streams")
     PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +110,7 @@ class ReportOutcomeRequest(_message.Message):
     CACHED_TOKENS_ESTIMATE_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STREAMS_FIELD_NUMBER: _ClassVar[int]
     prefill_worker_id: str
     decode_worker_id: str
     prompt_tokens: int
@@ -115,7 +124,8 @@ class ReportOutcomeRequest(_message.Message):
     cached_tokens_estimate: int
     session_id: str
     tenant: str
-    def __init__(self, prefill_worker_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., pulled_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., decision: _Optional[_Union[Decision, str]] = ..., source_worker_id: _Optional[str] = ..., pullable_tokens: _Optional[int] = ..., policy: _Optional[str] = ..., cached_tokens_estimate: _Optional[int] = ..., session_id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+    decode_streams: int
+    def __init__(self, prefill_worker_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., pulled_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., decision: _Optional[_Union[Decision, str]] = ..., source_worker_id: _Optional[str] = ..., pullable_tokens: _Optional[int] = ..., policy: _Optional[str] = ..., cached_tokens_estimate: _Optional[int] = ..., session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., decode_streams: _Optional[int] = ...) -> None: ...
 
 class OutcomeBatch(_message.Message):
     __slots__ = ("replica", "outcomes", "seq")
@@ -225,11 +235,28 @@ class WorkerLoadStats(_message.Message):
     source: str
     def __init__(self, worker_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., pending: _Optional[int] = ..., used_tokens: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., age_s: _Optional[float] = ..., reachable: _Optional[bool] = ..., assigned_turns: _Optional[int] = ..., source: _Optional[str] = ...) -> None: ...
 
+class LocalEstimate(_message.Message):
+    __slots__ = ("decode_worker_id", "fixed_ms", "ms_per_ktoken", "ms_per_ktoken_per_kcontext", "ms_per_decode_stream", "observations")
+    DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    FIXED_MS_FIELD_NUMBER: _ClassVar[int]
+    MS_PER_KTOKEN_FIELD_NUMBER: _ClassVar[int]
+    MS_PER_KTOKEN_PER_KCONTEXT_FIELD_NUMBER: _ClassVar[int]
+    MS_PER_DECODE_STREAM_FIELD_NUMBER: _ClassVar[int]
+    OBSERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    decode_worker_id: str
+    fixed_ms: float
+    ms_per_ktoken: float
+    ms_per_ktoken_per_kcontext: float
+    ms_per_decode_stream: float
+    observations: int
+    def __init__(self, decode_worker_id: _Optional[str] = ..., fixed_ms: _Optional[float] = ..., ms_per_ktoken: _Optional[float] = ..., ms_per_ktoken_per_kcontext: _Optional[float] = ..., ms_per_decode_stream: _Optional[float] = ..., observations: _Optional[int] = ...) -> None: ...
+
 class GetStatsResponse(_message.Message):
-    __slots__ = ("policies", "compute", "transfers", "loads", "reported_turns", "decode_kv", "kv_managed", "kv_eviction_policy", "kv_leading", "learning", "kv_index", "load_feed")
+    __slots__ = ("policies", "compute", "transfers", "local", "loads", "reported_turns", "decode_kv", "kv_managed", "kv_eviction_policy", "kv_leading", "learning", "kv_index", "load_feed")
     POLICIES_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_FIELD_NUMBER: _ClassVar[int]
     LOADS_FIELD_NUMBER: _ClassVar[int]
     REPORTED_TURNS_FIELD_NUMBER: _ClassVar[int]
     DECODE_KV_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +269,7 @@ class GetStatsResponse(_message.Message):
     policies: _containers.RepeatedCompositeFieldContainer[PolicyStats]
     compute: _containers.RepeatedCompositeFieldContainer[ComputeEstimate]
     transfers: _containers.RepeatedCompositeFieldContainer[TransferEstimate]
+    local: _containers.RepeatedCompositeFieldContainer[LocalEstimate]
     loads: _containers.RepeatedCompositeFieldContainer[WorkerLoadStats]
     reported_turns: int
     decode_kv: _containers.RepeatedCompositeFieldContainer[DecodeKvStats]
@@ -251,7 +279,7 @@ class GetStatsResponse(_message.Message):
     learning: LearningStats
     kv_index: KvIndexStats
     load_feed: LoadFeedStats
-    def __init__(self, policies: _Optional[_Iterable[_Union[PolicyStats, _Mapping]]] = ..., compute: _Optional[_Iterable[_Union[ComputeEstimate, _Mapping]]] = ..., transfers: _Optional[_Iterable[_Union[TransferEstimate, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[WorkerLoadStats, _Mapping]]] = ..., reported_turns: _Optional[int] = ..., decode_kv: _Optional[_Iterable[_Union[DecodeKvStats, _Mapping]]] = ..., kv_managed: _Optional[bool] = ..., kv_eviction_policy: _Optional[str] = ..., kv_leading: _Optional[bool] = ..., learning: _Optional[_Union[LearningStats, _Mapping]] = ..., kv_index: _Optional[_Union[KvIndexStats, _Mapping]] = ..., load_feed: _Optional[_Union[LoadFeedStats, _Mapping]] = ...) -> None: ...
+    def __init__(self, policies: _Optional[_Iterable[_Union[PolicyStats, _Mapping]]] = ..., compute: _Optional[_Iterable[_Union[ComputeEstimate, _Mapping]]] = ..., transfers: _Optional[_Iterable[_Union[TransferEstimate, _Mapping]]] = ..., local: _Optional[_Iterable[_Union[LocalEstimate, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[WorkerLoadStats, _Mapping]]] = ..., reported_turns: _Optional[int] = ..., decode_kv: _Optional[_Iterable[_Union[DecodeKvStats, _Mapping]]] = ..., kv_managed: _Optional[bool] = ..., kv_eviction_policy: _Optional[str] = ..., kv_leading: _Optional[bool] = ..., learning: _Optional[_Union[LearningStats, _Mapping]] = ..., kv_index: _Optional[_Union[KvIndexStats, _Mapping]] = ..., load_feed: _Optional[_Union[LoadFeedStats, _Mapping]] = ...) -> None: ...
 
 class LoadFeedStats(_message.Message):
     __slots__ = ("following", "samples", "bad_entries", "fed_workers", "polled_workers")

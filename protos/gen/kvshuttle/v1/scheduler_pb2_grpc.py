@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class TransferSchedulerStub:
-    """Transfer scheduler: per turn, picks P and D and decides whether P pulls the history's KV or recomputes it.
+    """Transfer scheduler: per turn, picks P and D and decides whether P pulls the history's KV or recomputes it, or
+    whether the decode worker holding the history continues the turn itself.
     """
 
     def __init__(self, channel):
@@ -53,11 +54,12 @@ class TransferSchedulerStub:
 
 
 class TransferSchedulerServicer:
-    """Transfer scheduler: per turn, picks P and D and decides whether P pulls the history's KV or recomputes it.
+    """Transfer scheduler: per turn, picks P and D and decides whether P pulls the history's KV or recomputes it, or
+    whether the decode worker holding the history continues the turn itself.
     """
 
     def PlanTurn(self, request, context):
-        """Plans one turn. A PULL plan has already claimed the session's handle: use it once.
+        """Plans one turn. A PULL or LOCAL plan has already claimed the session's handle: use it once.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -105,7 +107,8 @@ def add_TransferSchedulerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class TransferScheduler:
-    """Transfer scheduler: per turn, picks P and D and decides whether P pulls the history's KV or recomputes it.
+    """Transfer scheduler: per turn, picks P and D and decides whether P pulls the history's KV or recomputes it, or
+    whether the decode worker holding the history continues the turn itself.
     """
 
     @staticmethod
