@@ -13,7 +13,7 @@ from pathlib import Path
 OUT = Path(__file__).resolve().parent / "kvshuttle/dashboards/kvshuttle.json"
 NS = 'namespace=~"$namespace"'  # every selector: the namespace picked at the top (all of them by default)
 RATE = "$__rate_interval"
-PULL, NOT_OK = 'decision="pull"', 'code!="OK"'
+PULL, LOCAL, NOT_OK = 'decision="pull"', 'decision="local"', 'code!="OK"'
 PULLED, PROMPT, PROMPT_PARTS = 'kind="pulled"', 'kind="prompt"', 'kind=~"pulled|cached|computed"'
 
 
@@ -58,9 +58,11 @@ PANELS = [
     row("Turns and KV reuse"),
     panel("Turns per second by decision", [(f"sum by (decision) ({rate('kvshuttle_turns_total')})", "{{decision}}")],
           unit="reqps", stack=True, description="pull: the history's KV came back from the decode worker over "
-          "NIXL; recompute: the prefill worker computed the whole prompt"),
-    panel("Share of turns that pulled", [(f"sum({rate('kvshuttle_turns_total', PULL)}) / "
-                                          f"sum({rate('kvshuttle_turns_total')})", "pulled")],
+          "NIXL; recompute: the prefill worker computed the whole prompt; local: the decode worker holding the "
+          "history served the turn from its own prefix cache"),
+    panel("Share of turns that pulled or continued on D",
+          [(f"sum({rate('kvshuttle_turns_total', PULL)}) / sum({rate('kvshuttle_turns_total')})", "pulled"),
+           (f"sum({rate('kvshuttle_turns_total', LOCAL)}) / sum({rate('kvshuttle_turns_total')})", "continued on D")],
           unit="percentunit"),
     panel("Prompt tokens per second: pulled, cached, computed",
           [(f"sum by (kind) ({rate('kvshuttle_turn_tokens_total', PROMPT_PARTS)})",
