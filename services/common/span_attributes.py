@@ -53,7 +53,8 @@ SPAN_ATTRIBUTES: dict[str, str] = {
     "kvshuttle.decode_streams": "the streams the session's decode worker was decoding as the turn was planned",
     "kvshuttle.decode_cached_tokens": "a turn continued on D: prompt tokens D's prefix cache held (D's own "
                                       "`cached_tokens`)",
-    "kvshuttle.prefill_ms": "measured: P's prefill call (what the prediction is about)",
+    "kvshuttle.prefill_ms": "measured: P's prefill call (what the prediction is about); a turn continued on D: D's "
+                            "request to its first token",
     "kvshuttle.ttft_ms": "measured: from the gateway's start of the turn to the answer's first token",
     "kvshuttle.prefill_worker": "the prefill worker's id (on the turn: the final one, after any failed worker)",
     "kvshuttle.decode_worker": "the decode worker's id (on the turn: the final one, after any failed worker)",

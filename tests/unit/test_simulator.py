@@ -143,7 +143,7 @@ def conversation(sid="s0", start=0.0, gap=1.0, turns=3, first=2048, new=512, out
 
 
 def test_a_lone_conversation_pulls_every_later_turn_and_pays_what_the_profile_says():
-    res = simulate([conversation()], "kvshuttle")
+    res = simulate([conversation()], "kvshuttle_pull")  # kvshuttle without its third choice
     cols = res.turns
     assert len(cols) == 3 and dict(cols.codes) == {reasons.NO_RECORD: 1, reasons.PULL_ALL: 2}
     # the first turn computes its whole prompt, then D receives its KV and samples one token
@@ -343,6 +343,16 @@ def test_a_closed_loop_starts_each_waiting_session_when_one_ends():
     assert res.peak_live_sessions == 2
 
 
+def test_a_lone_conversation_continues_on_d_when_d_is_idle():
+    """kvshuttle's third choice: with nobody else on D, continuing there costs the new tokens' compute and moves
+    nothing, so the planner takes it (local_fastest); the first turn still goes P then D."""
+    res = simulate([conversation()], "kvshuttle")
+    cols = res.turns
+    assert dict(cols.codes) == {reasons.NO_RECORD: 1, reasons.LOCAL_FASTEST: 2}
+    assert list(cols.local) == [0, 1, 1] and list(cols.pulled) == [0, 0, 0] and res.bytes_d_to_p == 0
+    assert all(cols.d_cached[t] > 0 and cols.computed[t] < 600 for t in (1, 2))
+
+
 def test_validation_replays_two_prefill_workers_and_a_closed_loop(tmp_path):
     """Samples of two runs made by the simulator itself (2 P with prefix caches, 1 D, the kvshuttle planner): one
     conversation at a time, then three at a time. The fit on the first run's half reproduces the second run (its
@@ -360,7 +370,7 @@ def test_validation_replays_two_prefill_workers_and_a_closed_loop(tmp_path):
         index: dict[int, set[str]] = {}
         ps = [PrefillWorker(f"p{i}", cache // truth.block_size, truth.block_size, index) for i in range(2)]
         ds = [DecodeWorker("d0", truth.decode_kv_tokens, truth.block_size)]
-        strategy = strategies.make("kvshuttle", ps, ds, random.Random(0), candidates=2, unit=truth.block_size,
+        strategy = strategies.make("kvshuttle_pull", ps, ds, random.Random(0), candidates=2, unit=truth.block_size,
                                    prior=PrefillPrior(), index=index)
         cols = Simulation(convs, strategy, truth, ps, ds,
                           SimSettings(unit_tokens=truth.block_size, sessions_in_flight=in_flight)).run().turns

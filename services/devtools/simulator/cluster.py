@@ -6,6 +6,12 @@ blocks), keyed by a chained hash of their content, so two prompts that share a p
 keeps one index from a unit to the workers that hold it: the cache-aware router reads it (it stands for the
 router's own approximate tree, exact here, which flatters that router).
 
+A prefill node can extend its prefix cache with a CPU tier (:class:`CpuTier`: the ``cache_aware_offload`` deployment,
+vLLM's OffloadingConnector / LMCache as llm-d deploys them): a unit evicted from the GPU cache moves there, and a later
+prompt that continues into it restores it instead of recomputing it. A decode worker can keep a prefix cache of its
+own (:class:`DecodePrefixCache`: vLLM's prefix cache on D, which keeps a finished turn's blocks until it needs the
+room), which a turn prefilled on D itself reuses and a hand-off from P does not re-send.
+
 A prefill worker can also publish its cache's changes as vLLM's KV events do (:mod:`control_plane.kv_index.events`:
 ``BlockStored`` for the units a prefill stores or reuses, ``BlockRemoved`` for the units it evicts), one batch per
 prefill, numbered 0, 1, 2... with the units' real prefix-cache hashes (:class:`~control_plane.kv_index.hashing.
@@ -63,6 +69,50 @@ class UnitChain:
         return out
 
 
+class CpuTier:
+    """A prefill node's CPU tier of the prefix cache: an LRU of units in host memory (``capacity_units``). A unit
+    evicted from the node's GPU cache moves here; one restored to the GPU (a later prompt continues into it) or
+    recomputed there leaves it (an exclusive tier: it never holds what the GPU holds, so the two add up; vLLM's
+    OffloadingConnector actually stores blocks as they are computed, so its CPU tier also duplicates the GPU's: this
+    model gives the tier the benefit of the doubt). ``index``: the fleet's unit -> nodes whose CPU tier holds it."""
+
+    __slots__ = ("worker_id", "capacity_units", "units", "index")
+
+    def __init__(self, worker_id: str, capacity_units: int, index: dict[int, set[str]]):
+        self.worker_id, self.capacity_units, self.index = worker_id, capacity_units, index
+        self.units: OrderedDict[int, None] = OrderedDict()
+
+    def __contains__(self, key: int) -> bool:
+        return key in self.units
+
+    def put(self, key: int) -> None:
+        """``key`` evicted from the GPU: kept here (most recent), the least recent ones dropped past capacity."""
+        if self.capacity_units <= 0:
+            return
+        if key in self.units:
+            self.units.move_to_end(key)
+            return
+        self.units[key] = None
+        self.index.setdefault(key, set()).add(self.worker_id)
+        while len(self.units) > self.capacity_units:
+            self._forget(self.units.popitem(last=False)[0])
+
+    def take(self, key: int) -> bool:
+        """``key`` leaves the tier (restored to the GPU, or computed there again); whether it was here."""
+        if key not in self.units:
+            return False
+        del self.units[key]
+        self._forget(key)
+        return True
+
+    def _forget(self, key: int) -> None:
+        holders = self.index.get(key)
+        if holders is not None:
+            holders.discard(self.worker_id)
+            if not holders:
+                del self.index[key]
+
+
 @dataclass(eq=False)
 class PrefillWorker:
     worker_id: str
@@ -78,6 +128,9 @@ class PrefillWorker:
     on_events: Callable[[str, int, EventBatch], object] | None = None
     event_seq: int = 0
     event_block_tokens: int = 0  # the events' block size (the unit)
+    cpu: CpuTier | None = None  # the node's CPU tier (cache_aware_offload)
+    pending_tokens: int = 0  # tokens routed here and not prefilled yet, less the cache hits predicted at routing
+    running_tokens: int = 0  # the prompt being prefilled now (its KV blocks in use)
 
     def holds_units(self, keys: list[int]) -> int:
         """Leading units of ``keys`` this worker holds (a look, no touch)."""
@@ -107,9 +160,13 @@ class PrefillWorker:
                 continue
             self.cache[key] = hashes[i] if hashes is not None else None
             self.index.setdefault(key, set()).add(self.worker_id)
+            if self.cpu is not None:
+                self.cpu.take(key)  # computed again on the GPU: the tier holds only what the GPU does not
         removed: list[EventHash] = []
         while len(self.cache) > self.capacity_units:
             gone, gone_hash = self.cache.popitem(last=False)
+            if self.cpu is not None:
+                self.cpu.put(gone)
             if gone_hash is not None:
                 removed.append(gone_hash)
             holders = self.index.get(gone)
@@ -131,6 +188,57 @@ class PrefillWorker:
                           capacity_tokens=self.capacity_units * unit)
 
 
+class DecodePrefixCache:
+    """What a decode worker's vLLM prefix cache holds: the whole units of the turns it served (prompt and answer).
+    After a turn its blocks stay cached in D's free KV (evictable: not pinned, unlike a held handle), least recently
+    used first out as running turns need the room (:meth:`trim` to the free room); a running turn's units are in use
+    (reference counts) and not evictable. A turn prefilled on D reuses its cached prefix; a hand-off from P sends only
+    what D does not hold (vLLM's NixlConnector reads just the blocks beyond D's local prefix hit)."""
+
+    __slots__ = ("cached", "in_use")
+
+    def __init__(self) -> None:
+        self.cached: OrderedDict[int, None] = OrderedDict()
+        self.in_use: dict[int, int] = {}
+
+    def held(self, keys: list[int]) -> int:
+        """Leading units of ``keys`` D holds (cached or in use by a running turn): a look, no touch."""
+        n = 0
+        for key in keys:
+            if key not in self.cached and key not in self.in_use:
+                break
+            n += 1
+        return n
+
+    def acquire(self, keys: list[int]) -> int:
+        """A turn admitted on D uses the leading units of ``keys`` D holds; returns how many (it releases
+        ``keys[:n]`` when it ends)."""
+        n = self.held(keys)
+        for key in keys[:n]:
+            self.cached.pop(key, None)
+            self.in_use[key] = self.in_use.get(key, 0) + 1
+        return n
+
+    def release(self, used: list[int], stored: list[int]) -> None:
+        """A turn ended: the units it used are free again, and every whole unit of its prompt and answer
+        (``stored``) is cached, most recent."""
+        for key in used:
+            left = self.in_use[key] - 1
+            if left:
+                self.in_use[key] = left
+            else:
+                del self.in_use[key]
+        for key in stored:
+            if key not in self.in_use:
+                self.cached[key] = None
+                self.cached.move_to_end(key)
+
+    def trim(self, room_units: int) -> None:
+        """Evict the least recently used cached units until at most ``room_units`` remain (D's free KV)."""
+        while len(self.cached) > max(0, room_units):
+            self.cached.popitem(last=False)
+
+
 @dataclass(eq=False)
 class DecodeWorker:
     worker_id: str
@@ -145,6 +253,8 @@ class DecodeWorker:
     waiting: deque = field(default_factory=deque)  # turns waiting for KV room (FIFO)
     running: int = 0
     peak_tokens: int = 0
+    prefix: DecodePrefixCache | None = None  # D's own prefix cache (the deployments that model it)
+    local_prefill_tokens: int = 0  # tokens of the turns routed here to be prefilled on D, not prefilled yet
 
     @property
     def used_tokens(self) -> int:

@@ -42,7 +42,9 @@ class SimulateConfig:
 
     ENV_PREFIX = "KVSHUTTLE_SIMULATE_"
     strategies: str = setting(",".join(strategies.NAMES), f"Strategies to run (comma-separated): "
-                                                          f"{', '.join(strategies.NAMES)}")
+                                                          f"{', '.join(strategies.NAMES)}; also "
+                                                          f"{', '.join(strategies.EXTRA)} (kvshuttle without its "
+                                                          f"third choice: it never continues a turn on D)")
     profile: str = setting("h200-32b-400g", "Hardware profile of every worker", choices=tuple(PROFILES))
     prefill_workers: int = setting(8, "Prefill workers")
     decode_workers: int = setting(8, "Decode workers")
@@ -70,6 +72,20 @@ class SimulateConfig:
     high_water: float = setting(0.8, "kvshuttle: free under pressure past this share of D's KV")
     low_water: float = setting(0.6, "kvshuttle: ... down to this share")
     slo_ms: float = setting(2000.0, "TTFT SLO for goodput (turns/s answered within it)")
+    max_num_batched_tokens: int = setting(8192, "A prefill on a decode worker (conditional_disagg, LOCAL) runs in "
+                                                "chunks of this many tokens per decode step (vLLM's "
+                                                "max_num_batched_tokens: 8192 on H100/H200)")
+    cd_eff_isl_threshold: int = setting(4096, "conditional_disagg: prefill on the decode worker when the prompt less "
+                                              "its cached prefix there is below this many tokens (Dynamo's "
+                                              "eff_isl_threshold; its guide's example 4096, its code's default 2048)")
+    cd_eff_isl_ratio: float = setting(0.6, "conditional_disagg: ... and below this share of the prompt (Dynamo's "
+                                           "eff_isl_ratio_threshold; its guide's example 0.6, its default 0.7)")
+    cpu_tier_gib: float = setting(100.0, "cache_aware_offload: each prefill node's CPU tier of the prefix cache (GiB; "
+                                         "llm-d's guide: 100 GB)")
+    cpu_restore_gb_s: float = setting(50.0, "cache_aware_offload: CPU tier to GPU restore rate (GB/s; vLLM's "
+                                            "offloading connector: ~50 GB/s over PCIe Gen5 on H100)")
+    peer_cpu_pull: bool = setting(False, "cache_aware_offload: also pull the prompt's next units from another "
+                                         "prefill node's CPU tier over the network (llm-d's peer-to-peer NIXL pull)")
     validate_samples: str = setting("", "Instead of a run: fit the cpu-tiny profile to half the conversations of a `kvshuttle "
                                 "bench` samples.jsonl (pull and recompute modes), replay that run and any more given "
                                 "(comma-separated: e.g. a higher --concurrency) on as many workers and conversations "
@@ -87,8 +103,8 @@ class SimulateConfig:
 
     def validate(self) -> None:
         names = self.strategy_list()
-        require(bool(names) and all(n in strategies.NAMES for n in names),
-                f"--strategies: choose from {', '.join(strategies.NAMES)}, got {self.strategies!r}")
+        require(bool(names) and all(n in strategies.CHOICES for n in names),
+                f"--strategies: choose from {', '.join(strategies.CHOICES)}, got {self.strategies!r}")
         require(self.prefill_workers >= 1 and self.decode_workers >= 1, "need at least one prefill and one decode "
                                                                        "worker")
         require(self.candidates >= 1, "--candidates must be >= 1")
@@ -103,6 +119,11 @@ class SimulateConfig:
         require(min(self.prefill_cache_tokens, self.decode_kv_tokens, self.link_gbit_s, self.idle_limit_s) >= 0,
                 "capacity, link and idle-limit overrides must be >= 0")
         require(self.max_history_tokens >= 1000, "--max-history-tokens must be >= 1000")
+        require(self.max_num_batched_tokens >= 1 and self.cd_eff_isl_threshold >= 0,
+                "--max-num-batched-tokens must be >= 1 and --cd-eff-isl-threshold >= 0")
+        require(0 <= self.cd_eff_isl_ratio <= 1, "--cd-eff-isl-ratio must be within 0..1")
+        require(self.cpu_tier_gib >= 0 and self.cpu_restore_gb_s > 0,
+                "--cpu-tier-gib must be >= 0 and --cpu-restore-gb-s > 0")
         try:
             self.limits()
         except ValueError as exc:
@@ -130,8 +151,17 @@ class SimulateConfig:
         require_effect(self, "pull_threshold_tokens", "threshold" in names or "cache_aware_pull" in names,
                        "without threshold or cache_aware_pull in --strategies (it is their pull rule)")
         for name in ("idle_limit_s", "high_water", "low_water"):
-            require_effect(self, name, "kvshuttle" in names,
+            require_effect(self, name, "kvshuttle" in names or "kvshuttle_pull" in names,
                            "without kvshuttle in --strategies (only it frees held decode KV)")
+        require_effect(self, "max_num_batched_tokens", "conditional_disagg" in names or "kvshuttle" in names,
+                       "without conditional_disagg or kvshuttle in --strategies (only they prefill on a decode "
+                       "worker)")
+        for name in ("cd_eff_isl_threshold", "cd_eff_isl_ratio"):
+            require_effect(self, name, "conditional_disagg" in names,
+                           "without conditional_disagg in --strategies (it is its bypass rule)")
+        for name in ("cpu_tier_gib", "cpu_restore_gb_s", "peer_cpu_pull"):
+            require_effect(self, name, "cache_aware_offload" in names,
+                           "without cache_aware_offload in --strategies (only its prefill nodes have a CPU tier)")
 
     def strategy_list(self) -> list[str]:
         return [s.strip() for s in self.strategies.split(",") if s.strip()]
@@ -169,8 +199,12 @@ def simulate(cfg: SimulateConfig, sessions: Sequence[SimSession], name: str) -> 
                for i in range(cfg.prefill_workers)]
     decode = [DecodeWorker(f"d{i}", prof.decode_kv_tokens, prof.block_size) for i in range(cfg.decode_workers)]
     strategy = strategies.make(name, prefill, decode, random.Random(cfg.seed), candidates=cfg.candidates, unit=unit,
-                               prior=PrefillPrior(), index=index, pull_threshold_tokens=cfg.pull_threshold_tokens)
-    settings = SimSettings(ttl_s=cfg.ttl_s, tick_s=cfg.tick_s, unit_tokens=unit, limits=cfg.limits(), seed=cfg.seed)
+                               prior=PrefillPrior(), index=index, pull_threshold_tokens=cfg.pull_threshold_tokens,
+                               eff_isl_threshold=cfg.cd_eff_isl_threshold,
+                               eff_isl_ratio_threshold=cfg.cd_eff_isl_ratio)
+    settings = SimSettings(ttl_s=cfg.ttl_s, tick_s=cfg.tick_s, unit_tokens=unit, limits=cfg.limits(), seed=cfg.seed,
+                           max_num_batched_tokens=cfg.max_num_batched_tokens, cpu_tier_gib=cfg.cpu_tier_gib,
+                           cpu_restore_gb_s=cfg.cpu_restore_gb_s, peer_cpu_pull=cfg.peer_cpu_pull)
     result = Simulation(sessions, strategy, prof, prefill, decode, settings).run()
     out = report.summarize(result, cfg.slo_ms)
     out["wall_s"] = round(time.monotonic() - started, 1)

@@ -14,7 +14,7 @@ the answers' median time per token.
 
 Every run is then replayed whole, per mode, on as many prefill and decode workers as served it, as the bench drove
 it: a closed loop of as many conversations at a time as were in flight (the bench's ``--concurrency``, read off the
-send times), each turn sent as long after the previous answer as it was (pull mode: the kvshuttle strategy, its
+send times), each turn sent as long after the previous answer as it was (pull mode: the kvshuttle_pull strategy, its
 planner and prefix index; recompute mode: the recompute strategy). The checked turns are the first run's other half
 and every turn of the later runs (the first ``warm_up`` conversations of each concurrent slot aside: the engines'
 warm-up).
@@ -41,7 +41,8 @@ from kvshuttle.services.devtools.simulator.engine import SimSettings, Simulation
 from kvshuttle.services.devtools.simulator.hardware import Profile, profile
 from kvshuttle.services.devtools.simulator.workload import OWN_SEGMENTS, SimSession, SimTurn
 
-MODES = {"pull": "kvshuttle", "recompute": "recompute"}  # bench mode -> the simulated strategy
+# bench mode -> the simulated strategy (the bench's pull lane runs the threshold policy: pull or recompute, never D)
+MODES = {"pull": "kvshuttle_pull", "recompute": "recompute"}
 BUCKETS = ((0, 0, "first turn"), (1, 2000, "<2k"), (2000, 4000, "2k-4k"), (4000, 1 << 62, "4k+"))
 TOLERANCE = 0.25
 MIN_JUDGED_TURNS = 5  # a bucket of fewer turns is shown, not judged (a few 100 ms turns on a shared machine)

@@ -50,8 +50,9 @@ def finished(rt: TurnServices, ctx: TurnContext) -> None:
                              "kvshuttle.decode_cached_tokens": final.cached_tokens,
                              "gen_ai.usage.input_tokens": d_prompt,
                              "gen_ai.usage.cache_read.input_tokens": final.cached_tokens})
-    first_ms = ctx.timings.get("prefill_ms")
+    first_ms = ctx.timings.get("prefill_ms")  # D's request to its first token: the prefill on D
     if first_ms is not None:
+        ctx.span.set_attribute("kvshuttle.prefill_ms", first_ms)
         _report(rt, ctx, first_ms)
     _free_previous(rt, ctx)
 
