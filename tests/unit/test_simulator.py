@@ -398,6 +398,44 @@ def test_validation_replays_two_prefill_workers_and_a_closed_loop(tmp_path):
     assert v.in_flight(v.load_samples(one)) == 1
 
 
+def test_validation_checks_turns_continued_on_d_with_a_profile_fitted_to_p_s_turns(tmp_path):
+    """A run with a pull lane and a local lane (the bench's), made by the simulator itself on 1 P + 1 D: the profile
+    is fitted to the pull turns alone, and replaying the local lane (kvshuttle continuing on D whenever it can)
+    reproduces its turns: the D-prefill path checked with no fit of its own."""
+    from kvshuttle.services.devtools.simulator import validate as v
+
+    truth = dataclasses.replace(profile("cpu-tiny"), noise=0.0)
+    rows = []
+    for mode, name in (("pull", "kvshuttle_pull"), ("local", "kvshuttle_on_d")):
+        convs = [conversation(f"c{i:02d}", turns=5, first=700 + 150 * (i % 5), new=250 + 40 * (i % 4), out=24)
+                 for i in range(8)]
+        for i, session in enumerate(convs):
+            session.start_s = i * 1e-3
+        index: dict[int, set[str]] = {}
+        ps = [PrefillWorker("p0", 0, truth.block_size, index)]  # no P cache: only D holds the history
+        ds = [DecodeWorker("d0", truth.decode_kv_tokens, truth.block_size)]
+        strategy = strategies.make(name, ps, ds, random.Random(0), candidates=1, unit=truth.block_size,
+                                   prior=PrefillPrior(), index=index)
+        cols = Simulation(convs, strategy, truth, ps, ds,
+                          SimSettings(unit_tokens=truth.block_size, sessions_in_flight=1)).run().turns
+        assert mode == "pull" or sum(cols.local) == 32  # every later turn continued on D
+        rows += [{"mode": mode, "conversation": convs[cols.session[i]].session_id, "turn": cols.turn[i] + 1,
+                  "prompt_tokens": cols.prompt[i], "history_tokens": cols.history[i], "ttft_ms": cols.ttft_ms[i],
+                  "latency_ms": cols.ttft_ms[i] + 23 * truth.tpot_ms, "output_tokens": 24,
+                  "pulled_tokens": cols.pulled[i], "computed_tokens": cols.computed[i],
+                  "cached_tokens": cols.d_cached[i] if cols.local[i] else cols.cached[i],
+                  "prefill_worker": "" if cols.prefill[i] < 0 else "prefill-0", "decode_worker": "decode-0",
+                  "sent_at": 1_000_000 + cols.arrival[i]} for i in range(len(cols))]
+    path = tmp_path / "run.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rep = v.validate(str(path), prefill_cache_tokens=0, warm_up=0)
+    text = v.format_validation(rep)
+    assert rep["within_tolerance"], text
+    local = rep["runs"][0]["modes"]["local"]
+    assert sum(cell["turns"] for cell in local["buckets"].values() if cell.get("turns")) >= 16, text
+    assert rep["fit_turns"] == 20  # the pull lane's half: the local turns are checked, never fitted
+
+
 def test_workers_sharing_a_host_share_its_cores():
     """host_cores=1: two prefills computing at once each progress at half speed (processor sharing), so two equal
     first turns arriving together both end at twice one's time; alone, a prefill takes its time."""

@@ -63,7 +63,7 @@ from kvshuttle.services.devtools.simulator.cluster import DecodeWorker, PrefillW
 
 NAMES = ("kvshuttle", "threshold", "recompute", "cache_aware", "cache_aware_pull", "conditional_disagg",
          "cache_aware_offload")
-EXTRA = ("kvshuttle_pull",)  # accepted by --strategies, not run by default
+EXTRA = ("kvshuttle_pull", "kvshuttle_on_d")  # accepted by --strategies, not run by default
 CHOICES = NAMES + EXTRA
 
 # The planner's third choice (control_plane.decision.Choice.LOCAL: continue the turn on the session's decode worker
@@ -211,6 +211,14 @@ class KvShuttle(PlannerStrategy):
         plan = tp.plan
         return Routed(tp.prefill, tp.decode, plan.choice, plan.code, plan.reusable_tokens, plan.pullable_tokens,
                       tp.cached_tokens, tp.policy.name, hashes)
+
+
+class KvShuttleOnD(KvShuttle):
+    """``kvshuttle`` continuing every turn it can on D (``continue_on_decode=always``): what the bench's local lane
+    runs, replayed by ``--validate-samples``."""
+
+    name = "kvshuttle_on_d"
+    continue_on_decode = "always"
 
 
 class KvShuttlePull(KvShuttle):
@@ -457,6 +465,8 @@ def make(name: str, prefill, decode, rng: random.Random, *, candidates: int, uni
         return KvShuttle(*args, prior=prior, index=index)
     if name == "kvshuttle_pull":
         return KvShuttlePull(*args, prior=prior, index=index)
+    if name == "kvshuttle_on_d":
+        return KvShuttleOnD(*args, prior=prior, index=index)
     if name == "conditional_disagg":
         return ConditionalDisagg(*args, eff_isl_threshold=eff_isl_threshold,
                                  eff_isl_ratio_threshold=eff_isl_ratio_threshold)

@@ -15,7 +15,9 @@ the answers' median time per token.
 Every run is then replayed whole, per mode, on as many prefill and decode workers as served it, as the bench drove
 it: a closed loop of as many conversations at a time as were in flight (the bench's ``--concurrency``, read off the
 send times), each turn sent as long after the previous answer as it was (pull mode: the kvshuttle_pull strategy, its
-planner and prefix index; recompute mode: the recompute strategy). The checked turns are the first run's other half
+planner and prefix index; recompute mode: the recompute strategy; local mode: kvshuttle continuing on D whenever it
+can, the profile fitted to the pull and recompute turns alone, so the local turns check the D-prefill model with no
+fit of their own). The checked turns are the first run's other half
 and every turn of the later runs (the first ``warm_up`` conversations of each concurrent slot aside: the engines'
 warm-up).
 Simulated against measured, per history bucket: TTFT p50 and p90; and per run: the turns each prefill worker served
@@ -41,8 +43,10 @@ from kvshuttle.services.devtools.simulator.engine import SimSettings, Simulation
 from kvshuttle.services.devtools.simulator.hardware import Profile, profile
 from kvshuttle.services.devtools.simulator.workload import OWN_SEGMENTS, SimSession, SimTurn
 
-# bench mode -> the simulated strategy (the bench's pull lane runs the threshold policy: pull or recompute, never D)
-MODES = {"pull": "kvshuttle_pull", "recompute": "recompute"}
+# bench mode -> the simulated strategy (the bench's pull lane runs the threshold policy: pull or recompute, never D;
+# its local lane a policy that continues on D whenever it can)
+MODES = {"pull": "kvshuttle_pull", "recompute": "recompute", "local": "kvshuttle_on_d"}
+FIT_MODES = ("pull", "recompute")  # the profile is fitted to P's prefills; local turns are only checked
 BUCKETS = ((0, 0, "first turn"), (1, 2000, "<2k"), (2000, 4000, "2k-4k"), (4000, 1 << 62, "4k+"))
 TOLERANCE = 0.25
 MIN_JUDGED_TURNS = 5  # a bucket of fewer turns is shown, not judged (a few 100 ms turns on a shared machine)
@@ -270,7 +274,9 @@ def validate(paths: str | Path | list[str | Path], *, base: str = "cpu-tiny", pr
         raise ValidationError(f"{first_path}: need at least 2 conversations after the warm-up (one to fit, one to "
                               f"check), got {len(conversations)}")
     fit_convs = set(conversations[0::2])
-    fit_rows = [r for r in first_rows if r["conversation"] in fit_convs]
+    fit_rows = [r for r in first_rows if r["conversation"] in fit_convs and r["mode"] in FIT_MODES]
+    if not fit_rows:
+        raise ValidationError(f"{first_path}: no {' or '.join(FIT_MODES)} samples to fit the profile to")
     prof, coefficients = calibrate(fit_rows, profile(base))
     checks = []
     for i, (path, rows) in enumerate(runs):
