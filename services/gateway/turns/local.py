@@ -16,10 +16,10 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-import grpc
 from kvshuttle.control_plane import kv_params
 from kvshuttle.services.engine.client import EngineError
 from kvshuttle.services.gateway.turns.context import TurnContext
+from kvshuttle.services.gateway.turns.prefill import send_outcome
 from kvshuttle.v1 import scheduler_pb2
 
 if TYPE_CHECKING:
@@ -65,14 +65,7 @@ def _report(rt: TurnServices, ctx: TurnContext, first_ms: float) -> None:
         source_worker_id=plan.decode.worker_id, pullable_tokens=plan.figures.pullable_tokens,
         policy=plan.figures.policy, session_id=req.session_id, tenant=req.tenant,
         decode_streams=plan.figures.decode_streams, decision=scheduler_pb2.DECISION_LOCAL)
-
-    async def send() -> None:
-        try:
-            await rt.scheduler.ReportOutcome(request, timeout=rt.control_timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            log.debug("could not report a local turn's outcome (%s)", exc.code().name)
-
-    rt.background(send())
+    send_outcome(rt, request)
 
 
 def _free_previous(rt: TurnServices, ctx: TurnContext) -> None:

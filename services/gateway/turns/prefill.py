@@ -121,6 +121,11 @@ def report(rt: TurnServices, plan: scheduler_pb2.PlanTurnResponse, kv: KvOutcome
         pullable_tokens=plan.figures.pullable_tokens, policy=plan.figures.policy,
         cached_tokens_estimate=plan.figures.cached_tokens_estimate, session_id=session_id, tenant=tenant,
         decision=scheduler_pb2.DECISION_PULL if kv.decision == "pull" else scheduler_pb2.DECISION_RECOMPUTE)
+    send_outcome(rt, request)
+
+
+def send_outcome(rt: TurnServices, request: scheduler_pb2.ReportOutcomeRequest) -> None:
+    """ReportOutcome in the background: a lost report costs the cost model one observation, never the turn."""
 
     async def send() -> None:
         try:
