@@ -18,14 +18,15 @@ from kvshuttle.services.devtools.bench.policy_sweep import (
 )
 
 pytestmark = pytest.mark.e2e
-MODES = ("pull", "recompute", "ideal", "direct")
+MODES = ("pull", "recompute", "local", "ideal", "direct")
 
 
 async def test_bench_replays_agent_conversations_in_every_mode_and_writes_results(tools_model_dir, tmp_path, capsys,
                                                                                   monkeypatch):
     """`kvshuttle bench` as the command runs it: its own stack (the tiny-tools model, the gateway with the hermes
     parser) and ideal worker, and agentic conversations whose every turn but the last forces a tool call that the next
-    turn answers with a tool message. Every mode sees the same prompts, every later turn pulls."""
+    turn answers with a tool message. Every mode sees the same prompts, every later turn pulls in the pull mode and
+    continues on D in the local mode, from D's blocks of its own session only, and every mode answers alike."""
     monkeypatch.setenv("KVSHUTTLE_SCHEDULER_POLICY", "threshold")  # the bench's scheduler: pulls at any length
     cfg = from_namespace(BenchConfig, environ={
         "KVSHUTTLE_MODEL_DIR": str(tools_model_dir), "KVSHUTTLE_BENCH_WORK_DIR": str(tmp_path / "stack"),
@@ -42,8 +43,13 @@ async def test_bench_replays_agent_conversations_in_every_mode_and_writes_result
     printed = capsys.readouterr().out
     assert "TTFT (ms) by history length" in printed and "Control-plane overhead" in printed
     assert "forced tool calls" in printed
+    for title in ("Continuing on D (local mode: scheduler policy bench-local", "TTFT (ms) by new tokens per turn",
+                  "crossover (local TTFT p50 against the pull's", "D's inter-token delay (ms",
+                  "a local turn prefills on D", "Prompt tokens over the network per turn", "D's own counters"):
+        assert title in printed, title
     (run_dir,) = (tmp_path / "results").iterdir()
-    assert {p.name for p in run_dir.iterdir()} >= {"results.json", "samples.jsonl", "ttft.png", "report.txt"}
+    assert {p.name for p in run_dir.iterdir()} >= {"results.json", "samples.jsonl", "ttft.png", "report.txt",
+                                                   "streams.jsonl"}
     assert (run_dir / "ttft.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report = json.loads((run_dir / "results.json").read_text())
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
@@ -62,12 +68,38 @@ async def test_bench_replays_agent_conversations_in_every_mode_and_writes_result
     assert all(s["decision"] == "pull" and s["pulled_tokens"] > 0 for s in later if s["mode"] in ("pull", "direct"))
     assert all(s["pulled_tokens"] == s["history_tokens"] - 1 for s in later if s["mode"] in ("pull", "direct"))
     assert all(s["decision"] == "recompute" and s["pulled_tokens"] == 0 for s in later if s["mode"] == "recompute")
+    # The local mode: turn 1 recomputes (nothing held yet), every later turn continues on D, served from D's blocks of
+    # the mode's own session (its own tenant's salt: never another mode's run of the same prompt a moment before);
+    # the history's last partial block is computed again.
+    local = [s for s in samples if s["mode"] == "local"]
+    assert all(s["decision"] == "recompute" for s in local if s["turn"] == 1)
+    assert all(s["decision"] == "local" and s["reason_code"] == "local_always" and s["pulled_tokens"] == 0
+               and s["decode_read_tokens"] == 0 and s["history_tokens"] - 128 < s["decode_cached_tokens"]
+               <= s["history_tokens"] for s in local if s["turn"] > 1), local
     assert report["answers_agree"]["agree"] == report["answers_agree"]["compared"] == len(turns)
+    assert all(p["agree"] == p["compared"] == len(turns) for name, p in report["answers_agree"]["pairs"].items()
+               if "local" in name)
+    section = report["continuing_on_d"]
+    local_turns = section["turns"]
+    assert local_turns["local"] == local_turns["later_turns"] == local_turns["compared"] == len(turns) - 2
+    assert section["turns"]["beyond_own_history"] == 0 and section["by_new_tokens"] and section["by_history"]
+    for group in section["by_new_tokens"]:
+        assert {"pull", "local", "recompute"} <= set(group["modes"]) and group["ratios"]["local_over_pull"] > 0
+    assert section["crossover"]["status"] != "no_data"
+    itl = report["itl"]
+    assert itl["streams"] == 4 * len(turns)  # every mode's turns but the ideal worker's
+    assert itl["by_prefill"]["local"]["prefills"] == len(turns) - 2 and itl["gaps"] > 0
+    network = {r["mode"]: r for r in report["network"]}
+    assert network["pull"]["pulled_tokens_mean"] > 0 and network["local"]["crossed_tokens_mean"] == 0
+    assert network["pull"]["read_tokens_mean"] is None  # concurrency 2: D's counters tell no single turn
+    streams = [json.loads(line) for line in (run_dir / "streams.jsonl").read_text().splitlines()]
+    assert all(s["tokens"] and s["sent"] < s["tokens"][0] for s in streams)
 
     overall = report["overall"]
     for mode in MODES:
         assert overall["modes"][mode]["ttft_p50_ms"] > 0
     assert overall["ratios"]["recompute_over_pull"] > 0 and overall["ratios"]["recompute_over_ideal"] > 0
+    assert overall["ratios"]["local_over_pull"] > 0 and overall["ratios"]["local_over_recompute"] > 0
     overhead = report["control_plane_overhead"]
     assert overhead["paired_turns"] == len(turns)
     assert overhead["hops"]["plan_ms"]["p50"] > 0 and overhead["hops"]["prefill_ms"]["p50"] > 0

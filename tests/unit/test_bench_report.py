@@ -100,6 +100,8 @@ def test_headline_ratios_are_exact():
         "fraction_of_saving": (900 - 120) / (900 - 90),
         "pull_over_smg": None,  # no smg mode in this run
         "recompute_over_smg": None,
+        "local_over_pull": None,  # no local mode either
+        "local_over_recompute": None,
     }
     assert h["modes"][PULL]["ttft_p90_ms"] == pytest.approx(136.0)  # 100 + 0.9 * 40
     assert h["modes"][PULL]["latency_p50_ms"] == 1120.0
@@ -172,7 +174,8 @@ def test_missing_modes_give_none_ratios_and_dashes():
     assert report["modes"] == [PULL, RECOMPUTE]
     r = report["headline"]["ratios"]
     assert r == {"recompute_over_pull": 7.5, "recompute_over_ideal": None, "fraction_of_ideal_speedup": None,
-                 "fraction_of_saving": None, "pull_over_smg": None, "recompute_over_smg": None}
+                 "fraction_of_saving": None, "pull_over_smg": None, "recompute_over_smg": None,
+                 "local_over_pull": None, "local_over_recompute": None}
     assert IDEAL not in report["headline"]["modes"]
     text = format_table(report)
     row = next(line for line in text.splitlines() if line.startswith("3000+"))

@@ -106,7 +106,8 @@ def test_the_smg_mode_refuses_to_start_without_smg(tmp_path):
     binary.write_text("")
     with pytest.raises(ConfigError, match="--smg-silence-s must be >= 1"):
         _config("--modes", "smg", "--smg-bin", str(binary), "--smg-silence-s", "0")
-    with pytest.raises(ConfigError, match="--modes must be distinct names among pull, recompute, ideal, direct, smg"):
+    with pytest.raises(ConfigError, match="--modes must be distinct names among pull, recompute, local, ideal, "
+                                          "direct, smg"):
         _config("--modes", "pull,sglang")
 
 

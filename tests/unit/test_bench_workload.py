@@ -57,6 +57,25 @@ def test_same_seed_same_conversations_and_different_seed_differs():
         assert [t.call for t in x.turns] != [t.call for t in y.turns]
 
 
+def test_log_spread_turn_sizes_cover_small_and_large_new_parts():
+    """--turn-tokens-spread log: as many turns of 100-1k (estimated) tokens as of 1k-10k; uniform has few small ones.
+    The default is uniform, drawn as before."""
+    shape = dict(max_history_tokens=60000, system_tokens=1000, turn_tokens=(100, 10000), max_tokens=32)
+
+    def sizes(spread):
+        convs = agentic_conversations(count=8, seed=5, spread=spread, **shape)
+        return [estimate_tokens(t.text()) for c in convs for t in c.turns[:-1]]  # the last may be shortened
+
+    log, uniform = sizes("log"), sizes("uniform")
+    assert all(80 <= n <= 10500 for n in log) and len(log) > 60
+    assert 0.35 < sum(n < 1000 for n in log) / len(log) < 0.65
+    assert sum(n < 1000 for n in uniform) / len(uniform) < 0.2
+    assert agentic_conversations(count=2, seed=3, **CPU) == agentic_conversations(count=2, seed=3, spread="uniform",
+                                                                                   **CPU)
+    with pytest.raises(ValueError, match="spread must be one of uniform, log"):
+        agentic_conversations(count=1, seed=0, spread="normal", **CPU)
+
+
 def test_conversation_is_independent_of_count():
     few = agentic_conversations(count=2, seed=3, **CPU)
     many = agentic_conversations(count=5, seed=3, **CPU)

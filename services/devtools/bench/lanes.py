@@ -3,7 +3,8 @@
 Every lane starts its clock when it has the turn's messages and stops it at the first generated token, so the
 modes pay for the same work: rendering the chat, tokenizing, and whatever sits between the client and the engines.
 
-- :class:`GatewayLane` (modes ``pull`` and ``recompute``): the gateway's OpenAI API, streamed (SSE).
+- :class:`GatewayLane` (modes ``pull``, ``recompute`` and ``local``): the gateway's OpenAI API, streamed (SSE); the
+  local mode names a scheduler policy that continues every later turn on D.
 - :class:`DirectLane` (mode ``direct``): a minimal P→D client with no registry or scheduler. It keeps D's handle in
   memory and pulls it on the next turn (what vLLM's example proxy does): the baseline for the control plane's cost.
 - :class:`IdealLane` (mode ``ideal``): one vLLM worker with prefix caching and no disaggregation; the history is
@@ -11,6 +12,10 @@ modes pay for the same work: rendering the chat, tokenizing, and whatever sits b
 
 The direct and ideal lanes continue the conversation's exact token ids the way the gateway does, so all modes see the
 same prompts and (fp32, greedy) give the same answers.
+
+Every lane but the ideal one also notes when each streamed token reached it (:class:`TurnStream`, ``last_stream``): a
+clock reading and a list append per chunk while the stream runs, the chunks read afterwards. The report compares the
+inter-token delays of D's streams while other turns prefill with those while none does.
 
 **Tool calls.** A conversation with tools sends them with every request, and a turn that calls a tool
 (:attr:`~kvshuttle.services.devtools.bench.workload.Turn.call`) names it in ``tool_choice``: the gateway forces the
@@ -29,18 +34,20 @@ back exactly.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import re
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 from kvshuttle.control_plane import kv_params
 from kvshuttle.control_plane.constraints import CALL_SYNTAX, forced_tool_calls
 from kvshuttle.control_plane.continuation import plan_continuation, text_key
-from kvshuttle.services.devtools.bench.samples import IDEAL, TurnSample
+from kvshuttle.services.devtools.bench.samples import IDEAL, LOCAL, TurnSample, TurnStream
 from kvshuttle.services.devtools.bench.workload import CALL_MIN_TOKENS, Conversation, Turn
 from kvshuttle.services.engine.client import EngineClient, Final
 from kvshuttle.services.gateway.chat_stream import StreamError, stream_chat
@@ -230,6 +237,61 @@ class _History:
         self.previous_tokens = prompt_tokens + output_tokens
 
 
+class _TimedResponse:
+    """A streamed response that notes when each line arrives."""
+
+    def __init__(self, resp: httpx.Response, lines: list[tuple[float, str]]):
+        self._resp, self._lines = resp, lines
+
+    @property
+    def status_code(self) -> int:
+        return self._resp.status_code
+
+    async def aread(self) -> bytes:
+        return await self._resp.aread()
+
+    async def aiter_lines(self) -> AsyncIterator[str]:
+        lines, clock = self._lines, time.perf_counter
+        async for line in self._resp.aiter_lines():
+            lines.append((clock(), line))
+            yield line
+
+
+class TimedClient:
+    """The client as ``stream_chat`` uses it (``stream``), noting when the request went out (``sent``) and when each
+    line of the answer arrived (``lines``): one clock reading and one append per line; nothing is parsed twice while
+    the stream runs (:func:`token_times` reads the lines afterwards)."""
+
+    def __init__(self, client: httpx.AsyncClient):
+        self.client = client
+        self.sent = 0.0
+        self.lines: list[tuple[float, str]] = []
+
+    @contextlib.asynccontextmanager
+    async def stream(self, method: str, url: str, **kwargs: Any) -> AsyncIterator[_TimedResponse]:
+        self.sent = time.perf_counter()
+        async with self.client.stream(method, url, **kwargs) as resp:
+            yield _TimedResponse(resp, self.lines)
+
+
+def token_times(lines: list[tuple[float, str]]) -> list[float]:
+    """The arrival times of the chunks that carried generated tokens, from a streamed chat's timed SSE lines: those
+    whose choice carries ``logprobs`` (the lanes ask for them: the gateway sends them with the first chunk of each
+    engine output, also while its tool-call parser holds the text back). Other chunks (the finish, the usage, the
+    text a parser releases at the end) carry no new token."""
+    out = []
+    for at, line in lines:
+        if not line.startswith("data: {") or '"logprobs"' not in line:
+            continue
+        try:
+            chunk = json.loads(line[6:])
+        except ValueError:
+            continue
+        if any(choice.get("logprobs") for choice in chunk.get("choices") or []):
+            out.append(at)
+    return out
+
+
 class GatewayLane:
     def __init__(self, client: httpx.AsyncClient, mode: str, conversation: str, system: str | None, run_id: str,
                  model: str | None = None, *, disable_pull: bool | None = None, policy: str = "",
@@ -244,6 +306,7 @@ class GatewayLane:
         self.history = _History(system, tools)
         self.last_timings: dict[str, float] = {}  # the gateway's per-hop timers for the last turn
         self.last_kv: dict[str, Any] = {}  # the gateway's kvshuttle report of the last turn (decision, figures)
+        self.last_stream: TurnStream | None = None  # when the last turn's tokens arrived
 
     def request(self, turn: Turn) -> dict[str, Any]:
         """The turn's chat completion request (the history must hold its inputs)."""
@@ -267,8 +330,9 @@ class GatewayLane:
         h = self.history
         h.add_inputs(turn)
         sent_at = time.time()
+        timed = TimedClient(self.client)
         try:
-            got = await stream_chat(self.client, self.session, self.request(turn))
+            got = await stream_chat(timed, self.session, self.request(turn))  # type: ignore[arg-type]
         except StreamError as exc:
             raise LaneError(str(exc)) from None
         info, usage = got.kv, got.usage
@@ -277,14 +341,22 @@ class GatewayLane:
         h.add_answer(got.message, turn, got.finish_reason, prompt, output)
         self.last_timings = dict(info.get("timings_ms", {}))
         self.last_kv = dict(info)
+        decision, decode_worker = info["decision"], info.get("decode_worker", "")
+        self.last_stream = TurnStream(self.mode, self.conversation, h.turn, decision, decode_worker, timed.sent,
+                                      token_times(timed.lines))
+        local = decision == LOCAL  # served by D alone: its prefix-cache hit is the usage's cached tokens
         return TurnSample(
             mode=self.mode, conversation=self.conversation, turn=h.turn, prompt_tokens=prompt,
             history_tokens=history, new_tokens=prompt - history,
             ttft_ms=got.ttft_ms, latency_ms=got.latency_ms, output_tokens=output,
-            decision=info["decision"], pulled_tokens=info["pulled_tokens"], computed_tokens=info["computed_tokens"],
+            decision=decision, pulled_tokens=info["pulled_tokens"], computed_tokens=info["computed_tokens"],
             output_digest=message_digest(got.message), prefill_worker=info.get("prefill_worker", ""),
-            decode_worker=info.get("decode_worker", ""),
-            cached_tokens=max(0, prompt - info["pulled_tokens"] - info["computed_tokens"]), sent_at=sent_at)
+            decode_worker=decode_worker,
+            cached_tokens=max(0, prompt - info["pulled_tokens"] - info["computed_tokens"]), sent_at=sent_at,
+            reason_code=info.get("reason_code", ""),
+            decode_cached_tokens=int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", -1)) if local
+            else -1,
+            decode_read_tokens=0 if local else -1)
 
     async def close(self) -> None:
         await self.client.delete(f"/v1/sessions/{self.session}")
@@ -353,8 +425,9 @@ class _ExactIdsLane:
 
 
 async def _stream(engine: EngineClient, request_id: str, prompt_ids: list[int], max_tokens: int,
-                  params: dict | None, constraint: tuple[str, Any] | None = None,
+                  params: dict | None, constraint: tuple[str, Any] | None = None, times: list[float] | None = None,
                   **sampling: Any) -> tuple[list[int], float | None, Final]:
+    """The streamed answer, its first token's time, and the final message; ``times`` gets each output's arrival."""
     output: list[int] = []
     first = None
     final = None
@@ -364,7 +437,10 @@ async def _stream(engine: EngineClient, request_id: str, prompt_ids: list[int], 
             final = item
             break
         if item.token_ids:
-            first = first or time.perf_counter()
+            at = time.perf_counter()
+            first = first or at
+            if times is not None:
+                times.append(at)
             output.extend(item.token_ids)
     if final is None:
         raise LaneError("the engine's stream ended without a final message")
@@ -378,6 +454,7 @@ class IdealLane(_ExactIdsLane):
                  tools: list[dict[str, Any]] | None = None, call_bias: dict[int, float] | None = None):
         super().__init__(tokenizer, conversation, system, tools, call_bias)
         self.engine = engine
+        self.last_stream: TurnStream | None = None  # the ideal worker is not D: its streams are not D's
 
     async def turn(self, turn: Turn) -> TurnSample:
         self.history.add_inputs(turn)
@@ -397,10 +474,12 @@ class DirectLane(_ExactIdsLane):
 
     def __init__(self, prefill: EngineClient, decode: EngineClient, block_size: int, tokenizer: GatewayTokenizer,
                  conversation: str, system: str | None, tools: list[dict[str, Any]] | None = None,
-                 call_bias: dict[int, float] | None = None):
+                 call_bias: dict[int, float] | None = None, decode_worker: str = ""):
         super().__init__(tokenizer, conversation, system, tools, call_bias)
         self.prefill, self.decode, self.block_size = prefill, decode, block_size
+        self.decode_worker = decode_worker  # D's worker id, for the streams' record
         self._handle: dict | None = None
+        self.last_stream: TurnStream | None = None
 
     async def turn(self, turn: Turn) -> TurnSample:
         self.history.add_inputs(turn)
@@ -414,26 +493,32 @@ class DirectLane(_ExactIdsLane):
         self._handle = None  # single use, pulled or not
         rid = uuid.uuid4().hex[:16]
         sampling, constraint, max_tokens = self._sampling(turn), self._constraint(turn), turn.answer_tokens
+        times: list[float] = []
         p_final = await self.prefill.prefill(f"direct-{rid}-p", prompt_ids, kv_transfer_params=params, **sampling)
         if p_final.finish_reason == "error" or not p_final.output_ids:
             raise LaneError("P finished the prefill with an error")
         if constraint is not None:
             # As the gateway does: a constrained answer is D's from its first token (P's is dropped).
             output, first, final = await _stream(self.decode, f"direct-{rid}-d", prompt_ids, max_tokens,
-                                                 p_final.kv_transfer_params, constraint, **sampling)
+                                                 p_final.kv_transfer_params, constraint, times, **sampling)
             ended, finish = time.perf_counter(), final.finish_reason
         else:
             # As the gateway does: P's token is the first one, D continues after it.
             first_id, first = p_final.output_ids[-1], time.perf_counter()
+            times.append(first)
             more, _, final = await _stream(self.decode, f"direct-{rid}-d", [*prompt_ids, first_id],
-                                           max(1, max_tokens - 1), p_final.kv_transfer_params, **sampling)
+                                           max(1, max_tokens - 1), p_final.kv_transfer_params, None, times,
+                                           **sampling)
             ended = time.perf_counter()
             at_first = p_final.finish_reason == "stop" or max_tokens == 1
             output = [first_id] if at_first else [first_id, *more]
             finish = p_final.finish_reason if at_first else final.finish_reason
         self._handle = final.kv_transfer_params
+        decision = "pull" if pulled else "recompute"
+        self.last_stream = TurnStream(DIRECT, self.conversation, self.history.turn, decision, self.decode_worker,
+                                      started, times)
         return self._finish(DIRECT, turn, prompt_ids, prompt_text, output, finish, started, first, ended,
-                            p_final.cached_tokens, pulled, "pull" if pulled else "recompute")
+                            p_final.cached_tokens, pulled, decision)
 
     async def close(self) -> None:
         pass

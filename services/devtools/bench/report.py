@@ -10,9 +10,13 @@ The ratios compare p50 TTFTs of the same turns across modes:
   the ideal that pulling wins back;
 * ``pull_over_smg``: kvshuttle ÷ SMG, the pull mode's p50 over the ``smg`` mode's (SMG in front of the same workers,
   ``services/devtools/bench/smg.py``); below 1.0 kvshuttle is faster;
-* ``recompute_over_smg``: the same for the recompute mode (both recompute what P lacks: the gateways' own costs).
+* ``recompute_over_smg``: the same for the recompute mode (both recompute what P lacks: the gateways' own costs);
+* ``local_over_pull``, ``local_over_recompute``: the local mode (later turns continued on D) over the pull and the
+  recompute; below 1.0 continuing on D is faster. The local mode's own section (``continuing_on_d``, from
+  ``local_report.py``) compares the three on exactly the turns it continued on D, also by new tokens per turn.
 
-A ratio is None when a mode is missing or the division is undefined.
+A ratio is None when a mode is missing or the division is undefined. ``itl`` (the inter-token delays of D's streams
+while turns prefill) and ``network`` (prompt tokens over the network per lane) come from ``local_report.py`` too.
 """
 
 from __future__ import annotations
@@ -22,7 +26,16 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from kvshuttle.services.devtools.bench.samples import IDEAL, MODES, PULL, RECOMPUTE, SMG, TurnSample
+from kvshuttle.services.devtools.bench.local_report import (
+    DEFAULT_NEW_BUCKETS,
+    continuing_on_d,
+    format_itl,
+    format_local,
+    format_network,
+    itl_by_prefill,
+    network_by_lane,
+)
+from kvshuttle.services.devtools.bench.samples import IDEAL, LOCAL, MODES, PULL, RECOMPUTE, SMG, TurnSample, TurnStream
 from kvshuttle.services.devtools.bench.stats import percentile
 
 DEFAULT_HEADLINE_MIN_HISTORY = 3000
@@ -73,6 +86,7 @@ def mode_stats(samples: list[TurnSample]) -> dict:
         "count": len(samples),
         "ttft_p50_ms": _p(ttft, 50),
         "ttft_p90_ms": _p(ttft, 90),
+        "ttft_p99_ms": _p(ttft, 99),
         "ttft_mean_ms": _mean(ttft),
         "latency_p50_ms": _p(latency, 50),
         "prompt_tokens_mean": _mean([s.prompt_tokens for s in samples]),
@@ -86,7 +100,7 @@ def mode_stats(samples: list[TurnSample]) -> dict:
 
 def ratios(p50: dict[str, float | None]) -> dict:
     """The comparison ratios from the p50 TTFT of each mode (missing modes: None)."""
-    pull, rec, ideal, smg = p50.get(PULL), p50.get(RECOMPUTE), p50.get(IDEAL), p50.get(SMG)
+    pull, rec, ideal, smg, local = p50.get(PULL), p50.get(RECOMPUTE), p50.get(IDEAL), p50.get(SMG), p50.get(LOCAL)
     saving = None
     if pull is not None and rec is not None and ideal is not None:
         saving = _div(rec - pull, rec - ideal)
@@ -97,6 +111,8 @@ def ratios(p50: dict[str, float | None]) -> dict:
         "fraction_of_saving": saving,
         "pull_over_smg": _div(pull, smg),
         "recompute_over_smg": _div(rec, smg),
+        "local_over_pull": _div(local, pull),
+        "local_over_recompute": _div(local, rec),
     }
 
 
@@ -166,8 +182,12 @@ def answers_agree(samples: list[TurnSample], modes: list[str] | None = None) -> 
 
 
 def build_report(samples: list[TurnSample], *, buckets: list[int], meta: dict,
-                 headline_min_history: int | None = None) -> dict:
-    """The report: headline (history >= threshold), overall, by history bucket, by turn index, answer agreement.
+                 headline_min_history: int | None = None, new_buckets: list[int] | None = None,
+                 streams: list[TurnStream] | None = None) -> dict:
+    """The report: headline (history >= threshold), overall, by history bucket, by turn index, answer agreement,
+    prompt tokens over the network per lane; with the local mode, its comparison with pull and recompute
+    (``new_buckets``: edges of new tokens per turn); with ``streams``, the inter-token delays of D's streams by what
+    was prefilling meanwhile.
 
     ``headline_min_history`` defaults to ``meta["headline_min_history"]``, else 3000 tokens. Turn 1 is its own
     bucket ("first turn"); the others go by history tokens into ``[edge_i, edge_i+1)``, the last one open-ended.
@@ -200,7 +220,13 @@ def build_report(samples: list[TurnSample], *, buckets: list[int], meta: dict,
                       label=f"history >= {threshold} tokens", min_history_tokens=threshold)
     pulls = [s for s in later if s.mode == PULL]
     pulled = sum(1 for s in pulls if s.decision == PULL)
+    extra: dict = {"network": network_by_lane(samples, modes)}
+    if LOCAL in modes:
+        extra["continuing_on_d"] = continuing_on_d(samples, modes, edges, new_buckets or DEFAULT_NEW_BUCKETS)
+    if streams is not None:
+        extra["itl"] = itl_by_prefill(streams)
     return {
+        **extra,
         "meta": dict(meta),
         "modes": modes,
         "bucket_edges": edges,
@@ -332,6 +358,15 @@ def format_table(report: dict) -> str:
     lines.append("")
     lines.append(_table("latency p50 (ms) and mean prompt tokens pulled / computed, by history length",
                         report["by_history"], _detail_columns(report)))
+    if "continuing_on_d" in report:
+        lines.append("")
+        lines += format_local(report["continuing_on_d"], meta)
+    if report.get("itl") and report["itl"]["gaps"]:
+        lines.append("")
+        lines += format_itl(report["itl"], meta.get("concurrency"))
+    if report.get("network"):
+        lines.append("")
+        lines += format_network(report["network"], bool(meta.get("decode_read_measured")), meta.get("concurrency"))
     return "\n".join(lines) + "\n"
 
 
@@ -348,7 +383,8 @@ def _plot(report: dict, samples: list[TurnSample], path: Path, log_y: bool) -> N
     fig = Figure(figsize=(12, 5), layout="constrained")
     FigureCanvasAgg(fig)
     ax, ax_ratio = fig.subplots(1, 2, width_ratios=(3, 2))
-    colors = {PULL: "tab:blue", RECOMPUTE: "tab:red", IDEAL: "tab:green", "direct": "tab:purple", SMG: "tab:orange"}
+    colors = {PULL: "tab:blue", RECOMPUTE: "tab:red", IDEAL: "tab:green", "direct": "tab:purple", SMG: "tab:orange",
+              LOCAL: "tab:brown"}
     for mode in report["modes"]:
         color = colors.get(mode)
         pts = [(s.history_tokens, s.ttft_ms) for s in samples if s.mode == mode]
@@ -389,11 +425,12 @@ def _plot(report: dict, samples: list[TurnSample], path: Path, log_y: bool) -> N
 
 
 def write_outputs(report: dict, samples: list[TurnSample], out_dir: Path, *,
-                  log_y: bool | None = None) -> dict[str, Path]:
-    """Write results.json (the report, meta included), samples.jsonl, report.txt (format_table) and ttft.png.
+                  log_y: bool | None = None, streams: list[TurnStream] | None = None) -> dict[str, Path]:
+    """Write results.json (the report, meta included), samples.jsonl, report.txt (format_table), ttft.png and, with
+    ``streams``, streams.jsonl (when each turn's tokens arrived: the inter-token report's input).
 
     ``log_y`` (default ``meta["plot_log_y"]``, else False) puts the TTFT axis on a log scale. Returns the paths by
-    name: ``results``, ``samples``, ``table``, ``plot``.
+    name: ``results``, ``samples``, ``table``, ``plot`` (and ``streams``).
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -403,6 +440,11 @@ def write_outputs(report: dict, samples: list[TurnSample], out_dir: Path, *,
     with paths["samples"].open("w") as f:
         for s in samples:
             f.write(json.dumps(s.to_dict()) + "\n")
+    if streams is not None:
+        paths["streams"] = out_dir / "streams.jsonl"
+        with paths["streams"].open("w") as f:
+            for stream in streams:
+                f.write(json.dumps(stream.to_dict()) + "\n")
     paths["table"].write_text(format_table(report))
     if log_y is None:
         log_y = bool(report.get("meta", {}).get("plot_log_y", False))

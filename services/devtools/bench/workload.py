@@ -19,6 +19,7 @@ import copy
 import hashlib
 import importlib.util
 import json
+import math
 import random
 import re
 from dataclasses import dataclass, field
@@ -391,15 +392,20 @@ def _max_tools_tokens(tokens_per_char: float) -> int:
     return tools_tokens(tool_definitions(longest, "0" * 12), tokens_per_char)
 
 
+SPREADS = ("uniform", "log")  # how generated turn sizes spread over --turn-tokens-min..max
+
+
 def agentic_conversations(*, count: int, seed: int, max_history_tokens: int, system_tokens: int,
                           turn_tokens: tuple[int, int], max_tokens: int,
                           tokens_per_char: float = DEFAULT_TOKENS_PER_CHAR,
-                          max_turns: int = 64) -> list[Conversation]:
+                          max_turns: int = 64, spread: str = "uniform") -> list[Conversation]:
     """``count`` agentic conversations, deterministic for ``seed``.
 
     ``system_tokens`` (estimated) is the system prompt with the tool definitions: the system text fills what the
     tools leave (0: no system prompt, the first user message then starts with the session's unique line). Each
-    turn's size (the tool result and user text it sends, estimated tokens) is drawn uniformly from ``turn_tokens``;
+    turn's size (the tool result and user text it sends, estimated tokens) is drawn from ``turn_tokens``: uniformly
+    (``spread="uniform"``), or log-uniformly (``"log"``: as many turns between 100 and 1,000 tokens as between 1,000
+    and 10,000, so that one run has both small and large new parts);
     turns are added while the estimated history (system + tools + turns + ``max_tokens`` per answer) stays within
     ``max_history_tokens``, up to ``max_turns``. The last turn is shortened to use the remaining room when at least
     ``turn_tokens[0]`` is left. Every turn but the last calls the tool whose result the next turn carries.
@@ -414,6 +420,8 @@ def agentic_conversations(*, count: int, seed: int, max_history_tokens: int, sys
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+    if spread not in SPREADS:
+        raise ValueError(f"spread must be one of {', '.join(SPREADS)}, got {spread!r}")
     if not 0 < tokens_per_char <= 4:
         raise ValueError(f"tokens_per_char must be in (0, 4], got {tokens_per_char}")
     if system_tokens < 0:
@@ -439,7 +447,8 @@ def agentic_conversations(*, count: int, seed: int, max_history_tokens: int, sys
         turns: list[Turn] = []
         results_of: list[str | None] = []  # per turn: the tool whose result it carries (None: the first turn)
         while len(turns) < max_turns:
-            size = rng.randint(lo, hi)
+            size = rng.randint(lo, hi) if spread == "uniform" else round(math.exp(rng.uniform(math.log(lo),
+                                                                                              math.log(hi))))
             room = max_history_tokens - total - max_tokens
             last = size >= room
             if size > room:
