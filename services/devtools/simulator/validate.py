@@ -188,7 +188,9 @@ def simulate_mode(rows: list[dict[str, Any]], mode: str, prof: Profile, prefill_
     for i in range(len(cols)):
         conv = sessions[cols.session[i]].session_id
         row = measured[conv][cols.turn[i]]
-        out[(conv, row["turn"])] = {"ttft_ms": cols.ttft_ms[i], "prefill": cols.prefill[i], "cached": cols.cached[i],
+        # a turn prefilled on D: its cached tokens are D's prefix-cache hit (the bench's sample says D's, too)
+        cached = cols.d_cached[i] if cols.local[i] else cols.cached[i]
+        out[(conv, row["turn"])] = {"ttft_ms": cols.ttft_ms[i], "prefill": cols.prefill[i], "cached": cached,
                                     "pulled": cols.pulled[i], "computed": cols.computed[i]}
     if len(out) != len(rows):
         raise ValidationError(f"the simulation answered {len(out)} of {len(rows)} turns of mode {mode}")
