@@ -23,6 +23,9 @@ from itertools import pairwise
 
 from kvshuttle.services.devtools.bench.samples import IDEAL, LOCAL, PULL, RECOMPUTE, TurnSample, TurnStream
 from kvshuttle.services.devtools.bench.stats import percentile, summary
+from kvshuttle.services.devtools.bench.stats import text_count as _num
+from kvshuttle.services.devtools.bench.stats import text_ms as _ms
+from kvshuttle.services.devtools.bench.stats import text_ratio as _x
 
 DEFAULT_NEW_BUCKETS = (0, 256, 1024, 4096)
 COMPARED = (PULL, LOCAL, RECOMPUTE)  # the modes the Continuing-on-D tables compare, in their column order
@@ -281,18 +284,6 @@ def network_by_lane(samples: list[TurnSample], modes: list[str]) -> list[dict]:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Text
-
-
-def _ms(v: float | None) -> str:
-    return "-" if v is None else f"{v:.1f}"
-
-
-def _x(v: float | None) -> str:
-    return "-" if v is None else f"{v:.2f}x"
-
-
-def _num(v: float | None) -> str:
-    return "-" if v is None else f"{v:.0f}"
 
 
 def _rows(title: str, head: list[tuple[str, int]], rows: list[list[str]]) -> list[str]:

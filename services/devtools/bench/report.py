@@ -37,6 +37,10 @@ from kvshuttle.services.devtools.bench.local_report import (
 )
 from kvshuttle.services.devtools.bench.samples import IDEAL, LOCAL, MODES, PULL, RECOMPUTE, SMG, TurnSample, TurnStream
 from kvshuttle.services.devtools.bench.stats import percentile
+from kvshuttle.services.devtools.bench.stats import text_count as _num
+from kvshuttle.services.devtools.bench.stats import text_ms as _ms
+from kvshuttle.services.devtools.bench.stats import text_pct as _pct
+from kvshuttle.services.devtools.bench.stats import text_ratio as _x
 
 DEFAULT_HEADLINE_MIN_HISTORY = 3000
 FIRST_TURN = "first turn"
@@ -243,21 +247,6 @@ def build_report(samples: list[TurnSample], *, buckets: list[int], meta: dict,
 # ---------------------------------------------------------------------------------------------------------------
 # Text output
 
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
-
-
-def _x(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}x"
-
-
-def _pct(value: float | None) -> str:
-    return "-" if value is None else f"{100 * value:.1f}%"
-
-
-def _num(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0f}"
 
 
 def _shown_modes(report: dict) -> list[str]:

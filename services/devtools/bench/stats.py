@@ -42,3 +42,21 @@ def write_json(path: str | Path, data: dict) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=2))
     return out
+
+
+# A figure as the report's tables print it ("-" when there is none).
+
+def text_ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def text_ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def text_pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def text_count(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
