@@ -245,7 +245,9 @@ async def print_metrics(stack) -> None:
             elif sample.name == "kvshuttle_turn_tokens_total":
                 tokens[sample.labels["kind"]] = sample.value
     prompt = tokens.get("prompt", 0) or 1
-    print(f"metrics ({url}): turns {', '.join(f'{k} {v:.0f}' for k, v in sorted(turns.items()))}; prompt tokens "
+    # pull and recompute always; a decision no turn took (e.g. local, continued on D) only when some did
+    shown = {k: v for k, v in sorted(turns.items()) if v or k in ("pull", "recompute")}
+    print(f"metrics ({url}): turns {', '.join(f'{k} {v:.0f}' for k, v in shown.items())}; prompt tokens "
           f"{tokens.get('prompt', 0):.0f} = pulled {tokens.get('pulled', 0):.0f} "
           f"({tokens.get('pulled', 0) / prompt:.0%}) + cached {tokens.get('cached', 0):.0f} + computed "
           f"{tokens.get('computed', 0):.0f}")
