@@ -8,7 +8,8 @@ import json
 
 import httpx
 import pytest
-from kvshuttle.v1 import common_pb2
+from kvshuttle.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from openai import AsyncOpenAI
 
 from tests.support.e2e import new_session, tokens, user_turn
 
@@ -122,19 +123,67 @@ async def stream_text(client: httpx.AsyncClient, session: str, messages: list[di
     return text, finish
 
 
+async def d_running(stack, worker_id: str) -> int:
+    """The requests the scheduler's load view has running on ``worker_id`` (GetStats)."""
+    async with stack.channel(stack.scheduler_address) as channel:
+        stats = await scheduler_pb2_grpc.TransferSchedulerStub(channel).GetStats(scheduler_pb2.GetStatsRequest(),
+                                                                                  timeout=5)
+    return max((row.running for row in stats.loads if row.worker_id == worker_id), default=0)
+
+
 async def test_a_stream_d_is_decoding_completes_intact_through_a_local_turn(stack):
+    (d,) = [w.worker_id for w in stack.workers if w.role == common_pb2.WORKER_ROLE_DECODE]
     other = [{"role": "system", "content": "You write long answers."}, user_turn(5)]
     session = new_session("local-busy")
     messages = [{"role": "system", "content": "You are a careful coding agent."}, user_turn(0)]
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=300) as client:
-        alone, alone_finish = await stream_text(client, new_session("alone"), other, asyncio.Event(), 96)
+        alone, alone_finish = await stream_text(client, new_session("alone"), other, asyncio.Event(), 160)
         first = await turn(client, session, messages)
         messages += [first["choices"][0]["message"], user_turn(1)]
         started = asyncio.Event()
-        streaming = asyncio.create_task(stream_text(client, new_session("busy"), other, started, 96))
+        streaming = asyncio.create_task(stream_text(client, new_session("busy"), other, started, 160))
         await asyncio.wait_for(started.wait(), 120)
+        seen = 0
+        for _ in range(40):  # the scheduler reads D's load from its feed every 0.5 s
+            seen = await d_running(stack, d)
+            if seen or streaming.done():
+                break
+            await asyncio.sleep(0.1)
         local = await turn(client, session, messages, policy=ON_D)
         text, finish = await streaming
     assert local["kvshuttle"]["decision"] == "local", local["kvshuttle"]
-    assert local["kvshuttle"]["decode_streams"] >= 0  # as the scheduler saw D's batch when it planned
+    if seen:  # D's stream was in the scheduler's view when it planned: the plan priced the turn with it
+        assert local["kvshuttle"]["decode_streams"] >= 1, local["kvshuttle"]
+    else:
+        print("the scheduler never saw D's stream running before it ended; decode_streams not checked")
     assert (text, finish) == (alone, alone_finish) and finish == "length" and text
+
+
+async def test_the_openai_sdk_without_a_session_id_continues_its_later_turns_on_d(stack):
+    """As the OpenAI SDK's docs show it: no session id, the answer echoed as the standard format carries it,
+    streamed, the policy chosen with the SDK's extra_body. Each later turn is found by its content and continued on
+    the decode worker that holds it, served from D's prefix cache."""
+    (d,) = [w.worker_id for w in stack.workers if w.role == common_pb2.WORKER_ROLE_DECODE]
+    client = AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", timeout=300)
+    model = (await client.models.list()).data[0].id
+    messages = [{"role": "system", "content": "You are a patient agent that calls tools."}, user_turn(7)]
+    history = 0  # the previous turn's prompt and answer: what D holds for the session
+    for n in range(3):
+        raw = await client.chat.completions.with_raw_response.create(
+            model=model, messages=messages, max_tokens=12, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"policy": ON_D})
+        pieces, usage = [], None
+        async for chunk in raw.parse():
+            pieces += [c.delta.content or "" for c in chunk.choices]
+            usage = chunk.usage or usage
+        answer = "".join(pieces)
+        assert answer and usage.completion_tokens == 12
+        decision = raw.headers["x-kv-decision"]
+        if n == 0:
+            assert decision == "recompute", raw.headers
+        else:
+            assert decision == "local", (raw.headers["x-kv-reason"], raw.headers.get("x-kv-reason-code"))
+            assert raw.headers["x-kv-decode-worker"] == d
+            assert usage.prompt_tokens_details.cached_tokens >= history - 128, usage
+        history = usage.prompt_tokens + usage.completion_tokens
+        messages += [{"role": "assistant", "content": answer}, user_turn(8 + n)]

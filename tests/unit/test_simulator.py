@@ -398,13 +398,15 @@ def test_validation_replays_two_prefill_workers_and_a_closed_loop(tmp_path):
     assert v.in_flight(v.load_samples(one)) == 1
 
 
-def test_validation_checks_turns_continued_on_d_with_a_profile_fitted_to_p_s_turns(tmp_path):
-    """A run with a pull lane and a local lane (the bench's), made by the simulator itself on 1 P + 1 D: the profile
-    is fitted to the pull turns alone, and replaying the local lane (kvshuttle continuing on D whenever it can)
-    reproduces its turns: the D-prefill path checked with no fit of its own."""
+def test_validation_checks_turns_continued_on_d_with_d_s_own_curve_fitted_to_half_of_them(tmp_path):
+    """A run with a pull lane and a local lane (the bench's), made by the simulator itself on 1 P + 1 D, D's prefill
+    curve unlike P's (no hand-off, no second request): P's profile is fitted to the pull turns, D's curve to the
+    fitting half's turns continued on D, and replaying the local lane (kvshuttle continuing on D whenever it can)
+    reproduces the other half's turns."""
     from kvshuttle.services.devtools.simulator import validate as v
 
-    truth = dataclasses.replace(profile("cpu-tiny"), noise=0.0)
+    truth = dataclasses.replace(profile("cpu-tiny"), noise=0.0, local_fixed_ms=3.0, local_ms_per_ktoken=80.0,
+                                local_ms_per_ktoken_kcontext=30.0)
     rows = []
     for mode, name in (("pull", "kvshuttle_pull"), ("local", "kvshuttle_on_d")):
         convs = [conversation(f"c{i:02d}", turns=5, first=700 + 150 * (i % 5), new=250 + 40 * (i % 4), out=24)
@@ -425,6 +427,7 @@ def test_validation_checks_turns_continued_on_d_with_a_profile_fitted_to_p_s_tur
                   "pulled_tokens": cols.pulled[i], "computed_tokens": cols.computed[i],
                   "cached_tokens": cols.d_cached[i] if cols.local[i] else cols.cached[i],
                   "prefill_worker": "" if cols.prefill[i] < 0 else "prefill-0", "decode_worker": "decode-0",
+                  "decision": "local" if cols.local[i] else "pull" if cols.pulled[i] else "recompute",
                   "sent_at": 1_000_000 + cols.arrival[i]} for i in range(len(cols))]
     path = tmp_path / "run.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -433,7 +436,17 @@ def test_validation_checks_turns_continued_on_d_with_a_profile_fitted_to_p_s_tur
     assert rep["within_tolerance"], text
     local = rep["runs"][0]["modes"]["local"]
     assert sum(cell["turns"] for cell in local["buckets"].values() if cell.get("turns")) >= 16, text
-    assert rep["fit_turns"] == 20  # the pull lane's half: the local turns are checked, never fitted
+    assert rep["fit_turns"] == 20  # the pull lane's half
+    c = rep["coefficients"]
+    assert c["local_turns"] == 16 and "a prefill on D (16 turns)" in text  # the local lane's half, later turns
+    assert c["local_F_ms"] == pytest.approx(3.0, abs=1.0) and c["local_ms_per_ktoken"] == pytest.approx(80.0, rel=0.1)
+    # without D's own curve (P's instead) the same check replays the local turns too slow
+    for row in rows:
+        row.pop("decision")
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    blind = v.validate(str(path), prefill_cache_tokens=0, warm_up=0)
+    assert "local_F_ms" not in blind["coefficients"]
+    assert blind["runs"][0]["modes"]["local"]["buckets"]["all"]["p50_ratio"] > 1.1, v.format_validation(blind)
 
 
 def test_workers_sharing_a_host_share_its_cores():

@@ -589,7 +589,7 @@ class Simulation:
         flight.d_cached = max(flight.d_cached, handle)
         flight.cached = 0
         flight.computed = n - flight.d_cached
-        flight.local_ms = prof.compute_ms(flight.computed, flight.d_cached) * self._noise()
+        flight.local_ms = prof.local_compute_ms(flight.computed, flight.d_cached) * self._noise()
         flight.chunks = max(1, math.ceil(flight.computed / self.settings.max_num_batched_tokens))
         batch = self._batch[d.worker_id]
         batch.queue.append(flight)

@@ -44,6 +44,11 @@ class Profile:
     block_size: int
     noise: float = 0.05
     handoff_fixed_ms: float = -1.0  # P to D's fixed cost per turn (-1: as a pull's, transfer_fixed_ms)
+    # A prefill on D's own curve (-1: as P's). A turn continued on D makes one request where a disaggregated turn
+    # makes two and a hand-off, inside D's batch; `--validate-samples` fits it to the real stack's local turns.
+    local_fixed_ms: float = -1.0
+    local_ms_per_ktoken: float = -1.0
+    local_ms_per_ktoken_kcontext: float = -1.0
     source: str = ""
 
     def compute_ms(self, computed: int, prior: int) -> float:
@@ -52,6 +57,14 @@ class Profile:
             return self.fixed_ms
         k = computed / 1000
         return self.fixed_ms + self.ms_per_ktoken * k + self.ms_per_ktoken_kcontext * k * (prior + computed / 2) / 1000
+
+    def local_compute_ms(self, computed: int, prior: int) -> float:
+        """A prefill on D: its own curve where one was fitted, else P's."""
+        if self.local_fixed_ms < 0:
+            return self.compute_ms(computed, prior)
+        k = max(computed, 0) / 1000
+        return (self.local_fixed_ms + self.local_ms_per_ktoken * k
+                + self.local_ms_per_ktoken_kcontext * k * (prior + max(computed, 0) / 2) / 1000)
 
     @property
     def ms_per_ktransferred(self) -> float:

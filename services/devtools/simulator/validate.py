@@ -16,8 +16,8 @@ Every run is then replayed whole, per mode, on as many prefill and decode worker
 it: a closed loop of as many conversations at a time as were in flight (the bench's ``--concurrency``, read off the
 send times), each turn sent as long after the previous answer as it was (pull mode: the kvshuttle_pull strategy, its
 planner and prefix index; recompute mode: the recompute strategy; local mode: kvshuttle continuing on D whenever it
-can, the profile fitted to the pull and recompute turns alone, so the local turns check the D-prefill model with no
-fit of their own). The checked turns are the first run's other half
+can, a prefill on D priced with its own curve, fitted (:func:`fit_local`) to the calibration half's turns that
+continued on D). The checked turns are the first run's other half
 and every turn of the later runs (the first ``warm_up`` conversations of each concurrent slot aside: the engines'
 warm-up).
 Simulated against measured, per history bucket: TTFT p50 and p90; and per run: the turns each prefill worker served
@@ -46,14 +46,14 @@ from kvshuttle.services.devtools.simulator.workload import OWN_SEGMENTS, SimSess
 # bench mode -> the simulated strategy (the bench's pull lane runs the threshold policy: pull or recompute, never D;
 # its local lane a policy that continues on D whenever it can)
 MODES = {"pull": "kvshuttle_pull", "recompute": "recompute", "local": "kvshuttle_on_d"}
-FIT_MODES = ("pull", "recompute")  # the profile is fitted to P's prefills; local turns are only checked
+FIT_MODES = ("pull", "recompute")  # the profile is fitted to P's prefills; local turns fit only D's fixed cost
 BUCKETS = ((0, 0, "first turn"), (1, 2000, "<2k"), (2000, 4000, "2k-4k"), (4000, 1 << 62, "4k+"))
 TOLERANCE = 0.25
 MIN_JUDGED_TURNS = 5  # a bucket of fewer turns is shown, not judged (a few 100 ms turns on a shared machine)
 GAP_S = 1.0  # between turns, for samples without send times (older bench runs)
 REQUIRED = ("mode", "conversation", "turn", "prompt_tokens", "history_tokens", "ttft_ms", "latency_ms",
             "output_tokens", "pulled_tokens", "computed_tokens")
-OPTIONAL = {"prefill_worker": "", "decode_worker": "", "cached_tokens": 0, "sent_at": 0.0}
+OPTIONAL = {"prefill_worker": "", "decode_worker": "", "cached_tokens": 0, "sent_at": 0.0, "decision": ""}
 
 
 class ValidationError(ValueError):
@@ -110,6 +110,31 @@ def calibrate(rows: list[dict[str, Any]], base: Profile) -> tuple[Profile, dict[
         source=f"fitted to {len(rows)} measured turns")
     return fitted, {"F_ms": fixed, "ms_per_ktoken": per_k, "ms_per_ktoken_kcontext": per_kk,
                     "ms_per_ktoken_moved": per_k_moved, "ms_per_transfer": per_transfer, "tpot_ms": tpot}
+
+
+def fit_local(rows: list[dict[str, Any]], tpot_ms: float, chunk_tokens: int) -> tuple[float, float, float] | None:
+    """A prefill on D's own curve, ``F_D + a·c + b·c·(p + c/2)``, fitted to the turns continued on D as P's curve
+    is fitted to P's (relative error, non-negative), less D's decode steps the engine adds; None with fewer turns
+    than terms. Its own fit, as a pull has its own term: the same model on the same hardware, but no P, no hand-off,
+    and D's batch around it."""
+    if len(rows) < 3:
+        return None
+    a = [[0.0] * 3 for _ in range(3)]
+    b = [0.0] * 3
+    for row in rows:
+        c = row["computed_tokens"]
+        p = row["prompt_tokens"] - c
+        x = [1.0, c / 1000, c * (p + c / 2) / 1e6]
+        y = row["ttft_ms"] - max(1, math.ceil(c / chunk_tokens)) * tpot_ms
+        w = 1 / max(row["ttft_ms"], 1.0) ** 2
+        for i in range(3):
+            b[i] += w * x[i] * y
+            for j in range(3):
+                a[i][j] += w * x[i] * x[j]
+    for i in range(3):
+        a[i][i] += 1e-9 + 1e-6 * a[i][i]
+    fixed, per_k, per_kk = nonnegative_least_squares(a, b)
+    return fixed, per_k, per_kk
 
 
 def _conversations(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
@@ -280,6 +305,13 @@ def validate(paths: str | Path | list[str | Path], *, base: str = "cpu-tiny", pr
     if not fit_rows:
         raise ValidationError(f"{first_path}: no {' or '.join(FIT_MODES)} samples to fit the profile to")
     prof, coefficients = calibrate(fit_rows, profile(base))
+    local_rows = [r for r in first_rows if r["conversation"] in fit_convs and r.get("decision") == "local"]
+    local = fit_local(local_rows, prof.tpot_ms, SimSettings().max_num_batched_tokens)
+    if local is not None:
+        prof = dataclasses.replace(prof, local_fixed_ms=local[0], local_ms_per_ktoken=local[1],
+                                   local_ms_per_ktoken_kcontext=local[2])
+        coefficients |= {"local_F_ms": local[0], "local_ms_per_ktoken": local[1],
+                         "local_ms_per_ktoken_kcontext": local[2], "local_turns": len(local_rows)}
     checks = []
     for i, (path, rows) in enumerate(runs):
         warm, rest = kept(rows)
@@ -313,6 +345,9 @@ def format_validation(rep: dict[str, Any]) -> str:
              f"fit: {c['F_ms']:.1f} ms + {c['ms_per_ktoken']:.1f} ms/1k computed + {c['ms_per_ktoken_kcontext']:.2f} "
              f"ms/1k computed/1k context + {c['ms_per_ktoken_moved']:.2f} ms/1k moved + {c['ms_per_transfer']:.1f} ms "
              f"per pull; decode {c['tpot_ms']:.1f} ms/token"
+             + (f"; a prefill on D ({c['local_turns']} turns): {c['local_F_ms']:.1f} ms + "
+                f"{c['local_ms_per_ktoken']:.1f} ms/1k computed + {c['local_ms_per_ktoken_kcontext']:.2f} ms/1k "
+                f"computed/1k context" if "local_F_ms" in c else "")
              + (f"; the workers share {rep['host_cores']:g} cores" if rep.get("host_cores") else "")]
     for run in rep["runs"]:
         lines += ["", f"{run['samples']}: {run['checked_conversations']} conversations checked"]
