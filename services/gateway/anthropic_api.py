@@ -47,8 +47,7 @@ from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvshuttle.control_plane.answer import Event
-from kvshuttle.control_plane.reasoning import REASONING
-from kvshuttle.control_plane.tool_calls import ParsedCall
+from kvshuttle.control_plane.answer_blocks import APPENDED, CALL_BLOCK, CLOSED, TEXT_BLOCK, AnswerBlocks, Step
 from kvshuttle.services.gateway.api_errors import ANTHROPIC_ERRORS, SESSION_HEADER, anthropic_error_body
 from kvshuttle.services.gateway.chat_tools import FUNCTION_NAME, MAX_TOOLS, FieldError, FunctionIn
 from kvshuttle.services.gateway.http_entry import GatewayRoute
@@ -348,75 +347,55 @@ def tool_use_id() -> str:
 
 
 class ContentBlocks:
-    """The answer's parser events as Anthropic's content blocks: both the whole ``content`` (``self.content``) and the
-    stream events that build it (``feed`` / ``finish`` return ``(event type, payload)`` pairs), so a stream and a
-    whole answer come out the same. Blocks follow the events' order; a thinking block closes before a text block
-    opens. A text block that would hold only whitespace is left out (it opens at the first non-whitespace text);
-    ``parallel`` false keeps only the first tool call."""
+    """The answer's blocks (control_plane.answer_blocks, the rules every API shares) as Anthropic's content blocks:
+    both the whole ``content`` (``self.content``) and the stream events that build it (``feed`` / ``finish`` return
+    ``(event type, payload)`` pairs), so a stream and a whole answer come out the same. ``parallel`` false keeps only
+    the first tool call."""
 
     def __init__(self, parallel: bool = True, new_id: Callable[[], str] = tool_use_id):
-        self._parallel, self._new_id = parallel, new_id
+        self.blocks = AnswerBlocks(parallel_tool_calls=parallel, new_call_id=new_id)
         self.content: list[dict[str, Any]] = []
-        self.calls = 0
-        self._open: str | None = None  # the type of the open (last) block
-        self._held = ""  # whitespace-only text not yet in a block
+
+    @property
+    def calls(self) -> int:
+        return self.blocks.calls
 
     def feed(self, events: Iterable[Event]) -> list[tuple[str, dict[str, Any]]]:
         """The stream events for the answer events of the next piece of text (the turn's parse stage)."""
-        return self._spell(events)
+        return self._spell(self.blocks.feed(events))
 
     def finish(self, events: Iterable[Event] = ()) -> list[tuple[str, dict[str, Any]]]:
         """The stream events for what the parser held back (``events``), once the answer has ended."""
-        out = self._spell(events)
-        self._held = ""
-        return [*out, *self._close()]
+        return self._spell(self.blocks.finish(events))
 
-    def _start(self, block: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-        self.content.append(block)
-        self._open = block["type"]
-        return [("content_block_start", {"type": "content_block_start", "index": len(self.content) - 1,
-                                         "content_block": dict(block)})]
-
-    def _delta(self, delta: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-        return "content_block_delta", {"type": "content_block_delta", "index": len(self.content) - 1, "delta": delta}
-
-    def _close(self) -> list[tuple[str, dict[str, Any]]]:
-        if self._open is None:
-            return []
-        self._open = None
-        return [("content_block_stop", {"type": "content_block_stop", "index": len(self.content) - 1})]
-
-    def _spell(self, events: Iterable[Event]) -> list[tuple[str, dict[str, Any]]]:
+    def _spell(self, steps: list[Step]) -> list[tuple[str, dict[str, Any]]]:
         out: list[tuple[str, dict[str, Any]]] = []
-        for event in events:
-            if isinstance(event, ParsedCall):
-                if not self._parallel and self.calls:
-                    continue
-                self._held = ""
-                out += self._close()
-                out += self._start({"type": "tool_use", "id": self._new_id(), "name": event.name, "input": {}})
-                out.append(self._delta({"type": "input_json_delta", "partial_json": event.arguments}))
-                self.content[-1]["input"] = json.loads(event.arguments)  # the parsers' arguments: a JSON object
-                out += self._close()
-                self.calls += 1
-            elif event.kind == REASONING:
-                if self._open != "thinking":
-                    self._held = ""
-                    out += self._close()
-                    out += self._start({"type": "thinking", "thinking": "", "signature": ""})
-                self.content[-1]["thinking"] += event.text
-                out.append(self._delta({"type": "thinking_delta", "thinking": event.text}))
-            elif self._open == "text":
-                self.content[-1]["text"] += event.text
-                out.append(self._delta({"type": "text_delta", "text": event.text}))
+        for step, block, text in steps:
+            index = block.position
+            if step == APPENDED:
+                if block.kind == TEXT_BLOCK:
+                    self.content[index]["text"] += text
+                    delta = {"type": "text_delta", "text": text}
+                else:
+                    self.content[index]["thinking"] += text
+                    delta = {"type": "thinking_delta", "thinking": text}
+                out.append(("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}))
+            elif step == CLOSED:
+                out.append(("content_block_stop", {"type": "content_block_stop", "index": index}))
+            elif block.kind == CALL_BLOCK:
+                started = {"type": "tool_use", "id": block.call_id, "name": block.name, "input": {}}
+                out.append(("content_block_start", {"type": "content_block_start", "index": index,
+                                                    "content_block": started}))
+                out.append(("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
+                    "type": "input_json_delta", "partial_json": block.arguments}}))
+                # the parsers' arguments: a JSON object
+                self.content.append({**started, "input": json.loads(block.arguments)})
             else:
-                self._held += event.text
-                if self._held.strip():
-                    text, self._held = self._held, ""
-                    out += self._close()
-                    out += self._start({"type": "text", "text": ""})
-                    self.content[-1]["text"] = text
-                    out.append(self._delta({"type": "text_delta", "text": text}))
+                started = ({"type": "text", "text": ""} if block.kind == TEXT_BLOCK
+                           else {"type": "thinking", "thinking": "", "signature": ""})
+                self.content.append(dict(started))
+                out.append(("content_block_start", {"type": "content_block_start", "index": index,
+                                                    "content_block": started}))
         return out
 
 
@@ -542,8 +521,7 @@ def anthropic_routes(runner: TurnRunner, served_model: str, default_max_tokens: 
                                      headers={**kv_headers(turn.kv), "X-Session-ID": req.session_id,
                                               "Cache-Control": "no-cache", "request-id": turn.id})
         finished = await drain(runner, turn)
-        blocks.feed(finished.answer_events)
-        blocks.finish()
+        blocks.finish(finished.answer_events)
         reason, sequence = stop_reason(finished.finish_reason, finished.text, stop, bool(blocks.calls))
         return JSONResponse({
             "id": f"msg_{turn.id}", "type": "message", "role": "assistant", "model": served_model,

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from kvshuttle.control_plane.constraints import Constraint
 from kvshuttle.services.engine.client import TokenLogprob
 from kvshuttle.services.gateway.api_errors import SESSION_HEADER, TURN_RESPONSES, error_body
-from kvshuttle.services.gateway.chat_answer import AnswerShape, finish_reason
+from kvshuttle.services.gateway.chat_answer import AnswerShape
 from kvshuttle.services.gateway.chat_tools import (
     MAX_TOOLS,
     FieldError,
@@ -323,8 +323,8 @@ def create_app(runner: TurnRunner, served_model: str, default_max_tokens: int,
             return StreamingResponse(chunks, media_type="text/event-stream", headers=_stream_headers(turn))
         finished = await drain(runner, turn)
         if shape.chat:
-            message, called = answer.message(finished.text, finished.answer_events)
-            choice = {"index": 0, "message": message, "finish_reason": finish_reason(finished.finish_reason, called),
+            message, _ = answer.message(finished.text, finished.answer_events)
+            choice = {"index": 0, "message": message, "finish_reason": answer.finish_reason(finished.finish_reason),
                       "logprobs": lps.chat(finished.logprobs) if lps else None}
         else:
             choice = shape.choice(finished.text, finished.finish_reason,
@@ -355,7 +355,7 @@ def create_app(runner: TurnRunner, served_model: str, default_max_tokens: int,
         req = turn_request(body, request, body.max_completion_tokens or body.max_tokens, messages=messages,
                            template_vars=body.template_vars(), constraint=builder.constraint(asked, param, tools),
                            tools=tools, constraint_after_reasoning=body.structured_outputs is None)
-        answer = AnswerShape(parsed=builder.parsers.reasoning is not None or tools.calls, calls=tools.calls,
+        answer = AnswerShape(parsed=builder.parsers.reasoning is not None or tools.calls,
                              parallel_tool_calls=body.parallel_tool_calls, include_reasoning=body.include_reasoning)
         return await respond(body, req, CHAT, answer)
 
@@ -476,8 +476,7 @@ async def _stream(runner: TurnRunner, turn: TurnContext, model: str, include_usa
                 for delta in answer.finish_deltas(event.events):
                     yield chunk(delta)
                 last = {**base, "choices": [{"index": 0, "delta": {},
-                                             "finish_reason": finish_reason(event.finish_reason,
-                                                                            answer.streamed_calls)}]}
+                                             "finish_reason": answer.finish_reason(event.finish_reason)}]}
             else:
                 last = {**base, "choices": [shape.choice("", event.finish_reason)]}
             yield _sse({**last, "kvshuttle": kv_body(event.kv, event.timings, turn.request)})

@@ -19,18 +19,25 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from kvshuttle.control_plane import response_chain as chains
-from kvshuttle.control_plane.answer import Event, Piece
+from kvshuttle.control_plane.answer import Event
+from kvshuttle.control_plane.answer_blocks import (
+    APPENDED,
+    CALL_BLOCK,
+    OPENED,
+    REASONING_BLOCK,
+    TEXT_BLOCK,
+    AnswerBlocks,
+    Block,
+    Step,
+)
 from kvshuttle.control_plane.constraints import Constraint, json_answer
-from kvshuttle.control_plane.reasoning import REASONING
 from kvshuttle.control_plane.session import InvalidArgument
-from kvshuttle.control_plane.tool_calls import ParsedCall
 from kvshuttle.services.gateway.api_errors import SESSION_HEADER, TURN_RESPONSES
 from kvshuttle.services.gateway.chat_tools import MAX_TOOLS, FieldError, FunctionIn, check_schema
 from kvshuttle.services.gateway.http_entry import guarded
@@ -230,16 +237,18 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-@dataclass
-class OutputBuilder:
-    """Turns the parsed answer's events into output items, and (streaming) into the Responses API's events."""
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
-    parallel_tool_calls: bool = True
-    items: list[dict[str, Any]] = field(default_factory=list)
-    _open: dict[str, Any] | None = None
-    _sequence: int = 0
-    _calls: int = 0
-    _blank: str = ""  # blank answer text held back: a message item only if text (not a call) follows
+
+class OutputBuilder:
+    """The answer's blocks (control_plane.answer_blocks, the rules every API shares) as output items, and
+    (streaming) as the Responses API's events."""
+
+    def __init__(self, parallel_tool_calls: bool = True):
+        self.blocks = AnswerBlocks(parallel_tool_calls=parallel_tool_calls, new_call_id=_call_id)
+        self.items: list[dict[str, Any]] = []
+        self._sequence = 0
 
     def _event(self, kind: str, **body: Any) -> dict[str, Any]:
         self._sequence += 1
@@ -251,90 +260,69 @@ class OutputBuilder:
 
     def feed(self, events: Iterable[Event]) -> list[dict[str, Any]]:
         """The stream events for the answer events of the next piece of text (the turn's parse stage)."""
-        return self._events(events)
+        return self._spell(self.blocks.feed(events))
 
     def finish(self, events: Iterable[Event] = ()) -> list[dict[str, Any]]:
         """The stream events for what the parser held back (``events``), once the answer has ended."""
-        out = self._events(events)
-        if self._blank and not self._calls:  # an answer of only blank text: it is the message
-            out += self._text("message", self._blank)
-        out.extend(self._close())
+        return self._spell(self.blocks.finish(events))
+
+    def _spell(self, steps: list[Step]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for step, block, text in steps:
+            index = block.position
+            if step == APPENDED:
+                item = self.items[index]
+                item["content"][0]["text"] += text
+                if block.kind == TEXT_BLOCK:
+                    out.append(self._event("response.output_text.delta", item_id=item["id"], output_index=index,
+                                           content_index=0, delta=text, logprobs=[]))
+                else:
+                    out.append(self._event("response.reasoning_text.delta", item_id=item["id"], output_index=index,
+                                           content_index=0, delta=text))
+            elif step == OPENED:
+                out += self._opened(block)
+            elif block.kind != CALL_BLOCK:
+                out += self._closed(index)
         return out
 
-    def _close(self) -> list[dict[str, Any]]:
-        item, self._open = self._open, None
-        if item is None:
-            return []
-        index = len(self.items)
-        self.items.append(item)
-        if item["type"] == "reasoning":
-            text = item["content"][0]["text"]
-            return [self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
-                                content_index=0, text=text),
+    def _opened(self, block: Block) -> list[dict[str, Any]]:
+        index = block.position
+        if block.kind == CALL_BLOCK:
+            item = {"type": "function_call", "id": _new_id("fc"), "call_id": block.call_id, "name": block.name,
+                    "arguments": block.arguments, "status": "completed"}
+            self.items.append(item)
+            return [self._event("response.output_item.added", output_index=index,
+                                item={**item, "arguments": "", "status": "in_progress"}),
+                    self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                                delta=block.arguments),
+                    self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                name=block.name, arguments=block.arguments),
                     self._event("response.output_item.done", output_index=index, item=item)]
+        if block.kind == REASONING_BLOCK:
+            item = {"type": "reasoning", "id": _new_id("rs"), "summary": [],
+                    "content": [{"type": "reasoning_text", "text": ""}]}
+            self.items.append(item)
+            return [self._event("response.output_item.added", output_index=index, item={**item, "content": []})]
+        item = {"type": "message", "id": _new_id("msg"), "role": "assistant", "status": "completed",
+                "content": [{"type": "output_text", "text": "", "annotations": []}]}
+        self.items.append(item)
+        return [self._event("response.output_item.added", output_index=index,
+                            item={**item, "status": "in_progress", "content": []}),
+                self._event("response.content_part.added", item_id=item["id"], output_index=index, content_index=0,
+                            part={"type": "output_text", "text": "", "annotations": []})]
+
+    def _closed(self, index: int) -> list[dict[str, Any]]:
+        item = self.items[index]
         part = item["content"][0]
+        if item["type"] == "reasoning":
+            return [self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                                content_index=0, text=part["text"]),
+                    self._event("response.output_item.done", output_index=index, item=item)]
         return [self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
                             text=part["text"], logprobs=[]),
                 self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
                             part=part),
                 self._event("response.output_item.done", output_index=index, item=item)]
-
-    def _events(self, events) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        for event in events:
-            if isinstance(event, ParsedCall):
-                self._blank = ""
-                out.extend(self._close())
-                if self._calls and not self.parallel_tool_calls:
-                    continue
-                self._calls += 1
-                item = {"type": "function_call", "id": _new_id("fc"), "call_id": f"call_{uuid.uuid4().hex[:24]}",
-                        "name": event.name, "arguments": event.arguments, "status": "completed"}
-                index = len(self.items)
-                self.items.append(item)
-                out += [self._event("response.output_item.added", output_index=index,
-                                    item={**item, "arguments": "", "status": "in_progress"}),
-                        self._event("response.function_call_arguments.delta", item_id=item["id"],
-                                    output_index=index, delta=event.arguments),
-                        self._event("response.function_call_arguments.done", item_id=item["id"],
-                                    output_index=index, name=event.name, arguments=event.arguments),
-                        self._event("response.output_item.done", output_index=index, item=item)]
-                continue
-            assert isinstance(event, Piece)
-            if event.kind == REASONING:
-                out += self._text("reasoning", event.text)
-            elif (self._open is None or self._open["type"] != "message") and not (self._blank + event.text).strip():
-                self._blank += event.text  # e.g. the blank line between reasoning and calls: no message item
-            else:
-                text, self._blank = self._blank + event.text, ""
-                out += self._text("message", text)
-        return out
-
-    def _text(self, kind: str, text: str) -> list[dict[str, Any]]:
-        """Reasoning or message text: opens the item (closing another kind first), then a delta event."""
-        out: list[dict[str, Any]] = []
-        if self._open is not None and self._open["type"] != kind:
-            out.extend(self._close())
-        index = len(self.items)
-        if self._open is None:
-            if kind == "reasoning":
-                self._open = {"type": "reasoning", "id": _new_id("rs"), "summary": [],
-                              "content": [{"type": "reasoning_text", "text": ""}]}
-                out.append(self._event("response.output_item.added", output_index=index,
-                                       item={**self._open, "content": []}))
-            else:
-                self._open = {"type": "message", "id": _new_id("msg"), "role": "assistant", "status": "completed",
-                              "content": [{"type": "output_text", "text": "", "annotations": []}]}
-                out += [self._event("response.output_item.added", output_index=index,
-                                    item={**self._open, "status": "in_progress", "content": []}),
-                        self._event("response.content_part.added", item_id=self._open["id"], output_index=index,
-                                    content_index=0, part={"type": "output_text", "text": "", "annotations": []})]
-        self._open["content"][0]["text"] += text
-        name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        extra = {} if kind == "reasoning" else {"logprobs": []}
-        out.append(self._event(name, item_id=self._open["id"], output_index=index, content_index=0, delta=text,
-                               **extra))
-        return out
 
 
 def stored_items(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -465,8 +453,7 @@ def add_responses_routes(app: FastAPI, runner: TurnRunner, served_model: str, de
             chunks = guarded(_stream(runner, turn, output, response, finished), failed, turn.id)
             return StreamingResponse(chunks, media_type="text/event-stream", headers=_headers(turn))
         done = await drain(runner, turn)
-        output.feed(done.answer_events)  # the events a stream would have carried, in order
-        output.finish()
+        output.finish(done.answer_events)  # the events a stream would have carried, in order
         return JSONResponse(await finished(done), headers={**kv_headers(done.kv), **_headers(turn)})
 
     @app.get("/v1/responses/{response_id}", responses={404: TURN_RESPONSES[404]})

@@ -333,12 +333,12 @@ def test_reasoning_then_calls():
 def test_the_gateway_types_arguments_by_the_requests_tools():
     text = "Looking.\n" + GLM_WEATHER
     parsing = AnswerParsing(tools=TOOL_CALL_PARSERS["glm45"], request_tools=TOOLS)
-    whole, events = AnswerShape(parsed=True, calls=True, new_id=lambda: "call-1"), AnswerEvents(parsing, "")
+    whole, events = AnswerShape(parsed=True, new_id=lambda: "call-1"), AnswerEvents(parsing, "")
     events.feed(text)
     events.finish()
     assert whole.message(text, events.events) == ({"role": "assistant", "content": "Looking.", "tool_calls": [
         {"id": "call-1", "type": "function", "function": {"name": "get_weather", "arguments": WEATHER}}]}, True)
-    stream, events = AnswerShape(parsed=True, calls=True, new_id=lambda: "call-1"), AnswerEvents(parsing, "")
+    stream, events = AnswerShape(parsed=True, new_id=lambda: "call-1"), AnswerEvents(parsing, "")
     deltas = [d for i in range(0, len(text), 5) for d in stream.deltas(events.feed(text[i:i + 5]))]
     deltas += stream.finish_deltas(events.finish())
     assert "".join(d.get("content", "") for d in deltas) == "Looking."
