@@ -15,8 +15,8 @@ import uuid
 from dataclasses import dataclass
 
 import httpx
+from kvshuttle.services.devtools.chat_stream import stream_chat
 from kvshuttle.services.engine.client import EngineClient
-from kvshuttle.services.gateway.chat_stream import stream_chat
 from kvshuttle.v1 import common_pb2
 
 SYSTEM = ("You are a coding agent. You read source files with tools and explain what they do, "

@@ -45,7 +45,7 @@ from typing import Annotated, Any, Literal
 import grpc
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from kvshuttle.control_plane.answer import Event
 from kvshuttle.control_plane.answer_blocks import APPENDED, CALL_BLOCK, CLOSED, TEXT_BLOCK, AnswerBlocks, Step
 from kvshuttle.services.gateway.api_errors import ANTHROPIC_ERRORS, SESSION_HEADER, anthropic_error_body
@@ -54,6 +54,7 @@ from kvshuttle.services.gateway.http_entry import GatewayRoute
 from kvshuttle.services.gateway.http_guard import caller
 from kvshuttle.services.gateway.input_check import InputError
 from kvshuttle.services.gateway.request_model import StrictIn, session_id_of
+from kvshuttle.services.gateway.sse import frame, stream_response
 from kvshuttle.services.gateway.turns import Delta, TurnContext, TurnError, TurnRunner
 from kvshuttle.services.gateway.turns.builder import (
     ANTHROPIC_TOOLS,
@@ -61,6 +62,7 @@ from kvshuttle.services.gateway.turns.builder import (
     ToolChoice,
     ToolUse,
     TurnBuilder,
+    check_tool_results,
     check_tools,
     template_tools,
 )
@@ -271,7 +273,7 @@ def chat_messages(body: PromptIn) -> list[dict[str, Any]]:
     system = "\n".join(b.text for b in body.system or [])
     if system:
         out.append({"role": "system", "content": system})
-    called: set[str] = set()
+    fields: dict[int, str] = {}  # a tool result's chat message -> its tool_use_id's field
     for i, message in enumerate(body.messages):
         where = f"messages.{i}"
         text: list[str] = []
@@ -286,7 +288,6 @@ def chat_messages(body: PromptIn) -> list[dict[str, Any]]:
                 elif block.type == "tool_use":
                     calls.append({"id": block.id, "type": "function",
                                   "function": {"name": block.name, "arguments": block.input}})
-                    called.add(block.id)
                 elif block.type == "tool_result":
                     raise FieldError(f"{where}.content.{j}", "tool_result blocks belong in user messages")
             assistant: dict[str, Any] = {"role": "assistant", "content": "\n".join(text)}
@@ -301,10 +302,7 @@ def chat_messages(body: PromptIn) -> list[dict[str, Any]]:
             if block.type == "text":
                 text.append(block.text)
             elif block.type == "tool_result":
-                if block.tool_use_id not in called:
-                    raise FieldError(f"{where}.content.{j}.tool_use_id",
-                                     f"tool_use_id {block.tool_use_id!r} answers no tool_use block of an earlier "
-                                     "assistant message")
+                fields[len(out) + len(results)] = f"{where}.content.{j}.tool_use_id"
                 results.append({"role": "tool", "content": "\n".join(b.text for b in block.content),
                                 "tool_call_id": block.tool_use_id, **({"is_error": True} if block.is_error else {})})
             else:
@@ -312,6 +310,7 @@ def chat_messages(body: PromptIn) -> list[dict[str, Any]]:
         out.extend(results)
         if text or not results:
             out.append({"role": "user", "content": "\n".join(text)})
+    check_tool_results(out, fields, id_name="tool_use_id", call_name="tool_use block")
     return out
 
 
@@ -476,7 +475,7 @@ MESSAGE_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 def _sse(kind: str, payload: dict[str, Any]) -> bytes:
-    return f"event: {kind}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
+    return frame(payload, kind)
 
 
 # -- the routes -----------------------------------------------------------------------------------------------------
@@ -517,9 +516,8 @@ def anthropic_routes(runner: TurnRunner, served_model: str, default_max_tokens: 
         turn = await runner.prepare(req)
         blocks = ContentBlocks(parallel)
         if body.stream:
-            return StreamingResponse(_stream(runner, turn, served_model, blocks, stop), media_type="text/event-stream",
-                                     headers={**kv_headers(turn.kv), "X-Session-ID": req.session_id,
-                                              "Cache-Control": "no-cache", "request-id": turn.id})
+            return stream_response(_stream(runner, turn, served_model, blocks, stop), turn, _error_tail,
+                                   **{"request-id": turn.id})
         finished = await drain(runner, turn)
         blocks.finish(finished.answer_events)
         reason, sequence = stop_reason(finished.finish_reason, finished.text, stop, bool(blocks.calls))
@@ -558,27 +556,20 @@ async def _stream(runner: TurnRunner, turn: TurnContext, model: str, blocks: Con
     yield _sse("message_start", {"type": "message_start", "message": {
         "id": f"msg_{turn.id}", "type": "message", "role": "assistant", "model": model, "content": [],
         "stop_reason": None, "stop_sequence": None, "usage": usage(Usage.at(len(turn.prompt_ids), 0, turn.kv))}})
-    finished = False
-    try:
-        async for event in runner.decode(turn):
-            if isinstance(event, Delta):
-                for kind, payload in blocks.feed(event.events):
-                    yield _sse(kind, payload)
-                continue
-            for kind, payload in blocks.finish(event.events):
+    async for event in runner.decode(turn):
+        if isinstance(event, Delta):
+            for kind, payload in blocks.feed(event.events):
                 yield _sse(kind, payload)
-            reason, sequence = stop_reason(event.finish_reason, event.text, stop, bool(blocks.calls))
-            yield _sse("message_delta", {
-                "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                "usage": usage(Usage.of(event)),
-                "kvshuttle": kv_body(event.kv, event.timings, turn.request)})
-            yield _sse("message_stop", {"type": "message_stop"})
-            finished = True
-        if not finished:
-            raise TurnError(503, grpc.StatusCode.UNAVAILABLE, "decode ended without a result")
-    except TurnError as exc:
-        log.warning("stream of turn %s failed: %s", turn.id, exc.message)
-        yield _sse("error", anthropic_error_body(exc.http_status, exc.message))
-    except Exception:
-        log.exception("stream of turn %s failed", turn.id)
-        yield _sse("error", anthropic_error_body(500, "internal error"))
+            continue
+        for kind, payload in blocks.finish(event.events):
+            yield _sse(kind, payload)
+        reason, sequence = stop_reason(event.finish_reason, event.text, stop, bool(blocks.calls))
+        yield _sse("message_delta", {
+            "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+            "usage": usage(Usage.of(event)), "kvshuttle": kv_body(event.kv, event.timings, turn.request)})
+        yield _sse("message_stop", {"type": "message_stop"})
+
+
+def _error_tail(status: int, message: str) -> list[bytes]:
+    """How a Messages stream ends after a failure: Anthropic's ``error`` event."""
+    return [_sse("error", anthropic_error_body(status, message))]

@@ -88,33 +88,6 @@ def check_schema(schema: Any, param: str, what: str) -> None:
         raise FieldError(param, f"{what} nest too deeply") from None
 
 
-def check_tools(tools: list[ToolIn] | None, choice: ToolChoice | None) -> None:
-    """Tool definitions and ``tool_choice`` that the gateway can use; FieldError otherwise."""
-    tools = tools or []
-    if len(tools) > MAX_TOOLS:
-        raise FieldError("tools", f"at most {MAX_TOOLS} tools are allowed, got {len(tools)}")
-    names: set[str] = set()
-    for i, tool in enumerate(tools):
-        fn = tool.function
-        if fn.name in names:
-            raise FieldError(f"tools.{i}.function.name", f"two tools are named {fn.name!r}")
-        names.add(fn.name)
-        if fn.parameters is None:
-            continue
-        if fn.parameters.get("type", "object") != "object":
-            raise FieldError(f"tools.{i}.function.parameters",
-                            f"tool {fn.name!r}: parameters must be a JSON Schema of type 'object', "
-                            f"got type {fn.parameters.get('type')!r}")
-        check_schema(fn.parameters, f"tools.{i}.function.parameters", f"tool {fn.name!r}: parameters")
-    if choice is None or isinstance(choice, str):
-        if choice in ("required",) and not tools:
-            raise FieldError("tool_choice", "tool_choice 'required' needs tools")
-        return
-    if choice.function.name not in names:
-        raise FieldError("tool_choice", f"tool_choice names {choice.function.name!r}, which is not among the tools "
-                                       f"({', '.join(sorted(names)) or 'none given'})")
-
-
 def template_tool_calls(calls: list[ToolCallIn], where: str) -> list[dict[str, Any]]:
     """An assistant message's tool calls for the template: arguments as a dict (as vLLM and transformers give
     them)."""
@@ -131,18 +104,3 @@ def template_tool_calls(calls: list[ToolCallIn], where: str) -> list[dict[str, A
         out.append({"id": call.id, "type": "function",
                     "function": {"name": call.function.name, "arguments": arguments}})
     return out
-
-
-def check_tool_results(messages: list[Any]) -> None:
-    """Every ``tool`` message answers a call of an earlier assistant message (by ``tool_call_id``)."""
-    called: set[str] = set()
-    for i, message in enumerate(messages):
-        if message.role == "assistant":
-            called.update(call.id for call in message.tool_calls or [])
-        elif message.role == "tool":
-            if not message.tool_call_id:
-                raise FieldError(f"messages.{i}.tool_call_id", "a tool message needs the tool_call_id it answers")
-            if message.tool_call_id not in called:
-                raise FieldError(f"messages.{i}.tool_call_id",
-                                f"tool_call_id {message.tool_call_id!r} answers no tool call of an earlier assistant "
-                                "message")

@@ -19,12 +19,16 @@ WINDOW = 6  # tokens decoded before the first new one: enough for a character sp
 
 
 class IncrementalText:
+    """One decode per token, mostly: the window's earlier text is the previous step's text while the window keeps
+    its start; the start moves up (one more decode) once the window has grown ``WINDOW`` tokens past its floor."""
+
     def __init__(self, tokenizer: Any, skip_special_tokens: bool = True):
         self._decode = tokenizer.decode
         self._skip = skip_special_tokens
         self._ids: list[int] = []
         self._prefix = 0  # where the window starts
         self._read = 0  # ids whose text has been sent
+        self._before = ""  # the text of ids[prefix:read]
         self.text = ""
 
     def _window(self, end: int) -> str:
@@ -33,20 +37,25 @@ class IncrementalText:
     def add(self, ids: Sequence[int]) -> str:
         """The text that ``ids`` add (possibly "" while a character is unfinished)."""
         self._ids.extend(ids)
-        before = self._window(self._read)
+        before = self._before
         now = self._window(len(self._ids))
         if len(now) <= len(before) or now.endswith(REPLACEMENT) or not now.startswith(before):
             return ""
         piece = now[len(before):]
         self._read = len(self._ids)
-        self._prefix = max(0, self._read - WINDOW)
+        if self._read - self._prefix > 2 * WINDOW:
+            self._prefix = self._read - WINDOW
+            self._before = self._window(self._read)
+        else:
+            self._before = now
         self.text += piece
         return piece
 
     def finish(self) -> str:
         """What is still held back (an unfinished character comes out as U+FFFD), once the answer has ended."""
-        before, now = self._window(self._read), self._window(len(self._ids))
+        before, now = self._before, self._window(len(self._ids))
         piece = now[len(before):] if now.startswith(before) else ""
         self._read = len(self._ids)
+        self._before = now
         self.text += piece
         return piece

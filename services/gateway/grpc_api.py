@@ -16,7 +16,7 @@ from kvshuttle.services.gateway.auth import AuthError, KeyRing, Principal
 from kvshuttle.services.gateway.tenant_limits import TenantQuotas
 from kvshuttle.services.gateway.turns import Delta, Finished, KvOutcome, TurnContext, TurnError, TurnRequest, TurnRunner
 from kvshuttle.services.gateway.turns.builder import TurnBuilder
-from kvshuttle.services.gateway.turns.reply import Usage
+from kvshuttle.services.gateway.turns.reply import Usage, drain
 from kvshuttle.v1 import gateway_pb2, gateway_pb2_grpc, scheduler_pb2
 
 log = logging.getLogger(__name__)
@@ -242,13 +242,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         try:
             req = self._authorized(req_fn, msg, context)
             turn = await self._prepare(req, context)
-            finished = None
-            async for event in self.runner.decode(turn):
-                if isinstance(event, Finished):
-                    finished = event
-            if finished is None:
-                raise TurnError(503, grpc.StatusCode.UNAVAILABLE, "decode ended without a result")
-            return turn, finished
+            return turn, await drain(self.runner, turn)
         except TurnError as exc:
             await abort(context, exc)
         except grpc.aio.AbortError:

@@ -1,12 +1,12 @@
 """The one entry of the gateway's HTTP front ends (OpenAI chat and completions, Responses, Anthropic Messages):
 GatewayRoute runs input_check on the decoded body before FastAPI validates it, and answers any unexpected exception
 with a 500 in the API's error shape (the traceback goes to the log), so no request ends in a dropped connection.
-``guarded`` does the same for a stream whose headers are already sent: an error event, then a clean end."""
+A stream whose headers are already sent ends with its API's error event instead (sse.py)."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 from fastapi.exceptions import RequestValidationError
@@ -72,15 +72,3 @@ class GatewayRoute(APIRoute):
                 return self.internal_error()
 
         return route
-
-
-async def guarded(chunks: AsyncIterator[bytes], on_error: Callable[[], Iterable[bytes]], what: str
-                  ) -> AsyncIterator[bytes]:
-    """``chunks``, and when they fail past the headers, ``on_error()``'s (the stream's own error event and end)."""
-    try:
-        async for chunk in chunks:
-            yield chunk
-    except Exception:
-        log.exception("stream of %s failed", what)
-        for chunk in on_error():
-            yield chunk

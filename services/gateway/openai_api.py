@@ -17,13 +17,12 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from kvshuttle.control_plane.constraints import Constraint
 from kvshuttle.services.engine.client import TokenLogprob
 from kvshuttle.services.gateway.api_errors import SESSION_HEADER, TURN_RESPONSES, error_body
@@ -35,21 +34,22 @@ from kvshuttle.services.gateway.chat_tools import (
     ToolCallIn,
     ToolChoice,
     ToolIn,
-    check_tool_results,
     template_tool_calls,
 )
-from kvshuttle.services.gateway.http_entry import GatewayRoute, guarded
+from kvshuttle.services.gateway.http_entry import GatewayRoute
 from kvshuttle.services.gateway.http_guard import caller
 from kvshuttle.services.gateway.input_check import INT32_MAX
 from kvshuttle.services.gateway.logprob_format import Spell, chat_content, completion_logprobs, speller
 from kvshuttle.services.gateway.request_model import SESSION_ID_PATTERN, UNSUPPORTED, StrictIn, session_id_of
+from kvshuttle.services.gateway.sse import frame as _sse
+from kvshuttle.services.gateway.sse import stream_response
 from kvshuttle.services.gateway.structured_output import (
     ResponseFormatIn,
     StructuredOutputsIn,
     requested_constraint,
 )
-from kvshuttle.services.gateway.turns import Delta, Finished, TurnContext, TurnError, TurnRequest, TurnRunner
-from kvshuttle.services.gateway.turns.builder import NamedTool, TurnBuilder
+from kvshuttle.services.gateway.turns import Delta, TurnContext, TurnError, TurnRequest, TurnRunner
+from kvshuttle.services.gateway.turns.builder import NamedTool, TurnBuilder, check_tool_results
 from kvshuttle.services.gateway.turns.reply import Usage, drain, kv_body, kv_headers
 from pydantic import Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -318,9 +318,8 @@ def create_app(runner: TurnRunner, served_model: str, default_max_tokens: int,
         ids = bool(body.return_token_ids)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            chunks = guarded(_stream(runner, turn, served_model, include_usage, shape, answer, lps, ids),
-                             lambda: [_sse(error_body(500, "internal error")), _sse("[DONE]")], turn.id)
-            return StreamingResponse(chunks, media_type="text/event-stream", headers=_stream_headers(turn))
+            return stream_response(_stream(runner, turn, served_model, include_usage, shape, answer, lps, ids),
+                                   turn, _error_tail)
         finished = await drain(runner, turn)
         if shape.chat:
             message, _ = answer.message(finished.text, finished.answer_events)
@@ -349,8 +348,8 @@ def create_app(runner: TurnRunner, served_model: str, default_max_tokens: int,
         tools = builder.tools([t.function for t in body.tools or []],
                               NamedTool(choice.function.name) if isinstance(choice, NamedToolChoice) else choice,
                               parallel=body.parallel_tool_calls)
-        check_tool_results(body.messages)
         messages = [m.plain(f"messages.{i}") for i, m in enumerate(body.messages)]
+        check_tool_results(messages)
         asked, param = structured(body)
         req = turn_request(body, request, body.max_completion_tokens or body.max_tokens, messages=messages,
                            template_vars=body.template_vars(), constraint=builder.constraint(asked, param, tools),
@@ -369,22 +368,9 @@ def create_app(runner: TurnRunner, served_model: str, default_max_tokens: int,
     return app
 
 
-def _stream_headers(turn: TurnContext) -> dict[str, str]:
-    return {**kv_headers(turn.kv), "X-Session-ID": turn.request.session_id, "Cache-Control": "no-cache"}
-
-
-def _sse(payload: dict[str, Any] | str) -> bytes:
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
-
-
-async def _events(runner: TurnRunner, turn: TurnContext) -> AsyncIterator[Delta | Finished | TurnError]:
-    try:
-        async for event in runner.decode(turn):
-            yield event
-    except TurnError as exc:
-        log.warning("stream of turn %s failed: %s", turn.id, exc.message)
-        yield exc
+def _error_tail(status: int, message: str) -> list[bytes]:
+    """How a chat or completions stream ends after a failure: OpenAI's error object, then ``[DONE]``."""
+    return [_sse(error_body(status, message)), _sse("[DONE]")]
 
 
 @dataclass(frozen=True)
@@ -453,10 +439,7 @@ async def _stream(runner: TurnRunner, turn: TurnContext, model: str, include_usa
         yield _sse({**base, "choices": [{"index": 0, "delta": first, "finish_reason": None}],
                     **({"prompt_token_ids": list(turn.prompt_ids)} if ids else {})})
     sent_prompt = False
-    async for event in _events(runner, turn):
-        if isinstance(event, TurnError):
-            yield _sse(error_body(event.http_status, event.message))
-            break
+    async for event in runner.decode(turn):
         if isinstance(event, Delta):
             if not shape.chat:
                 choice = shape.choice(event.text, None, lps.completion(event.logprobs) if lps else None)

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import grpc
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from kvshuttle.control_plane import response_chain as chains
 from kvshuttle.control_plane.answer import Event
 from kvshuttle.control_plane.answer_blocks import (
@@ -40,12 +40,12 @@ from kvshuttle.control_plane.constraints import Constraint, json_answer
 from kvshuttle.control_plane.session import InvalidArgument
 from kvshuttle.services.gateway.api_errors import SESSION_HEADER, TURN_RESPONSES
 from kvshuttle.services.gateway.chat_tools import MAX_TOOLS, FieldError, FunctionIn, check_schema
-from kvshuttle.services.gateway.http_entry import guarded
 from kvshuttle.services.gateway.http_guard import caller
 from kvshuttle.services.gateway.input_check import INT32_MAX
 from kvshuttle.services.gateway.request_model import SESSION_ID_PATTERN, StrictIn, session_id_of
+from kvshuttle.services.gateway.sse import frame, stream_headers, stream_response
 from kvshuttle.services.gateway.turns import Delta, Finished, TurnContext, TurnError, TurnRunner
-from kvshuttle.services.gateway.turns.builder import RESPONSES_TOOLS, NamedTool, TurnBuilder
+from kvshuttle.services.gateway.turns.builder import RESPONSES_TOOLS, NamedTool, TurnBuilder, check_tool_results
 from kvshuttle.services.gateway.turns.reply import Usage, drain, kv_body, kv_headers
 from kvshuttle.v1 import registry_pb2
 from pydantic import Field
@@ -190,8 +190,8 @@ def chat_messages(items: list[dict[str, Any]], instructions: str | None) -> list
     """The conversation's items as the chat template's messages: consecutive reasoning, assistant text and function
     calls make one assistant message; function outputs are tool messages (each must answer an earlier call)."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
+    fields: dict[int, str] = {}
     turn: dict[str, Any] | None = None
-    called: set[str] = set()
 
     def flush() -> None:
         nonlocal turn
@@ -217,17 +217,15 @@ def chat_messages(items: list[dict[str, Any]], instructions: str | None) -> list
                 turn.setdefault("tool_calls", []).append(
                     {"id": item["call_id"], "type": "function",
                      "function": {"name": item["name"], "arguments": arguments}})
-                called.add(item["call_id"])
             continue
         flush()
         if kind == "function_call_output":
-            if item["call_id"] not in called:
-                raise FieldError("input", f"function_call_output for call_id {item['call_id']!r} answers no earlier "
-                                          "function_call of the conversation")
+            fields[len(messages)] = "input"  # the conversation's items: the previous responses' and this input's
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
         else:
             messages.append({"role": item["role"], "content": item["content"]})
     flush()
+    check_tool_results(messages, fields, id_name="call_id", call_name="function_call")
     return messages
 
 
@@ -250,13 +248,13 @@ class OutputBuilder:
         self.items: list[dict[str, Any]] = []
         self._sequence = 0
 
-    def _event(self, kind: str, **body: Any) -> dict[str, Any]:
+    def event(self, kind: str, **body: Any) -> dict[str, Any]:
         self._sequence += 1
         return {"type": kind, "sequence_number": self._sequence - 1, **body}
 
     def start(self, response: dict[str, Any]) -> list[dict[str, Any]]:
-        return [self._event("response.created", response=response),
-                self._event("response.in_progress", response=response)]
+        return [self.event("response.created", response=response),
+                self.event("response.in_progress", response=response)]
 
     def feed(self, events: Iterable[Event]) -> list[dict[str, Any]]:
         """The stream events for the answer events of the next piece of text (the turn's parse stage)."""
@@ -274,10 +272,10 @@ class OutputBuilder:
                 item = self.items[index]
                 item["content"][0]["text"] += text
                 if block.kind == TEXT_BLOCK:
-                    out.append(self._event("response.output_text.delta", item_id=item["id"], output_index=index,
+                    out.append(self.event("response.output_text.delta", item_id=item["id"], output_index=index,
                                            content_index=0, delta=text, logprobs=[]))
                 else:
-                    out.append(self._event("response.reasoning_text.delta", item_id=item["id"], output_index=index,
+                    out.append(self.event("response.reasoning_text.delta", item_id=item["id"], output_index=index,
                                            content_index=0, delta=text))
             elif step == OPENED:
                 out += self._opened(block)
@@ -291,38 +289,38 @@ class OutputBuilder:
             item = {"type": "function_call", "id": _new_id("fc"), "call_id": block.call_id, "name": block.name,
                     "arguments": block.arguments, "status": "completed"}
             self.items.append(item)
-            return [self._event("response.output_item.added", output_index=index,
+            return [self.event("response.output_item.added", output_index=index,
                                 item={**item, "arguments": "", "status": "in_progress"}),
-                    self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                    self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
                                 delta=block.arguments),
-                    self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                    self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                                 name=block.name, arguments=block.arguments),
-                    self._event("response.output_item.done", output_index=index, item=item)]
+                    self.event("response.output_item.done", output_index=index, item=item)]
         if block.kind == REASONING_BLOCK:
             item = {"type": "reasoning", "id": _new_id("rs"), "summary": [],
                     "content": [{"type": "reasoning_text", "text": ""}]}
             self.items.append(item)
-            return [self._event("response.output_item.added", output_index=index, item={**item, "content": []})]
+            return [self.event("response.output_item.added", output_index=index, item={**item, "content": []})]
         item = {"type": "message", "id": _new_id("msg"), "role": "assistant", "status": "completed",
                 "content": [{"type": "output_text", "text": "", "annotations": []}]}
         self.items.append(item)
-        return [self._event("response.output_item.added", output_index=index,
+        return [self.event("response.output_item.added", output_index=index,
                             item={**item, "status": "in_progress", "content": []}),
-                self._event("response.content_part.added", item_id=item["id"], output_index=index, content_index=0,
+                self.event("response.content_part.added", item_id=item["id"], output_index=index, content_index=0,
                             part={"type": "output_text", "text": "", "annotations": []})]
 
     def _closed(self, index: int) -> list[dict[str, Any]]:
         item = self.items[index]
         part = item["content"][0]
         if item["type"] == "reasoning":
-            return [self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+            return [self.event("response.reasoning_text.done", item_id=item["id"], output_index=index,
                                 content_index=0, text=part["text"]),
-                    self._event("response.output_item.done", output_index=index, item=item)]
-        return [self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+                    self.event("response.output_item.done", output_index=index, item=item)]
+        return [self.event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
                             text=part["text"], logprobs=[]),
-                self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                self.event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
                             part=part),
-                self._event("response.output_item.done", output_index=index, item=item)]
+                self.event("response.output_item.done", output_index=index, item=item)]
 
 
 def stored_items(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -446,15 +444,13 @@ def add_responses_routes(app: FastAPI, runner: TurnRunner, served_model: str, de
             return out
 
         if body.stream:
-            def failed() -> list[bytes]:
-                event = output._event("error", code="500", message="internal error", param=None)
-                return [f"event: error\ndata: {json.dumps(event, separators=(',', ':'))}\n\n".encode()]
+            def error_tail(status: int, message: str) -> list[bytes]:
+                return [_sse(output.event("error", code=str(status), message=message, param=None))]
 
-            chunks = guarded(_stream(runner, turn, output, response, finished), failed, turn.id)
-            return StreamingResponse(chunks, media_type="text/event-stream", headers=_headers(turn))
+            return stream_response(_stream(runner, turn, output, response, finished), turn, error_tail)
         done = await drain(runner, turn)
         output.finish(done.answer_events)  # the events a stream would have carried, in order
-        return JSONResponse(await finished(done), headers={**kv_headers(done.kv), **_headers(turn)})
+        return JSONResponse(await finished(done), headers={**kv_headers(done.kv), **stream_headers(turn)})
 
     @app.get("/v1/responses/{response_id}", responses={404: TURN_RESPONSES[404]})
     async def get(response_id: str, request: Request):
@@ -560,10 +556,6 @@ def api_item(item_id: str, item: dict[str, Any]) -> dict[str, Any]:
             "content": [{"type": "reasoning_text", "text": item["text"]}]}
 
 
-def _headers(turn: TurnContext) -> dict[str, str]:
-    return {**kv_headers(turn.kv), "X-Session-ID": turn.request.session_id, "Cache-Control": "no-cache"}
-
-
 def _response(body: ResponsesIn, turn: TurnContext, model: str) -> dict[str, Any]:
     """The response object before its output (what response.created carries)."""
     fmt = body.text.format.model_dump(by_alias=True, exclude_none=True) if body.text and body.text.format else {
@@ -605,23 +597,21 @@ async def _store(runner: TurnRunner, response: dict[str, Any], items: list[dict[
         response["kvshuttle"]["store_error"] = f"{exc.code().name}: {exc.details()}"
 
 
+def _sse(event: dict[str, Any]) -> bytes:
+    return frame(event, event["type"])
+
+
 async def _stream(runner: TurnRunner, turn: TurnContext, builder: OutputBuilder, response: dict[str, Any],
                   finished: Callable[[Finished], Any]) -> AsyncIterator[bytes]:
-    def sse(event: dict[str, Any]) -> bytes:
-        return f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n".encode()
-
     for event in builder.start(response):
-        yield sse(event)
-    try:
-        async for item in runner.decode(turn):
-            if isinstance(item, Delta):
-                for event in builder.feed(item.events):
-                    yield sse(event)
-            elif isinstance(item, Finished):
-                for event in builder.finish(item.events):
-                    yield sse(event)
-                done = await finished(item)
-                kind = "response.completed" if done["status"] == "completed" else "response.incomplete"
-                yield sse(builder._event(kind, response=done))
-    except TurnError as exc:
-        yield sse(builder._event("error", code=str(exc.http_status), message=exc.message, param=None))
+        yield _sse(event)
+    async for item in runner.decode(turn):
+        if isinstance(item, Delta):
+            for event in builder.feed(item.events):
+                yield _sse(event)
+        elif isinstance(item, Finished):
+            for event in builder.finish(item.events):
+                yield _sse(event)
+            done = await finished(item)
+            kind = "response.completed" if done["status"] == "completed" else "response.incomplete"
+            yield _sse(builder.event(kind, response=done))

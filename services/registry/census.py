@@ -10,7 +10,9 @@ import asyncio
 import logging
 
 from kvshuttle.services.common import metrics
-from kvshuttle.services.store.etcd_store import EtcdStore, StoreError
+from kvshuttle.services.store.etcd_sessions import SessionStore
+from kvshuttle.services.store.etcd_workers import WorkerStore
+from kvshuttle.services.store.interface import StoreError
 from kvshuttle.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -18,8 +20,10 @@ _ROLES = {common_pb2.WORKER_ROLE_PREFILL: "prefill", common_pb2.WORKER_ROLE_DECO
 
 
 class Census:
-    def __init__(self, store: EtcdStore, interval_s: float = 10.0):
-        self.store = store
+    def __init__(self, workers: WorkerStore, sessions: SessionStore, interval_s: float = 10.0):
+        """``workers`` and ``sessions``: the registry store's parts (``EtcdStore.workers``, ``EtcdStore.sessions``)."""
+        self.workers = workers
+        self.sessions = sessions
         self.interval_s = interval_s
         self._task: asyncio.Task | None = None
 
@@ -34,8 +38,8 @@ class Census:
 
     async def count(self) -> None:
         """Count once now and set the gauges (StoreError when etcd cannot answer)."""
-        workers = await self.store.list_workers()
-        sessions = await self.store.count_sessions()
+        workers = await self.workers.live()
+        sessions = await self.sessions.count()
         for role, name in _ROLES.items():
             metrics.LIVE_WORKERS.labels(name).set(sum(1 for w in workers if w.role == role))
         metrics.LIVE_SESSIONS.set(sessions)

@@ -84,7 +84,7 @@ class Defragmenter:
         defragmented)."""
         ttl = max(5, math.ceil(3 * self.tick_s))
         try:
-            self.leading = await self.store.campaign(LEADER, self.holder, ttl)
+            self.leading = await self.store.elections.campaign(LEADER, self.holder, ttl)
         except StoreError as exc:
             log.debug("etcd defrag: could not campaign for leadership (%s)", exc)
             return None

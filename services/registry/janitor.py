@@ -17,14 +17,18 @@ import contextlib
 import logging
 
 from kvshuttle.services.common import metrics
-from kvshuttle.services.store.etcd_store import EtcdStore, StoreError
+from kvshuttle.services.store.etcd_sessions import SessionStore
+from kvshuttle.services.store.etcd_workers import WorkerStore
+from kvshuttle.services.store.interface import StoreError
 
 log = logging.getLogger(__name__)
 
 
 class SessionJanitor:
-    def __init__(self, store: EtcdStore, grace_s: float = 10.0):
-        self.store = store
+    def __init__(self, workers: WorkerStore, sessions: SessionStore, grace_s: float = 10.0):
+        """``workers`` and ``sessions``: the registry store's parts (``EtcdStore.workers``, ``EtcdStore.sessions``)."""
+        self.workers = workers
+        self.sessions = sessions
         self.grace_s = grace_s
         self.dropped = 0  # records dropped since start (tests, logs)
         self._task: asyncio.Task | None = None
@@ -41,7 +45,7 @@ class SessionJanitor:
         self._task, self._checks = None, {}
 
     async def _run(self) -> None:
-        async with contextlib.aclosing(self.store.watch_workers(raise_first=False)) as events:
+        async with contextlib.aclosing(self.workers.watch(raise_first=False)) as events:
             async for event in events:
                 try:
                     if event.kind == "delete":
@@ -49,7 +53,7 @@ class SessionJanitor:
                             self._check_later(worker.worker_id, worker.engine_id)
                     elif event.kind == "snapshot":
                         live = {w.worker_id for w in event.workers}
-                        for worker_id in sorted(set(await self.store.indexed_workers()) - live):
+                        for worker_id in sorted(set(await self.sessions.indexed_workers()) - live):
                             self._check_later(worker_id, "")
                 except StoreError as exc:  # etcd away: the next snapshot (after the watch resyncs) catches up
                     log.warning("could not drop the sessions of departed workers: %s", exc)
@@ -65,7 +69,7 @@ class SessionJanitor:
         engine when ``engine_id`` is unknown: the scheduler then checks each handle's engine itself)."""
         await asyncio.sleep(self.grace_s)
         try:
-            current = await self.store.get_worker(worker_id)
+            current = await self.workers.get(worker_id)
             if current is not None and (not engine_id or current.engine_id == engine_id):
                 log.info("worker %s is registered again with its engine: its sessions stay", worker_id)
                 return
@@ -74,7 +78,7 @@ class SessionJanitor:
             log.warning("could not drop the sessions of departed worker %s: %s", worker_id, exc)
 
     async def _drop(self, worker_id: str) -> None:
-        n = await self.store.drop_sessions_on_worker(worker_id)
+        n = await self.sessions.drop_on_worker(worker_id)
         if n:
             self.dropped += n
             metrics.SESSIONS_DROPPED.inc(n)

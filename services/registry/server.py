@@ -112,10 +112,12 @@ class RegistryService:
                              [lambda s: registry_pb2_grpc.add_SessionRegistryServicer_to_server(self.servicer, s)],
                              tls=cfg.server_tls(), max_message_bytes=cfg.max_message_bytes)
         self.address = self.server.address
-        self.janitor = SessionJanitor(self.store, cfg.departed_grace_s) if cfg.drop_departed_sessions else None
+        self.janitor = (SessionJanitor(self.store.workers, self.store.sessions, cfg.departed_grace_s)
+                        if cfg.drop_departed_sessions else None)
         self.metrics = (MetricsServer(cfg.metrics_listen, metrics.registry_for("registry"), name="registry")
                         if cfg.metrics_listen else None)
-        self.census = Census(self.store, cfg.census_interval_s) if self.metrics is not None else None
+        self.census = (Census(self.store.workers, self.store.sessions, cfg.census_interval_s)
+                       if self.metrics is not None else None)
         self.defragmenter = (Defragmenter(self.store, cfg.etcd_defrag_interval_s,
                                           min_free_bytes=cfg.etcd_defrag_min_free_mb << 20,
                                           min_free_ratio=cfg.etcd_defrag_min_free_ratio,

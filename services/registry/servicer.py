@@ -86,19 +86,19 @@ class SessionRegistryServicer(registry_pb2_grpc.SessionRegistryServicer):
         worker.CopyFrom(request.worker)
         rules.validate_worker(worker)
         ttl = rules.worker_lease_ttl(request.lease_ttl_s, self.default_lease_ttl_s)
-        previous = await self.store.get_worker(worker.worker_id)
-        lease_id, granted = await self.store.grant_lease(ttl)
+        previous = await self.store.workers.get(worker.worker_id)
+        lease_id, granted = await self.store.leases.grant(ttl)
         worker.lease_id = lease_id
         rules.set_seconds(worker.registered_at, self.clock())
         try:
-            await self.store.put_worker(worker)
+            await self.store.workers.put(worker)
         except BaseException:
             with contextlib.suppress(StoreError):
-                await self.store.revoke_lease(lease_id)
+                await self.store.leases.revoke(lease_id)
             raise
         if previous is not None and previous.lease_id and previous.lease_id != lease_id:
             with contextlib.suppress(StoreError):  # the old lease holds nothing now
-                await self.store.revoke_lease(previous.lease_id)
+                await self.store.leases.revoke(previous.lease_id)
         log.info("registered %s worker %s (lease %x, ttl %ds)", common_pb2.WorkerRole.Name(worker.role),
                  worker.worker_id, lease_id, granted)
         return registry_pb2.RegisterWorkerResponse(worker=worker, lease_id=lease_id, lease_ttl_s=granted)
@@ -108,11 +108,11 @@ class SessionRegistryServicer(registry_pb2_grpc.SessionRegistryServicer):
         rules.validate_id("worker_id", request.worker_id)
         if request.lease_id <= 0:
             raise rules.InvalidArgument("lease_id is required")
-        ttl = await self.store.keep_alive_once(request.lease_id)
+        ttl = await self.store.leases.keep_alive_once(request.lease_id)
         if ttl is None:
             raise RpcFailure(grpc.StatusCode.NOT_FOUND,
                              f"lease {request.lease_id:x} of worker {request.worker_id!r} has expired: register again")
-        worker = await self.store.get_worker(request.worker_id)
+        worker = await self.store.workers.get(request.worker_id)
         if worker is None or worker.lease_id != request.lease_id:
             raise RpcFailure(grpc.StatusCode.NOT_FOUND,
                              f"worker {request.worker_id!r} is not registered under lease {request.lease_id:x}: "
@@ -124,15 +124,15 @@ class SessionRegistryServicer(registry_pb2_grpc.SessionRegistryServicer):
         rules.validate_id("worker_id", request.worker_id)
         if request.lease_id < 0:
             raise rules.InvalidArgument("lease_id must not be negative")
-        worker = await self.store.get_worker(request.worker_id)
+        worker = await self.store.workers.get(request.worker_id)
         if worker is not None and request.lease_id and worker.lease_id != request.lease_id:
             raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION,
                              f"worker {request.worker_id!r} is registered under another lease "
                              f"({worker.lease_id:x}, not {request.lease_id:x}); not removing it")
         revoked = False
         for lease_id in {request.lease_id, worker.lease_id if worker else 0} - {0}:
-            revoked = await self.store.revoke_lease(lease_id) or revoked  # revoking deletes the record too
-        deleted = await self.store.delete_worker(request.worker_id) if worker is not None else False
+            revoked = await self.store.leases.revoke(lease_id) or revoked  # revoking deletes the record too
+        deleted = await self.store.workers.delete(request.worker_id) if worker is not None else False
         if worker is None and not revoked and not deleted:
             raise RpcFailure(grpc.StatusCode.NOT_FOUND, f"worker {request.worker_id!r} is not registered")
         log.info("deregistered worker %s", request.worker_id)
@@ -142,13 +142,13 @@ class SessionRegistryServicer(registry_pb2_grpc.SessionRegistryServicer):
     async def ListWorkers(self, request, context):
         if request.role not in common_pb2.WorkerRole.values():
             raise rules.InvalidArgument(f"unknown role {request.role}")
-        workers = await self.store.list_workers()
+        workers = await self.store.workers.live()
         if request.role:
             workers = [w for w in workers if w.role == request.role]
         return registry_pb2.ListWorkersResponse(workers=workers)
 
     async def WatchWorkers(self, request, context):
-        events = self.store.watch_workers(raise_first=True)
+        events = self.store.workers.watch(raise_first=True)
         try:
             async with contextlib.aclosing(events):
                 async for event in events:
@@ -164,7 +164,7 @@ class SessionRegistryServicer(registry_pb2_grpc.SessionRegistryServicer):
     @_unary
     async def GetSession(self, request, context):
         self._validate_session_ref(request)
-        found = await self.store.get_session(request.tenant, request.session_id)
+        found = await self.store.sessions.get(request.tenant, request.session_id)
         if found is None:
             raise RpcFailure(grpc.StatusCode.NOT_FOUND,  # no id in messages: they end up in traces
                              f"no session with this id for tenant {request.tenant!r}")
@@ -195,8 +195,8 @@ class SessionRegistryServicer(registry_pb2_grpc.SessionRegistryServicer):
             self._validate_session_ref(request)
             rules.validate_id("decode_worker_id", request.decode_worker_id)
             for _ in range(_RECORD_ATTEMPTS):
-                previous = await self.store.get_session(request.tenant, request.session_id, with_handle=False)
-                worker = await self.store.get_worker(request.decode_worker_id)
+                previous = await self.store.sessions.get(request.tenant, request.session_id, with_handle=False)
+                worker = await self.store.workers.get(request.decode_worker_id)
                 plan = rules.build_session(request, worker, now=self.clock(), margin_s=self.expiry_margin_s,
                                            previous=previous, handle_inline_bytes=self.handle_inline_bytes)
                 # The ids first: a record never names ids the history store does not hold. Ids written for a
@@ -212,14 +212,14 @@ class SessionRegistryServicer(registry_pb2_grpc.SessionRegistryServicer):
                 except HistoryGone as exc:
                     raise rules.FailedPrecondition(f"the session's recorded history changed ({exc}): send the "
                                                    "whole history (base_tokens 0)") from None
-                lease_id, _ = await self.store.grant_lease(plan.lease_ttl_s)
+                lease_id, _ = await self.store.leases.grant(plan.lease_ttl_s)
                 try:
-                    stored = await self.store.put_session(record, lease_id,
-                                                          expect_revision=previous.revision if previous else 0,
-                                                          replaced_lease=previous.lease_id if previous else 0)
+                    stored = await self.store.sessions.put(record, lease_id,
+                                                           expect_revision=previous.revision if previous else 0,
+                                                           replaced_lease=previous.lease_id if previous else 0)
                 except BaseException:
                     with contextlib.suppress(StoreError):
-                        await self.store.revoke_lease(lease_id)
+                        await self.store.leases.revoke(lease_id)
                     raise
                 if stored is not None:
                     # What the new record replaced goes off the turn's path (it would expire anyway).
@@ -232,7 +232,7 @@ class SessionRegistryServicer(registry_pb2_grpc.SessionRegistryServicer):
                         stored.kv_transfer_params_json = ""
                     return registry_pb2.RecordTurnResponse(session=stored)
                 with contextlib.suppress(StoreError):  # lost a race with another RecordTurn: read again
-                    await self.store.revoke_lease(lease_id)
+                    await self.store.leases.revoke(lease_id)
             raise RpcFailure(grpc.StatusCode.ABORTED,
                              "the session kept changing while recording the turn; retry")
 
@@ -267,8 +267,8 @@ class SessionRegistryServicer(registry_pb2_grpc.SessionRegistryServicer):
         if request.revision <= 0:
             raise rules.InvalidArgument("revision is required: the record revision the caller planned with")
         rules.validate_free_reason(request.free_reason)
-        result = await self.store.claim_session(request.tenant, request.session_id, request.revision,
-                                                now=self.clock(), free_reason=request.free_reason)
+        result = await self.store.claims.claim(request.tenant, request.session_id, request.revision,
+                                               now=self.clock(), free_reason=request.free_reason)
         return registry_pb2.ClaimSessionResponse(claimed=result.claimed, reason=result.reason, session=result.session)
 
     @_unary
@@ -277,7 +277,7 @@ class SessionRegistryServicer(registry_pb2_grpc.SessionRegistryServicer):
         rules.validate_id("tenant", request.tenant)
         rules.validate_find(request.text_keys)
         with tracer.start_as_current_span("registry.find_session") as span:
-            found = await self.store.find_session(request.tenant, list(request.text_keys))
+            found = await self.store.sessions.find(request.tenant, list(request.text_keys))
             span.set_attribute("kvshuttle.found", found is not None)
         if found is None:
             raise RpcFailure(grpc.StatusCode.NOT_FOUND, f"no session of tenant {request.tenant!r} has a recorded text "
@@ -300,7 +300,7 @@ class SessionRegistryServicer(registry_pb2_grpc.SessionRegistryServicer):
             rules.set_seconds(response.created_at, self.clock())
         previous, lease_id, ttl = None, 0, request.ttl_s
         if response.previous_response_id:
-            found = await self.store.get_response(response.tenant, response.previous_response_id)
+            found = await self.store.responses.get(response.tenant, response.previous_response_id)
             if found is None:
                 raise RpcFailure(grpc.StatusCode.NOT_FOUND, f"previous response {response.previous_response_id!r} "
                                                             f"not found for tenant {response.tenant!r} (unknown, "
@@ -309,12 +309,12 @@ class SessionRegistryServicer(registry_pb2_grpc.SessionRegistryServicer):
         body = response.body_json
         where = chains.place(previous, response.response_id, len(body))
         if where.shares_lease:
-            ttl = await self.store.keep_alive_once(lease_id)
+            ttl = await self.store.leases.keep_alive_once(lease_id)
             if ttl is None:
                 raise RpcFailure(grpc.StatusCode.NOT_FOUND, f"previous response {response.previous_response_id!r}'s "
                                                             "conversation has expired")
         else:
-            lease_id, ttl = await self.store.grant_lease(request.ttl_s)
+            lease_id, ttl = await self.store.leases.grant(request.ttl_s)
         entry = registry_pb2.StoredResponse()
         entry.CopyFrom(response)
         entry.body_json = b""
@@ -325,11 +325,11 @@ class SessionRegistryServicer(registry_pb2_grpc.SessionRegistryServicer):
             await self.history.put_response_body(entry.tenant, entry.chain_id, entry.response_id, body,
                                                  max(ttl, request.ttl_s) + rules.HISTORY_GRACE_S,
                                                  previous=entry.previous_response_id if previous else "")
-            stored = await self.store.put_response(entry, lease_id, ttl)
+            stored = await self.store.responses.put(entry, lease_id, ttl)
         except StoreError as exc:
             if not where.shares_lease:
                 with contextlib.suppress(StoreError):
-                    await self.store.revoke_lease(lease_id)
+                    await self.store.leases.revoke(lease_id)
             if "lease not found" in str(exc):  # the conversation's lease ended between the keep-alive and the put
                 raise RpcFailure(grpc.StatusCode.NOT_FOUND, f"previous response {response.previous_response_id!r}'s "
                                                             "conversation has expired") from None
@@ -337,7 +337,7 @@ class SessionRegistryServicer(registry_pb2_grpc.SessionRegistryServicer):
         except BaseException:
             if not where.shares_lease:
                 with contextlib.suppress(StoreError):
-                    await self.store.revoke_lease(lease_id)
+                    await self.store.leases.revoke(lease_id)
             raise
         return registry_pb2.PutResponseResponse(response=stored)
 
@@ -354,7 +354,7 @@ class SessionRegistryServicer(registry_pb2_grpc.SessionRegistryServicer):
         return registry_pb2.GetResponseResponse(response=entry)
 
     async def _response_entry(self, tenant: str, response_id: str) -> registry_pb2.StoredResponse:
-        found = await self.store.get_response(tenant, response_id)
+        found = await self.store.responses.get(tenant, response_id)
         if found is None:
             raise RpcFailure(grpc.StatusCode.NOT_FOUND, f"no stored response {response_id!r} for tenant "
                                                         f"{tenant!r} (unknown, expired or deleted)")
@@ -391,7 +391,7 @@ class SessionRegistryServicer(registry_pb2_grpc.SessionRegistryServicer):
                     response_id=response_id, tenant=tenant, chain_id=group, chain_length=place,
                     previous_response_id=links[response_id], body_in_history_store=True)
             else:  # the first, written before chains: its body is in its own etcd entry
-                found = await self.store.get_response(tenant, response_id)
+                found = await self.store.responses.get(tenant, response_id)
                 if found is None or found[0].chain_length != 0:
                     raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, f"response {response_id!r} of the "
                                      f"conversation of {request.response_id!r} is gone (deleted, or its conversation "
@@ -417,10 +417,10 @@ class SessionRegistryServicer(registry_pb2_grpc.SessionRegistryServicer):
         """The body and its link first (so the conversation after it is broken at once, by name), then the index
         entry. Later responses of the conversation stay readable by id, but cannot be continued past this one."""
         self._validate_response_ref(request)
-        found = await self.store.get_response(request.tenant, request.response_id)
+        found = await self.store.responses.get(request.tenant, request.response_id)
         if found is not None and found[0].body_in_history_store:
             await self.history.drop_response_body(request.tenant, found[0].chain_id, request.response_id)
-        gone = await self.store.delete_response(request.tenant, request.response_id)
+        gone = await self.store.responses.delete(request.tenant, request.response_id)
         return registry_pb2.DeleteResponseResponse(deleted=gone is not None)
 
     @staticmethod
@@ -432,8 +432,8 @@ class SessionRegistryServicer(registry_pb2_grpc.SessionRegistryServicer):
     @_unary
     async def DeleteSession(self, request, context):
         self._validate_session_ref(request)
-        record = await self.store.get_session(request.tenant, request.session_id, with_handle=False)
-        deleted = await self.store.delete_session(request.tenant, request.session_id)
+        record = await self.store.sessions.get(request.tenant, request.session_id, with_handle=False)
+        deleted = await self.store.sessions.delete(request.tenant, request.session_id)
         if record is not None and record.history_generation:
             await self._drop_history(request.tenant, request.session_id, record.history_generation)
         return registry_pb2.DeleteSessionResponse(deleted=deleted)

@@ -2,8 +2,8 @@
 
 ``RegistryClaims`` calls the registry (``GetSession``, ``ClaimSession``): one more gRPC hop per call, but the
 scheduler needs no access to etcd. ``EtcdClaims`` runs the very same store code the registry runs, through the
-store's small ``ClaimStore`` interface (kvshuttle.services.store.interface; ``EtcdStore.get_session`` /
-``claim_session``: one etcd transaction that creates the record's claim key only while the record is at the planned
+store's small ``ClaimStore`` interface (kvshuttle.services.store.interface; ``store.sessions.get`` /
+``store.claims.claim``: one etcd transaction that creates the record's claim key only while the record is at the planned
 revision and unclaimed, so a handle is claimed at most once whoever claims it) in the scheduler's own process, which
 saves the hop and the registry's CPU on the planning path. The scheduler picks ``EtcdClaims`` when it is given etcd
 endpoints.
@@ -127,7 +127,7 @@ class EtcdClaims:
     async def get_session(self, tenant: str, session_id: str) -> tuple[common_pb2.Session, float] | None:
         tenant = _checked(tenant, session_id)
         try:
-            found = await self._store.get_session(tenant, session_id)
+            found = await self._store.sessions.get(tenant, session_id)
         except StoreError as exc:
             raise _status(exc) from None
         return None if found is None else (found, session_rules.expires_in(found, self._clock()))
@@ -143,23 +143,24 @@ class EtcdClaims:
         except session_rules.InvalidArgument as exc:
             raise ClaimsError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         try:
-            result = await self._store.claim_session(tenant, session_id, revision, now=self._clock(), known=known,
-                                                     free_reason=free_reason)
+            result = await self._store.claims.claim(tenant, session_id, revision, now=self._clock(), known=known,
+                                                    free_reason=free_reason)
         except StoreError as exc:
             raise _status(exc) from None
         return Claim(result.claimed, result.reason, result.session)
 
     async def campaign(self, name: str, holder: str, ttl_s: int) -> bool:
-        """Whether ``holder`` leads ``name`` among the replicas (ClaimStore.campaign)."""
+        """Whether ``holder`` leads ``name`` among the replicas (the store's ``elections.campaign``)."""
         try:
-            return await self._store.campaign(name, holder, ttl_s)
+            return await self._store.elections.campaign(name, holder, ttl_s)
         except StoreError as exc:
             raise _status(exc) from None
 
     async def held_on(self, worker_id: str) -> list[common_pb2.Session]:
-        """Summaries of the records whose unspent handle's KV lives on ``worker_id`` (ClaimStore.held_on_worker)."""
+        """Summaries of the records whose unspent handle's KV lives on ``worker_id`` (the store's
+        ``claims.held_on_worker``)."""
         try:
-            return await self._store.held_on_worker(worker_id)
+            return await self._store.claims.held_on_worker(worker_id)
         except StoreError as exc:
             raise _status(exc) from None
 

@@ -1,17 +1,17 @@
 """The scheduler's decode-KV manager: what each decode worker holds between turns, and freeing it before it hurts.
 
 Every ``interval_s`` it reads, per decode worker, the summaries of the session records whose unspent handle lives
-there (one etcd read: the worker-sessions index less the claims, ``ClaimStore.held_on_worker``), sets them next to
-the engine's own KV usage (``LoadMonitor``: vLLM ``GetLoads``), and frees what ``kvshuttle.control_plane.kv_eviction`` chooses:
-sessions idle past the limit, and under pressure the handles least worth keeping. ``make_room`` does the same at
-once for a turn about to land on a decode worker without room for it.
+there (one etcd read: the worker-sessions index less the claims, ``ClaimStore.claims.held_on_worker``), sets them
+next to the engine's own KV usage (``LoadMonitor``: vLLM ``GetLoads``), and frees what
+``kvshuttle.control_plane.kv_eviction`` chooses: sessions idle past the limit, and under pressure the handles least
+worth keeping. ``make_room`` does the same at once for a turn about to land on a decode worker without room for it.
 
 Freeing one handle: read its record (the handle and the first block's token ids), claim it at that revision with the
 reason (``free_reason``: no turn can pull it any more, and the next turn of the session recomputes saying why), then
 have a live prefill worker read the handle's first block (``EngineClient.read_to_free``): the decode worker frees all
 of the handle's blocks after any read. A handle that a turn has claimed is never freed (the claim is refused).
 
-With several scheduler replicas, one leads the rounds (an etcd key on its lease, ``ClaimStore.campaign``): the
+With several scheduler replicas, one leads the rounds (an etcd key on its lease, ``ClaimStore.elections.campaign``): the
 others read the same view for their stats and make room for the turns they plan, which claims keep from freeing
 one handle twice.
 """

@@ -42,7 +42,7 @@ from kvshuttle.control_plane.decision import Choice
 from kvshuttle.control_plane.planner import Planner
 from kvshuttle.control_plane.policies import Outcome
 from kvshuttle.services.common import metrics
-from kvshuttle.services.store.interface import StoreError
+from kvshuttle.services.store.interface import Campaigns, LeaseGrants, StoreError
 from kvshuttle.v1 import scheduler_pb2
 
 CHOICES = {scheduler_pb2.DECISION_PULL: Choice.PULL, scheduler_pb2.DECISION_RECOMPUTE: Choice.RECOMPUTE,
@@ -117,23 +117,39 @@ class Learning(Protocol):
     def fill_stats(self, out: scheduler_pb2.LearningStats) -> None: ...
 
 
+class OutcomeBatches(Protocol):
+    """The shared outcome log (``EtcdStore.outcomes``)."""
+
+    async def put_batch(self, replica: str, seq: int, batch: bytes, lease_id: int) -> int: ...
+
+    async def batches(self, after_revision: int, page: int = 512) -> tuple[list[tuple[int, bytes]], int]: ...
+
+    def watch(self, from_revision: int) -> AsyncIterator[tuple[int, bytes]]: ...
+
+
+class SnapshotBlobs(Protocol):
+    """The learned-state snapshots (``EtcdStore.snapshots``)."""
+
+    async def put(self, manifest: dict, blob: bytes, chunk_bytes: int = 1 << 20) -> None: ...
+
+    async def get(self) -> tuple[dict, bytes] | None: ...
+
+
 class LearningStore(Protocol):
-    """What ``SharedLearning`` needs of the store (``EtcdStore`` has it: its outcome log, learned snapshots, leases
-    and leader campaigns)."""
+    """What ``SharedLearning`` needs of the store (``EtcdStore`` has it): its outcome log, learned snapshots, leases
+    and leader campaigns, as ``store.outcomes``, ``store.snapshots``, ``store.leases`` and ``store.elections``."""
 
-    async def grant_lease(self, ttl_s: int) -> tuple[int, int]: ...
+    @property
+    def outcomes(self) -> OutcomeBatches: ...
 
-    async def put_outcome_batch(self, replica: str, seq: int, batch: bytes, lease_id: int) -> int: ...
+    @property
+    def snapshots(self) -> SnapshotBlobs: ...
 
-    async def outcome_batches(self, after_revision: int, page: int = 512) -> tuple[list[tuple[int, bytes]], int]: ...
+    @property
+    def leases(self) -> LeaseGrants: ...
 
-    def watch_outcome_batches(self, from_revision: int) -> AsyncIterator[tuple[int, bytes]]: ...
-
-    async def put_learned_snapshot(self, manifest: dict, blob: bytes, chunk_bytes: int = 1 << 20) -> None: ...
-
-    async def get_learned_snapshot(self) -> tuple[dict, bytes] | None: ...
-
-    async def campaign(self, name: str, holder: str, ttl_s: int) -> bool: ...
+    @property
+    def elections(self) -> Campaigns: ...
 
 
 class LocalLearning:
@@ -266,7 +282,7 @@ class SharedLearning:
         message = scheduler_pb2.OutcomeBatch(replica=self.replica, outcomes=[r for r, _ in batch], seq=self._seq)
         self._written[self._seq] = [done for _, done in batch]  # before the put: the watch may answer first
         try:
-            await self._store.put_outcome_batch(self.replica, self._seq, message.SerializeToString(), lease)
+            await self._store.outcomes.put_batch(self.replica, self._seq, message.SerializeToString(), lease)
         except StoreError:
             self._written.pop(self._seq, None)
             raise
@@ -280,7 +296,7 @@ class SharedLearning:
         snapshot to read it."""
         now = time.monotonic()
         if self._lease is None or now - self._lease[1] > self.batch_ttl_s / 2:
-            lease_id, _ = await self._store.grant_lease(self.batch_ttl_s)
+            lease_id, _ = await self._store.leases.grant(self.batch_ttl_s)
             self._lease = (lease_id, now)
         return self._lease[0]
 
@@ -292,13 +308,13 @@ class SharedLearning:
             try:
                 if not self.synced.is_set() and self.applied_revision == 0:
                     await self._load_snapshot()
-                batches, at = await self._store.outcome_batches(self.applied_revision)
+                batches, at = await self._store.outcomes.batches(self.applied_revision)
                 for revision, value in batches:
                     self._apply_batch(revision, value)
                 self.applied_revision = max(self.applied_revision, at)
                 self.synced.set()
                 backoff = 0.2
-                async for revision, value in self._store.watch_outcome_batches(self.applied_revision + 1):
+                async for revision, value in self._store.outcomes.watch(self.applied_revision + 1):
                     self._apply_batch(revision, value)
             except StoreError as exc:
                 log.warning("shared learning: %s; reading the log again in %.1fs", exc, backoff)
@@ -333,7 +349,7 @@ class SharedLearning:
     # -- snapshots ------------------------------------------------------------------------------------------------
 
     async def _load_snapshot(self) -> None:
-        found = await self._store.get_learned_snapshot()
+        found = await self._store.snapshots.get()
         if found is None:
             return
         manifest, blob = found
@@ -364,14 +380,14 @@ class SharedLearning:
     async def write_snapshot_if_leading(self) -> bool:
         """Write a snapshot when this replica leads ``learning`` and has applied something since the last one."""
         ttl = max(10, math.ceil(3 * self.snapshot_interval_s))
-        self.leading = await self._store.campaign("learning", self.replica, ttl)
+        self.leading = await self._store.elections.campaign("learning", self.replica, ttl)
         if not self.leading or not self.synced.is_set() or self.applied_revision <= self.written_snapshot:
             return False
         revision, state = self.applied_revision, self._planner.learned_state()  # both at once: one consistent view
         manifest = {"format": SNAPSHOT_FORMAT, "revision": revision, "seen": dict(self._seen),
                     "written_at": time.time(), "replica": self.replica}
         blob = await asyncio.to_thread(lambda: zlib.compress(json.dumps(state).encode(), 6))
-        await self._store.put_learned_snapshot(manifest, blob)
+        await self._store.snapshots.put(manifest, blob)
         self.written_snapshot = revision
         return True
 

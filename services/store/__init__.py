@@ -8,7 +8,7 @@
   ``etcd_sessions`` (records and their indexes), ``etcd_claims`` (handle claims, the KV a worker holds),
   ``etcd_responses`` (stored responses), ``etcd_leases`` (leases, leader campaigns), ``etcd_outcomes`` and
   ``etcd_snapshots`` (shared learning's outcome log and learned snapshots).
-* ``etcd_store``: ``EtcdStore``, the connection with those parts, under the method names the services call.
+* ``etcd_store``: ``EtcdStore``, the connection with those parts (``store.workers``, ``store.sessions``, ...).
 * ``etcd_channel``: the gRPC channel to etcd (TLS, user/password auth).
 * ``etcd_maintenance``: each etcd member's database size, and defragmentation one member at a time.
 * ``history``: ``HistoryStore``, sessions' exact token ids outside etcd (etcd keeps a small record), and its helpers.

@@ -1,6 +1,7 @@
 """What users of the session store see of it: its errors, a claim's result, and ``ClaimStore``, the small interface
-the scheduler reads records and claims handles through (``EtcdStore`` implements it; the scheduler never needs the
-registry's service code or the rest of the store)."""
+the scheduler reads records and claims handles through: the store's ``sessions``, ``claims`` and ``elections`` parts
+(``EtcdStore`` has them; the scheduler never needs the registry's service code or the rest of the store).
+``LeaseGrants`` and ``Campaigns`` are also what the scheduler's shared learning uses of the leases and elections."""
 
 from __future__ import annotations
 
@@ -41,31 +42,60 @@ class ClaimResult:
     session: common_pb2.Session | None
 
 
-class ClaimStore(Protocol):
-    """Session reads, handle claims, leadership and the decode workers' held KV (the scheduler's use of the store).
+class SessionReads(Protocol):
+    """The records (``EtcdStore.sessions``)."""
 
-    Failures raise ``StoreUnavailable`` (etcd unreachable, no leader, timeout) or ``StoreError``.
-    """
-
-    async def connect(self) -> None: ...
-
-    async def close(self) -> None: ...
-
-    async def get_session(self, tenant: str, session_id: str, *,
-                          with_handle: bool = True) -> common_pb2.Session | None:
+    async def get(self, tenant: str, session_id: str, *, with_handle: bool = True) -> common_pb2.Session | None:
         """The record (``revision`` = its mod_revision, ``lease_id`` = its lease; claimed: handle cleared), or None;
         an out-of-record handle (``handle_digest``) is read too unless ``with_handle`` is False."""
         ...
 
-    async def claim_session(self, tenant: str, session_id: str, revision: int, *, now: float,
-                            known: common_pb2.Session | None = None, free_reason: str = "") -> ClaimResult:
-        """Take the handle of the record at ``revision``, at most once whoever claims it."""
-        ...
 
-    async def campaign(self, name: str, holder: str, ttl_s: int) -> bool:
-        """Whether ``holder`` leads ``name`` (one leader at a time among the replicas campaigning for it)."""
+class HandleClaiming(Protocol):
+    """Claims of the records' KV handles, and what each decode worker still holds (``EtcdStore.claims``)."""
+
+    async def claim(self, tenant: str, session_id: str, revision: int, *, now: float,
+                    known: common_pb2.Session | None = None, free_reason: str = "") -> ClaimResult:
+        """Take the handle of the record at ``revision``, at most once whoever claims it."""
         ...
 
     async def held_on_worker(self, worker_id: str) -> list[common_pb2.Session]:
         """Summaries of the records whose unspent handle's KV lives on ``worker_id``."""
         ...
+
+
+class LeaseGrants(Protocol):
+    """New leases (``EtcdStore.leases``)."""
+
+    async def grant(self, ttl_s: int) -> tuple[int, int]:
+        """A new lease: (lease id, TTL granted)."""
+        ...
+
+
+class Campaigns(Protocol):
+    """Leadership among replicas (``EtcdStore.elections``)."""
+
+    async def campaign(self, name: str, holder: str, ttl_s: int) -> bool:
+        """Whether ``holder`` leads ``name`` (one leader at a time among the replicas campaigning for it)."""
+        ...
+
+
+class ClaimStore(Protocol):
+    """Session reads, handle claims, leadership and the decode workers' held KV (the scheduler's use of the store):
+    ``store.sessions.get``, ``store.claims.claim`` / ``held_on_worker``, ``store.elections.campaign``.
+
+    Failures raise ``StoreUnavailable`` (etcd unreachable, no leader, timeout) or ``StoreError``.
+    """
+
+    @property
+    def sessions(self) -> SessionReads: ...
+
+    @property
+    def claims(self) -> HandleClaiming: ...
+
+    @property
+    def elections(self) -> Campaigns: ...
+
+    async def connect(self) -> None: ...
+
+    async def close(self) -> None: ...

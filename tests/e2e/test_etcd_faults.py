@@ -244,7 +244,7 @@ async def test_worker_registers_again_after_its_lease_is_lost(stack):
             assert conv.turns[-1]["decision"] == "pull", conv.turns[-1]
             revoked_at = time.monotonic()
             for w in before.values():
-                assert await store.revoke_lease(w.lease_id), f"lease of {w.worker_id} was not there"
+                assert await store.leases.revoke(w.lease_id), f"lease of {w.worker_id} was not there"
 
             async def all_new() -> bool:
                 now = await _workers(stack)

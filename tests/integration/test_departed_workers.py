@@ -88,7 +88,7 @@ async def test_a_worker_back_within_the_grace_keeps_its_sessions_only_with_the_s
         reg = await stub.RegisterWorker(registry_pb2.RegisterWorkerRequest(worker=w, lease_ttl_s=60))
         sid = uid("s")
         await stub.RecordTurn(turn(reg.worker, sid, list(range(70, 80))))
-        await service.store.revoke_lease(reg.lease_id)  # the lease is lost; the worker itself lives on
+        await service.store.leases.revoke(reg.lease_id)  # the lease is lost; the worker itself lives on
         again = decode_worker(w.worker_id, **({} if same_engine else {"engine_id": "eng-restarted"}))
         await stub.RegisterWorker(registry_pb2.RegisterWorkerRequest(worker=again, lease_ttl_s=60))
 

@@ -282,17 +282,17 @@ async def test_worker_re_registers_after_its_lease_is_lost(cluster, planes):
 
         old = links[1].lease_id
         t = time.monotonic()
-        assert await store.revoke_lease(old)  # the record goes with the lease
+        assert await store.leases.revoke(old)  # the record goes with the lease
         await until(lambda: scheduler.workers.get(d.worker_id) is None, 10, "the revoked worker to leave the view")
         await until(lambda: links[1].lease_id != old and links[1].registered.is_set(), 20,
                     "the link to register again")
         await until(lambda: (w := scheduler.workers.get(d.worker_id)) is not None and w.lease_id == links[1].lease_id,
                     20, "the scheduler to see the new registration")
         back = time.monotonic() - t
-        assert (await store.get_worker(d.worker_id)).lease_id == links[1].lease_id
+        assert (await store.workers.get(d.worker_id)).lease_id == links[1].lease_id
         # The registry's janitor may have dropped the session (its decode worker's record was deleted): then the
         # turn recomputes; a record still there is pulled from the worker as registered again.
-        kept = await store.get_session("default", session)
+        kept = await store.sessions.get("default", session)
         plan = await _plan(sched, session, history + [9] * 20)
         print(f"\nlease revoked: re-registered under a new lease and back in the scheduler's view in {back:.2f} s; "
               f"record kept: {kept is not None}; next plan: {scheduler_pb2.Decision.Name(plan.decision)} "
@@ -322,8 +322,8 @@ async def test_worker_re_registers_after_its_lease_is_lost(cluster, planes):
                                 for link, n in zip(links, before)), 30, "both links to register again")
         again = time.monotonic() - t
         for link, w in zip(links, (p, d)):
-            assert (await store.get_worker(w.worker_id)).lease_id == link.lease_id
-            assert await store.keep_alive_once(link.lease_id) is not None
+            assert (await store.workers.get(w.worker_id)).lease_id == link.lease_id
+            assert await store.leases.keep_alive_once(link.lease_id) is not None
         await until(lambda: all((w2 := scheduler.workers.get(w.worker_id)) is not None and w2.lease_id == link.lease_id
                                 for link, w in zip(links, (p, d))), 30, "the view to catch up")
         print(f"etcd down > lease TTL: both links registered again {again:.2f} s after etcd was back "

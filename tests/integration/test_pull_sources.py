@@ -113,8 +113,8 @@ async def test_a_record_forged_in_etcd_for_an_unregistered_worker_is_never_pulle
     forged.CopyFrom(real)
     forged.decode_worker_id = "d-ghost"  # never registered; its "NIXL side channel" is an attacker's host
     forged.kv_transfer_params_json = handle("engine-d-ghost", "10.6.6.6", 5600)
-    lease, _ = await store.grant_lease(60)
-    assert await store.put_session(forged, lease, expect_revision=real.revision) is not None
+    lease, _ = await store.leases.grant(60)
+    assert await store.sessions.put(forged, lease, expect_revision=real.revision) is not None
     got = await plan(sched, session)
     assert got.decision == scheduler_pb2.DECISION_RECOMPUTE and "not alive" in got.reason, got.reason
     assert "10.6.6.6" not in got.prefill_kv_transfer_params_json

@@ -367,7 +367,7 @@ async def test_session_expires_then_leaves_etcd(stub, etcd):
 
         await until(gone, LEASE_GRACE_S + 20, "the session record to leave with its lease", interval_s=0.2)
         async with EtcdStore(etcd) as store:  # and it is really gone from etcd
-            assert await store.get_session(TENANT, sid) is None
+            assert await store.sessions.get(TENANT, sid) is None
 
         # A turn that finished longer ago than the TTL is refused outright.
         old = turn(w, uid("s"), list(range(20)))
@@ -568,15 +568,15 @@ async def test_store_watch_resends_snapshot_after_etcd_restart():
     endpoints = await etcd.astart()
     try:
         async with EtcdStore(endpoints, "/watch-test/", timeout_s=2.0) as store:
-            lease, _ = await store.grant_lease(60)
-            await store.put_worker(decode_worker("w1", lease_id=lease))
-            events = store.watch_workers()
+            lease, _ = await store.leases.grant(60)
+            await store.workers.put(decode_worker("w1", lease_id=lease))
+            events = store.workers.watch()
             first = await asyncio.wait_for(anext(events), 20)
             assert first.kind == "snapshot" and [w.worker_id for w in first.workers] == ["w1"]
             # The stream opens on this read, from the snapshot's revision on: the put below is delivered whether it
             # lands before or after the stream is open.
             pending = asyncio.ensure_future(anext(events))
-            await store.put_worker(decode_worker("w2", lease_id=lease))
+            await store.workers.put(decode_worker("w2", lease_id=lease))
             put = await asyncio.wait_for(pending, 10)
             assert put.kind == "put" and put.workers[0].worker_id == "w2"
 
@@ -597,17 +597,17 @@ async def test_store_fails_over_when_the_leader_dies():
     endpoints = await cluster.astart()
     try:
         async with EtcdStore(endpoints, "/failover-test/", timeout_s=10.0) as store:
-            lease, _ = await store.grant_lease(30)
-            await store.put_worker(decode_worker("w1", lease_id=lease))
+            lease, _ = await store.leases.grant(30)
+            await store.workers.put(decode_worker("w1", lease_id=lease))
             leader = await asyncio.to_thread(cluster.leader)
             assert leader is not None
             cluster.kill(leader)
             # Writes, reads and keep-alives go through the two survivors once they elect a new leader.
-            await store.put_worker(decode_worker("w2", lease_id=lease))
-            assert {w.worker_id for w in await store.list_workers()} == {"w1", "w2"}
-            assert await store.keep_alive_once(lease) is not None
+            await store.workers.put(decode_worker("w2", lease_id=lease))
+            assert {w.worker_id for w in await store.workers.live()} == {"w1", "w2"}
+            assert await store.leases.keep_alive_once(lease) is not None
             await cluster.arestart(leader)
-            assert await store.get_worker("w2") is not None
+            assert await store.workers.get("w2") is not None
     finally:
         await cluster.astop()
 

@@ -141,8 +141,8 @@ async def test_an_entry_written_before_chains_still_reads_and_continues(stub, et
     legacy = registry_pb2.StoredResponse(response_id=old, tenant=TENANT, session_id="s-1", body_json=json.dumps(
         {"response": {"id": old, "output": [{"id": "msg_1"}]}, "items": items}).encode())
     async with EtcdStore(etcd, "/kvshuttle/") as store:
-        lease, ttl = await store.grant_lease(60)
-        await store.put_response(legacy, lease, ttl)
+        lease, ttl = await store.leases.grant(60)
+        await store.responses.put(legacy, lease, ttl)
     got = await chain(stub, old)
     assert [e.response_id for e in got] == [old] and json.loads(got[0].body_json)["items"] == items
     new = await put(stub, rid(), old, 2)

@@ -90,7 +90,7 @@ async def test_a_handle_kept_outside_the_record_is_read_by_the_scheduler_and_onl
         assert recorded.session.handle_digest and not recorded.session.kv_transfer_params_json  # not echoed back
         stored = await EtcdStore(etcd, prefix).__aenter__()
         try:
-            bare = await stored.get_session(session_rules.DEFAULT_TENANT, session, with_handle=False)
+            bare = await stored.sessions.get(session_rules.DEFAULT_TENANT, session, with_handle=False)
             assert bare.handle_digest and not bare.kv_transfer_params_json  # etcd holds only the digest
         finally:
             await stored.close()

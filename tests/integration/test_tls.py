@@ -289,24 +289,24 @@ async def test_with_authorization_off_any_certificate_of_the_ca_may_call(pki, et
 async def test_secured_etcd_refuses_wrong_credentials_clearly(pki, secure_etcd):
     good = RegistryConfig(etcd_endpoints=secure_etcd.endpoints, **etcd_settings(pki))
     async with EtcdStore(secure_etcd.endpoints, "/secure/ok/", security=good.etcd_security()) as store:
-        lease, _ = await store.grant_lease(10)
-        await store.put_worker(common_pb2.Worker(worker_id="w-ok", role=common_pb2.WORKER_ROLE_DECODE,
-                                                 lease_id=lease))
-        assert [w.worker_id for w in await store.list_workers()] == ["w-ok"]
-        assert await store.keep_alive_once(lease) > 0  # a stream call (LeaseKeepAlive) carries the token too
-        events = store.watch_workers()  # and the watch stream
+        lease, _ = await store.leases.grant(10)
+        await store.workers.put(common_pb2.Worker(worker_id="w-ok", role=common_pb2.WORKER_ROLE_DECODE,
+                                                  lease_id=lease))
+        assert [w.worker_id for w in await store.workers.live()] == ["w-ok"]
+        assert await store.leases.keep_alive_once(lease) > 0  # a stream call (LeaseKeepAlive) carries the token too
+        events = store.workers.watch()  # and the watch stream
         try:
             first = await asyncio.wait_for(anext(events), 10)
             assert first.kind == "snapshot" and [w.worker_id for w in first.workers] == ["w-ok"]
-            await store.put_worker(common_pb2.Worker(worker_id="w-two", role=common_pb2.WORKER_ROLE_DECODE,
-                                                     lease_id=lease))
+            await store.workers.put(common_pb2.Worker(worker_id="w-two", role=common_pb2.WORKER_ROLE_DECODE,
+                                                      lease_id=lease))
             second = await asyncio.wait_for(anext(events), 10)
             assert second.kind == "put" and second.workers[0].worker_id == "w-two"
         finally:
             await events.aclose()
     async with EtcdStore(secure_etcd.endpoints, "/elsewhere/", security=good.etcd_security()) as store:
         with pytest.raises(StoreError, match="permission denied"):  # the user may only touch /secure/
-            await store.get_worker("w-ok")
+            await store.workers.get("w-ok")
 
     wrong = RegistryConfig(etcd_endpoints=secure_etcd.endpoints, **etcd_settings(pki, password="not-it"))
     store = EtcdStore(secure_etcd.endpoints, "/secure/", security=wrong.etcd_security())
@@ -317,7 +317,7 @@ async def test_secured_etcd_refuses_wrong_credentials_clearly(pki, secure_etcd):
                              key=open(pki["client"].key, "rb").read())
     async with EtcdStore(secure_etcd.endpoints, "/secure/", security=anonymous, timeout_s=2) as store:
         with pytest.raises(StoreError) as err:  # a certificate etcd trusts, but no etcd user behind it
-            await store.list_workers()
+            await store.workers.live()
         assert not isinstance(err.value, StoreUnavailable) and "etcd list workers" in str(err.value)
 
     no_cert = EtcdSecurity(ca=open(pki["ca"].ca_file, "rb").read(), username=ETCD_USER, password=ETCD_PASSWORD)
@@ -325,14 +325,14 @@ async def test_secured_etcd_refuses_wrong_credentials_clearly(pki, secure_etcd):
     t = time.monotonic()
     await store.connect()  # etcd refuses the handshake: authentication is deferred, calls fail as unavailable
     with pytest.raises(StoreUnavailable):
-        await store.list_workers()
+        await store.workers.live()
     assert time.monotonic() - t < 10
     await store.close()
 
     plaintext = EtcdStore(secure_etcd.endpoints, "/secure/", timeout_s=1, attempt_timeout_s=0.5)
     async with plaintext:
         with pytest.raises(StoreUnavailable):
-            await plaintext.list_workers()
+            await plaintext.workers.live()
 
 
 async def test_an_expired_etcd_token_is_renewed(pki, secure_etcd):

@@ -47,3 +47,21 @@ def test_special_tokens_follow_skip_special_tokens(tok, skip):
     out, detok = pieces(tok, ids, skip=skip)
     assert "".join(out) == detok.text == tok.decode(ids, skip)
     assert ("<|endoftext|>" in detok.text) is not skip
+
+
+def test_a_long_answer_costs_about_one_decode_per_token(tok):
+    """The per-token path (issue #36): the window's earlier text is the previous step's, so a token costs one
+    decode, plus one each time the window moves up (every few tokens), not two."""
+    calls = 0
+
+    class Counting:
+        def decode(self, ids, skip_special_tokens=True):
+            nonlocal calls
+            calls += 1
+            return tok.decode(ids, skip_special_tokens)
+
+    text = " ".join(TEXTS * 20)
+    ids = tok.encode(text)
+    out, detok = pieces(Counting(), ids)
+    assert "".join(out) == detok.text == text
+    assert calls <= 1.2 * len(ids) + 2, (calls, len(ids))

@@ -30,8 +30,8 @@ from kvshuttle.services.devtools.bench.multiturn import (
 from kvshuttle.services.devtools.bench.report import build_report, format_table, write_outputs
 from kvshuttle.services.devtools.bench.samples import IDEAL, LOCAL, PULL, RECOMPUTE, TurnSample, TurnStream
 from kvshuttle.services.devtools.bench.workload import Conversation, Turn
+from kvshuttle.services.devtools.chat_stream import stream_chat
 from kvshuttle.services.gateway.auth import KeyRing
-from kvshuttle.services.gateway.chat_stream import stream_chat
 
 from tests.support.configs import parse_config
 

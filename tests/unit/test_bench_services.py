@@ -103,7 +103,7 @@ def test_the_scaled_rows_are_not_the_main_table():
 
 
 async def test_claim_txn_is_the_one_the_store_sends():
-    """The etcd limit row's transaction (etcd_store.claim_txn) is the one EtcdStore.claim_session sends."""
+    """The etcd limit row's transaction (etcd_store.claim_txn) is the one EtcdStore.claims.claim sends."""
     store = EtcdStore("127.0.0.1:1")
     sent = []
 
@@ -115,7 +115,7 @@ async def test_claim_txn_is_the_one_the_store_sends():
     known = common_pb2.Session(tenant="t", session_id="s1", revision=42, lease_id=7, decode_worker_id="d0",
                                kv_transfer_params_json="{}")
     known.expires_at.FromSeconds(int(time.time()) + 3600)
-    result = await store.claim_session("t", "s1", 42, now=time.time(), known=known)
+    result = await store.claims.claim("t", "s1", 42, now=time.time(), known=known)
     assert not result.claimed and len(sent) == 1
     assert sent[0] == claim_txn(store.keys, "t", "s1", 42, 7, "d0")
     assert claim_txn(store.keys, "t", "s1", 42, 7, "d0") != claim_txn(store.keys, "t", "s1", 42, 7, "")

@@ -89,7 +89,7 @@ async def test_streamed_events_build_the_same_response(pieces):
 @pytest.mark.parametrize("body, param, says", [
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input.0.type", "not supported"),
     ({"input": [{"type": {}, "role": "user", "content": "x"}]}, "input.0.type", "not supported"),
-    ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}, "input", "answers no earlier"),
+    ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}, "input", "answers no function_call of an earlier"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content.0",
      "input_image"),
     ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning.effort", "unsupported"),

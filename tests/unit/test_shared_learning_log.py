@@ -5,6 +5,7 @@ a batch written twice is applied once, a gap is counted, and a caller learns whe
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 from kvshuttle.control_plane.cost_model import PrefillCostModel
 from kvshuttle.control_plane.planner import Planner
@@ -19,46 +20,51 @@ from tests.support.waits import until
 
 
 class MemoryLog:
-    """put / read / watch of outcome batches with revisions, and an `up` switch."""
+    """put / read / watch of outcome batches with revisions, and an `up` switch, as the store's parts SharedLearning
+    uses: ``leases``, ``outcomes``, ``snapshots`` and ``elections``."""
 
     def __init__(self):
         self.up = True
         self.revision = 0
-        self.batches: list[tuple[int, bytes]] = []
+        self.written: list[tuple[int, bytes]] = []
+        self.leases = SimpleNamespace(grant=self._grant)
+        self.outcomes = SimpleNamespace(put_batch=self._put_batch, batches=self._batches, watch=self._watch)
+        self.snapshots = SimpleNamespace(get=self._get_snapshot)
+        self.elections = SimpleNamespace(campaign=self._campaign)
 
     def _check(self):
         if not self.up:
             raise StoreUnavailable("etcd away (test)")
 
-    async def grant_lease(self, ttl_s: int):
+    async def _grant(self, ttl_s: int):
         self._check()
         return 1, ttl_s
 
-    async def put_outcome_batch(self, replica, seq, batch, lease_id):
+    async def _put_batch(self, replica, seq, batch, lease_id):
         self._check()
         self.revision += 1
-        self.batches.append((self.revision, batch))
+        self.written.append((self.revision, batch))
         return self.revision
 
-    async def outcome_batches(self, after_revision):
+    async def _batches(self, after_revision):
         self._check()
-        return [b for b in self.batches if b[0] > after_revision], self.revision
+        return [b for b in self.written if b[0] > after_revision], self.revision
 
-    async def watch_outcome_batches(self, from_revision):
+    async def _watch(self, from_revision):
         seen = from_revision - 1
         while True:
             self._check()
-            for revision, value in list(self.batches):
+            for revision, value in list(self.written):
                 if revision > seen:
                     seen = revision
                     yield revision, value
             await asyncio.sleep(0.01)
 
-    async def get_learned_snapshot(self):
+    async def _get_snapshot(self):
         self._check()
         return None
 
-    async def campaign(self, name, holder, ttl_s):
+    async def _campaign(self, name, holder, ttl_s):
         self._check()
         return False
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import inspect
 from pathlib import Path
+from typing import get_type_hints
 
 import pytest
+from kvshuttle.services.scheduler.learning import LearningStore
 from kvshuttle.services.store import codec
 from kvshuttle.services.store.etcd_store import EtcdStore
 from kvshuttle.services.store.interface import ClaimStore, StoreUnavailable
@@ -40,10 +42,11 @@ def test_the_key_layout():
 def test_the_store_builds_its_keys_from_the_layout():
     store = EtcdStore("127.0.0.1:1", "/kv")
     assert store.prefix == "/kv/" and store.keys == Keys("/kv/")
-    assert store.session_key("t", "s") == "/kv/sessions/t/s" and store.claim_key("t", "s") == "/kv/sessions/t/s!claim"
-    assert store.worker_key("w") == "/kv/workers/w"
-    assert store.worker_session_key("d", "t", "s") == "/kv/worker-sessions/d/t/s"
-    assert store.worker_claim_key("d", "t", "s") == "/kv/worker-claims/d/t/s"
+    assert store.sessions.key("t", "s") == "/kv/sessions/t/s"
+    assert store.claims.key("t", "s") == "/kv/sessions/t/s!claim"
+    assert store.workers.key("w") == "/kv/workers/w"
+    assert store.keys.worker_session("d", "t", "s") == "/kv/worker-sessions/d/t/s"
+    assert store.claims.worker_key("d", "t", "s") == "/kv/worker-claims/d/t/s"
 
 
 def test_the_record_codec():
@@ -95,13 +98,31 @@ def test_a_record_read_with_its_claim_is_claimed_without_its_handle():
     assert codec.session_from([_Kv(keys.claim_of(key), b"5")], key) is None
 
 
-def test_the_etcd_store_implements_the_claim_store_the_scheduler_uses():
-    members = [name for name in vars(ClaimStore) if not name.startswith("_")]
-    assert set(members) == {"connect", "close", "get_session", "claim_session", "campaign", "held_on_worker"}
+def _implements(protocol: type, obj: object) -> None:
+    """``obj`` has each of ``protocol``'s members with the same parameters (a property: a part that implements the
+    property's own protocol)."""
+    members = [name for name in vars(protocol) if not name.startswith("_")]
     for name in members:
-        wanted, have = inspect.signature(getattr(ClaimStore, name)), inspect.signature(getattr(EtcdStore, name))
-        assert wanted.parameters.keys() == have.parameters.keys(), name
-        assert inspect.iscoroutinefunction(getattr(EtcdStore, name)), name
+        wanted = inspect.getattr_static(protocol, name)
+        if isinstance(wanted, property):
+            _implements(get_type_hints(wanted.fget)["return"], getattr(obj, name))
+            continue
+        have = getattr(obj, name)
+        assert inspect.signature(wanted).parameters.keys() - {"self"} == inspect.signature(have).parameters.keys(), \
+            name
+        assert inspect.iscoroutinefunction(have) == inspect.iscoroutinefunction(wanted), name
+        assert inspect.isasyncgenfunction(have) or not inspect.isasyncgenfunction(wanted), name
+
+
+def test_the_etcd_store_implements_the_claim_store_the_scheduler_uses():
+    """The scheduler holds the store's parts: ``store.sessions.get``, ``store.claims.claim`` / ``held_on_worker``,
+    ``store.elections.campaign`` (claims, services/scheduler/claims.py); ``store.outcomes``, ``store.snapshots``,
+    ``store.leases.grant`` and ``store.elections.campaign`` (shared learning, services/scheduler/learning.py)."""
+    assert {name for name in vars(ClaimStore) if not name.startswith("_")} == {
+        "connect", "close", "sessions", "claims", "elections"}
+    store = EtcdStore("127.0.0.1:1")
+    _implements(ClaimStore, store)
+    _implements(LearningStore, store)
 
 
 async def test_the_store_reports_each_operation_to_its_observer():
@@ -131,7 +152,5 @@ def test_the_store_is_one_connection_with_one_part_per_kind_of_record():
     parts = {name: getattr(store, name) for name in ("leases", "elections", "workers", "sessions", "claims",
                                                      "responses", "outcomes", "snapshots")}
     assert all(part._conn is store for part in parts.values())
-    assert store.sessions.key("t", "s") == store.session_key("t", "s") and store.claims.key("t", "s") == \
-        store.claim_key("t", "s")
     for path in (REPO / "services" / "store").glob("etcd_*.py"):
         assert len(path.read_text().splitlines()) <= 300, f"{path.name}: keep each store small"

@@ -49,8 +49,8 @@ from kvshuttle.control_plane.constraints import CALL_SYNTAX, forced_tool_calls
 from kvshuttle.control_plane.continuation import plan_continuation, text_key
 from kvshuttle.services.devtools.bench.samples import IDEAL, LOCAL, TurnSample, TurnStream
 from kvshuttle.services.devtools.bench.workload import CALL_MIN_TOKENS, Conversation, Turn
+from kvshuttle.services.devtools.chat_stream import StreamError, stream_chat
 from kvshuttle.services.engine.client import EngineClient, Final
-from kvshuttle.services.gateway.chat_stream import StreamError, stream_chat
 from kvshuttle.services.gateway.tokenizer import GatewayTokenizer
 
 DIRECT = "direct"

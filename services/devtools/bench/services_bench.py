@@ -42,7 +42,7 @@ What is measured, per operation and per concurrency level:
     ``history_tokens`` exact ids, read from the history store), as a gateway without its own copy reads one.
 
 ``etcd claim txn``
-    The floor under a claiming plan: the transaction the scheduler's claim sends (``EtcdStore.claim_session``:
+    The floor under a claiming plan: the transaction the scheduler's claim sends (``EtcdStore.claims.claim``:
     compare the record's revision and lease and that no claim exists, put the claim key and the worker's claim note on
     the record's lease, read the record back), on freshly recorded sessions (recorded untimed, through the registry),
     sent by the client process itself through the project's etcd client (``EtcdStore``, its retry wrapper
@@ -1110,7 +1110,7 @@ async def run_benchmark(cfg: ServicesBenchConfig, emit: Callable[[str], None] = 
             "prompt_tokens": len(workload.prompt), "block_size": cfg.block_size,
             "blocks_per_record": -(-workload.covered // cfg.block_size), "text_chars": workload.text_chars,
             "keepalive_failures": workers.keepalive_failures if workers else 0,
-            "etcd_claim": "the claim transaction of EtcdStore.claim_session, sent from the client process through "
+            "etcd_claim": "the claim transaction of EtcdStore.claims.claim, sent from the client process through "
                           "EtcdStore (one channel)",
             "grpc_echo": {"server": "bare grpc.aio unary method in its own process, the services' default server "
                                     "options, no interceptors",

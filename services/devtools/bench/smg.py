@@ -46,8 +46,8 @@ from kvshuttle.services.common.processes import ChildProcess
 from kvshuttle.services.devtools.bench.lanes import CALL_PARSER, GatewayLane, LaneError, message_digest
 from kvshuttle.services.devtools.bench.samples import SMG, TurnSample
 from kvshuttle.services.devtools.bench.workload import CALL_MIN_TOKENS, Turn
+from kvshuttle.services.devtools.chat_stream import StreamError, stream_chat
 from kvshuttle.services.devtools.etcd_process import free_port
-from kvshuttle.services.gateway.chat_stream import StreamError, stream_chat
 
 log = logging.getLogger("kvshuttle.bench")
 

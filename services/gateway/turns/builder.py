@@ -4,6 +4,7 @@ gRPC API) translate their request's spelling into what this builder takes, and i
 It owns the rules a turn's request follows whatever API it came through:
 - the model check;
 - the tools and ``tool_choice`` (one ``check_tools``), and the answer parsing they imply;
+- every tool result answers an earlier call (one ``check_tool_results``, over the messages in chat's form);
 - the constraint: structured output, or the grammar that forces a tool call, and where it starts (after the
   reasoning the prompt leaves room for);
 - the special-tokens rule (call tags and Harmony's channel markers that are special tokens stay in the text);
@@ -14,7 +15,7 @@ What a turn reports back (usage, KV headers, ``drain``) is in reply.py.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -77,6 +78,27 @@ def check_tools(tools: Sequence[FunctionIn], choice: ToolChoice, words: ToolWord
     if isinstance(choice, NamedTool) and choice.name not in names:
         raise FieldError("tool_choice", f"tool_choice names {choice.name!r}, which is not among the tools "
                                         f"({', '.join(sorted(names)) or 'none given'})")
+
+
+def check_tool_results(messages: Sequence[Mapping[str, Any]], fields: Mapping[int, str] | None = None, *,
+                       id_name: str = "tool_call_id", call_name: str = "tool call") -> None:
+    """Every ``tool`` message (the chat form every API's messages take) answers a call of an earlier assistant
+    message, by ``tool_call_id``; FieldError otherwise. ``fields``: message index -> the request field that carried
+    that result's id (default chat's ``messages.<i>.tool_call_id``); ``id_name`` and ``call_name``: the API's words
+    for the id and the call."""
+    called: set[str] = set()
+    for i, message in enumerate(messages):
+        role = message.get("role")
+        if role == "assistant":
+            called.update(call.get("id") or "" for call in message.get("tool_calls") or [])
+        elif role == "tool":
+            field = (fields or {}).get(i, f"messages.{i}.tool_call_id")
+            answers = message.get("tool_call_id")
+            if not answers:
+                raise FieldError(field, f"a tool message needs the {id_name} it answers")
+            if answers not in called:
+                raise FieldError(field, f"{id_name} {answers!r} answers no {call_name} of an earlier assistant "
+                                        "message")
 
 
 def template_tools(tools: Sequence[FunctionIn]) -> list[dict[str, Any]]:

@@ -235,8 +235,10 @@ class TurnRunner:
         """
         answered = False
         try:
-            async for delta in parsing.run(turn, self._decode(turn)):
-                yield delta
+            parse = parsing.Parsing(turn)
+            async for delta in self._decode(turn):
+                yield parse.feed(delta)
+            parse.finish()
             assert turn.final is not None
             on_decode.finished(self, turn)
             await recording.run(self, turn)
