@@ -9,7 +9,7 @@ Three limits, each optional (0: none):
   below zero: the debt delays the tenant's next turns until the refill has paid it back.
 * ``concurrent_turns``: turns of the tenant running at once (admitted, not yet ended).
 
-No I/O and no clock of its own: the gateway enforces the answers (services/gateway/tenant_limits.py).
+No I/O and no clock of its own: the gateway enforces the answers (services/gateway/edge/tenant_limits.py).
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "scheduler": (f"{PKG}.scheduler.server", "Run the transfer scheduler (gRPC)"),
     "gateway": (f"{PKG}.commands.gateway", "Run the gateway (OpenAI HTTP API, REST bridge, gRPC)"),
     "worker": ("kvshuttle.workers.agent", "Run a vLLM prefill or decode worker and register it"),
-    "hash-key": (f"{PKG}.gateway.auth", "Print the gateway's API-keys-file entry for a key (read on stdin) or a new "
-                 "one"),
+    "hash-key": (f"{PKG}.gateway.edge.auth", "Print the gateway's API-keys-file entry for a key (read on stdin) or a "
+                 "new one"),
     "make-model": ("kvshuttle.workers.model_builder", "Build the small offline test model into a directory"),
     "bench-services": (f"{DEV}.bench.services_bench", "Microbenchmarks of the registry and scheduler (no vLLM)"),
     "bench-gateway": (f"{DEV}.bench.gateway_capacity", "The gateway's own streaming capacity: tokens/s per gateway core "

@@ -188,7 +188,8 @@ class EngineClient:
         final: Final | None = None
         try:
             salt_confirmed = cache_salt is None
-            async for response in call:
+            read, eof = call.read, grpc.aio.EOF
+            while (response := await read()) is not eof:  # read() direct: no generator of grpc's per message
                 if not salt_confirmed:  # the worker's initial metadata came with its first response at the latest
                     if dict(await call.initial_metadata() or ()).get(salts.APPLIED_KEY) != "1":
                         raise EngineError(grpc.StatusCode.FAILED_PRECONDITION,

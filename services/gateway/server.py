@@ -1,4 +1,6 @@
-"""`kvshuttle gateway`: OpenAI-compatible HTTP + REST bridge, and the kvshuttle.v1.Gateway gRPC API."""
+"""`kvshuttle gateway`, wired: its configuration (GatewayConfig) and the process (GatewayService) that puts the turn
+runner (turns/), the HTTP APIs and the REST bridge (apis/, behind edge/) and the kvshuttle.v1.Gateway gRPC API
+together."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from pathlib import Path
 from typing import Protocol
 
 import grpc
+from fastapi import FastAPI
 from google.protobuf.message import Message
 from kvshuttle.control_plane.kv_size import kv_bytes_per_token
 from kvshuttle.control_plane.reasoning import REASONING_PARSERS
@@ -23,30 +26,23 @@ from kvshuttle.services.common.metrics_http import PATH as METRICS_PATH
 from kvshuttle.services.common.metrics_http import MetricsServer, check_listen, metrics_route
 from kvshuttle.services.common.telemetry import tracing_enabled
 from kvshuttle.services.common.tls import TlsConfig, read_pem
-from kvshuttle.services.gateway.anthropic_api import anthropic_routes
-from kvshuttle.services.gateway.auth import OPEN, KeyRing
-from kvshuttle.services.gateway.grpc_api import BRIDGED, GatewayServicer, add_gateway_servicer
-from kvshuttle.services.gateway.http_guard import HttpGuard, principal
-from kvshuttle.services.gateway.http_metrics import HttpMetrics
-from kvshuttle.services.gateway.http_tracing import HttpTracing
-from kvshuttle.services.gateway.keys_reload import KeysFileWatcher
-from kvshuttle.services.gateway.openai_api import create_app
-from kvshuttle.services.gateway.request_model import SESSION_ID_PATTERN
-from kvshuttle.services.gateway.responses_api import (
-    DEFAULT_CHAIN_MAX_BYTES,
-    DEFAULT_CHAIN_MAX_RESPONSES,
-    add_responses_routes,
-)
-from kvshuttle.services.gateway.rest_bridge import (
-    DEFAULT_FORWARD_HEADERS,
-    BridgeError,
-    BridgeOptions,
-    RouteSpec,
-    bridge_routes,
-    install_openapi,
-)
-from kvshuttle.services.gateway.tenant_limits import TenantQuotas
-from kvshuttle.services.gateway.tokenizer import GatewayTokenizer
+from kvshuttle.services.gateway.apis.anthropic.routes import add_anthropic_routes
+from kvshuttle.services.gateway.apis.grpc_api import BRIDGED, GatewayServicer, add_gateway_servicer
+from kvshuttle.services.gateway.apis.http_app import create_app
+from kvshuttle.services.gateway.apis.request_model import SESSION_ID_PATTERN
+from kvshuttle.services.gateway.apis.responses.routes import add_responses_routes
+from kvshuttle.services.gateway.apis.rest_bridge.errors import BridgeError
+from kvshuttle.services.gateway.apis.rest_bridge.openapi import install_openapi
+from kvshuttle.services.gateway.apis.rest_bridge.routes import DEFAULT_FORWARD_HEADERS, BridgeOptions, bridge_routes
+from kvshuttle.services.gateway.apis.rest_bridge.specs import RouteSpec
+from kvshuttle.services.gateway.apis.state import DEFAULT_CHAIN_MAX_BYTES, DEFAULT_CHAIN_MAX_RESPONSES
+from kvshuttle.services.gateway.edge.auth import OPEN, KeyRing
+from kvshuttle.services.gateway.edge.http_guard import HttpGuard, principal
+from kvshuttle.services.gateway.edge.http_metrics import HttpMetrics
+from kvshuttle.services.gateway.edge.http_tracing import HttpTracing
+from kvshuttle.services.gateway.edge.keys_reload import KeysFileWatcher
+from kvshuttle.services.gateway.edge.tenant_limits import TenantQuotas
+from kvshuttle.services.gateway.tokens.tokenizer import GatewayTokenizer
 from kvshuttle.services.gateway.turns import TurnRunner
 from kvshuttle.services.gateway.turns.parsers import Parsers
 from kvshuttle.v1 import registry_pb2, registry_pb2_grpc, scheduler_pb2_grpc
@@ -278,21 +274,7 @@ class GatewayService:
                                                 options=() if scheduler else ROUND_ROBIN)
         scheduler_stub = (scheduler.stub if scheduler is not None
                           else scheduler_pb2_grpc.TransferSchedulerStub(self.scheduler_channel))
-        self.runner = TurnRunner(
-            GatewayTokenizer(cfg.model_dir, Path(cfg.chat_template).read_text() if cfg.chat_template else None),
-            registry_pb2_grpc.SessionRegistryStub(self.registry_channel),
-            scheduler_stub, max_model_len=cfg.context_len(),
-            engine_timeout_s=cfg.engine_timeout_s, control_timeout_s=cfg.control_timeout_s,
-            session_cache_bytes=cfg.session_cache_mb << 20, first_token_from_prefill=cfg.first_token_from_prefill,
-            prefill_timeout_s=cfg.prefill_timeout_s, decode_stall_timeout_s=cfg.decode_stall_timeout_s,
-            worker_retries=cfg.worker_retries)
-        self.runner.max_prompt_tokens = cfg.max_prompt_tokens
-        self.runner.free_unrecorded_kv = cfg.free_unrecorded_kv
-        self.runner.answer_room_tokens = cfg.answer_room_tokens
-        self.runner.find_sessions = cfg.find_sessions
-        self.runner.served_model, self.runner.kv_bytes_per_token = cfg.model_name(), cfg.kv_bytes_per_token()
-        self.runner.quotas = self.quotas
-        self.runner.cache_group_of = self.keys.cache_group  # a tenant's prefix-cache salt follows its cache group
+        self.runner = self._turn_runner(scheduler_stub)
         bridge_token = secrets.token_urlsafe(24)  # marks the REST bridge's calls: the HTTP guard counted them
         servicer = GatewayServicer(self.runner, cfg.model_name(), cfg.default_max_tokens, self.keys, self.quotas,
                                    bridge_token)
@@ -300,6 +282,42 @@ class GatewayService:
                            [lambda s: add_gateway_servicer(servicer, s)],
                            tls=cfg.server_tls(), max_message_bytes=max_message)
         self.self_channel = client_channel(self.grpc.address, own_tls, max_message_bytes=max_message)
+        routes = self._bridge_routes(bridge_token)
+        metrics.GATEWAY_STATE.register(self.runner.metrics_state)
+        registry = metrics.registry_for("gateway", extra=[  # and the embedded scheduler's, when it plans here
+            *metrics.GROUPS["scheduler"], *metrics.GROUPS["etcd"]] if self.scheduler is not None else ())
+        self.metrics = MetricsServer(cfg.metrics_listen, registry, name="gateway") if cfg.metrics_listen else None
+        if self.metrics is None:  # on the HTTP port: with API keys, for admin keys only (tenants are labels)
+            routes.insert(0, metrics_route(registry))
+        self.app = self._http_app(routes)
+        self.http = HttpServer(self._http_front(), cfg.http_listen,
+                               tls=(cfg.http_tls_cert, cfg.http_tls_key) if cfg.http_tls_cert else None,
+                               max_connections=cfg.http_max_connections, receipt_timeout_s=cfg.http_receipt_timeout_s)
+        self.grpc_address = self.grpc.address
+        self.http_address = self.http.address
+
+    def _turn_runner(self, scheduler_stub: object) -> TurnRunner:
+        cfg = self.cfg
+        runner = TurnRunner(
+            GatewayTokenizer(cfg.model_dir, Path(cfg.chat_template).read_text() if cfg.chat_template else None),
+            registry_pb2_grpc.SessionRegistryStub(self.registry_channel),
+            scheduler_stub, max_model_len=cfg.context_len(),
+            engine_timeout_s=cfg.engine_timeout_s, control_timeout_s=cfg.control_timeout_s,
+            session_cache_bytes=cfg.session_cache_mb << 20, first_token_from_prefill=cfg.first_token_from_prefill,
+            prefill_timeout_s=cfg.prefill_timeout_s, decode_stall_timeout_s=cfg.decode_stall_timeout_s,
+            worker_retries=cfg.worker_retries)
+        runner.max_prompt_tokens = cfg.max_prompt_tokens
+        runner.free_unrecorded_kv = cfg.free_unrecorded_kv
+        runner.answer_room_tokens = cfg.answer_room_tokens
+        runner.find_sessions = cfg.find_sessions
+        runner.served_model, runner.kv_bytes_per_token = cfg.model_name(), cfg.kv_bytes_per_token()
+        runner.quotas = self.quotas
+        runner.cache_group_of = self.keys.cache_group  # a tenant's prefix-cache salt follows its cache group
+        return runner
+
+    def _bridge_routes(self, bridge_token: str) -> list:
+        """The REST bridge's routes: the registry's and the scheduler's methods, and this gateway's own gRPC API."""
+        cfg = self.cfg
         turn_deadline = 2 * cfg.engine_timeout_s + 4 * cfg.control_timeout_s
         # The caller's API key goes on to the gateway's own gRPC API (which checks it again), never to the registry.
         common = dict(timeout=cfg.control_timeout_s, max_body_bytes=cfg.max_body_bytes, authorize=bridge_policy,
@@ -308,37 +326,33 @@ class GatewayService:
             h for h in DEFAULT_FORWARD_HEADERS if h != "authorization"))
         to_gateway = BridgeOptions(**common, metadata=((BRIDGED, bridge_token),), method_timeouts={
             f"/{SERVICE_NAME}/{m}": turn_deadline for m in ("Complete", "ChatComplete")})
-        routes = [*bridge_routes({REGISTRY_SERVICE: self.registry_channel,
-                                  SCHEDULER_SERVICE: self.scheduler_channel}, to_registry),
-                  *bridge_routes({SERVICE_NAME: self.self_channel}, to_gateway)]
-        metrics.GATEWAY_STATE.register(self.runner.metrics_state)
-        registry = metrics.registry_for("gateway", extra=[  # and the embedded scheduler's, when it plans here
-            *metrics.GROUPS["scheduler"], *metrics.GROUPS["etcd"]] if self.scheduler is not None else ())
-        self.metrics = MetricsServer(cfg.metrics_listen, registry, name="gateway") if cfg.metrics_listen else None
-        if self.metrics is None:  # on the HTTP port: with API keys, for admin keys only (tenants are labels)
-            routes.insert(0, metrics_route(registry))
-        self.app = create_app(self.runner, cfg.model_name(), cfg.default_max_tokens, extra_routes=routes,
-                              tool_call_parser=cfg.tool_call_parser, reasoning_parser=cfg.reasoning_parser)
-        self.app.include_router(anthropic_routes(self.runner, cfg.model_name(), cfg.default_max_tokens,
-                                                 tool_call_parser=cfg.tool_call_parser,
-                                                 reasoning_parser=cfg.reasoning_parser))
-        add_responses_routes(self.app, self.runner, cfg.model_name(), cfg.default_max_tokens,
-                             tool_call_parser=cfg.tool_call_parser, reasoning_parser=cfg.reasoning_parser,
-                             response_ttl_s=cfg.response_ttl_s,
+        return [*bridge_routes({REGISTRY_SERVICE: self.registry_channel,
+                                SCHEDULER_SERVICE: self.scheduler_channel}, to_registry),
+                *bridge_routes({SERVICE_NAME: self.self_channel}, to_gateway)]
+
+    def _http_app(self, routes: list) -> FastAPI:
+        """The HTTP APIs on one app: OpenAI's, Anthropic's, the Responses API, and ``routes`` (the REST bridge's,
+        /metrics) with the bridged methods in the OpenAPI document."""
+        cfg = self.cfg
+        app = create_app(self.runner, cfg.model_name(), cfg.default_max_tokens, extra_routes=routes,
+                         tool_call_parser=cfg.tool_call_parser, reasoning_parser=cfg.reasoning_parser)
+        add_anthropic_routes(app)
+        add_responses_routes(app, response_ttl_s=cfg.response_ttl_s,
                              chain_max_responses=cfg.response_chain_max_responses,
                              chain_max_bytes=cfg.response_chain_max_bytes)
-        install_openapi(self.app, [REGISTRY_SERVICE, SCHEDULER_SERVICE, SERVICE_NAME], constraints=OPENAPI_CONSTRAINTS)
+        install_openapi(app, [REGISTRY_SERVICE, SCHEDULER_SERVICE, SERVICE_NAME], constraints=OPENAPI_CONSTRAINTS)
+        return app
+
+    def _http_front(self) -> object:
+        """The app behind the HTTP edge: the guard (keys, limits, bodies), metrics, tracing."""
+        cfg = self.cfg
         front: object = HttpGuard(self.app, self.keys, cfg.max_body_bytes, open_paths=("/health",),
                                   quotas=self.quotas, admin_paths=() if self.metrics else (METRICS_PATH,),
                                   receipt_timeout_s=cfg.http_receipt_timeout_s)
         front = HttpMetrics(front, self.app.routes)  # outside the guard: refusals are counted too
         if tracing_enabled():  # one SERVER span per HTTP request, continuing the caller's traceparent
             front = HttpTracing(front)
-        self.http = HttpServer(front, cfg.http_listen,
-                               tls=(cfg.http_tls_cert, cfg.http_tls_key) if cfg.http_tls_cert else None,
-                               max_connections=cfg.http_max_connections, receipt_timeout_s=cfg.http_receipt_timeout_s)
-        self.grpc_address = self.grpc.address
-        self.http_address = self.http.address
+        return front
 
     async def start(self) -> None:
         if self.scheduler is not None:

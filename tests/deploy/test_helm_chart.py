@@ -709,7 +709,7 @@ def test_tls_probes_use_the_health_check_command(pod_root):
 
 
 def test_api_keys_secret_holds_a_keys_file_the_gateway_loads(tmp_path):
-    from kvshuttle.services.gateway.auth import KeyRing
+    from kvshuttle.services.gateway.edge.auth import KeyRing
 
     docs = rendered("gpu-4p4d-external-etcd-tls")
     secret = objects(docs, "Secret")[f"{RELEASE}-kvshuttle-api-keys"]

@@ -10,7 +10,7 @@ import grpc
 import httpx
 import pytest
 from kvshuttle.services.devtools.demo import run_demo
-from kvshuttle.services.gateway.tokenizer import GatewayTokenizer
+from kvshuttle.services.gateway.tokens.tokenizer import GatewayTokenizer
 from kvshuttle.v1 import gateway_pb2, gateway_pb2_grpc, scheduler_pb2
 from openai import AsyncOpenAI, BadRequestError
 

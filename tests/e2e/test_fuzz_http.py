@@ -7,7 +7,7 @@ roles, token-id prompts with bad ids), plus raw bodies that are not JSON or not 
 serve a normal conversation afterwards. Valid requests run real turns with at most 4 tokens (a gateway of
 its own, --default-max-tokens 4, for those that set no limit).
 
-Hostile input (issue #26; services/gateway/input_check.py): lone surrogates, deep nesting, huge and non-finite
+Hostile input (issue #26; services/gateway/edge/input_check.py): lone surrogates, deep nesting, huge and non-finite
 numbers, put in any one field (or as a field's name) of a valid request to every HTTP route, and undecodable bytes
 to every gRPC method. Each must be a 4xx in the route's own error shape, never a 5xx or a dropped connection; the
 cases the issue found are explicit examples.

@@ -25,7 +25,7 @@ from kvshuttle.services.common.telemetry import hashed
 from kvshuttle.services.common.tls import ClientTls
 from kvshuttle.services.devtools.etcd_process import free_port
 from kvshuttle.services.devtools.local_ca import LocalCA
-from kvshuttle.services.gateway import auth
+from kvshuttle.services.gateway.edge import auth
 from kvshuttle.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, registry_pb2, registry_pb2_grpc, scheduler_pb2
 
 from tests.support.e2e import flush_prefill, user_turn

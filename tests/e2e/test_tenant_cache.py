@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 from kvshuttle.services.devtools.etcd_process import free_port
-from kvshuttle.services.gateway import auth
+from kvshuttle.services.gateway.edge import auth
 
 from tests.support.e2e import flush_prefill, new_session, prompt_token_sources, user_turn
 

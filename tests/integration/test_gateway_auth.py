@@ -25,7 +25,7 @@ from kvshuttle.services.common import metrics
 from kvshuttle.services.common.config import ConfigError
 from kvshuttle.services.common.grpc_server import client_channel
 from kvshuttle.services.common.tls import TlsClientConfig
-from kvshuttle.services.gateway import auth
+from kvshuttle.services.gateway.edge import auth
 from kvshuttle.services.gateway.server import GatewayConfig, GatewayService
 from kvshuttle.services.registry.server import RegistryConfig, serve
 from kvshuttle.services.scheduler.server import SchedulerConfig, SchedulerService

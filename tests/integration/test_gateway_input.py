@@ -1,4 +1,4 @@
-"""Input no request may hold (services/gateway/input_check.py), on the real gateway (etcd, registry, scheduler,
+"""Input no request may hold (services/gateway/edge/input_check.py), on the real gateway (etcd, registry, scheduler,
 gateway on loopback; no vLLM: every refusal here happens before a turn reaches a worker): a 400 in the API's own
 error shape naming the field, from every front end (OpenAI chat and completions, Responses, Anthropic Messages, the
 REST bridge, the gRPC Gateway API). The cases of issue #26 that answered a 500 or dropped the connection are here."""
@@ -12,7 +12,7 @@ import grpc
 import httpx
 import pytest
 from kvshuttle.services.common.grpc_server import client_channel
-from kvshuttle.services.gateway.input_check import INT32_MAX, MAX_SCHEMA_DEPTH
+from kvshuttle.services.gateway.edge.input_check import INT32_MAX, MAX_SCHEMA_DEPTH
 from kvshuttle.services.gateway.server import GatewayConfig, GatewayService
 from kvshuttle.services.registry.server import RegistryConfig, serve
 from kvshuttle.services.scheduler.server import SchedulerConfig, SchedulerService

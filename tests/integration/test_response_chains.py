@@ -17,8 +17,8 @@ import grpc
 import httpx
 import pytest
 from kvshuttle.services.common.grpc_server import client_channel
-from kvshuttle.services.gateway.openai_api import create_app
-from kvshuttle.services.gateway.responses_api import add_responses_routes
+from kvshuttle.services.gateway.apis.http_app import create_app
+from kvshuttle.services.gateway.apis.responses.routes import add_responses_routes
 from kvshuttle.services.registry.server import RegistryConfig, serve
 from kvshuttle.services.store.etcd_store import EtcdStore
 from kvshuttle.v1 import registry_pb2, registry_pb2_grpc
@@ -232,7 +232,7 @@ async def test_a_thousand_turn_conversation_stores_flat_entries_and_continues(an
 
     runner = AnsweringRunner("Done.", registry=stub)
     app = create_app(runner, "agent", 16)
-    add_responses_routes(app, runner, "agent", 16)
+    add_responses_routes(app)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=open_guard(app)), base_url="http://gw") as http:
         continues = []
         for k in range(3):  # three branches from turn 1,000

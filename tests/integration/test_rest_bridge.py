@@ -15,14 +15,9 @@ from fastapi import FastAPI
 from google.api import http_pb2
 from google.protobuf import timestamp_pb2
 from kvshuttle.services.common.grpc_server import Server, client_channel
-from kvshuttle.services.gateway import rest_bridge
-from kvshuttle.services.gateway.rest_bridge import (
-    BridgeOptions,
-    PathTemplate,
-    bridge_routes,
-    build_route,
-    specs_from_rule,
-)
+from kvshuttle.services.gateway.apis.rest_bridge.openapi import install_openapi
+from kvshuttle.services.gateway.apis.rest_bridge.routes import BridgeOptions, bridge_routes, build_route
+from kvshuttle.services.gateway.apis.rest_bridge.specs import PathTemplate, specs_from_rule
 from kvshuttle.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, registry_pb2, registry_pb2_grpc, scheduler_pb2
 
 from tests.support.waits import until
@@ -151,7 +146,7 @@ async def app(backend):
     [slow] = specs_from_rule(method, http_pb2.HttpRule(get="/v1/deadline/{session_id}"))
     app.router.routes.append(build_route(slow, channel, BridgeOptions(
         method_timeouts={"/kvshuttle.v1.SessionRegistry/GetSession": 0.3})))
-    rest_bridge.install_openapi(app, [REGISTRY, GATEWAY])
+    install_openapi(app, [REGISTRY, GATEWAY])
     return app
 
 

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from kvshuttle.services.gateway.tokenizer import ChatTemplateError, GatewayTokenizer
+from kvshuttle.services.gateway.tokens.tokenizer import ChatTemplateError, GatewayTokenizer
 from kvshuttle.workers import agent_script as script
 from kvshuttle.workers import model_builder
 

@@ -15,7 +15,7 @@ from kvshuttle.control_plane.constraints import CALL_SYNTAX, forced_tool_calls
 from kvshuttle.services.devtools.bench import lanes
 from kvshuttle.services.devtools.bench.workload import CALL_MIN_TOKENS, Conversation, Turn, agentic_conversations
 from kvshuttle.services.engine.client import Chunk, Final
-from kvshuttle.services.gateway.tokenizer import GatewayTokenizer
+from kvshuttle.services.gateway.tokens.tokenizer import GatewayTokenizer
 from kvshuttle.workers.agent_script import AGENT_CHAT_TEMPLATE
 
 SMALL = dict(max_history_tokens=3000, system_tokens=1000, turn_tokens=(100, 300), max_tokens=16)
@@ -263,7 +263,7 @@ def test_tool_results_need_a_call_to_answer(conversation):
 def test_the_gateway_renders_and_constrains_what_the_engine_lanes_do(tools_tokenizer, conversation):
     """The gateway lane's requests, read by the gateway's own request model, render to the prompt the direct and
     ideal lanes render, and force the same constraint: all modes see the same token ids."""
-    from kvshuttle.services.gateway.openai_api import ChatCompletionIn
+    from kvshuttle.services.gateway.apis.openai.models import ChatCompletionIn
 
     bias = lanes.forced_call_bias(tools_tokenizer)
     gw = lanes.GatewayLane(None, "pull", conversation.id, conversation.system, "r", tools=conversation.tools,

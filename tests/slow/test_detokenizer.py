@@ -1,12 +1,12 @@
-"""The answer's text piece by piece (services/gateway/detokenizer.py) on the tiny model's real byte-level tokenizer:
-the pieces a stream sends always add up to the text the whole answer and the record use, characters split across
-tokens are held back until complete, invalid bytes and special tokens come out the same whichever way."""
+"""The answer's text piece by piece (services/gateway/tokens/detokenizer.py) on the tiny model's real byte-level
+tokenizer: the pieces a stream sends always add up to the text the whole answer and the record use, characters split
+across tokens are held back until complete, invalid bytes and special tokens come out the same whichever way."""
 
 from __future__ import annotations
 
 import pytest
-from kvshuttle.services.gateway.detokenizer import REPLACEMENT, IncrementalText
-from kvshuttle.services.gateway.tokenizer import GatewayTokenizer
+from kvshuttle.services.gateway.tokens.detokenizer import REPLACEMENT, IncrementalText
+from kvshuttle.services.gateway.tokens.tokenizer import GatewayTokenizer
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from kvshuttle.control_plane.answer import parse_answer
 from kvshuttle.control_plane.constraints import CALL_SYNTAX, forced_tool_calls, not_forced
 from kvshuttle.control_plane.tool_calls import FAMILIES, TOOL_CALL_PARSERS
 from kvshuttle.control_plane.tool_calls.deepseek_v3 import DeepSeekV3Parser as DS
-from kvshuttle.services.gateway.tokenizer import GatewayTokenizer
+from kvshuttle.services.gateway.tokens.tokenizer import GatewayTokenizer
 
 from tests.support.family_templates import FAMILY_TEMPLATES
 

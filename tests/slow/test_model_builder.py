@@ -53,7 +53,7 @@ def test_smollm2_is_the_wheels_gguf_de_quantized_with_its_own_tokenizer_and_temp
 
     import torch
     from gguf import GGUFReader
-    from kvshuttle.services.gateway.tokenizer import GatewayTokenizer
+    from kvshuttle.services.gateway.tokens.tokenizer import GatewayTokenizer
     from kvshuttle.workers import gguf_model
     from safetensors import safe_open
     from transformers import AutoTokenizer

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from kvshuttle.services.gateway.tokenizer import ChatTemplateError, GatewayTokenizer
+from kvshuttle.services.gateway.tokens.tokenizer import ChatTemplateError, GatewayTokenizer
 
 CHATS = [
     [{"role": "user", "content": "Hello!"}],

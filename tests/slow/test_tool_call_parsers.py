@@ -14,7 +14,7 @@ import pytest
 from kvshuttle.control_plane.answer import AnswerParser, ParsedAnswer, Piece, parse_answer
 from kvshuttle.control_plane.reasoning import REASONING_PARSERS
 from kvshuttle.control_plane.tool_calls import TOOL_CALL_PARSERS, ParsedCall, schema_types, typed
-from kvshuttle.services.gateway.chat_answer import AnswerShape
+from kvshuttle.services.gateway.apis.openai.chat_answer import AnswerShape
 from kvshuttle.services.gateway.turns.parsers import AnswerEvents, AnswerParsing
 
 from tests.support import vllm_reference

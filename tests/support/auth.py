@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from kvshuttle.services.gateway import auth
+from kvshuttle.services.gateway.edge import auth
 
 KEYS = {"acme": "kvs-acme-7c1d0b5e", "globex": "kvs-globex-93aa41f2", "ops": "kvs-ops-admin-51e0"}
 
@@ -25,6 +25,6 @@ def keys_file(directory) -> str:
 def open_guard(app):
     """``app`` behind the gateway's HTTP guard with no keys (the open gateway): every caller is the default tenant.
     Routes refuse a request that did not pass the guard (401), so tests of the HTTP APIs go through it."""
-    from kvshuttle.services.gateway.http_guard import HttpGuard
+    from kvshuttle.services.gateway.edge.http_guard import HttpGuard
 
     return HttpGuard(app, auth.KeyRing(), 8 << 20)

@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from kvshuttle.services.common.http_server import HttpServer
-from kvshuttle.services.gateway.anthropic_api import anthropic_routes
-from kvshuttle.services.gateway.openai_api import create_app
-from kvshuttle.services.gateway.responses_api import add_responses_routes
+from kvshuttle.services.gateway.apis.anthropic.routes import add_anthropic_routes
+from kvshuttle.services.gateway.apis.http_app import create_app
+from kvshuttle.services.gateway.apis.responses.routes import add_responses_routes
 from kvshuttle.workers import agent_script as script
 from kvshuttle.workers.model_builder import CLIENT_CONVERSATIONS_FILE, client_answer
 
@@ -138,8 +138,8 @@ async def capture(name: str, tokenizer_dir: Path = REPO / "var" / "models" / "ag
     model's)."""
     runner = ScriptedRunner()
     app = create_app(runner, "agent", 64, **PARSERS)
-    app.include_router(anthropic_routes(runner, "agent", 64, **PARSERS))
-    add_responses_routes(app, runner, "agent", 64, **PARSERS)
+    add_anthropic_routes(app)
+    add_responses_routes(app)
     recorder = BodyRecorder(open_guard(app))
     server = HttpServer(recorder, "127.0.0.1:0")
     await server.start()

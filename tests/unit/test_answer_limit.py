@@ -8,9 +8,9 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from kvshuttle.services.gateway.grpc_api import GatewayServicer
-from kvshuttle.services.gateway.openai_api import create_app
-from kvshuttle.services.gateway.responses_api import add_responses_routes
+from kvshuttle.services.gateway.apis.grpc_api import GatewayServicer
+from kvshuttle.services.gateway.apis.http_app import create_app
+from kvshuttle.services.gateway.apis.responses.routes import add_responses_routes
 from kvshuttle.services.gateway.turns import TurnError, TurnRequest
 from kvshuttle.services.gateway.turns.request import check_length
 from kvshuttle.v1 import gateway_pb2, scheduler_pb2
@@ -26,7 +26,7 @@ CONTEXT = 1000  # turn_fakes' runner: max_model_len
 def gateway(default_max_tokens: int):
     r, scheduler, _ = runner(scheduler_pb2.DECISION_RECOMPUTE, Engine(), decode=Engine(answer=ANSWER, ends=True))
     app = create_app(r, "tiny", default_max_tokens)
-    add_responses_routes(app, r, "tiny", default_max_tokens)
+    add_responses_routes(app)
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=open_guard(app)), base_url="http://gw")
     return openai.AsyncOpenAI(api_key="none", base_url="http://gw/v1", http_client=http), r, scheduler
 

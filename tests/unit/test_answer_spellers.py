@@ -10,9 +10,9 @@ import pytest
 from kvshuttle.control_plane.answer import Piece
 from kvshuttle.control_plane.reasoning import CONTENT, REASONING
 from kvshuttle.control_plane.tool_calls import ParsedCall
-from kvshuttle.services.gateway.anthropic_api import ContentBlocks, stop_reason
-from kvshuttle.services.gateway.chat_answer import AnswerShape
-from kvshuttle.services.gateway.responses_api import OutputBuilder
+from kvshuttle.services.gateway.apis.anthropic.blocks import ContentBlocks, stop_reason
+from kvshuttle.services.gateway.apis.openai.chat_answer import AnswerShape
+from kvshuttle.services.gateway.apis.responses.output import OutputBuilder
 
 
 def R(text: str) -> Piece:

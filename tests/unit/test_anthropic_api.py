@@ -12,8 +12,8 @@ import grpc
 import httpx
 import httpx2
 import pytest
-from kvshuttle.services.gateway.anthropic_api import anthropic_routes
-from kvshuttle.services.gateway.openai_api import create_app
+from kvshuttle.services.gateway.apis.anthropic.routes import add_anthropic_routes
+from kvshuttle.services.gateway.apis.http_app import create_app
 from kvshuttle.services.gateway.turns import TurnError
 
 from tests.support.answering import AnsweringRunner, JsonTokenizer
@@ -32,7 +32,7 @@ ASK = [{"role": "user", "content": "Weather in Paris?"}]
 def app_for(runner, **parsers):
     parsers = {"tool_call_parser": "hermes", "reasoning_parser": "qwen3", **parsers}
     app = create_app(runner, MODEL, 16, **parsers)
-    app.include_router(anthropic_routes(runner, MODEL, 16, **parsers))
+    add_anthropic_routes(app)
     return app
 
 

@@ -31,7 +31,7 @@ from kvshuttle.services.devtools.bench.report import build_report, format_table,
 from kvshuttle.services.devtools.bench.samples import IDEAL, LOCAL, PULL, RECOMPUTE, TurnSample, TurnStream
 from kvshuttle.services.devtools.bench.workload import Conversation, Turn
 from kvshuttle.services.devtools.chat_stream import stream_chat
-from kvshuttle.services.gateway.auth import KeyRing
+from kvshuttle.services.gateway.edge.auth import KeyRing
 
 from tests.support.configs import parse_config
 

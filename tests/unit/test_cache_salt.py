@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kvshuttle.control_plane import cache_salt
 from kvshuttle.services.common.config import ConfigError
-from kvshuttle.services.gateway import auth
+from kvshuttle.services.gateway.edge import auth
 from kvshuttle.workers import vllm_cache_salt as patch
 from smg_grpc_proto import vllm_engine_pb2
 

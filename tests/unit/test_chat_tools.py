@@ -10,7 +10,7 @@ import grpc
 import httpx
 import openai
 import pytest
-from kvshuttle.services.gateway.openai_api import create_app
+from kvshuttle.services.gateway.apis.http_app import create_app
 from kvshuttle.services.gateway.turns import TurnError
 
 from tests.support.auth import open_guard

@@ -5,8 +5,10 @@ from __future__ import annotations
 import grpc
 import httpx
 import pytest
-from kvshuttle.services.gateway.openai_api import CompletionIn, create_app
-from kvshuttle.services.gateway.rest_bridge import BridgeOptions, bridge_routes, install_openapi
+from kvshuttle.services.gateway.apis.http_app import create_app
+from kvshuttle.services.gateway.apis.openai.models import CompletionIn
+from kvshuttle.services.gateway.apis.rest_bridge.openapi import install_openapi
+from kvshuttle.services.gateway.apis.rest_bridge.routes import BridgeOptions, bridge_routes
 from kvshuttle.services.gateway.server import OPENAPI_CONSTRAINTS, REGISTRY_SERVICE, SERVICE_NAME
 
 from tests.support.auth import open_guard

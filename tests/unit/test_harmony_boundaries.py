@@ -11,7 +11,7 @@ import json
 
 from kvshuttle.control_plane.continuation import common_prefix, text_key
 from kvshuttle.services.engine.client import Final
-from kvshuttle.services.gateway.tokenizer import GatewayTokenizer
+from kvshuttle.services.gateway.tokens.tokenizer import GatewayTokenizer
 from kvshuttle.services.gateway.turns import TurnContext, TurnRequest, TurnRunner
 from kvshuttle.services.gateway.turns import prompt as prompt_stage
 from kvshuttle.services.gateway.turns import record as record_stage

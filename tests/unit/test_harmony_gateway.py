@@ -11,9 +11,9 @@ import httpx2
 import openai
 import pytest
 from kvshuttle.services.common.config import ConfigError
-from kvshuttle.services.gateway.anthropic_api import anthropic_routes
-from kvshuttle.services.gateway.openai_api import create_app
-from kvshuttle.services.gateway.responses_api import add_responses_routes
+from kvshuttle.services.gateway.apis.anthropic.routes import add_anthropic_routes
+from kvshuttle.services.gateway.apis.http_app import create_app
+from kvshuttle.services.gateway.apis.responses.routes import add_responses_routes
 from kvshuttle.services.gateway.server import GatewayConfig
 from kvshuttle.services.gateway.turns.parsers import Parsers
 
@@ -31,8 +31,8 @@ ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 def asgi_app(runner):
     app = create_app(runner, "gpt-oss", 16, **HARMONY)
-    app.include_router(anthropic_routes(runner, "gpt-oss", 16, **HARMONY))
-    add_responses_routes(app, runner, "gpt-oss", 16, **HARMONY)
+    add_anthropic_routes(app)
+    add_responses_routes(app)
     return app
 
 

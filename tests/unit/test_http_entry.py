@@ -1,6 +1,6 @@
-"""The front ends' catch-all (http_entry.py, grpc_api.py): an unexpected error is a 500 in the API's own error shape
-(gRPC: INTERNAL with a message), logged with its traceback; a stream that fails past its headers ends with the
-stream's own error event, then cleanly. The front ends run on stand-in runners that fail on purpose."""
+"""The front ends' catch-all (edge/http_entry.py, apis/grpc_api.py): an unexpected error is a 500 in the API's own
+error shape (gRPC: INTERNAL with a message), logged with its traceback; a stream that fails past its headers ends with
+the stream's own error event, then cleanly. The front ends run on stand-in runners that fail on purpose."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import logging
 import grpc
 import httpx
 import pytest
-from kvshuttle.services.gateway.anthropic_api import anthropic_routes
-from kvshuttle.services.gateway.auth import KeyRing
-from kvshuttle.services.gateway.grpc_api import GatewayServicer
-from kvshuttle.services.gateway.http_guard import HttpGuard
-from kvshuttle.services.gateway.openai_api import create_app
-from kvshuttle.services.gateway.responses_api import add_responses_routes
+from kvshuttle.services.gateway.apis.anthropic.routes import add_anthropic_routes
+from kvshuttle.services.gateway.apis.grpc_api import GatewayServicer
+from kvshuttle.services.gateway.apis.http_app import create_app
+from kvshuttle.services.gateway.apis.responses.routes import add_responses_routes
+from kvshuttle.services.gateway.edge.auth import KeyRing
+from kvshuttle.services.gateway.edge.http_guard import HttpGuard
 from kvshuttle.services.gateway.turns import Delta
 from kvshuttle.v1 import gateway_pb2
 
@@ -47,8 +47,8 @@ class FailingRunner(AnsweringRunner):
 
 def app_for(runner):
     app = create_app(runner, "tiny", 8)
-    app.include_router(anthropic_routes(runner, "tiny", 8))
-    add_responses_routes(app, runner, "tiny", 8)
+    add_anthropic_routes(app)
+    add_responses_routes(app)
     return HttpGuard(app, KeyRing(), 1 << 20)  # the real guard, open: every caller the default tenant
 
 

@@ -8,9 +8,9 @@ import hashlib
 import httpx
 from fastapi import FastAPI
 from kvshuttle.services.common import metrics
-from kvshuttle.services.gateway.auth import KeyRing, Principal
-from kvshuttle.services.gateway.http_guard import HttpGuard
-from kvshuttle.services.gateway.http_metrics import HttpMetrics
+from kvshuttle.services.gateway.edge.auth import KeyRing, Principal
+from kvshuttle.services.gateway.edge.http_guard import HttpGuard
+from kvshuttle.services.gateway.edge.http_metrics import HttpMetrics
 from prometheus_client import generate_latest
 
 from tests.support.metrics import delta, parse

@@ -7,7 +7,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
-from kvshuttle.services.gateway.http_tracing import HttpTracing
+from kvshuttle.services.gateway.edge.http_tracing import HttpTracing
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor

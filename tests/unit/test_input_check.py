@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
-from kvshuttle.services.gateway import input_check
-from kvshuttle.services.gateway.input_check import (
+from kvshuttle.services.gateway.edge import input_check
+from kvshuttle.services.gateway.edge.input_check import (
     INT32_MAX,
     MAX_BODY_DEPTH,
     MAX_SCHEMA_DEPTH,

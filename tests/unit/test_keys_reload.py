@@ -1,5 +1,5 @@
-"""The API keys file reloads while the gateway runs (services/gateway/keys_reload.py): a changed file replaces the
-keys and limits in the ring every holder shares; a bad one keeps the old keys, is logged and counted."""
+"""The API keys file reloads while the gateway runs (services/gateway/edge/keys_reload.py): a changed file replaces
+the keys and limits in the ring every holder shares; a bad one keeps the old keys, is logged and counted."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import os
 
 from kvshuttle.control_plane.rate_limit import TenantLimits
 from kvshuttle.services.common import metrics
-from kvshuttle.services.gateway import auth
-from kvshuttle.services.gateway.keys_reload import KeysFileWatcher
-from kvshuttle.services.gateway.tenant_limits import RateLimited, TenantQuotas
+from kvshuttle.services.gateway.edge import auth
+from kvshuttle.services.gateway.edge.keys_reload import KeysFileWatcher
+from kvshuttle.services.gateway.edge.tenant_limits import RateLimited, TenantQuotas
 
 
 def write(path, data, bump: int) -> None:
@@ -43,7 +43,7 @@ async def test_a_changed_file_is_loaded_and_a_bad_one_keeps_the_keys_in_force(tm
         pass
     assert reloads("loaded") == loaded + 1
 
-    with caplog.at_level(logging.ERROR, logger="kvshuttle.services.gateway.keys_reload"):
+    with caplog.at_level(logging.ERROR, logger="kvshuttle.services.gateway.edge.keys_reload"):
         write(path, '{"keys": [', 2)  # half written
         assert await watcher.check() is False
         assert await watcher.check() is None  # not read again until it changes again

@@ -27,6 +27,17 @@ WITHIN = {
     "kvshuttle.services.engine": {"kvshuttle.services.common"},
 }
 OLD_TOP_LEVEL = ("services", "workers", "control_plane")
+GATEWAY = "kvshuttle.services.gateway"
+GATEWAY_LAYERS = [  # the gateway's folders (docs/development.md)
+    (f"{GATEWAY}.server",),  # the process's wiring
+    (f"{GATEWAY}.apis.http_app",),  # the HTTP app: the OpenAI routes on it, the other APIs added to it
+    (f"{GATEWAY}.apis.openai", f"{GATEWAY}.apis.anthropic", f"{GATEWAY}.apis.responses", f"{GATEWAY}.apis.grpc_api",
+     f"{GATEWAY}.apis.rest_bridge"),  # the front ends, never each other
+    (f"{GATEWAY}.apis.state", f"{GATEWAY}.apis.request_model"),  # what the front ends share
+    (f"{GATEWAY}.edge",),  # the HTTP edge: keys, limits, input checks, error shapes, SSE, metrics, tracing
+    (f"{GATEWAY}.turns",),  # the turn: builder, tools, stages, runner
+    (f"{GATEWAY}.tokens",),  # tokenizer and detokenizer
+]
 
 
 def check(repo: Path) -> list[str]:
@@ -37,6 +48,13 @@ def test_imports_run_one_way():
     mods = modules(REPO)
     assert len(mods) > 60 and "kvshuttle.services.gateway.server" in mods
     assert check(REPO) == []
+
+
+def test_the_gateways_folders_import_one_way():
+    """apis → edge → turns → tokens inside the gateway; no front end imports another."""
+    mods = modules(REPO)
+    assert f"{GATEWAY}.apis.responses.stored" in mods and f"{GATEWAY}.edge.http_guard" in mods
+    assert violations(mods, GATEWAY_LAYERS, independent={2, 3}) == []
 
 
 def test_no_module_depends_on_itself():

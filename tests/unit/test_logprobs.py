@@ -9,8 +9,8 @@ import httpx
 import openai
 import pytest
 from kvshuttle.services.engine.client import TokenLogprob
-from kvshuttle.services.gateway.logprob_format import chat_content, completion_logprobs
-from kvshuttle.services.gateway.openai_api import create_app
+from kvshuttle.services.gateway.apis.http_app import create_app
+from kvshuttle.services.gateway.apis.openai.logprob_format import chat_content, completion_logprobs
 
 from tests.support.auth import open_guard
 from tests.support.turn_fakes import AnsweringRunner

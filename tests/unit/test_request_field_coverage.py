@@ -7,7 +7,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from kvshuttle.services.gateway.openai_api import ChatCompletionIn, CompletionIn, create_app
+from kvshuttle.services.gateway.apis.http_app import create_app
+from kvshuttle.services.gateway.apis.openai.models import ChatCompletionIn, CompletionIn
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import grpc
 import httpx
 import pytest
-from kvshuttle.services.gateway.grpc_api import GatewayServicer, unknown_field
-from kvshuttle.services.gateway.openai_api import create_app
+from kvshuttle.services.gateway.apis.grpc_api import GatewayServicer, unknown_field
+from kvshuttle.services.gateway.apis.http_app import create_app
 from kvshuttle.services.gateway.turns import TurnError
 from kvshuttle.v1 import gateway_pb2
 

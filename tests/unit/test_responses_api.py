@@ -10,8 +10,8 @@ import json
 import httpx
 import openai
 import pytest
-from kvshuttle.services.gateway.openai_api import create_app
-from kvshuttle.services.gateway.responses_api import add_responses_routes
+from kvshuttle.services.gateway.apis.http_app import create_app
+from kvshuttle.services.gateway.apis.responses.routes import add_responses_routes
 
 from tests.support.auth import open_guard
 from tests.support.turn_fakes import AnsweringRunner, StoredResponses
@@ -24,7 +24,7 @@ THOUGHT = "<think>\nParis, then.\n</think>\n\n"
 
 def sdk(runner) -> openai.AsyncOpenAI:
     app = create_app(runner, "agent", 16, tool_call_parser="hermes", reasoning_parser="qwen3")
-    add_responses_routes(app, runner, "agent", 16, tool_call_parser="hermes", reasoning_parser="qwen3")
+    add_responses_routes(app)
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=open_guard(app)), base_url="http://gw")
     return openai.AsyncOpenAI(api_key="none", base_url="http://gw/v1", http_client=http)
 
@@ -99,7 +99,7 @@ async def test_streamed_events_build_the_same_response(pieces):
     ({"input": "x", "background": True}, "background", "unsupported"),
     ({"input": "x", "tools": [TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice",
      "not among the tools"),
-    # the chat route's tool checks, which this route had lost: one check_tools (turns/builder.py) for every API
+    # the chat route's tool checks, which this route had lost: one check_tools (turns/tools.py) for every API
     ({"input": "x", "tool_choice": "required"}, "tool_choice", "'required' needs tools"),
     ({"input": "x", "tools": [{**TOOL, "parameters": {"type": "array"}}]}, "tools.0.parameters",
      "must be a JSON Schema of type 'object'"),
@@ -197,7 +197,7 @@ async def test_a_broken_or_too_long_conversation_is_a_4xx_naming_why():
         assert (await api.responses.retrieve(second.id)).id == second.id  # itself still readable
 
     short = create_app(runner, "agent", 16)
-    add_responses_routes(short, runner, "agent", 16, chain_max_responses=1)
+    add_responses_routes(short, chain_max_responses=1)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=open_guard(short)), base_url="http://gw") as http:
         third = (await http.post("/v1/responses", json={"input": "c"})).json()["id"]
         fourth = (await http.post("/v1/responses", json={"input": "d", "previous_response_id": third})).json()["id"]

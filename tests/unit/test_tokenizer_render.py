@@ -16,7 +16,7 @@ import jinja2
 import pytest
 from jinja2.runtime import LoopContext, Undefined
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from kvshuttle.services.gateway import tokenizer as gt
+from kvshuttle.services.gateway.tokens import tokenizer as gt
 from kvshuttle.workers import agent_script as script
 from kvshuttle.workers import model_builder
 from tokenizers import Tokenizer

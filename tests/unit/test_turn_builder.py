@@ -1,5 +1,6 @@
-"""The turn builder (services/gateway/turns/builder.py): the rules every API's turn follows, checked alone. The front
-ends' own tests (test_chat_tools, test_anthropic_api, test_responses_api) check that each API reaches them."""
+"""The turn builder and its tool rules (services/gateway/turns/builder.py, turns/tools.py): the rules every API's turn
+follows, checked alone. The front ends' own tests (test_chat_tools, test_anthropic_api, test_responses_api) check that
+each API reaches them."""
 
 from __future__ import annotations
 
@@ -7,15 +8,16 @@ import json
 
 import pytest
 from kvshuttle.control_plane.constraints import json_answer
-from kvshuttle.services.gateway.chat_tools import FieldError, FunctionIn
 from kvshuttle.services.gateway.turns import TurnError
-from kvshuttle.services.gateway.turns.builder import (
+from kvshuttle.services.gateway.turns.builder import TurnBuilder
+from kvshuttle.services.gateway.turns.errors import FieldError
+from kvshuttle.services.gateway.turns.tools import (
     ANTHROPIC_TOOLS,
     OPENAI_TOOLS,
     RESPONSES_TOOLS,
+    FunctionIn,
     NamedTool,
     ToolUse,
-    TurnBuilder,
 )
 
 WEATHER = FunctionIn(name="get_weather", parameters={"type": "object", "properties": {"city": {"type": "string"}}})

@@ -19,7 +19,7 @@ from kvshuttle.control_plane.answer import AnswerParser
 from kvshuttle.control_plane.continuation import prefix_keys
 from kvshuttle.control_plane.reasoning import REASONING_PARSERS
 from kvshuttle.control_plane.tool_calls import TOOL_CALL_PARSERS
-from kvshuttle.services.gateway.tokenizer import GatewayTokenizer
+from kvshuttle.services.gateway.tokens.tokenizer import GatewayTokenizer
 from kvshuttle.workers import agent_script as script
 
 STAGES = ("render_ms", "tokenize_ms", "find_keys_ms", "parse_ms")

@@ -51,7 +51,7 @@ from kvshuttle.services.devtools.bench.samples import IDEAL, LOCAL, TurnSample, 
 from kvshuttle.services.devtools.bench.workload import CALL_MIN_TOKENS, Conversation, Turn
 from kvshuttle.services.devtools.chat_stream import StreamError, stream_chat
 from kvshuttle.services.engine.client import EngineClient, Final
-from kvshuttle.services.gateway.tokenizer import GatewayTokenizer
+from kvshuttle.services.gateway.tokens.tokenizer import GatewayTokenizer
 
 DIRECT = "direct"
 CALL_PARSER = "hermes"  # the tool-call syntax the bench forces (the gateway must run --tool-call-parser hermes)

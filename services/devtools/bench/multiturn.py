@@ -275,7 +275,7 @@ def bench_keys(path: Path, modes: Sequence[str]) -> dict[str, str]:
     """An API keys file for the bench's own gateway, written to ``path``: a key per gateway mode of ``modes``, each of
     a tenant of its own (``bench-<mode>``: its own prefix-cache salt), with admin rights (the bench lists the workers
     with one). Returns the keys by mode (none, and no file, without a gateway mode)."""
-    from kvshuttle.services.gateway.auth import entry
+    from kvshuttle.services.gateway.edge.auth import entry
 
     keys = {m: f"kvs-bench-{m}-{secrets.token_hex(16)}" for m in modes if m in GATEWAY_MODES}
     if keys:
@@ -447,7 +447,7 @@ def _token_usage(loads: dict) -> tuple[float, float]:
 async def run_bench(cfg: BenchConfig) -> int:
     from kvshuttle.services.devtools.bench.ideal_worker import IdealWorker
     from kvshuttle.services.engine.client import EngineClient
-    from kvshuttle.services.gateway.tokenizer import GatewayTokenizer
+    from kvshuttle.services.gateway.tokens.tokenizer import GatewayTokenizer
 
     modes = cfg.mode_list
     conversations = await asyncio.to_thread(workload, cfg)  # reads files

@@ -3,8 +3,9 @@ gRPC API) translate their request's spelling into what this builder takes, and i
 
 It owns the rules a turn's request follows whatever API it came through:
 - the model check;
-- the tools and ``tool_choice`` (one ``check_tools``), and the answer parsing they imply;
-- every tool result answers an earlier call (one ``check_tool_results``, over the messages in chat's form);
+- the tools and ``tool_choice`` (tools.py's ``check_tools``), and the answer parsing they imply (tools.py's
+  ``check_tool_results``, which every front end runs over its messages in chat's form: each tool result answers an
+  earlier call);
 - the constraint: structured output, or the grammar that forces a tool call, and where it starts (after the
   reasoning the prompt leaves room for);
 - the special-tokens rule (call tags and Harmony's channel markers that are special tokens stay in the text);
@@ -15,108 +16,25 @@ What a turn reports back (usage, KV headers, ``drain``) is in reply.py.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import Any
 
 import grpc
 from kvshuttle.control_plane.constraints import CALL_SYNTAX, Constraint, forced_tool_calls, not_forced
-from kvshuttle.services.gateway.chat_tools import MAX_TOOLS, FieldError, FunctionIn, check_schema
-from kvshuttle.services.gateway.turns.errors import TurnError
+from kvshuttle.services.gateway.turns.errors import FieldError, TurnError
 from kvshuttle.services.gateway.turns.parsers import Parsers
 from kvshuttle.services.gateway.turns.request import TurnRequest
-
-
-@dataclass(frozen=True)
-class NamedTool:
-    """A ``tool_choice`` that names the one tool to call."""
-
-    name: str
-
-
-ToolChoice = Literal["none", "auto", "required"] | NamedTool | None
-
-
-@dataclass(frozen=True)
-class ToolWords:
-    """How an API spells what the tool checks name: each tool's fields, and its ``tool_choice`` values."""
-
-    field: Callable[[int, str], str]  # (tool index, "name" | "parameters") -> the request's field
-    required: str = "'required'"  # the choice that forces some call
-    forced: str = "'required' or a named function"  # the choices that force a call
-    none: str = "tool_choice 'none'"  # the choice that asks for no call
-    named: str | None = None  # the named choice, when a named choice without tools has a message of its own
-
-
-OPENAI_TOOLS = ToolWords(lambda i, name: f"tools.{i}.function.{name}")
-RESPONSES_TOOLS = ToolWords(lambda i, name: f"tools.{i}.{name}")
-ANTHROPIC_TOOLS = ToolWords(lambda i, name: f"tools.{i}.{'input_schema' if name == 'parameters' else name}",
-                            required="'any'", forced="'any' or 'tool'", none='tool_choice {"type": "none"}',
-                            named="'tool'")
-
-
-def check_tools(tools: Sequence[FunctionIn], choice: ToolChoice, words: ToolWords = OPENAI_TOOLS) -> None:
-    """Tool definitions and ``tool_choice`` that the gateway can use; FieldError (naming the API's field)
-    otherwise."""
-    if len(tools) > MAX_TOOLS:
-        raise FieldError("tools", f"at most {MAX_TOOLS} tools are allowed, got {len(tools)}")
-    names: set[str] = set()
-    for i, fn in enumerate(tools):
-        if fn.name in names:
-            raise FieldError(words.field(i, "name"), f"two tools are named {fn.name!r}")
-        names.add(fn.name)
-        if fn.parameters is None:
-            continue
-        if fn.parameters.get("type", "object") != "object":
-            raise FieldError(words.field(i, "parameters"),
-                             f"tool {fn.name!r}: parameters must be a JSON Schema of type 'object', "
-                             f"got type {fn.parameters.get('type')!r}")
-        check_schema(fn.parameters, words.field(i, "parameters"), f"tool {fn.name!r}: parameters")
-    if not tools and (choice == "required" or (isinstance(choice, NamedTool) and words.named)):
-        raise FieldError("tool_choice", f"tool_choice {words.required if choice == 'required' else words.named} "
-                                        "needs tools")
-    if isinstance(choice, NamedTool) and choice.name not in names:
-        raise FieldError("tool_choice", f"tool_choice names {choice.name!r}, which is not among the tools "
-                                        f"({', '.join(sorted(names)) or 'none given'})")
-
-
-def check_tool_results(messages: Sequence[Mapping[str, Any]], fields: Mapping[int, str] | None = None, *,
-                       id_name: str = "tool_call_id", call_name: str = "tool call") -> None:
-    """Every ``tool`` message (the chat form every API's messages take) answers a call of an earlier assistant
-    message, by ``tool_call_id``; FieldError otherwise. ``fields``: message index -> the request field that carried
-    that result's id (default chat's ``messages.<i>.tool_call_id``); ``id_name`` and ``call_name``: the API's words
-    for the id and the call."""
-    called: set[str] = set()
-    for i, message in enumerate(messages):
-        role = message.get("role")
-        if role == "assistant":
-            called.update(call.get("id") or "" for call in message.get("tool_calls") or [])
-        elif role == "tool":
-            field = (fields or {}).get(i, f"messages.{i}.tool_call_id")
-            answers = message.get("tool_call_id")
-            if not answers:
-                raise FieldError(field, f"a tool message needs the {id_name} it answers")
-            if answers not in called:
-                raise FieldError(field, f"{id_name} {answers!r} answers no {call_name} of an earlier assistant "
-                                        "message")
-
-
-def template_tools(tools: Sequence[FunctionIn]) -> list[dict[str, Any]]:
-    """The tools as the chat template gets them (the chat route's spelling, as vLLM gives them)."""
-    return [{"type": "function", "function": fn.template_dict()} for fn in tools]
-
-
-@dataclass(frozen=True)
-class ToolUse:
-    """A request's tools as the turn uses them: ``calls``: the answer's calls are parsed (tools sent, tool_choice not
-    none); ``forced``: the grammar that forces a call (tool_choice required or named)."""
-
-    tools: list[dict[str, Any]]
-    calls: bool = False
-    forced: Constraint | None = None
-
-
-NO_TOOLS = ToolUse([])
+from kvshuttle.services.gateway.turns.tools import (
+    NO_TOOLS,
+    OPENAI_TOOLS,
+    FunctionIn,
+    NamedTool,
+    ToolChoice,
+    ToolUse,
+    ToolWords,
+    check_tools,
+    template_tools,
+)
 
 
 class TurnBuilder:

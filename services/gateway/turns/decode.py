@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from kvshuttle.services.common import metrics
 from kvshuttle.services.engine.client import EngineClient, EngineError, Final, TokenLogprob
-from kvshuttle.services.gateway.detokenizer import IncrementalText
+from kvshuttle.services.gateway.tokens.detokenizer import IncrementalText
 from kvshuttle.services.gateway.turns.context import Delta, TurnContext, elapsed_ms
 from kvshuttle.services.gateway.turns.errors import DecodeFailed, TurnError
 from kvshuttle.services.gateway.turns.request import TurnRequest

@@ -1,5 +1,6 @@
-"""How a turn fails: TurnError (the turn cannot run; an HTTP status and a gRPC code for the front ends) and
-WorkerDown (a worker failed a call; the runner moves the turn to another worker)."""
+"""How a turn fails: TurnError (the turn cannot run; an HTTP status and a gRPC code for the front ends), FieldError
+(a request field that cannot be used as given: a 400 naming it) and WorkerDown (a worker failed a call; the runner
+moves the turn to another worker)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,15 @@ class TurnError(Exception):
     def __init__(self, http_status: int, code: grpc.StatusCode, message: str, retry_after_s: int | None = None):
         super().__init__(message)
         self.http_status, self.code, self.message, self.retry_after_s = http_status, code, message, retry_after_s
+
+
+class FieldError(ValueError):
+    """A request field that cannot be used as given (tools, tool history, structured output): a 400 naming
+    ``param``."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
 
 
 class WorkerDown(Exception):

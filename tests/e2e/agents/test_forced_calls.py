@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 from kvshuttle.services.devtools.bench.turn_tap import TappedTurn, TurnTap, check_pulls
-from kvshuttle.services.gateway.tokenizer import GatewayTokenizer
+from kvshuttle.services.gateway.tokens.tokenizer import GatewayTokenizer
 from openai import AsyncOpenAI
 
 from tests.support.agent_stack import gateways

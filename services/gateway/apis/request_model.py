@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from kvshuttle.control_plane.session import ID_PATTERN, InvalidArgument, validate_id
-from kvshuttle.services.gateway.chat_tools import FieldError
+from kvshuttle.services.gateway.turns.errors import FieldError
 from pydantic import BaseModel, ConfigDict, model_validator
 from pydantic_core import PydanticCustomError
 

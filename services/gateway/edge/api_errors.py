@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvshuttle.services.gateway.request_model import SESSION_ID_PATTERN
+from kvshuttle.control_plane.session import ID_PATTERN as SESSION_ID_PATTERN
 
 # -- OpenAI's -------------------------------------------------------------------------------------------------------
 

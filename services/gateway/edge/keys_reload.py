@@ -11,7 +11,7 @@ import os
 
 from kvshuttle.services.common import metrics
 from kvshuttle.services.common.config import ConfigError
-from kvshuttle.services.gateway.auth import KeyRing
+from kvshuttle.services.gateway.edge.auth import KeyRing
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import grpc
 from kvshuttle.control_plane.rate_limit import Refusal, TenantLimiter
 from kvshuttle.services.common import metrics
-from kvshuttle.services.gateway.auth import KeyRing
+from kvshuttle.services.gateway.edge.auth import KeyRing
 from kvshuttle.services.gateway.turns.errors import TurnError
 
 # OpenAI's error ``type`` for each limit (its API says "requests" or "tokens"); Anthropic's is rate_limit_error.

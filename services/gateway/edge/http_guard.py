@@ -22,8 +22,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from fastapi import HTTPException
-from kvshuttle.services.gateway.auth import OPEN, AuthError, KeyRing, Principal
-from kvshuttle.services.gateway.tenant_limits import TenantQuotas
+from kvshuttle.services.gateway.edge.auth import OPEN, AuthError, KeyRing, Principal
+from kvshuttle.services.gateway.edge.tenant_limits import TenantQuotas
 from starlette.datastructures import Headers
 from starlette.requests import Request
 

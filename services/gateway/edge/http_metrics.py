@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvshuttle.services.common import metrics
-from kvshuttle.services.gateway.http_tracing import KNOWN_METHODS, noting_status
+from kvshuttle.services.gateway.edge.http_tracing import KNOWN_METHODS, noting_status
 from starlette.routing import Match
 
 UNMATCHED = "unmatched"

@@ -11,9 +11,9 @@ import grpc
 from google.protobuf import duration_pb2, json_format, unknown_fields
 from google.protobuf.message import DecodeError, Message
 from google.rpc import code_pb2, error_details_pb2, status_pb2
-from kvshuttle.services.gateway import input_check
-from kvshuttle.services.gateway.auth import AuthError, KeyRing, Principal
-from kvshuttle.services.gateway.tenant_limits import TenantQuotas
+from kvshuttle.services.gateway.edge import input_check
+from kvshuttle.services.gateway.edge.auth import AuthError, KeyRing, Principal
+from kvshuttle.services.gateway.edge.tenant_limits import TenantQuotas
 from kvshuttle.services.gateway.turns import Delta, Finished, KvOutcome, TurnContext, TurnError, TurnRequest, TurnRunner
 from kvshuttle.services.gateway.turns.builder import TurnBuilder
 from kvshuttle.services.gateway.turns.reply import Usage, drain
@@ -192,7 +192,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if unknown:
             raise TurnError(400, grpc.StatusCode.INVALID_ARGUMENT,
                             f"unknown field {unknown}: this gateway does not apply it")
-        try:  # the same check as the HTTP front ends' (http_entry.py), on the message as proto-JSON
+        try:  # the same check as the HTTP front ends' (edge/http_entry.py), on the message as proto-JSON
             input_check.check(json_format.MessageToDict(msg, preserving_proto_field_name=True), input_check.PROTO)
         except input_check.InputError as exc:
             raise TurnError(400, grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None

@@ -13,8 +13,9 @@ import json
 from typing import Any, Literal
 
 from kvshuttle.control_plane.constraints import Constraint, json_answer
-from kvshuttle.services.gateway import input_check
-from kvshuttle.services.gateway.chat_tools import FieldError, check_schema
+from kvshuttle.services.gateway.edge import input_check
+from kvshuttle.services.gateway.turns.errors import FieldError
+from kvshuttle.services.gateway.turns.tools import check_schema
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_CHOICES = 1024

@@ -12,11 +12,10 @@ from typing import Any
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
-from kvshuttle.services.gateway import input_check
-from kvshuttle.services.gateway.api_errors import error_body
-from kvshuttle.services.gateway.chat_tools import FieldError
-from kvshuttle.services.gateway.input_check import Api, InputError
-from kvshuttle.services.gateway.turns.errors import TurnError
+from kvshuttle.services.gateway.edge import input_check
+from kvshuttle.services.gateway.edge.api_errors import error_body
+from kvshuttle.services.gateway.edge.input_check import Api, InputError
+from kvshuttle.services.gateway.turns.errors import FieldError, TurnError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response

@@ -1,0 +1,1 @@
+"""The gateway's HTTP edge: API keys, tenant limits, input checks, error shapes, SSE, metrics and tracing."""
