@@ -81,6 +81,8 @@ def test_the_turn_span_says_what_happened(traced):
         assert attrs["kvshuttle.predicted_ttft_ms"] > 0 and attrs["kvshuttle.policy"] == "threshold"
         assert attrs["kvshuttle.ttft_ms"] == kv["timings_ms"]["ttft_ms"] > 0
         assert attrs["kvshuttle.prefill_ms"] == kv["timings_ms"]["prefill_ms"]
+        # the gateway's time from the request's arrival to the turn's start (body, input check, key, limits)
+        assert 0 < kv["timings_ms"]["request_ms"] < 5000
         assert attrs["gen_ai.operation.name"] == "chat" and attrs["gen_ai.request.model"] == "tiny"
         assert attrs["gen_ai.request.max_tokens"] == 6 and attrs["gen_ai.usage.output_tokens"] == 6
         assert attrs["gen_ai.response.finish_reasons"] == ["length"]

@@ -18,9 +18,13 @@ TIMINGS = {"prompt_ms": 3.0, "session_ms": 1.0, "plan_ms": 4.0, "prefill_ms": 80
 
 def test_hops_split_the_client_side_ttft():
     got = hops(93.0, TIMINGS)
-    assert got == {"client_http_ms": 3.0, "session_ms": 1.0, "prompt_other_ms": 2.0, "plan_ms": 4.0,
-                   "prefill_ms": 80.0, "decode_first_ms": 3.0}
+    assert got == {"client_http_ms": 3.0, "request_ms": 0.0, "session_ms": 1.0, "prompt_other_ms": 2.0,
+                   "plan_ms": 4.0, "prefill_ms": 80.0, "decode_first_ms": 3.0}
     assert sum(got.values()) == pytest.approx(93.0)
+    # the gateway's own time before the turn (request_ms) comes out of what the client's HTTP took
+    split = hops(93.0, {**TIMINGS, "request_ms": 1.25})
+    assert split["client_http_ms"] == 1.75 and split["request_ms"] == 1.25
+    assert sum(split.values()) == pytest.approx(93.0)
 
 
 def test_overhead_pairs_turns_with_the_same_decision_only():

@@ -115,7 +115,7 @@ def forced_call_bias(tokenizer: GatewayTokenizer) -> dict[int, float]:
 
 
 def template_message(message: dict[str, Any]) -> dict[str, Any]:
-    """A message as the gateway hands it to the chat template (openai_api.ChatMessageIn.plain): content a string
+    """A message as the gateway hands it to the chat template (apis/openai/models.py, ChatMessageIn.plain): content a string
     ("" for none), tool call arguments as objects."""
     out: dict[str, Any] = {"role": message["role"], "content": message.get("content") or ""}
     if message.get("tool_calls"):
@@ -394,7 +394,7 @@ class _ExactIdsLane:
 
     def _constraint(self, turn: Turn) -> tuple[str, Any] | None:
         """The guided decoding that forces the turn's call, exactly as the gateway builds it for a named
-        ``tool_choice`` (openai_api.answer_shape)."""
+        ``tool_choice`` (as the chat route builds its AnswerShape, apis/openai/routes.py)."""
         if not turn.call or not self.history.tools:
             return None
         c = forced_tool_calls(CALL_SYNTAX[CALL_PARSER], self.history.tools, turn.call)

@@ -19,7 +19,8 @@ DIRECT = "direct"
 
 # name, what it is
 HOPS: tuple[tuple[str, str], ...] = (
-    ("client_http_ms", "HTTP: client to gateway and the first SSE chunk back"),
+    ("client_http_ms", "HTTP: client to gateway and the first SSE chunk back, outside the gateway's ASGI app"),
+    ("request_ms", "gateway: the request's body, input check, validation, key and limits, to the turn's start"),
     ("session_ms", "registry: read the session (GetSession)"),
     ("prompt_other_ms", "gateway: chat template, tokenizing, exact-id splice"),
     ("plan_ms", "scheduler: PlanTurn (prefix check + registry claim)"),
@@ -34,8 +35,10 @@ def hops(client_ttft_ms: float, timings: dict[str, float]) -> dict[str, float]:
     """Split one gateway turn's client-side TTFT with the gateway's timers (see ``TurnTimings``)."""
     prompt, session = timings.get("prompt_ms", 0.0), timings.get("session_ms", 0.0)
     plan, prefill, ttft = timings.get("plan_ms", 0.0), timings.get("prefill_ms", 0.0), timings.get("ttft_ms", 0.0)
+    request = timings.get("request_ms", 0.0)  # absent before 2026-12-06: then counted in client_http_ms
     return {
-        "client_http_ms": client_ttft_ms - ttft,
+        "client_http_ms": client_ttft_ms - ttft - request,
+        "request_ms": request,
         "session_ms": session,
         "prompt_other_ms": prompt - session,
         "plan_ms": plan,

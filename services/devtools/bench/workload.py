@@ -506,7 +506,7 @@ def _short(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-_FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")  # the gateway's (chat_tools.FUNCTION_NAME)
+_FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")  # the gateway's (turns/tools.py FUNCTION_NAME)
 
 
 def _parse_tools(value: Any, name: str) -> list[dict[str, Any]]:

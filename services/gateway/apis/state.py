@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fastapi import Request
-from kvshuttle.services.gateway.turns import TurnRunner
+from kvshuttle.services.gateway.edge.http_metrics import ARRIVED
+from kvshuttle.services.gateway.turns import TurnContext, TurnRequest, TurnRunner
 from kvshuttle.services.gateway.turns.builder import TurnBuilder
 
 DEFAULT_RESPONSE_TTL_S = 86_400  # the gateway's --response-ttl-s
@@ -34,3 +35,13 @@ class ApiState:
 def api_state(request: Request) -> ApiState:
     """The app's ApiState (create_app puts it on ``app.state.api``)."""
     return request.app.state.api
+
+
+async def prepare_turn(request: Request, req: TurnRequest) -> TurnContext:
+    """The turn prepared by the runner, its ``request_ms`` timing set: from the request's arrival at the gateway's
+    ASGI front to the turn's start (the part of a client's time to first token before the turn's own timings)."""
+    turn = await api_state(request).runner.prepare(req)
+    arrived = request.scope.get(ARRIVED)
+    if arrived is not None:
+        turn.timings["request_ms"] = round((turn.started - arrived) * 1000, 3)
+    return turn

@@ -1,12 +1,16 @@
 """Every HTTP request the gateway answers, counted by method, route template and status code (ASGI middleware,
 outermost: API-key refusals, oversized bodies and malformed requests count too, which the turn metrics cannot see).
 
+It also stamps the request's arrival in the scope (``ARRIVED``): a turn's ``request_ms`` timing is from there to
+the turn's start (the body read, the input check, validation, the key and the tenant's limits).
+
 Labels stay bounded: the route is the matched route's template (``/v1/sessions/{session_id}``, never the path), or
 ``unmatched``; methods outside HTTP's own set are ``_OTHER``.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,6 +19,7 @@ from kvshuttle.services.gateway.edge.http_tracing import KNOWN_METHODS, noting_s
 from starlette.routing import Match
 
 UNMATCHED = "unmatched"
+ARRIVED = "kvshuttle.arrived"  # the scope key: when the request reached the gateway's ASGI front (perf_counter)
 
 
 def route_template(scope: dict, routes: Sequence[Any]) -> str:
@@ -36,6 +41,7 @@ class HttpMetrics:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        scope.setdefault(ARRIVED, time.perf_counter())  # a turn's request_ms counts from here
         send_and_note, status = noting_status(send)
         try:
             await self.app(scope, receive, send_and_note)

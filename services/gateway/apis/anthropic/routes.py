@@ -30,7 +30,7 @@ from kvshuttle.services.gateway.apis.anthropic.blocks import ContentBlocks, stop
 from kvshuttle.services.gateway.apis.anthropic.models import CountTokensIn, MessagesIn
 from kvshuttle.services.gateway.apis.anthropic.prompt import chat_messages, chat_tools, template_vars
 from kvshuttle.services.gateway.apis.request_model import session_id_of
-from kvshuttle.services.gateway.apis.state import api_state
+from kvshuttle.services.gateway.apis.state import api_state, prepare_turn
 from kvshuttle.services.gateway.edge.api_errors import ANTHROPIC_ERRORS, SESSION_HEADER, anthropic_error_body
 from kvshuttle.services.gateway.edge.http_entry import GatewayRoute
 from kvshuttle.services.gateway.edge.http_guard import caller
@@ -146,7 +146,7 @@ async def messages(body: MessagesIn, request: Request) -> Response:
                           temperature=body.temperature, top_p=1.0 if body.top_p is None else body.top_p,
                           top_k=body.top_k or 0, stop=stop, constraint=builder.constraint(None, "", tools),
                           end_user=(body.metadata.user_id if body.metadata else None) or "")
-    turn = await runner.prepare(req)
+    turn = await prepare_turn(request, req)
     blocks = ContentBlocks(parallel)
     if body.stream:
         return stream_response(_stream(runner, turn, served_model, blocks, stop), turn, _error_tail,

@@ -24,7 +24,7 @@ from kvshuttle.services.gateway.apis.openai.models import ChatCompletionIn, Comp
 from kvshuttle.services.gateway.apis.openai.stream import CHAT, COMPLETION, Logprobs, Shape, error_tail, stream, usage
 from kvshuttle.services.gateway.apis.openai.structured_output import requested_constraint
 from kvshuttle.services.gateway.apis.request_model import session_id_of
-from kvshuttle.services.gateway.apis.state import ApiState, api_state
+from kvshuttle.services.gateway.apis.state import ApiState, api_state, prepare_turn
 from kvshuttle.services.gateway.edge.api_errors import SESSION_HEADER, TURN_RESPONSES
 from kvshuttle.services.gateway.edge.http_entry import GatewayRoute
 from kvshuttle.services.gateway.edge.http_guard import caller
@@ -63,7 +63,7 @@ async def chat(body: ChatCompletionIn, request: Request):
                         tools=tools, constraint_after_reasoning=body.structured_outputs is None)
     answer = AnswerShape(parsed=builder.parsers.reasoning is not None or tools.calls,
                          parallel_tool_calls=body.parallel_tool_calls, include_reasoning=body.include_reasoning)
-    return await _respond(state, body, req, CHAT, answer)
+    return await _respond(request, state, body, req, CHAT, answer)
 
 
 @router.post("/v1/completions", responses=TURN_RESPONSES, openapi_extra=SESSION_HEADER)
@@ -74,7 +74,7 @@ async def completions(body: CompletionIn, request: Request):
     constraint = state.builder.constraint(asked, param)
     req = _turn_request(state, body, request, body.max_tokens, constraint=constraint, constraint_after_reasoning=False,
                         **prompt)
-    return await _respond(state, body, req, COMPLETION)
+    return await _respond(request, state, body, req, COMPLETION)
 
 
 def _turn_request(state: ApiState, body: SamplingIn, request: Request, max_tokens: int | None,
@@ -98,10 +98,10 @@ def _structured(body: SamplingIn) -> tuple[Constraint | None, str]:
             "response_format" if body.response_format else "structured_outputs")
 
 
-async def _respond(state: ApiState, body: SamplingIn, req: TurnRequest, shape: Shape,
+async def _respond(request: Request, state: ApiState, body: SamplingIn, req: TurnRequest, shape: Shape,
                    answer: AnswerShape | None = None):
     runner, served_model = state.runner, state.served_model
-    turn = await runner.prepare(req)
+    turn = await prepare_turn(request, req)
     answer = answer or AnswerShape()
     lps = Logprobs(speller(runner.tokenizer), runner.hidden_token_ids(req)) if req.logprobs is not None else None
     ids = bool(body.return_token_ids)

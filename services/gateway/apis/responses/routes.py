@@ -37,6 +37,7 @@ from kvshuttle.services.gateway.apis.state import (
     DEFAULT_CHAIN_MAX_RESPONSES,
     DEFAULT_RESPONSE_TTL_S,
     api_state,
+    prepare_turn,
 )
 from kvshuttle.services.gateway.edge.api_errors import SESSION_HEADER, TURN_RESPONSES
 from kvshuttle.services.gateway.edge.http_entry import GatewayRoute
@@ -86,7 +87,7 @@ async def create(body: ResponsesIn, request: Request):
                           template_vars={"tools": tools.tools} if tools.tools else {},
                           max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p,
                           constraint=builder.constraint(_structured(body), "text.format", tools))
-    turn = await runner.prepare(req)
+    turn = await prepare_turn(request, req)
     output = OutputBuilder(parallel_tool_calls=body.parallel_tool_calls)
     response = response_object(body, turn, state.served_model)
 
