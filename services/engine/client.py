@@ -26,13 +26,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvshuttle.control_plane import cache_salt as salts
 from kvshuttle.control_plane.kv_index.events import EventBatch
 from kvshuttle.control_plane.kv_params import prefill_request_params
-from kvshuttle.services.common.telemetry import client_interceptors
+from kvshuttle.services.common.telemetry import client_interceptors, server_attributes, tracing_enabled
 from kvshuttle.services.common.tls import ClientTls
+from kvshuttle.services.engine import h2_streams
 from kvshuttle.services.engine.kv_events import relay_events
+from opentelemetry import propagate, trace
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import common_pb2
 
 SERVICE_NAME = "vllm.grpc.engine.VllmEngine"
+_tracer = trace.get_tracer("kvshuttle.engine")
 # gRPC's reconnect backoff grows to 120 s while a server is down: a worker that is starting (or restarting) would be
 # seen up to minutes late. Cap it at 2 s.
 # gRPC core also takes min_reconnect_backoff_ms as the deadline of each connection attempt: at 250 ms a busy
@@ -117,12 +120,55 @@ def _error(exc: grpc.aio.AioRpcError) -> EngineError:
     return EngineError(exc.code(), exc.details() or "")
 
 
-class EngineClient:
-    """One worker's vLLM gRPC server. ``timeout_s`` bounds every call (a whole streamed generation included)."""
+class _LeanCall:
+    """A streamed Generate on h2_streams, read like grpc.aio's call (``read``, ``initial_metadata``, ``done``,
+    ``cancel``); its CLIENT span (when this process traces) ends with the call."""
 
-    def __init__(self, address: str, *, timeout_s: float = 120.0):
+    __slots__ = ("_stream", "_span", "_parse")
+
+    def __init__(self, stream: h2_streams.Stream, span: trace.Span | None):
+        self._stream, self._span = stream, span
+        self._parse = vllm_engine_pb2.GenerateResponse.FromString
+
+    async def read(self) -> Any:
+        message = await self._stream.read()
+        if message is None:
+            self.end_span(grpc.StatusCode.OK)
+            return grpc.aio.EOF
+        return self._parse(message)
+
+    async def initial_metadata(self) -> tuple[tuple[str, str], ...]:
+        return tuple((self._stream.initial_metadata or {}).items())
+
+    def done(self) -> bool:
+        return self._stream.done
+
+    def cancel(self) -> None:
+        self._stream.cancel()
+
+    def end_span(self, code: grpc.StatusCode) -> None:
+        if self._span is not None:
+            self._span.set_attribute("rpc.grpc.status_code", code.value[0])
+            if code != grpc.StatusCode.OK:
+                self._span.set_status(trace.StatusCode.ERROR, code.name)
+            self._span.end()
+            self._span = None
+
+
+_GENERATE = f"/{SERVICE_NAME}/Generate"
+
+
+class EngineClient:
+    """One worker's vLLM gRPC server. ``timeout_s`` bounds every call (a whole streamed generation included).
+
+    Streamed generations go over ``h2_streams`` (a lean HTTP/2 client: grpc.aio costs more CPU per streamed token
+    than the rest of the gateway's path, docs/performance.md) unless ``lean_streams`` is off or the address is not
+    ``host:port``; everything else over grpc.aio."""
+
+    def __init__(self, address: str, *, timeout_s: float = 120.0, lean_streams: bool = True):
         self.address = address
         self.timeout_s = timeout_s
+        self._lean = h2_streams.Channel(address) if lean_streams and h2_streams.plain_target(address) else None
         self._channel: grpc.aio.Channel | None = None
         self._stub: vllm_engine_pb2_grpc.VllmEngineStub | None = None
         self._health: health_pb2_grpc.HealthStub | None = None
@@ -181,7 +227,11 @@ class EngineClient:
         if kv_transfer_params is not None:
             request.kv_transfer_params_json = json.dumps(kv_transfer_params)
         metadata = None if cache_salt is None else ((salts.METADATA_KEY, cache_salt),)
-        call = self._engine().Generate(request, timeout=timeout_s or self.timeout_s, metadata=metadata)
+        timeout = timeout_s or self.timeout_s
+        if stream and self._lean is not None:
+            call: Any = await self._lean_call(request, metadata or (), timeout)
+        else:
+            call = self._engine().Generate(request, timeout=timeout, metadata=metadata)
         streamed: list[int] = []
         streamed_logprobs: list[TokenLogprob] = []
         want = logprobs is not None
@@ -223,10 +273,36 @@ class EngineClient:
                 raise EngineError(None, f"request {request_id}: stream ended without a GenerateComplete")
         except grpc.aio.AioRpcError as exc:
             raise _error(exc) from None
+        except h2_streams.StreamError as exc:
+            if isinstance(call, _LeanCall):
+                call.end_span(exc.code)
+            raise EngineError(exc.code, exc.message) from None
         finally:
             if not call.done():
                 call.cancel()
+            if isinstance(call, _LeanCall):
+                call.end_span(grpc.StatusCode.CANCELLED)  # a no-op once ended
         yield final
+
+    async def _lean_call(self, request: Any, metadata: Sequence[tuple[str, str]], timeout_s: float) -> _LeanCall:
+        """Start a streamed Generate on the lean channel, as a CLIENT span like grpc.aio's interceptor makes."""
+        assert self._lean is not None
+        span = None
+        if tracing_enabled():
+            span = _tracer.start_span(_GENERATE, kind=trace.SpanKind.CLIENT, attributes={
+                "rpc.system": "grpc", "rpc.service": SERVICE_NAME, "rpc.method": "Generate",
+                **server_attributes(self.address)})
+            carrier: dict[str, str] = {}
+            propagate.inject(carrier, context=trace.set_span_in_context(span))
+            metadata = (*metadata, *carrier.items())
+        try:
+            return _LeanCall(await self._lean.call(_GENERATE, request.SerializeToString(), metadata, timeout_s), span)
+        except h2_streams.StreamError as exc:
+            if span is not None:
+                span.set_attribute("rpc.grpc.status_code", exc.code.value[0])
+                span.set_status(trace.StatusCode.ERROR, exc.code.name)
+                span.end()
+            raise EngineError(exc.code, exc.message) from None
 
     async def read_to_free(self, request_id: str, first_block: Sequence[int], kv_transfer_params: dict, *,
                            timeout_s: float | None = None, cache_salt: str | None = None) -> bool:
@@ -321,6 +397,8 @@ class EngineClient:
         raise EngineError(grpc.StatusCode.UNAVAILABLE, "the KV event stream ended")
 
     async def close(self) -> None:
+        if self._lean is not None:
+            self._lean.close()
         if self._channel is not None:
             await self._channel.close()
         self._channel = self._stub = self._health = None

@@ -129,6 +129,9 @@ class GatewayConfig(TelemetryConfig, TlsConfig):
                                         "reasoning_content apart from content; empty: not parsed",
                                     choices=["", *REASONING_PARSERS])
     engine_timeout_s: float = setting(300.0, "Deadline for each call to a vLLM worker")
+    engine_streams: str = setting("h2", "How D's token streams are read: h2 (kvshuttle's lean HTTP/2 client, "
+                                        "services/engine/h2_streams.py) or grpcio (grpc.aio, as every other call)",
+                                  choices=("h2", "grpcio"))
     control_timeout_s: float = setting(5.0, "Deadline for each registry/scheduler call")
     prefill_timeout_s: float = setting(120.0, "Deadline for one prefill call; past it the prefill worker counts as "
                                               "failed and the turn is recomputed on another")
@@ -310,6 +313,7 @@ class GatewayService:
         runner.free_unrecorded_kv = cfg.free_unrecorded_kv
         runner.answer_room_tokens = cfg.answer_room_tokens
         runner.find_sessions = cfg.find_sessions
+        runner.lean_streams = cfg.engine_streams == "h2"
         runner.served_model, runner.kv_bytes_per_token = cfg.model_name(), cfg.kv_bytes_per_token()
         runner.quotas = self.quotas
         runner.cache_group_of = self.keys.cache_group  # a tenant's prefix-cache salt follows its cache group

@@ -30,6 +30,7 @@ class FakeEngine(vllm_engine_pb2_grpc.VllmEngineServicer):
         self.handle, self.block_size = handle, block_size
         self.confirms_salts = True  # False: a vLLM without kvshuttle's plugin
         self.used_tokens = self.capacity_tokens = 0  # the KV cache GetLoads reports (0: unknown)
+        self.token_delay_s = 0.0  # a pause before each streamed token of every request (as ``slow`` ones have)
 
     async def Generate(self, request, context):
         self.requests.append(request)
@@ -49,8 +50,8 @@ class FakeEngine(vllm_engine_pb2_grpc.VllmEngineServicer):
         try:
             if request.stream:
                 for i, tok in enumerate(out):
-                    if rid.startswith("slow"):
-                        await asyncio.sleep(0.05)
+                    if rid.startswith("slow") or self.token_delay_s:
+                        await asyncio.sleep(self.token_delay_s or 0.05)
                     yield vllm_engine_pb2.GenerateResponse(chunk=vllm_engine_pb2.GenerateStreamChunk(
                         token_ids=[tok], prompt_tokens=len(prompt), completion_tokens=i + 1, cached_tokens=3))
                 last = out[-1:]

@@ -1,4 +1,5 @@
-"""EngineClient against an in-process fake of vLLM's gRPC server."""
+"""EngineClient against an in-process fake of vLLM's gRPC server, its streamed calls on both transports (the lean
+HTTP/2 client, h2_streams, and grpc.aio)."""
 
 from __future__ import annotations
 
@@ -22,9 +23,14 @@ async def server():
     await s.stop()
 
 
+@pytest.fixture(params=[True, False], ids=["h2", "grpcio"])
+def lean(request) -> bool:
+    return request.param
+
+
 @pytest.fixture
-async def client(server):
-    c = EngineClient(server.address, timeout_s=5)
+async def client(server, lean):
+    c = EngineClient(server.address, timeout_s=5, lean_streams=lean)
     yield c
     await c.close()
 
@@ -63,8 +69,8 @@ async def test_errors_become_engine_error(client):
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "refused" in err.value.message
 
 
-async def test_timeout(server):
-    c = EngineClient(server.address, timeout_s=0.1)
+async def test_timeout(server, lean):
+    c = EngineClient(server.address, timeout_s=0.1, lean_streams=lean)
     with pytest.raises(EngineError) as err:
         async for _ in c.generate("slow-t", [1], max_tokens=50):
             pass
@@ -105,11 +111,14 @@ async def test_management_calls(client, server):
     assert not await client.is_serving()
 
 
-async def test_unreachable_worker():
-    c = EngineClient("127.0.0.1:1", timeout_s=1)
+async def test_unreachable_worker(lean):
+    c = EngineClient("127.0.0.1:1", timeout_s=1, lean_streams=lean)
     assert not await c.is_serving(timeout_s=0.5)
     with pytest.raises(EngineError) as err:
         await c.server_info()
+    assert err.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    with pytest.raises(EngineError) as err:
+        [item async for item in c.generate("u1", [1], max_tokens=2)]
     assert err.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
     await c.close()
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvshuttle.services.common import metrics
-from kvshuttle.services.gateway.edge.http_tracing import KNOWN_METHODS, noting_status
+from kvshuttle.services.gateway.edge.http_tracing import KNOWN_METHODS, SERVER_SEND, noting_status
 from starlette.routing import Match
 
 UNMATCHED = "unmatched"
@@ -42,6 +42,7 @@ class HttpMetrics:
             await self.app(scope, receive, send)
             return
         scope.setdefault(ARRIVED, time.perf_counter())  # a turn's request_ms counts from here
+        scope.setdefault(SERVER_SEND, send)
         send_and_note, status = noting_status(send)
         try:
             await self.app(scope, receive, send_and_note)

@@ -31,6 +31,7 @@ class HttpTracing:
         if scope["type"] != "http" or scope["path"] in UNTRACED_PATHS:
             await self.app(scope, receive, send)
             return
+        scope.setdefault(SERVER_SEND, send)
         headers = Headers(scope=scope)
         method = scope["method"] if scope["method"] in KNOWN_METHODS else "_OTHER"
         span = self.tracer.start_span(method, context=propagate.extract(headers), kind=trace.SpanKind.SERVER,
@@ -47,6 +48,11 @@ class HttpTracing:
         finally:
             _finish(span, scope, method, status[0] if status else None)
             span.end()
+
+
+# The scope key of the server's own ``send``, set by the outermost layer: a stream's body chunks go there directly
+# (sse.py), past the layers in between, which all watch only the response's start (its status), never its body.
+SERVER_SEND = "kvshuttle.server_send"
 
 
 def noting_status(send):

@@ -9,14 +9,16 @@ other exception (500, "internal error"; the traceback goes to the log). No strea
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import Any
 
-from fastapi.responses import StreamingResponse
+from kvshuttle.services.gateway.edge.http_tracing import SERVER_SEND
 from kvshuttle.services.gateway.turns import TurnContext, TurnError
 from kvshuttle.services.gateway.turns.reply import kv_headers
+from starlette.responses import Response
 
 log = logging.getLogger(__name__)
 
@@ -35,21 +37,59 @@ def stream_headers(turn: TurnContext, **extra: str) -> dict[str, str]:
 
 
 def stream_response(frames: AsyncIterator[bytes], turn: TurnContext, error_tail: ErrorTail,
-                    **headers: str) -> StreamingResponse:
+                    **headers: str) -> EventStream:
     """The turn's event stream: ``frames``, ended by ``error_tail`` when they fail."""
-    return StreamingResponse(_guarded(frames, error_tail, turn.id), media_type="text/event-stream",
-                             headers=stream_headers(turn, **headers))
+    return EventStream(frames, turn.id, error_tail, stream_headers(turn, **headers))
 
 
-async def _guarded(frames: AsyncIterator[bytes], error_tail: ErrorTail, turn_id: str) -> AsyncIterator[bytes]:
-    try:
-        async for chunk in frames:
-            yield chunk
-    except TurnError as exc:
-        log.warning("stream of turn %s failed: %s", turn_id, exc.message)
-        for chunk in error_tail(exc.http_status, exc.message):
-            yield chunk
-    except Exception:
-        log.exception("stream of turn %s failed", turn_id)
-        for chunk in error_tail(500, "internal error"):
-            yield chunk
+class EventStream(Response):
+    """An SSE response written from the turn's own loop: the response's start goes through the app's layers (they
+    note its status); each frame goes straight to the server's send (``SERVER_SEND``: the layers in between watch
+    only the start), with no streaming response or send wrappers per token. A watcher task per stream cancels the
+    turn when the client goes away (``http.disconnect``), and ``frames`` is closed however the stream ends, so D's
+    call is cancelled with it."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, frames: AsyncIterator[bytes], turn_id: str, error_tail: ErrorTail, headers: Mapping[str, str]):
+        self.frames, self.turn_id, self.error_tail = frames, turn_id, error_tail
+        self.status_code, self.background = 200, None
+        self.init_headers(headers)
+
+    async def __call__(self, scope, receive, send) -> None:
+        body = scope.get(SERVER_SEND, send)
+        frames, task = self.frames, asyncio.current_task()
+        assert task is not None
+        streaming, gone = True, False
+
+        async def watch() -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            if streaming:  # only the frames' loop is interrupted: the end and the close run to completion
+                task.cancel()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            tail: Iterable[bytes] = ()
+            try:
+                async for chunk in frames:
+                    await body({"type": "http.response.body", "body": chunk, "more_body": True})
+            except TurnError as exc:
+                log.warning("stream of turn %s failed: %s", self.turn_id, exc.message)
+                tail = self.error_tail(exc.http_status, exc.message)
+            except Exception:
+                log.exception("stream of turn %s failed", self.turn_id)
+                tail = self.error_tail(500, "internal error")
+            streaming = False
+            await body({"type": "http.response.body", "body": b"".join(tail), "more_body": False})
+        except asyncio.CancelledError:
+            if not gone or task.uncancel() > 0:  # cancelled from elsewhere (e.g. shutdown): stays cancelled
+                raise
+            log.info("turn %s: the client went away mid-stream", self.turn_id)
+        finally:
+            streaming = False
+            watcher.cancel()
+            await frames.aclose()

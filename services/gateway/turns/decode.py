@@ -245,10 +245,11 @@ async def stream_tokens(rt: TurnServices, engine: EngineClient, request_id: str,
     The call is made with ``span`` current (its client span is a child), which is never current across a yield."""
     stream = engine.generate(request_id, prompt, stream=True, **kwargs).__aiter__()
     watchdog = StallWatchdog(rt.decode_stall_timeout_s)
+    # The call starts in the first read: only that one needs ``span`` current (trace.use_span without its context
+    # manager's cost); the later reads are the same call's.
+    token = otel_context.attach(trace.set_span_in_context(span))
     try:
         while True:
-            # trace.use_span(span) without its context manager's per-token cost (it records nothing here).
-            token = otel_context.attach(trace.set_span_in_context(span))
             watchdog.waiting()
             try:
                 item = await anext(stream)
@@ -261,7 +262,9 @@ async def stream_tokens(rt: TurnServices, engine: EngineClient, request_id: str,
                 raise
             finally:
                 watchdog.done()
-                otel_context.detach(token)
+                if token is not None:
+                    otel_context.detach(token)
+                    token = None
             yield item
     finally:
         watchdog.close()

@@ -81,6 +81,7 @@ class TurnRunner:
     max_prompt_tokens = 0  # the gateway's limit on a prompt's tokens (0: only the context length limits it)
     served_model = ""  # the model's name for clients (trace attributes)
     kv_bytes_per_token = 0  # an estimate of one token's KV in bytes (trace attributes; 0: unknown)
+    lean_streams = True  # D's streams over h2_streams (off: grpc.aio; the gateway's --engine-streams)
     # The tenants' limits (tenant_limits.TenantQuotas: begin_turn(tenant) -> a quota with charge_prompt(n) and
     # end(generated)); None: no limits.
     quotas: Any = None
@@ -132,8 +133,8 @@ class TurnRunner:
     def engine(self, worker: common_pb2.Worker) -> EngineClient:
         client = self._engines.get(worker.grpc_address)
         if client is None:
-            client = self._engines[worker.grpc_address] = EngineClient(worker.grpc_address,
-                                                                       timeout_s=self.engine_timeout_s)
+            client = self._engines[worker.grpc_address] = EngineClient(
+                worker.grpc_address, timeout_s=self.engine_timeout_s, lean_streams=self.lean_streams)
         return client
 
     def cache_salt(self, tenant: str) -> str:
