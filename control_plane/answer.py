@@ -54,32 +54,32 @@ class AnswerParser:
         self._reasoning = ReasoningSplitter(reasoning, prompt_text=prompt_text) if reasoning else None
         self._tools = tools(request_tools) if tools else None
 
-    def feed(self, text: str) -> Iterator[Event]:
+    def feed(self, text: str) -> list[Event]:
         if self._harmony is not None:
-            yield from _events(self._harmony.feed(text))
-            return
-        pieces = self._reasoning.feed(text) if self._reasoning else [(CONTENT, text)]
-        yield from self._content(pieces, final=False)
+            return list(_events(self._harmony.feed(text)))
+        pieces = self._reasoning.feed(text) if self._reasoning else ((CONTENT, text),)
+        return self._content(pieces, final=False)
 
-    def finish(self) -> Iterator[Event]:
+    def finish(self) -> list[Event]:
         """What was held back, once the answer has ended."""
         if self._harmony is not None:
-            yield from _events(self._harmony.finish())
-            return
-        pieces = self._reasoning.finish() if self._reasoning else []
-        yield from self._content(pieces, final=True)
+            return list(_events(self._harmony.finish()))
+        pieces = self._reasoning.finish() if self._reasoning else ()
+        return self._content(pieces, final=True)
 
-    def _content(self, pieces: Iterable[tuple[str, str]], *, final: bool) -> Iterator[Event]:
+    def _content(self, pieces: Iterable[tuple[str, str]], *, final: bool) -> list[Event]:
+        """A list, not a generator: this runs per streamed token."""
+        out: list[Event] = []
+        tools = self._tools
         for kind, text in pieces:
-            if kind == REASONING or self._tools is None:
+            if kind == REASONING or tools is None:
                 if text:
-                    yield Piece(kind, text)
+                    out.append(Piece(kind, text))
                 continue
-            for item in self._tools.feed(text):
-                yield item if isinstance(item, ParsedCall) else Piece(CONTENT, item)
-        if final and self._tools is not None:
-            for item in self._tools.finish():
-                yield item if isinstance(item, ParsedCall) else Piece(CONTENT, item)
+            out.extend(item if isinstance(item, ParsedCall) else Piece(CONTENT, item) for item in tools.feed(text))
+        if final and tools is not None:
+            out.extend(item if isinstance(item, ParsedCall) else Piece(CONTENT, item) for item in tools.finish())
+        return out
 
     @property
     def called_tools(self) -> bool:

@@ -66,10 +66,18 @@ REASONING_PARSERS: dict[str, ReasoningRules] = {
 
 
 def partial_tail(text: str, tag: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag`` (it may become the tag)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag`` (it may become the tag).
+
+    Runs per streamed token: only the places in the tail where the tag's first character stands are tried."""
+    n = min(len(tag) - 1, len(text))
+    if n <= 0:
+        return 0
+    tail, first = text[-n:], tag[0]
+    at = tail.find(first)
+    while at >= 0:  # earliest start first: the longest suffix
+        if tag.startswith(tail[at:]):
+            return n - at
+        at = tail.find(first, at + 1)
     return 0
 
 

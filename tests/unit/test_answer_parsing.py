@@ -4,10 +4,11 @@ streams split at every position giving exactly the whole answer's parts."""
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 from kvshuttle.control_plane.answer import AnswerParser, ParsedAnswer, Piece, parse_answer
-from kvshuttle.control_plane.reasoning import REASONING_PARSERS
+from kvshuttle.control_plane.reasoning import REASONING_PARSERS, partial_tail
 from kvshuttle.control_plane.tool_calls import TOOL_CALL_PARSERS, ParsedCall
 
 from tests.support.streaming import streamed
@@ -79,3 +80,17 @@ def test_arguments_are_serialised_as_vllm_does():
     args = {"q": "naïve", "n": [1, 2.5, None], "nested": {"b": True}}
     got = parse_answer(f"<tool_call>{json.dumps({'name': 'search', 'arguments': args})}</tool_call>", None, HERMES)
     assert got.tool_calls[0].arguments == json.dumps(args, ensure_ascii=False)
+
+
+def test_partial_tail_is_the_longest_suffix_that_may_become_the_tag():
+    """The per-token fast version against the definition (every suffix tried, longest first)."""
+    def by_definition(text: str, tag: str) -> int:
+        return next((n for n in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-n:])), 0)
+
+    rng = random.Random(7)
+    for _ in range(20_000):
+        tag = "".join(rng.choice("<t/>") for _ in range(rng.randint(1, 7)))
+        text = "".join(rng.choice("<t/>x") for _ in range(rng.randint(0, 12)))
+        assert partial_tail(text, tag) == by_definition(text, tag), (text, tag)
+    assert partial_tail("plain text </thi", "</think>") == 5 and partial_tail("a <", "<tool_call>") == 1
+    assert partial_tail("done", "</think>") == 0 and partial_tail("", "</think>") == 0

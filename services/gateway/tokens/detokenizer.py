@@ -29,7 +29,12 @@ class IncrementalText:
         self._prefix = 0  # where the window starts
         self._read = 0  # ids whose text has been sent
         self._before = ""  # the text of ids[prefix:read]
-        self.text = ""
+        self._pieces: list[str] = []
+
+    @property
+    def text(self) -> str:
+        """The pieces so far, joined."""
+        return "".join(self._pieces)
 
     def _window(self, end: int) -> str:
         return self._decode(self._ids[self._prefix:end], self._skip)
@@ -48,7 +53,7 @@ class IncrementalText:
             self._before = self._window(self._read)
         else:
             self._before = now
-        self.text += piece
+        self._pieces.append(piece)
         return piece
 
     def finish(self) -> str:
@@ -57,5 +62,5 @@ class IncrementalText:
         piece = now[len(before):] if now.startswith(before) else ""
         self._read = len(self._ids)
         self._before = now
-        self.text += piece
+        self._pieces.append(piece)
         return piece

@@ -158,7 +158,7 @@ class GatewayTokenizer:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self._tok.decode(ids if type(ids) is list else list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
