@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from jsonschema import Draft202012Validator
 from kvshuttle.control_plane.constraints import json_answer
 from kvshuttle.services.gateway.turns import TurnError
+from kvshuttle.services.gateway.turns import tools as tool_rules
 from kvshuttle.services.gateway.turns.builder import TurnBuilder
 from kvshuttle.services.gateway.turns.errors import FieldError
 from kvshuttle.services.gateway.turns.tools import (
@@ -112,3 +114,22 @@ def test_parallel_tool_calls_false_forces_exactly_one_call():
     many = json.loads(b.tools([WEATHER, CLOCK], "required").forced.value)
     one = json.loads(b.tools([WEATHER, CLOCK], "required", parallel=False).forced.value)
     assert not many["format"]["stop_after_first"] and one["format"]["stop_after_first"]
+
+
+def test_a_valid_schema_is_checked_once_per_tenant_and_an_invalid_one_every_time(monkeypatch):
+    checked = []
+    real = Draft202012Validator.check_schema
+    monkeypatch.setattr(Draft202012Validator, "check_schema",
+                        classmethod(lambda cls, schema, **kw: (checked.append(schema), real(schema, **kw))[1]))
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}
+    reordered = {"properties": {"days": {"type": "integer"}, "city": {"type": "string"}}, "type": "object"}
+    tool_rules.check_schema(schema, "tools.0.function.parameters", "x", tenant="acme-memo")
+    tool_rules.check_schema(reordered, "tools.0.function.parameters", "x", tenant="acme-memo")  # the same schema
+    assert len(checked) == 1
+    tool_rules.check_schema(schema, "tools.0.function.parameters", "x", tenant="other-memo")  # never shared
+    assert len(checked) == 2
+    bad = {"type": "object", "properties": {"city": {"type": 7}}}
+    for _ in range(2):
+        with pytest.raises(FieldError, match="not a valid JSON Schema"):
+            tool_rules.check_schema(bad, "tools.0.function.parameters", "x", tenant="acme-memo")
+    assert len(checked) == 4

@@ -55,10 +55,10 @@ class TurnBuilder:
                             f"model {model!r} not found; this gateway serves {self.served_model!r}")
 
     def tools(self, tools: Sequence[FunctionIn], choice: ToolChoice, words: ToolWords = OPENAI_TOOLS, *,
-              parallel: bool = True) -> ToolUse:
+              parallel: bool = True, tenant: str = "") -> ToolUse:
         """The request's tools checked, whether the answer's calls are parsed, and the grammar of a forced call
         (``parallel`` false: exactly one, so the record holds no call the client never sees)."""
-        check_tools(tools, choice, words)
+        check_tools(tools, choice, words, tenant=tenant)
         listed = template_tools(tools)
         calls = bool(tools) and choice != "none"
         if not calls:

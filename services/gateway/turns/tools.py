@@ -8,6 +8,7 @@ result whose id answers no earlier call are 400s naming the API's field (FieldEr
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -15,6 +16,7 @@ from typing import Any, Literal
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 from kvshuttle.control_plane.constraints import Constraint
+from kvshuttle.control_plane.lru import BoundedLru
 from kvshuttle.services.gateway.turns.errors import FieldError
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -40,8 +42,20 @@ class FunctionIn(_Strict):
         return out
 
 
-def check_schema(schema: Any, param: str, what: str) -> None:
+# Schemas found valid, by (tenant, canonical JSON): agents send the same tools (and answer formats) every turn, and
+# checking one against the metaschema takes milliseconds. Per tenant, so a tenant's timing never tells whether
+# another sent the same schema.
+_VALID_SCHEMAS: BoundedLru[bool] = BoundedLru(8 << 20)
+
+
+def check_schema(schema: Any, param: str, what: str, *, tenant: str = "") -> None:
     """``schema`` is a valid JSON Schema (draft 2020-12); FieldError naming ``param`` otherwise."""
+    try:
+        key: tuple[str, str] | None = (tenant, json.dumps(schema, sort_keys=True, separators=(",", ":")))
+    except (TypeError, ValueError, RecursionError):
+        key = None
+    if key is not None and _VALID_SCHEMAS.get(key):
+        return
     try:
         Draft202012Validator.check_schema(schema)
     except SchemaError as exc:
@@ -49,6 +63,8 @@ def check_schema(schema: Any, param: str, what: str) -> None:
         raise FieldError(param, f"{what} are not a valid JSON Schema at {where}: {exc.message}") from None
     except RecursionError:  # input_check refuses deep schemas first; this is the backstop
         raise FieldError(param, f"{what} nest too deeply") from None
+    if key is not None:
+        _VALID_SCHEMAS.put(key, True, len(key[0]) + len(key[1]) + 100)
 
 
 @dataclass(frozen=True)
@@ -79,9 +95,10 @@ ANTHROPIC_TOOLS = ToolWords(lambda i, name: f"tools.{i}.{'input_schema' if name 
                             named="'tool'")
 
 
-def check_tools(tools: Sequence[FunctionIn], choice: ToolChoice, words: ToolWords = OPENAI_TOOLS) -> None:
+def check_tools(tools: Sequence[FunctionIn], choice: ToolChoice, words: ToolWords = OPENAI_TOOLS, *,
+                tenant: str = "") -> None:
     """Tool definitions and ``tool_choice`` that the gateway can use; FieldError (naming the API's field)
-    otherwise."""
+    otherwise. ``tenant``: whose request (the schema checks it already passed are remembered per tenant)."""
     if len(tools) > MAX_TOOLS:
         raise FieldError("tools", f"at most {MAX_TOOLS} tools are allowed, got {len(tools)}")
     names: set[str] = set()
@@ -95,7 +112,7 @@ def check_tools(tools: Sequence[FunctionIn], choice: ToolChoice, words: ToolWord
             raise FieldError(words.field(i, "parameters"),
                              f"tool {fn.name!r}: parameters must be a JSON Schema of type 'object', "
                              f"got type {fn.parameters.get('type')!r}")
-        check_schema(fn.parameters, words.field(i, "parameters"), f"tool {fn.name!r}: parameters")
+        check_schema(fn.parameters, words.field(i, "parameters"), f"tool {fn.name!r}: parameters", tenant=tenant)
     if not tools and (choice == "required" or (isinstance(choice, NamedTool) and words.named)):
         raise FieldError("tool_choice", f"tool_choice {words.required if choice == 'required' else words.named} "
                                         "needs tools")

@@ -134,7 +134,7 @@ async def messages(body: MessagesIn, request: Request) -> Response:
                                                    f"({body.max_tokens - 1}), or thinking {{\"type\": "
                                                    "\"adaptive\"}")
     functions, choice, parallel = chat_tools(body)
-    tools = builder.tools(functions, choice, ANTHROPIC_TOOLS, parallel=parallel)
+    tools = builder.tools(functions, choice, ANTHROPIC_TOOLS, parallel=parallel, tenant=caller(request).tenant)
     messages = chat_messages(body)
     if body.messages[-1].role == "assistant":
         raise FieldError(f"messages.{len(body.messages) - 1}", "a final assistant message (prefill) is not "
@@ -172,7 +172,8 @@ async def count_tokens(body: CountTokensIn, request: Request) -> Response:
     state = api_state(request)
     state.builder.check_model(body.model, required=True)
     functions, choice, _ = chat_tools(body)
-    check_tools(functions, choice, ANTHROPIC_TOOLS)  # counted as rendered, whatever the gateway parses
+    # counted as rendered, whatever the gateway parses
+    check_tools(functions, choice, ANTHROPIC_TOOLS, tenant=caller(request).tenant)
     tools = ToolUse(template_tools(functions))
     messages = chat_messages(body)
     tokenizer = state.runner.tokenizer

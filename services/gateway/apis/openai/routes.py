@@ -52,12 +52,13 @@ async def models(request: Request) -> dict[str, Any]:
 async def chat(body: ChatCompletionIn, request: Request):
     state = api_state(request)
     builder, choice = state.builder, body.tool_choice
+    tenant = caller(request).tenant
     tools = builder.tools([t.function for t in body.tools or []],
                           NamedTool(choice.function.name) if isinstance(choice, NamedToolChoice) else choice,
-                          parallel=body.parallel_tool_calls)
+                          parallel=body.parallel_tool_calls, tenant=tenant)
     messages = [m.plain(f"messages.{i}") for i, m in enumerate(body.messages)]
     check_tool_results(messages)
-    asked, param = _structured(body)
+    asked, param = _structured(body, tenant)
     req = _turn_request(state, body, request, body.max_completion_tokens or body.max_tokens, messages=messages,
                         template_vars=body.template_vars(), constraint=builder.constraint(asked, param, tools),
                         tools=tools, constraint_after_reasoning=body.structured_outputs is None)
@@ -70,7 +71,7 @@ async def chat(body: ChatCompletionIn, request: Request):
 async def completions(body: CompletionIn, request: Request):
     state = api_state(request)
     prompt = {"prompt_text": body.prompt} if isinstance(body.prompt, str) else {"prompt_ids": body.prompt}
-    asked, param = _structured(body)
+    asked, param = _structured(body, caller(request).tenant)
     constraint = state.builder.constraint(asked, param)
     req = _turn_request(state, body, request, body.max_tokens, constraint=constraint, constraint_after_reasoning=False,
                         **prompt)
@@ -92,9 +93,9 @@ def _turn_request(state: ApiState, body: SamplingIn, request: Request, max_token
                            **body.sampling(), **prompt)
 
 
-def _structured(body: SamplingIn) -> tuple[Constraint | None, str]:
+def _structured(body: SamplingIn, tenant: str) -> tuple[Constraint | None, str]:
     """The structured output the body asks for, and the field that asked."""
-    return (requested_constraint(body.response_format, body.structured_outputs),
+    return (requested_constraint(body.response_format, body.structured_outputs, tenant=tenant),
             "response_format" if body.response_format else "structured_outputs")
 
 

@@ -63,9 +63,9 @@ class StructuredOutputsIn(_Strict):
         return self
 
 
-def requested_constraint(response_format: ResponseFormatIn | None,
-                         structured: StructuredOutputsIn | None) -> Constraint | None:
-    """The constraint ``response_format`` or ``structured_outputs`` asks for."""
+def requested_constraint(response_format: ResponseFormatIn | None, structured: StructuredOutputsIn | None, *,
+                         tenant: str = "") -> Constraint | None:
+    """The constraint ``response_format`` or ``structured_outputs`` asks for (``tenant``: whose request)."""
     wants_json = response_format is not None and response_format.type != "text"
     if wants_json and structured is not None:
         raise FieldError("structured_outputs", "give either response_format (JSON) or structured_outputs, not both")
@@ -73,7 +73,7 @@ def requested_constraint(response_format: ResponseFormatIn | None,
         schema = response_format.json_schema.schema_ if response_format.json_schema else None
         if response_format.type == "json_schema":
             schema = schema if schema is not None else {}
-            check_schema(schema, "response_format.json_schema.schema", "response_format's schema")
+            check_schema(schema, "response_format.json_schema.schema", "response_format's schema", tenant=tenant)
         return json_answer(schema if response_format.type == "json_schema" else None)
     if structured is None:
         return None
@@ -86,7 +86,7 @@ def requested_constraint(response_format: ResponseFormatIn | None,
             except (ValueError, RecursionError) as exc:  # InputError is a ValueError
                 raise FieldError("structured_outputs.json", f"not valid JSON: {exc}"
                                  if not isinstance(exc, input_check.InputError) else str(exc)) from None
-        check_schema(schema, "structured_outputs.json", "structured_outputs.json")
+        check_schema(schema, "structured_outputs.json", "structured_outputs.json", tenant=tenant)
         return Constraint("json_schema", json.dumps(schema))
     for kind in ("regex", "grammar", "structural_tag"):
         if getattr(structured, kind) is not None:

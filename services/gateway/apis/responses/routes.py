@@ -71,7 +71,7 @@ async def create(body: ResponsesIn, request: Request):
     who = caller(request)
     choice = body.tool_choice
     tools = builder.tools(body.tools or [], NamedTool(choice.name) if isinstance(choice, NamedFunctionChoice)
-                          else choice, RESPONSES_TOOLS, parallel=body.parallel_tool_calls)
+                          else choice, RESPONSES_TOOLS, parallel=body.parallel_tool_calls, tenant=who.tenant)
     history: list[dict[str, Any]] = []
     session = session_id_of(request.headers, body.conversation_id)
     if body.previous_response_id:
@@ -86,7 +86,7 @@ async def create(body: ResponsesIn, request: Request):
                           safety_identifier=body.safety_identifier or "",
                           template_vars={"tools": tools.tools} if tools.tools else {},
                           max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p,
-                          constraint=builder.constraint(_structured(body), "text.format", tools))
+                          constraint=builder.constraint(_structured(body, who.tenant), "text.format", tools))
     turn = await prepare_turn(request, req)
     output = OutputBuilder(parallel_tool_calls=body.parallel_tool_calls)
     response = response_object(body, turn, state.served_model)
@@ -143,7 +143,7 @@ async def delete(response_id: str, request: Request):
     return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 
-def _structured(body: ResponsesIn) -> Constraint | None:
+def _structured(body: ResponsesIn, tenant: str) -> Constraint | None:
     """The JSON answer ``text.format`` asks for (None: text)."""
     fmt = body.text.format if body.text else None
     if fmt is None or fmt.type == "text":
@@ -151,7 +151,7 @@ def _structured(body: ResponsesIn) -> Constraint | None:
     schema = None
     if fmt.type == "json_schema":
         schema = fmt.schema_ if fmt.schema_ is not None else {}
-        check_schema(schema, "text.format.schema", "text.format's schema")
+        check_schema(schema, "text.format.schema", "text.format's schema", tenant=tenant)
     return json_answer(schema)
 
 
