@@ -280,7 +280,7 @@ class GatewayService:
         self.runner = self._turn_runner(scheduler_stub)
         bridge_token = secrets.token_urlsafe(24)  # marks the REST bridge's calls: the HTTP guard counted them
         servicer = GatewayServicer(self.runner, cfg.model_name(), cfg.default_max_tokens, self.keys, self.quotas,
-                                   bridge_token)
+                                   bridge_token, reasoning_parser=cfg.reasoning_parser)
         self.grpc = Server(cfg.grpc_listen, [SERVICE_NAME],
                            [lambda s: add_gateway_servicer(servicer, s)],
                            tls=cfg.server_tls(), max_message_bytes=max_message)

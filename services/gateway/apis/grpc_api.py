@@ -11,6 +11,7 @@ import grpc
 from google.protobuf import duration_pb2, json_format, unknown_fields
 from google.protobuf.message import DecodeError, Message
 from google.rpc import code_pb2, error_details_pb2, status_pb2
+from kvshuttle.control_plane.answer_blocks import APPENDED, REASONING_BLOCK, TEXT_BLOCK, AnswerBlocks, Step
 from kvshuttle.services.gateway.edge import input_check
 from kvshuttle.services.gateway.edge.auth import AuthError, KeyRing, Principal
 from kvshuttle.services.gateway.edge.tenant_limits import TenantQuotas
@@ -139,13 +140,15 @@ def _limit(turn: TurnContext) -> dict[str, Any]:
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, runner: TurnRunner, served_model: str, default_max_tokens: int, keys: KeyRing | None = None,
-                 quotas: TenantQuotas | None = None, bridge_token: str = ""):
+                 quotas: TenantQuotas | None = None, bridge_token: str = "", *, reasoning_parser: str = ""):
         """``keys``: API keys (metadata ``authorization: Bearer <key>``); none: open, every caller the default
         tenant. ``quotas``: the tenants' limits (requests per second are counted here, except for calls from this
-        gateway's REST bridge, which the HTTP guard counted: they carry ``bridge_token`` in BRIDGED)."""
+        gateway's REST bridge, which the HTTP guard counted: they carry ``bridge_token`` in BRIDGED).
+        ``reasoning_parser``: the gateway's (vLLM's names): a chat answer's reasoning is split from its content, as
+        in the HTTP APIs (the gRPC API takes no tools, so no calls are parsed)."""
         self.runner = runner
         self.served_model = served_model
-        self.builder = TurnBuilder(served_model, default_max_tokens)
+        self.builder = TurnBuilder(served_model, default_max_tokens, reasoning_parser=reasoning_parser)
         self.keys = keys or KeyRing()
         self.quotas = quotas
         self.bridge_token = bridge_token.encode()
@@ -224,9 +227,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         bad = [m.role for m in msg.messages if m.role not in roles]
         if bad:
             raise TurnError(400, grpc.StatusCode.INVALID_ARGUMENT, f"unknown message role {bad[0]!r}")
-        # A name goes to the chat template as vLLM passes it (templates that do not use it ignore it).
-        return self._request(msg, messages=[{"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
-                                            for m in msg.messages])
+        reasoned = [i for i, m in enumerate(msg.messages) if m.reasoning_content and m.role != "assistant"]
+        if reasoned:
+            raise TurnError(400, grpc.StatusCode.INVALID_ARGUMENT,
+                            f"messages[{reasoned[0]}].reasoning_content: only an assistant message has reasoning")
+        return self._request(msg, messages=[_template_message(m) for m in msg.messages])
 
     async def _prepare(self, req: TurnRequest, context) -> TurnContext:
         turn = await self.runner.prepare(req)
@@ -259,25 +264,34 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def ChatComplete(self, request, context):
         turn, f = await self._unary(self._chat_request, request, context)
+        blocks = AnswerBlocks()  # the answer layer every API spells (control_plane/answer_blocks.py)
+        blocks.whole(f.answer_events)
+        message = gateway_pb2.ChatMessage(role="assistant", content=blocks.joined(TEXT_BLOCK) or "",
+                                          reasoning_content=blocks.joined(REASONING_BLOCK) or "")
         return gateway_pb2.ChatCompleteResponse(
-            id=turn.id, model=self.served_model, message=gateway_pb2.ChatMessage(role="assistant", content=f.text),
-            token_ids=f.output_ids, prompt_token_ids=turn.prompt_ids, finish_reason=f.finish_reason, usage=usage(f),
+            id=turn.id, model=self.served_model, message=message, token_ids=f.output_ids,
+            prompt_token_ids=turn.prompt_ids, finish_reason=blocks.finish_reason(f.finish_reason), usage=usage(f),
             kv=kv_report(f.kv), timings=turn_timings(f.timings), **_limit(turn))
 
-    async def _stream(self, req_fn, msg, context):
+    async def _stream(self, req_fn, msg, context, chat: bool = False):
+        """The turn's events; a chat's deltas also carry their content and reasoning (the answer layer's)."""
         try:
             turn = await self._prepare(self._authorized(req_fn, msg, context), context)
             yield gateway_pb2.TurnEvent(started=gateway_pb2.TurnEvent.Started(
                 id=turn.id, model=self.served_model, kv=kv_report(turn.kv), prompt_tokens=len(turn.prompt_ids),
                 **_limit(turn)))
+            blocks = AnswerBlocks()
             async for event in self.runner.decode(turn):
                 if isinstance(event, Delta):
-                    yield gateway_pb2.TurnEvent(delta=gateway_pb2.TurnEvent.Delta(text=event.text,
-                                                                                  token_ids=event.token_ids))
-                else:
-                    yield gateway_pb2.TurnEvent(finished=gateway_pb2.TurnEvent.Finished(
-                        finish_reason=event.finish_reason, usage=usage(event), kv=kv_report(event.kv),
-                        timings=turn_timings(event.timings)))
+                    parts = _parts(blocks.feed(event.events)) if chat else {}
+                    yield gateway_pb2.TurnEvent(delta=gateway_pb2.TurnEvent.Delta(
+                        text=event.text, token_ids=event.token_ids, **parts))
+                    continue
+                if chat and (parts := _parts(blocks.finish(event.events))):
+                    yield gateway_pb2.TurnEvent(delta=gateway_pb2.TurnEvent.Delta(**parts))
+                yield gateway_pb2.TurnEvent(finished=gateway_pb2.TurnEvent.Finished(
+                    finish_reason=blocks.finish_reason(event.finish_reason), usage=usage(event),
+                    kv=kv_report(event.kv), timings=turn_timings(event.timings)))
         except TurnError as exc:
             await abort(context, exc)
         except grpc.aio.AbortError:
@@ -290,5 +304,23 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             yield event
 
     async def ChatCompleteStream(self, request, context):
-        async for event in self._stream(self._chat_request, request, context):
+        async for event in self._stream(self._chat_request, request, context, chat=True):
             yield event
+
+
+def _template_message(m: gateway_pb2.ChatMessage) -> dict[str, str]:
+    """A history message as the chat template gets it: a name as vLLM passes it (templates that do not use it
+    ignore it), an assistant's reasoning under both of vLLM's names (as the HTTP chat API gives it)."""
+    out = {"role": m.role, "content": m.content}
+    if m.name:
+        out["name"] = m.name
+    if m.reasoning_content:
+        out["reasoning_content"] = out["reasoning"] = m.reasoning_content
+    return out
+
+
+def _parts(steps: list[Step]) -> dict[str, str]:
+    """What the answer layer's steps add to the content and to the reasoning (only the parts that are not empty)."""
+    content = "".join(text for kind, block, text in steps if kind == APPENDED and block.kind == TEXT_BLOCK)
+    reasoning = "".join(text for kind, block, text in steps if kind == APPENDED and block.kind == REASONING_BLOCK)
+    return {k: v for k, v in (("content", content), ("reasoning_content", reasoning)) if v}

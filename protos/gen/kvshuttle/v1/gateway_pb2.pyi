@@ -68,14 +68,16 @@ class SamplingOptions(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content", "name")
+    __slots__ = ("role", "content", "name", "reasoning_content")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    REASONING_CONTENT_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
     name: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+    reasoning_content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., name: _Optional[str] = ..., reasoning_content: _Optional[str] = ...) -> None: ...
 
 class CompleteRequest(_message.Message):
     __slots__ = ("session_id", "model", "prompt", "prompt_token_ids", "sampling", "disable_pull", "policy")
@@ -247,12 +249,16 @@ class TurnEvent(_message.Message):
         max_tokens_source: str
         def __init__(self, id: _Optional[str] = ..., model: _Optional[str] = ..., kv: _Optional[_Union[KvReport, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_tokens_source: _Optional[str] = ...) -> None: ...
     class Delta(_message.Message):
-        __slots__ = ("text", "token_ids")
+        __slots__ = ("text", "token_ids", "content", "reasoning_content")
         TEXT_FIELD_NUMBER: _ClassVar[int]
         TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+        CONTENT_FIELD_NUMBER: _ClassVar[int]
+        REASONING_CONTENT_FIELD_NUMBER: _ClassVar[int]
         text: str
         token_ids: _containers.RepeatedScalarFieldContainer[int]
-        def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+        content: str
+        reasoning_content: str
+        def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., content: _Optional[str] = ..., reasoning_content: _Optional[str] = ...) -> None: ...
     class Finished(_message.Message):
         __slots__ = ("finish_reason", "usage", "kv", "timings")
         FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
