@@ -12,8 +12,7 @@ from kvshuttle.services.registry.server import RegistryConfig, serve
 from kvshuttle.services.scheduler.server import SchedulerConfig, SchedulerService
 from kvshuttle.v1 import common_pb2
 
-from tests.support.fake_engine import FakeEngineServer
-from tests.support.traced_stack import register
+from tests.support.traced_stack import fake_pair, stop_all
 from tests.support.waits import until
 
 
@@ -23,13 +22,8 @@ async def test_a_client_that_leaves_mid_stream_cancels_the_decode_call(etcd, mod
     scheduler = SchedulerService(SchedulerConfig(listen="127.0.0.1:0", registry=registry.address, key_prefix=prefix,
                                                  load_poll_interval_s=0, policy="threshold"))
     await scheduler.start()
-    p = FakeEngineServer()
-    d = FakeEngineServer(handle={"remote_engine_id": "engine-d-traced", "remote_host": "127.0.0.1"})
-    for engine in (p, d):
-        await engine.start()
-    d.engine.handle["remote_port"] = d.port + 1
+    p, d = await fake_pair(registry.address)
     d.engine.token_delay_s = 0.05  # 200 tokens: 10 s, unless cancelled
-    await register(registry.address, p, d)
     await until(lambda: scheduler.workers.by_role(common_pb2.WORKER_ROLE_PREFILL) and scheduler.workers.by_role(
         common_pb2.WORKER_ROLE_DECODE), what="the scheduler's view of both workers")
     gateway = GatewayService(GatewayConfig(http_listen="127.0.0.1:0", grpc_listen="127.0.0.1:0",
@@ -55,8 +49,4 @@ async def test_a_client_that_leaves_mid_stream_cancels_the_decode_call(etcd, mod
             answer = await client.post("/v1/chat/completions", json={**body, "stream": False, "max_tokens": 4})
             assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
     finally:
-        await gateway.stop()
-        await scheduler.stop()
-        await registry.stop(grace=0.5)
-        for engine in (p, d):
-            await engine.stop()
+        await stop_all(gateway, scheduler, registry, (p, d))

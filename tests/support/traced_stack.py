@@ -64,6 +64,26 @@ async def register(registry_address: str, p: FakeEngineServer, d: FakeEngineServ
     await channel.close()
 
 
+async def fake_pair(registry_address: str) -> tuple[FakeEngineServer, FakeEngineServer]:
+    """A fake prefill and decode engine, started and registered (D's final messages carry its KV handle)."""
+    p = FakeEngineServer()
+    d = FakeEngineServer(handle={"remote_engine_id": "engine-d-traced", "remote_host": "127.0.0.1"})
+    for engine in (p, d):
+        await engine.start()
+    d.engine.handle["remote_port"] = d.port + 1
+    await register(registry_address, p, d)
+    return p, d
+
+
+async def stop_all(gateway, scheduler, registry, engines) -> None:
+    """Stop a stack built here: the gateway first, the engines last."""
+    await gateway.stop()
+    await scheduler.stop()
+    await registry.stop(grace=0.5)
+    for engine in engines:
+        await engine.stop()
+
+
 async def http_turns(base_url: str) -> list[dict]:
     """The 3-turn conversation; each turn's response id, usage, decision and kvshuttle timings."""
     out, messages = [], [{"role": "system", "content": "You are terse."}]
@@ -115,12 +135,7 @@ async def main(etcd: str, model_dir: str) -> None:
     scheduler = SchedulerService(SchedulerConfig(listen="127.0.0.1:0", registry=registry.address, key_prefix=prefix,
                                                  load_poll_interval_s=0, pull_threshold_tokens=16, policy="threshold"))
     await scheduler.start()
-    p = FakeEngineServer()
-    d = FakeEngineServer(handle={"remote_engine_id": "engine-d-traced", "remote_host": "127.0.0.1"})
-    for engine in (p, d):
-        await engine.start()
-    d.engine.handle["remote_port"] = d.port + 1
-    await register(registry.address, p, d)
+    p, d = await fake_pair(registry.address)
     await until(lambda: scheduler.workers.by_role(common_pb2.WORKER_ROLE_PREFILL) and scheduler.workers.by_role(
         common_pb2.WORKER_ROLE_DECODE), what="the scheduler's view of both workers")
     gateway = GatewayService(GatewayConfig(http_listen="127.0.0.1:0", grpc_listen="127.0.0.1:0",
@@ -138,11 +153,7 @@ async def main(etcd: str, model_dir: str) -> None:
         result["engine_metadata"] = {**p.engine.metadata, **d.engine.metadata}
         result["errors"] = await failing_turns(base_url, p)
     finally:
-        await gateway.stop()
-        await scheduler.stop()
-        await registry.stop(grace=0.5)
-        for engine in (p, d):
-            await engine.stop()
+        await stop_all(gateway, scheduler, registry, (p, d))
     from opentelemetry import trace
 
     trace.get_tracer_provider().force_flush()
