@@ -28,7 +28,8 @@ import hpack
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
 END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
-SETTINGS_HEADER_TABLE_SIZE, SETTINGS_ENABLE_PUSH, SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE = 1, 2, 4, 5
+SETTINGS_HEADER_TABLE_SIZE, SETTINGS_ENABLE_PUSH, SETTINGS_MAX_CONCURRENT_STREAMS = 1, 2, 3
+SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE = 4, 5
 CANCEL_CODE = 0x8
 DEFAULT_WINDOW = 65_535
 OUR_WINDOW = 1 << 30  # what we let a stream and the connection send before our next WINDOW_UPDATE
@@ -107,7 +108,7 @@ class Stream:
             while end - offset >= 5:
                 size = _FRAME.unpack_from(payload, offset + 1)[0]
                 if payload[offset]:
-                    self._fail(StreamError(grpc.StatusCode.INTERNAL, "a compressed message (none was accepted)"))
+                    self._refuse("a compressed message (none was accepted)")
                     return
                 if end - offset - 5 < size:
                     break
@@ -120,7 +121,7 @@ class Stream:
             while len(buffer) >= 5:
                 size = _FRAME.unpack_from(buffer, 1)[0]
                 if buffer[0]:
-                    self._fail(StreamError(grpc.StatusCode.INTERNAL, "a compressed message (none was accepted)"))
+                    self._refuse("a compressed message (none was accepted)")
                     return
                 if len(buffer) - 5 < size:
                     break
@@ -160,6 +161,12 @@ class Stream:
             self._conn.forget(self)
             self._wake()
 
+    def _refuse(self, why: str) -> None:
+        """The server sent what this client cannot read: the stream is reset and fails (INTERNAL)."""
+        if not self._ended:
+            self._conn.reset(self, 0x2)  # INTERNAL_ERROR
+            self._fail(StreamError(grpc.StatusCode.INTERNAL, why))
+
     def _fail(self, error: StreamError) -> None:
         if not self._ended:
             self._error = error
@@ -190,6 +197,7 @@ class Connection(asyncio.Protocol):
         self.encoder, self.decoder = hpack.Encoder(), hpack.Decoder()
         self.peer_initial_window = DEFAULT_WINDOW
         self.peer_max_frame = 16_384
+        self.peer_max_streams = 1 << 31  # the server's SETTINGS_MAX_CONCURRENT_STREAMS (none: unlimited)
         self.send_window = DEFAULT_WINDOW  # the connection's, for our request bodies
         self._inbox = bytearray()
         self._header_block: tuple[int, int, bytearray] | None = None  # (stream, flags, fragments) until END_HEADERS
@@ -199,7 +207,14 @@ class Connection(asyncio.Protocol):
 
     @property
     def usable(self) -> bool:
-        return not self.closed and self.next_id < MAX_STREAM_ID
+        """Whether a new stream may start here: open, stream ids left, under the server's concurrent streams."""
+        return not self.closed and self.next_id < MAX_STREAM_ID and len(self.streams) < self.peer_max_streams
+
+    def retire(self) -> None:
+        """Take no new streams; close once the last open one has ended (a full or exhausted connection)."""
+        self.closed = True
+        if not self.streams:
+            self.close()
 
     # -- asyncio.Protocol ----------------------------------------------------------------------------------------
 
@@ -340,6 +355,8 @@ class Connection(asyncio.Protocol):
                 for stream in self.streams.values():
                     stream.send_window += value - self.peer_initial_window
                 self.peer_initial_window = value
+            elif key == SETTINGS_MAX_CONCURRENT_STREAMS:
+                self.peer_max_streams = value
             elif key == SETTINGS_MAX_FRAME_SIZE:
                 self.peer_max_frame = value
             elif key == SETTINGS_HEADER_TABLE_SIZE:
@@ -458,6 +475,8 @@ class Channel:
         conn = self._conn
         if conn is not None and conn.usable:
             return conn
+        if conn is not None and not conn.closed:  # full (the server's stream limit) or out of stream ids
+            conn.retire()
         if self._connecting is None:
             self._connecting = asyncio.ensure_future(self._connect())
         connecting = self._connecting
@@ -481,8 +500,10 @@ class Channel:
         return conn
 
     async def call(self, path: str, message: bytes, metadata: Sequence[tuple[str, str]], timeout_s: float) -> Stream:
-        conn = await self._connection()
-        return conn.start(path, message, metadata, timeout_s)
+        while True:  # a connection that others filled meanwhile is retired, and the call goes to a new one
+            conn = await self._connection()
+            if conn.usable:
+                return conn.start(path, message, metadata, timeout_s)
 
     def close(self) -> None:
         if self._conn is not None:

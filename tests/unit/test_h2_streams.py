@@ -21,8 +21,8 @@ ECHO = "/test.Echo/Stream"
 class EchoServer:
     """A grpc.aio server with one server-streaming method of raw bytes: the request names what to do."""
 
-    def __init__(self):
-        self.server = grpc.aio.server()
+    def __init__(self, options=()):
+        self.server = grpc.aio.server(options=list(options))
         self.cancelled: list[bytes] = []
         self.requests: list[bytes] = []
         self.metadata: list[dict] = []
@@ -172,6 +172,25 @@ async def test_a_lost_server_fails_its_streams_and_a_new_one_is_reached():
 async def _two(request: bytes, context: grpc.aio.ServicerContext):
     yield b"a"
     yield b"b"
+
+
+async def test_past_the_servers_stream_limit_calls_go_to_another_connection():
+    limited = EchoServer(options=[("grpc.max_concurrent_streams", 2)])
+    await limited.server.start()
+    channel = Channel(limited.address)
+    try:
+        async def slow(i: int) -> list[bytes]:
+            stream = await channel.call(ECHO, b"slow-%d" % i, [], 10)
+            got = [await stream.read() for _ in range(3)]
+            stream.cancel()
+            return got
+
+        results = await asyncio.gather(*(slow(i) for i in range(5)))
+        assert results == [[b"s0", b"s1", b"s2"]] * 5  # none refused: 3 connections, 2 streams each at most
+        assert await read_all(await channel.call(ECHO, b"count:1", [], 5)) == [b"m0", b""]
+    finally:
+        channel.close()
+        await limited.server.stop(0)
 
 
 def test_only_host_port_targets_are_taken():
