@@ -148,11 +148,16 @@ class _LeanCall:
 
     def end_span(self, code: grpc.StatusCode) -> None:
         if self._span is not None:
-            self._span.set_attribute("rpc.grpc.status_code", code.value[0])
-            if code != grpc.StatusCode.OK:
-                self._span.set_status(trace.StatusCode.ERROR, code.name)
-            self._span.end()
+            _end_span(self._span, code)
             self._span = None
+
+
+def _end_span(span: trace.Span, code: grpc.StatusCode) -> None:
+    """A call's CLIENT span ended with its status, as grpc.aio's interceptor ends it."""
+    span.set_attribute("rpc.grpc.status_code", code.value[0])
+    if code != grpc.StatusCode.OK:
+        span.set_status(trace.StatusCode.ERROR, code.name)
+    span.end()
 
 
 _GENERATE = f"/{SERVICE_NAME}/Generate"
@@ -299,9 +304,7 @@ class EngineClient:
             return _LeanCall(await self._lean.call(_GENERATE, request.SerializeToString(), metadata, timeout_s), span)
         except h2_streams.StreamError as exc:
             if span is not None:
-                span.set_attribute("rpc.grpc.status_code", exc.code.value[0])
-                span.set_status(trace.StatusCode.ERROR, exc.code.name)
-                span.end()
+                _end_span(span, exc.code)
             raise EngineError(exc.code, exc.message) from None
 
     async def read_to_free(self, request_id: str, first_block: Sequence[int], kv_transfer_params: dict, *,
