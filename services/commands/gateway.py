@@ -7,7 +7,6 @@ replicas through etcd: services/scheduler/learning.py).
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import os
 from collections.abc import Sequence
@@ -34,23 +33,7 @@ def make_gateway(cfg: GatewayConfig) -> GatewayService:
 
 
 PROFILE_ENV = "KVSHUTTLE_GATEWAY_PROFILE"  # a file: cProfile the event loop's thread, stats written there at exit
-UVLOOP_ENV = "KVSHUTTLE_GATEWAY_UVLOOP"  # 1: uvloop instead of asyncio's own event loop (bench-gateway compares them)
-
-
-def use_uvloop() -> bool:
-    """Run the gateway on uvloop when KVSHUTTLE_GATEWAY_UVLOOP=1 (a developer's switch: `kvshuttle bench-gateway
-    --loops asyncio,uvloop` measured no gain per core on 2 cores, docs/performance.md, so asyncio's loop stays the
-    default)."""
-    if os.environ.get(UVLOOP_ENV, "") != "1":
-        return False
-    import uvloop  # a dependency: never silently missing
-
-    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-    return True
-
-
 def main(argv: Sequence[str] | None = None) -> None:
-    use_uvloop()
     profile_to = os.environ.get(PROFILE_ENV, "")
     if not profile_to:
         service_main(GatewayCommandConfig, argv, "kvshuttle gateway", "kvshuttle-gateway", make_gateway)

@@ -103,7 +103,8 @@ def client_channel(address: str, tls: ClientTls | None = None, *, max_message_by
 def service_main(config_cls: type, argv, prog: str, trace_name: str, make_service) -> None:
     """The life of a service process: typed config from flags/env, logging, tracing, run until SIGINT/SIGTERM.
 
-    ``make_service(cfg)`` returns an object with async ``start()`` and ``stop()``; it is built inside the loop.
+    ``make_service(cfg)`` returns an object with async ``start()`` and ``stop()``; it is built inside the loop,
+    uvloop's when the config says ``event_loop = "uvloop"`` (the gateway's default), else asyncio's own.
     """
     from kvshuttle.services.common.config import load
     from kvshuttle.services.common.telemetry import setup_tracing, shutdown_tracing
@@ -116,8 +117,14 @@ def service_main(config_cls: type, argv, prog: str, trace_name: str, make_servic
         service = make_service(cfg)
         await run_until_signal(service.start, service.stop)
 
+    loop_factory = None
+    if getattr(cfg, "event_loop", "asyncio") == "uvloop":
+        import uvloop  # a dependency of the base install: never silently missing
+
+        loop_factory = uvloop.new_event_loop
     try:
-        asyncio.run(run())
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            runner.run(run())
     finally:
         shutdown_tracing()
 

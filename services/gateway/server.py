@@ -128,6 +128,8 @@ class GatewayConfig(TelemetryConfig, TlsConfig):
     reasoning_parser: str = setting("", "How the model marks its reasoning (vLLM's parser names): answers then carry "
                                         "reasoning_content apart from content; empty: not parsed",
                                     choices=["", *REASONING_PARSERS])
+    event_loop: str = setting("uvloop", "The gateway's event loop: uvloop (cheaper per streamed token: "
+                                        "docs/performance.md) or asyncio (Python's own)", choices=("uvloop", "asyncio"))
     engine_timeout_s: float = setting(300.0, "Deadline for each call to a vLLM worker")
     engine_streams: str = setting("h2", "How D's token streams are read: h2 (kvshuttle's lean HTTP/2 client, "
                                         "services/engine/h2_streams.py) or grpcio (grpc.aio, as every other call)",

@@ -32,7 +32,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvshuttle.services.commands.gateway import PROFILE_ENV, UVLOOP_ENV
+from kvshuttle.services.commands.gateway import PROFILE_ENV
 from kvshuttle.services.common.config import load, require, setting
 from kvshuttle.services.common.processes import ChildProcess
 from kvshuttle.services.devtools.bench.smg import (
@@ -68,8 +68,8 @@ class GatewayBenchConfig:
     interval_ms: float = setting(20.0, "The fake decode engine's delay between a stream's tokens (0: as fast as read)")
     modes: str = setting("off,on", "Answer parsers: off (no tools, no reasoning parser), on (tools in each request, "
                                    "--tool-call-parser and --reasoning-parser on the gateway), comma-separated")
-    loops: str = setting("asyncio", "The gateway's event loop(s), comma-separated: asyncio (the gateway's default), "
-                                    "uvloop (KVSHUTTLE_GATEWAY_UVLOOP=1): both measure one against the other in one run")
+    loops: str = setting("uvloop", "The gateway's event loop(s) (its --event-loop), comma-separated: uvloop (the "
+                                   "gateway's default), asyncio: both measure one against the other in one run")
     tool_call_parser: str = setting("hermes", "The gateway's --tool-call-parser in mode on")
     reasoning_parser: str = setting("qwen3", "The gateway's --reasoning-parser in mode on")
     itl_bound_ms: float = setting(50.0, "The p99 inter-token delay a level's streams must stay under")
@@ -277,10 +277,10 @@ class Services:
                                     "--http-listen", f"127.0.0.1:{http}", "--grpc-listen", f"127.0.0.1:{free_port()}",
                                     "--registry", self.registry.address, "--scheduler", "local",
                                     "--model-dir", str(self.model_dir), "--max-model-len", "4096",
-                                    "--log-level", self.cfg.log_level, *flags, *self.cfg.gateway_args.split()],
+                                    "--log-level", self.cfg.log_level, "--event-loop", "uvloop" if uvloop else "asyncio",
+                                    *flags, *self.cfg.gateway_args.split()],
                              self.work / f"{name}.log", cwd=REPO,
                              env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                                  UVLOOP_ENV: "1" if uvloop else "0",
                                   PROFILE_ENV: str(self.work / f"{name}.prof") if self.cfg.profile else None})
         await child.start()
         self.children.append(child)

@@ -42,12 +42,20 @@ def stream_response(frames: AsyncIterator[bytes], turn: TurnContext, error_tail:
     return EventStream(frames, turn.id, error_tail, stream_headers(turn, **headers))
 
 
+class _PumpState:
+    __slots__ = ("streaming", "gone")
+
+    def __init__(self) -> None:
+        self.streaming, self.gone = True, False
+
+
 class EventStream(Response):
-    """An SSE response written from the turn's own loop: the response's start goes through the app's layers (they
-    note its status); each frame goes straight to the server's send (``SERVER_SEND``: the layers in between watch
-    only the start), with no streaming response or send wrappers per token. A watcher task per stream cancels the
-    turn when the client goes away (``http.disconnect``), and ``frames`` is closed however the stream ends, so D's
-    call is cancelled with it."""
+    """An SSE response written from the stream's own task: the response's start goes through the app's layers (they
+    note its status); the frames are written by a task of their own (``_pump``) straight to the server's send
+    (``SERVER_SEND``: the layers in between watch only the start). A token then wakes that task alone: the app's
+    layers (middleware, router, guard: a dozen coroutines) wait on it once, not once per token. A watcher task per
+    stream cancels the pump when the client goes away (``http.disconnect``), and ``frames`` is closed however the
+    stream ends, so D's call is cancelled with it."""
 
     media_type = "text/event-stream"
 
@@ -57,22 +65,31 @@ class EventStream(Response):
         self.init_headers(headers)
 
     async def __call__(self, scope, receive, send) -> None:
-        body = scope.get(SERVER_SEND, send)
-        frames, task = self.frames, asyncio.current_task()
-        assert task is not None
-        streaming, gone = True, False
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        except BaseException:
+            await self.frames.aclose()
+            raise
+        state = _PumpState()
+        pump = asyncio.create_task(self._pump(scope.get(SERVER_SEND, send), state))
 
         async def watch() -> None:
-            nonlocal gone
             while (await receive())["type"] != "http.disconnect":
                 pass
-            gone = True
-            if streaming:  # only the frames' loop is interrupted: the end and the close run to completion
-                task.cancel()
+            state.gone = True
+            if state.streaming:  # only the frames' loop is interrupted: the end and the close run to completion
+                pump.cancel()
 
         watcher = asyncio.create_task(watch())
         try:
-            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            await pump  # cancelling this task (e.g. shutdown) cancels the pump with it
+        finally:
+            watcher.cancel()
+
+    async def _pump(self, body, state: _PumpState) -> None:
+        frames, task = self.frames, asyncio.current_task()
+        assert task is not None
+        try:
             tail: Iterable[bytes] = ()
             try:
                 async for chunk in frames:
@@ -80,16 +97,16 @@ class EventStream(Response):
             except TurnError as exc:
                 log.warning("stream of turn %s failed: %s", self.turn_id, exc.message)
                 tail = self.error_tail(exc.http_status, exc.message)
+            except asyncio.CancelledError:
+                if not state.gone or task.uncancel() > 0:  # cancelled from elsewhere (e.g. shutdown)
+                    raise
+                log.info("turn %s: the client went away mid-stream", self.turn_id)
+                return
             except Exception:
                 log.exception("stream of turn %s failed", self.turn_id)
                 tail = self.error_tail(500, "internal error")
-            streaming = False
+            finally:
+                state.streaming = False
             await body({"type": "http.response.body", "body": b"".join(tail), "more_body": False})
-        except asyncio.CancelledError:
-            if not gone or task.uncancel() > 0:  # cancelled from elsewhere (e.g. shutdown): stays cancelled
-                raise
-            log.info("turn %s: the client went away mid-stream", self.turn_id)
         finally:
-            streaming = False
-            watcher.cancel()
             await frames.aclose()

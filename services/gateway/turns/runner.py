@@ -236,8 +236,17 @@ class TurnRunner:
         """
         answered = False
         try:
-            parse = parsing.Parsing(turn)
-            async for delta in self._decode(turn):
+            parse, decode = parsing.Parsing(turn), decoding.Decoding(self, turn)
+            async for delta in decode.first():
+                yield parse.feed(delta)
+            while True:  # the decode stage, resumed on another D each time one fails mid-answer
+                try:
+                    async for delta in decode.stream():
+                        yield parse.feed(delta)
+                    break
+                except DecodeFailed as failed:
+                    decode.resumed(await self._resume(turn, failed, decode.attempt))
+            async for delta in decode.finish():
                 yield parse.feed(delta)
             parse.finish()
             assert turn.final is not None
@@ -315,21 +324,6 @@ class TurnRunner:
                 kv.decision, kv.reason = "recompute", f"{failure}: recomputed on another worker"
                 kv.reason_code = why.WORKER_FAILED
                 kv.prefill_worker_id, kv.decode_worker_id = plan.prefill.worker_id, plan.decode.worker_id
-
-    async def _decode(self, ctx: TurnContext) -> AsyncIterator[Delta]:
-        """The decode stage, resumed on another D each time one fails mid-answer."""
-        decoding_ = decoding.Decoding(self, ctx)
-        async for delta in decoding_.first():
-            yield delta
-        while True:
-            try:
-                async for delta in decoding_.stream():
-                    yield delta
-                break
-            except DecodeFailed as failed:
-                decoding_.resumed(await self._resume(ctx, failed, decoding_.attempt))
-        async for delta in decoding_.finish():
-            yield delta
 
     async def _resume(self, ctx: TurnContext, failed: DecodeFailed, attempt: int) -> list[int]:
         """D failed mid-answer: prefill the prompt plus the tokens already generated on a live P (a recompute),
