@@ -31,9 +31,10 @@ def loop_module(config_cls: type, argv: list[str]) -> str:
     return seen[0]
 
 
-def test_the_gateway_runs_on_uvloop_unless_told_asyncio(monkeypatch, model_dir):
+def test_the_gateway_runs_on_uvloop_unless_told_asyncio(monkeypatch, tmp_path):
     monkeypatch.delenv("KVSHUTTLE_GATEWAY_EVENT_LOOP", raising=False)
-    model = ["--model-dir", str(model_dir)]
+    (tmp_path / "tokenizer.json").write_text("{}")  # what the config checks; the stand-in service loads nothing
+    model = ["--model-dir", str(tmp_path)]
     assert loop_module(GatewayConfig, model).startswith("uvloop")
     assert loop_module(GatewayConfig, [*model, "--event-loop", "asyncio"]).startswith("asyncio")
     monkeypatch.setenv("KVSHUTTLE_GATEWAY_EVENT_LOOP", "asyncio")
