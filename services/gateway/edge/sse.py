@@ -97,16 +97,15 @@ class EventStream(Response):
             except TurnError as exc:
                 log.warning("stream of turn %s failed: %s", self.turn_id, exc.message)
                 tail = self.error_tail(exc.http_status, exc.message)
-            except asyncio.CancelledError:
-                if not state.gone or task.uncancel() > 0:  # cancelled from elsewhere (e.g. shutdown)
-                    raise
-                log.info("turn %s: the client went away mid-stream", self.turn_id)
-                return
             except Exception:
                 log.exception("stream of turn %s failed", self.turn_id)
                 tail = self.error_tail(500, "internal error")
-            finally:
-                state.streaming = False
+            state.streaming = False
             await body({"type": "http.response.body", "body": b"".join(tail), "more_body": False})
+        except asyncio.CancelledError:  # also one the watcher asked for just as the frames ended
+            if not state.gone or task.uncancel() > 0:  # cancelled from elsewhere (e.g. shutdown): stays cancelled
+                raise
+            log.info("turn %s: the client went away mid-stream", self.turn_id)
         finally:
+            state.streaming = False
             await frames.aclose()
