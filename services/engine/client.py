@@ -166,9 +166,10 @@ _GENERATE = f"/{SERVICE_NAME}/Generate"
 class EngineClient:
     """One worker's vLLM gRPC server. ``timeout_s`` bounds every call (a whole streamed generation included).
 
-    Streamed generations go over ``h2_streams`` (a lean HTTP/2 client: grpc.aio costs more CPU per streamed token
-    than the rest of the gateway's path, docs/performance.md) unless ``lean_streams`` is off or the address is not
-    ``host:port``; everything else over grpc.aio."""
+    Generations, streamed or not (P's prefill), go over ``h2_streams`` (a lean HTTP/2 client: grpc.aio costs more
+    CPU per streamed token than the rest of the gateway's path, and a prefill's call several hundred µs more,
+    docs/performance.md) unless ``lean_streams`` is off or the address is not ``host:port``; everything else over
+    grpc.aio."""
 
     def __init__(self, address: str, *, timeout_s: float = 120.0, lean_streams: bool = True):
         self.address = address
@@ -233,7 +234,7 @@ class EngineClient:
             request.kv_transfer_params_json = json.dumps(kv_transfer_params)
         metadata = None if cache_salt is None else ((salts.METADATA_KEY, cache_salt),)
         timeout = timeout_s or self.timeout_s
-        if stream and self._lean is not None:
+        if self._lean is not None:
             call: Any = await self._lean_call(request, metadata or (), timeout)
         else:
             call = self._engine().Generate(request, timeout=timeout, metadata=metadata)

@@ -1,4 +1,4 @@
-"""A lean gRPC client for server-streaming calls (D's token streams): HTTP/2 over one plaintext connection per
+"""A lean gRPC client for server-streaming calls (D's token streams, P's prefill): HTTP/2 over one plaintext connection per
 worker, written on an asyncio protocol.
 
 Why not grpc.aio: it reads each message with its own operation on gRPC core's completion queue, handed from core's
@@ -9,9 +9,11 @@ message and one waiter woken.
 
 Scope: what vLLM's gRPC server needs of a client (it speaks plaintext HTTP/2 only): unary requests with streamed
 responses, metadata both ways, ``grpc-timeout``, flow control both ways (windows large enough that a token stream
-never waits for an update), SETTINGS/PING acknowledgements, RST_STREAM and GOAWAY. Header blocks are (de)coded by
-``hpack`` (once per stream: the request, the response headers and the trailers). Everything else (unary calls,
-health, P's prefill) stays on grpc.aio.
+never waits for an update), SETTINGS/PING acknowledgements, RST_STREAM and GOAWAY. Header blocks: the request's are
+written as HPACK literals that never touch a dynamic table (no per-call encoder state: a few µs, where ``hpack``'s
+encoder took ~100); we announce a header table of 0 bytes, so the server's blocks decode on their own too, and a
+block seen before (the same response headers and trailers on every call) is not decoded again. Everything else (unary calls,
+health) stays on grpc.aio.
 """
 
 from __future__ import annotations
@@ -40,6 +42,29 @@ _STATUS = {code.value[0]: code for code in grpc.StatusCode}
 
 def _frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
     return len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream_id.to_bytes(4, "big") + payload
+
+
+def _length(n: int) -> bytes:
+    """An HPACK string length: an integer with a 7-bit prefix, the Huffman bit off (RFC 7541 5.1, 5.2)."""
+    if n < 127:
+        return bytes((n,))
+    out, n = bytearray((127,)), n - 127
+    while n >= 128:
+        out.append(n & 127 | 128)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def literal(name: str, value: str) -> bytes:
+    """One header as an HPACK "literal header field without indexing, new name" (RFC 7541 6.2.2): its bytes do not
+    depend on what came before, and the server's table is left as it was."""
+    n, v = name.encode(), value.encode()
+    return b"\x00" + _length(len(n)) + n + _length(len(v)) + v
+
+
+INDEXED_POST_HTTP = bytes((0x80 | 3, 0x80 | 6))  # ":method: POST", ":scheme: http" from the static table
+DECODED_BLOCKS = 64  # distinct server header blocks remembered per connection
 
 
 class StreamError(Exception):
@@ -194,7 +219,11 @@ class Connection(asyncio.Protocol):
         self.streams: dict[int, Stream] = {}
         self.next_id = 1
         self.closed = False  # lost, or the server sent GOAWAY
-        self.encoder, self.decoder = hpack.Encoder(), hpack.Decoder()
+        self.decoder = hpack.Decoder()
+        self.decoder.header_table_size = self.decoder.max_allowed_table_size = 0  # as our SETTINGS announce
+        self._decoded: dict[bytes, list] = {}  # header blocks that decoded on their own -> their headers
+        self._paths: dict[str, bytes] = {}  # the start of a request's header block for each path
+        self._regular = literal("content-type", "application/grpc") + literal("te", "trailers")
         self.peer_initial_window = DEFAULT_WINDOW
         self.peer_max_frame = 16_384
         self.peer_max_streams = 1 << 31  # the server's SETTINGS_MAX_CONCURRENT_STREAMS (none: unlimited)
@@ -221,7 +250,7 @@ class Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         settings = struct.pack(">HIHIHI", SETTINGS_ENABLE_PUSH, 0, SETTINGS_INITIAL_WINDOW_SIZE, OUR_WINDOW,
-                               SETTINGS_HEADER_TABLE_SIZE, 4096)
+                               SETTINGS_HEADER_TABLE_SIZE, 0)
         transport.write(PREFACE + _frame(SETTINGS, 0, 0, settings)  # type: ignore[attr-defined]
                         + _frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", OUR_WINDOW - DEFAULT_WINDOW)))
 
@@ -340,10 +369,17 @@ class Connection(asyncio.Protocol):
         assert self._header_block is not None
         stream_id, flags, block = self._header_block
         self._header_block = None
-        try:  # every block is decoded, whichever stream it is for: the decoder's table must stay in step
-            headers = self.decoder.decode(bytes(block))
-        except hpack.HPACKError as exc:
-            raise _ProtocolError(f"a header block could not be decoded ({exc})") from None
+        key = bytes(block)
+        headers = self._decoded.get(key)
+        if headers is None:
+            table = self.decoder.header_table.dynamic_entries
+            alone = not table  # an empty table before and after: the block decodes the same wherever it comes
+            try:  # every other block is decoded, whichever stream it is for: a table must stay in step
+                headers = self.decoder.decode(key)
+            except hpack.HPACKError as exc:
+                raise _ProtocolError(f"a header block could not be decoded ({exc})") from None
+            if alone and not table and len(self._decoded) < DECODED_BLOCKS:
+                self._decoded[key] = headers
         stream = self.streams.get(stream_id)
         if stream is not None:
             stream._headers(headers, bool(flags & END_STREAM))
@@ -359,8 +395,6 @@ class Connection(asyncio.Protocol):
                 self.peer_max_streams = value
             elif key == SETTINGS_MAX_FRAME_SIZE:
                 self.peer_max_frame = value
-            elif key == SETTINGS_HEADER_TABLE_SIZE:
-                self.encoder.header_table_size = min(value, 4096)
         self._write(_frame(SETTINGS, ACK, 0))
         if not self.ready.done():
             self.ready.set_result(None)
@@ -379,10 +413,12 @@ class Connection(asyncio.Protocol):
         stream = Stream(self, self.next_id)
         self.next_id += 2
         millis = max(1, int(timeout_s * 1000))
-        headers = [(":method", "POST"), (":scheme", "http"), (":path", path), (":authority", self.authority),
-                   ("content-type", "application/grpc"), ("te", "trailers"),
-                   ("grpc-timeout", f"{millis}m" if millis < 100_000_000 else f"{millis // 1000}S"), *metadata]
-        block = self.encoder.encode(headers)
+        start = self._paths.get(path)
+        if start is None:
+            start = self._paths[path] = (INDEXED_POST_HTTP + literal(":path", path)
+                                         + literal(":authority", self.authority) + self._regular)
+        block = b"".join((start, literal("grpc-timeout", f"{millis}m" if millis < 100_000_000 else f"{millis // 1000}S"),
+                          *(literal(k, v) for k, v in metadata)))
         if len(block) > self.peer_max_frame:
             raise StreamError(grpc.StatusCode.INTERNAL, "the request's metadata is too large")
         self.streams[stream.id] = stream

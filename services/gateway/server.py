@@ -131,8 +131,9 @@ class GatewayConfig(TelemetryConfig, TlsConfig):
     event_loop: str = setting("uvloop", "The gateway's event loop: uvloop (cheaper per streamed token: "
                                         "docs/performance.md) or asyncio (Python's own)", choices=("uvloop", "asyncio"))
     engine_timeout_s: float = setting(300.0, "Deadline for each call to a vLLM worker")
-    engine_streams: str = setting("h2", "How D's token streams are read: h2 (kvshuttle's lean HTTP/2 client, "
-                                        "services/engine/h2_streams.py) or grpcio (grpc.aio, as every other call)",
+    engine_streams: str = setting("h2", "How Generate calls (P's prefill, D's token streams) go: h2 (kvshuttle's "
+                                        "lean HTTP/2 client, services/engine/h2_streams.py) or grpcio (grpc.aio, as "
+                                        "every other call)",
                                   choices=("h2", "grpcio"))
     control_timeout_s: float = setting(5.0, "Deadline for each registry/scheduler call")
     prefill_timeout_s: float = setting(120.0, "Deadline for one prefill call; past it the prefill worker counts as "

@@ -11,6 +11,7 @@ import logging
 import grpc
 import pytest
 from kvshuttle.services.devtools.etcd_process import free_port
+from kvshuttle.services.engine.client import EngineClient
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 from kvshuttle.workers import agent as agent_mod
 from kvshuttle.workers.agent import Agent, RegistryLink
@@ -176,8 +177,8 @@ async def start_agent(reg_port: int, **overrides):
                        health_interval_s=0.1, nixl_port=5700, **overrides)
     out = io.StringIO()
     agent = Agent(cfg, process=proc, out=out)
-    # The fake engine listens on a free port; point the agent's client at it.
-    agent.engine.address = proc.server.address
+    # The fake engine listens on a free port; the agent's client talks to it there.
+    agent.engine = EngineClient(proc.server.address, timeout_s=cfg.warmup_timeout_s)
     task = asyncio.create_task(agent.run())
     return agent, proc, out, task
 

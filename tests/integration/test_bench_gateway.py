@@ -13,7 +13,8 @@ import pytest
 
 pytestmark = pytest.mark.timeout(120)
 REPO = Path(__file__).resolve().parents[2]
-FIELDS = {"loop", "streams", "tools_and_reasoning", "tokens", "complete_streams", "wall_s", "gateway_cpu_s", "tokens_per_s",
+FIELDS = {"loop", "streams", "tools_and_reasoning", "tokens", "complete_streams", "wall_s", "gateway_cpu_s",
+          "gateway_user_s", "gateway_sys_s", "tokens_per_s",
           "gateway_cores", "tokens_per_core_s", "cores_per_10k_tokens_s", "itl_p50_ms", "itl_p99_ms",
           "held_under_bound"}
 
@@ -33,6 +34,7 @@ async def test_tiny_run_delivers_every_token_with_parsers_off_and_on(tools_model
         assert set(r) == FIELDS
         assert r["complete_streams"] == r["streams"] and r["tokens"] == 32 * r["streams"], r
         assert r["gateway_cpu_s"] > 0 and r["tokens_per_core_s"] > 0 and r["cores_per_10k_tokens_s"] > 0, r
+        assert r["gateway_cpu_s"] == pytest.approx(r["gateway_user_s"] + r["gateway_sys_s"], abs=0.002), r
         assert 0 < r["itl_p50_ms"] <= r["itl_p99_ms"], r
     assert report["smg"]
     assert "tok/s/core" in stdout.decode()

@@ -1,17 +1,39 @@
 """The answer's text piece by piece (services/gateway/tokens/detokenizer.py) on the tiny model's real byte-level
 tokenizer: the pieces a stream sends always add up to the text the whole answer and the record use, characters split
-across tokens are held back until complete, invalid bytes and special tokens come out the same whichever way."""
+across tokens are held back until complete, invalid bytes and special tokens come out the same whichever way. Each
+check runs both ways the detokenizer steps: in the tokenizers library's DecodeStream (a real tokenizer) and in the
+Python window (a tokenizer that only decodes)."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
+from kvshuttle.services.gateway.tokens import detokenizer
 from kvshuttle.services.gateway.tokens.detokenizer import REPLACEMENT, IncrementalText
 from kvshuttle.services.gateway.tokens.tokenizer import GatewayTokenizer
 
 
+class DecodeOnly:
+    """A tokenizer with ``decode`` alone: the detokenizer steps in its Python window."""
+
+    def __init__(self, tok: GatewayTokenizer):
+        self.decode = tok.decode
+
+
 @pytest.fixture(scope="module")
-def tok(model_dir) -> GatewayTokenizer:
+def real(model_dir) -> GatewayTokenizer:
     return GatewayTokenizer(model_dir)
+
+
+@pytest.fixture(params=["decode_stream", "window"])
+def tok(request, real):
+    """The tokenizer the detokenizer gets (``decode``/``encode``/``token_id`` of the real one either way)."""
+    if request.param == "decode_stream":
+        return real
+    wrapped = DecodeOnly(real)
+    wrapped.encode, wrapped.token_id = real.encode, real.token_id
+    return wrapped
 
 
 def pieces(tok, ids, skip=True, step=1) -> tuple[list[str], IncrementalText]:
@@ -49,7 +71,7 @@ def test_special_tokens_follow_skip_special_tokens(tok, skip):
     assert ("<|endoftext|>" in detok.text) is not skip
 
 
-def test_a_long_answer_costs_about_one_decode_per_token(tok):
+def test_a_long_answer_costs_about_one_decode_per_token(real):
     """The per-token path (issue #36): the window's earlier text is the previous step's, so a token costs one
     decode, plus one each time the window moves up (every few tokens), not two."""
     calls = 0
@@ -58,10 +80,61 @@ def test_a_long_answer_costs_about_one_decode_per_token(tok):
         def decode(self, ids, skip_special_tokens=True):
             nonlocal calls
             calls += 1
-            return tok.decode(ids, skip_special_tokens)
+            return real.decode(ids, skip_special_tokens)
 
     text = " ".join(TEXTS * 20)
-    ids = tok.encode(text)
+    ids = real.encode(text)
     out, detok = pieces(Counting(), ids)
     assert "".join(out) == detok.text == text
     assert calls <= 1.2 * len(ids) + 2, (calls, len(ids))
+
+
+def test_a_real_tokenizer_steps_in_decode_stream_and_both_ways_send_the_same_pieces(real):
+    """The stream and the window send the same piece for every step, on text and on random ids (invalid bytes,
+    special tokens, cut characters); with a real tokenizer only ``finish`` decodes from Python."""
+    rnd = random.Random(3)
+    cases = [real.encode(t) for t in TEXTS]
+    cases += [[rnd.randrange(real.vocab_size) for _ in range(rnd.randint(1, 30))] for _ in range(200)]
+    calls = 0
+
+    class Counting(GatewayTokenizer):
+        def decode(self, ids, skip_special_tokens=True):
+            nonlocal calls
+            calls += 1
+            return super().decode(ids, skip_special_tokens)
+
+    counting = Counting.__new__(Counting)
+    counting.__dict__.update(real.__dict__)
+    for ids in cases:
+        for skip in (True, False):
+            for step in (1, 3):
+                calls = 0
+                streamed, _ = pieces(counting, ids, skip, step)
+                assert calls <= 2  # finish's window only
+                windowed, _ = pieces(DecodeOnly(real), ids, skip, step)
+                assert streamed == windowed, ids
+
+
+def test_a_step_decode_stream_refuses_goes_on_in_the_window(real, monkeypatch):
+    """A DecodeStream step that raises (e.g. its new text does not extend the last) leaves the stream: the window
+    takes over where the sent text ends, and the pieces still add up to the whole text."""
+
+    original = detokenizer.DecodeStream
+
+    class Refusing:
+        def __init__(self, skip_special_tokens):
+            self.inner, self.steps = original(skip_special_tokens=skip_special_tokens), 0
+
+        def step(self, tokenizer, ids):
+            self.steps += 1
+            if self.steps == 4:
+                raise Exception("Invalid prefix encountered")
+            return self.inner.step(tokenizer, ids)
+
+    monkeypatch.setattr(detokenizer, "DecodeStream", Refusing)
+    text = TEXTS[1]
+    ids = real.encode(text)
+    out, detok = pieces(real, ids)
+    assert detok._stream is None
+    assert "".join(out) == detok.text == text
+    assert not any(REPLACEMENT in p for p in out)

@@ -16,7 +16,8 @@ from kvshuttle.services.devtools.bench.smg import SmgMissing
 
 def row(loop, tools, streams, per_core, held=True):
     return {"loop": loop, "streams": streams, "tools_and_reasoning": tools, "tokens": streams * 10,
-            "complete_streams": streams, "wall_s": 1.0, "gateway_cpu_s": 0.5, "tokens_per_s": 100.0,
+            "complete_streams": streams, "wall_s": 1.0, "gateway_cpu_s": 0.5, "gateway_user_s": 0.4,
+            "gateway_sys_s": 0.1, "tokens_per_s": 100.0,
             "gateway_cores": 0.5, "tokens_per_core_s": per_core,
             "cores_per_10k_tokens_s": round(10000 / per_core, 3) if per_core else None, "itl_p50_ms": 20.0,
             "itl_p99_ms": 30.0, "held_under_bound": held}
@@ -87,6 +88,9 @@ def test_the_table_shows_both_gateways_and_the_ratio():
     text = gc.table(report)
     assert "tok/s/core" in text and "smg: measured (/x/smg)" in text and "kvs/smg" in text
     assert any(line.split()[:3] == ["smg", "off", "64"] for line in text.splitlines())
+    # user / system CPU per token: 0.4 s and 0.1 s over 640 tokens
+    assert "us/tok usr/sys" in text and any(line.split()[:3] == ["smg", "off", "64"] and "625/156" in line.split()
+                                            for line in text.splitlines())
     assert any(line.split()[:4] == ["asyncio", "off", "64", "4000.0"] and "0.25" in line.split()
                for line in text.splitlines())
     assert "asyncio/off 64, smg/off 64" in text
@@ -95,7 +99,7 @@ def test_the_table_shows_both_gateways_and_the_ratio():
 
 
 def test_tree_cpu_sums_the_process_and_its_descendants():
-    cpu = {1: 1.0, 2: 0.5, 3: 0.25, 4: 2.0}
+    cpu = {1: (0.75, 0.25), 2: (0.5, 0.0), 3: (0.125, 0.125), 4: (2.0, 0.0)}
     kids = {1: [2, 3], 2: [9], 3: [], 4: [], 9: []}  # 9 exited between the two reads
 
     def read(pid):
@@ -103,10 +107,11 @@ def test_tree_cpu_sums_the_process_and_its_descendants():
             raise FileNotFoundError(pid)
         return cpu[pid]
 
-    assert gc.tree_cpu_s(1, cpu_s=read, children=kids.__getitem__) == 1.75
-    assert gc.tree_cpu_s(7, cpu_s=read, children=kids.__getitem__) == 0.0  # gone: nothing to read
-    own = gc._cpu_s(os.getpid())  # read first: CPU time only grows, so the tree's later read is at least this
-    assert own > 0 and gc.tree_cpu_s(os.getpid()) >= own  # /proc itself
+    assert gc.tree_cpu_times(1, cpu_times=read, children=kids.__getitem__) == (1.375, 0.375)
+    assert gc.tree_cpu_times(7, cpu_times=read, children=kids.__getitem__) == (0.0, 0.0)  # gone: nothing to read
+    user, system = gc._cpu_times(os.getpid())  # read first: CPU time only grows, so the tree's later read is more
+    tree_user, tree_sys = gc.tree_cpu_times(os.getpid())  # /proc itself
+    assert user > 0 and tree_user >= user and tree_sys >= system
 
 
 def test_the_fake_engine_reads_the_model_s_vocabulary_and_eos(tmp_path):

@@ -264,3 +264,32 @@ async def test_a_bad_frame_closes_the_connection_and_fails_its_streams():
         await stream.read()
     assert err.value.code == grpc.StatusCode.UNAVAILABLE and "protocol error" in err.value.message
     assert transport.closed and not conn.usable
+
+
+def test_request_headers_are_literals_any_decoder_reads_alone():
+    """A request's header block does not depend on earlier blocks (literals without indexing): a fresh decoder
+    reads each, and the decoder's table stays empty; lengths past the 7-bit prefix are written in full."""
+    long = "v" * 300
+    for name, value in [("x", ""), ("x-salt", "abc"), ("x-long", long), ("k" * 127, "w" * 128)]:
+        decoder = hpack.Decoder()
+        assert decoder.decode(h2_streams.literal(name, value)) == [(name, value)]
+        assert not decoder.header_table.dynamic_entries
+
+
+async def test_the_servers_header_blocks_decode_alone_and_repeats_are_read_from_memory(channel, server, monkeypatch):
+    """Our SETTINGS announce a header table of 0 bytes, so the server's blocks decode on their own; a block seen
+    before is not decoded again (the same response headers and trailers come with every call)."""
+    for _ in range(3):
+        assert await read_all(await channel.call(ECHO, b"count:2", [("x-salt", "abc")], 5)) == [b"m0", b"m1", b""]
+    conn = channel._conn
+    assert not conn.decoder.header_table.dynamic_entries
+    assert conn._decoded  # the response headers and the trailers
+    decoded = []
+    original = conn.decoder.decode
+    monkeypatch.setattr(conn.decoder, "decode", lambda block: decoded.append(block) or original(block))
+    stream = await channel.call(ECHO, b"count:1", [("x-salt", "abc")], 5)
+    assert await read_all(stream) == [b"m0", b""] and stream.initial_metadata["x-hello"] == "world"
+    assert decoded == []
+    with pytest.raises(StreamError) as err:  # a new block (another status) is decoded, and its message read
+        await read_all(await channel.call(ECHO, b"abort", [], 5))
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and len(decoded) == 1

@@ -110,10 +110,12 @@ def _model_dir(cfg: GatewayBenchConfig) -> Path:
     return path
 
 
-def _cpu_s(pid: int) -> float:
+def _cpu_times(pid: int) -> tuple[float, float]:
+    """``pid``'s user and system CPU seconds (every thread), from /proc."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
 def _children(pid: int) -> list[int]:
@@ -131,21 +133,23 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
-def tree_cpu_s(pid: int, cpu_s=_cpu_s, children=_children) -> float:
-    """CPU seconds (utime + stime, every thread) of ``pid`` and its descendants that are running now (``cpu_s``
-    and ``children`` read /proc)."""
-    total, todo, seen = 0.0, [pid], set()
+def tree_cpu_times(pid: int, cpu_times=_cpu_times, children=_children) -> tuple[float, float]:
+    """User and system CPU seconds (every thread) of ``pid`` and its descendants that are running now
+    (``cpu_times`` and ``children`` read /proc)."""
+    user = system = 0.0
+    todo, seen = [pid], set()
     while todo:
         p = todo.pop()
         if p in seen:
             continue
         seen.add(p)
         try:
-            total += cpu_s(p)
+            u, s = cpu_times(p)
         except (OSError, IndexError, ValueError):
             continue  # exited meanwhile
+        user, system = user + u, system + s
         todo.extend(children(p))
-    return total
+    return user, system
 
 
 def smg_plan(choice: str, path: str, root: Path = REPO) -> tuple[Path | None, str]:
@@ -354,17 +358,20 @@ async def run_level(base: str, pid: int, streams: int, cfg: GatewayBenchConfig, 
             return b
 
         await asyncio.gather(*(_stream(client, body(-1 - i), []) for i in range(min(streams, 8))))  # warm-up
-        cpu0, t0 = tree_cpu_s(pid), time.perf_counter()
+        (user0, sys0), t0 = tree_cpu_times(pid), time.perf_counter()
         results = await asyncio.wait_for(asyncio.gather(*(_stream(client, body(i), gaps) for i in range(streams))),
                                          cfg.timeout_s)
-        wall, cpu = time.perf_counter() - t0, tree_cpu_s(pid) - cpu0
+        wall, (user1, sys1) = time.perf_counter() - t0, tree_cpu_times(pid)
+    user, system = user1 - user0, sys1 - sys0
+    cpu = user + system
     tokens = sum(n for _, n in results)
     complete = sum(1 for text, n in results if n == cfg.tokens and text == expected)
     if complete < streams:
         log.warning("incomplete stream: %r (%d tokens) != %r", results[0][0][:120], results[0][1], expected[:120])
     p99 = _pct(gaps, 0.99) * 1000
     return {"streams": streams, "tools_and_reasoning": tools, "tokens": tokens, "complete_streams": complete,
-            "wall_s": round(wall, 3), "gateway_cpu_s": round(cpu, 3),
+            "wall_s": round(wall, 3), "gateway_cpu_s": round(cpu, 3), "gateway_user_s": round(user, 3),
+            "gateway_sys_s": round(system, 3),
             "tokens_per_s": round(tokens / wall, 1), "gateway_cores": round(cpu / wall, 3),
             "tokens_per_core_s": round(tokens / cpu, 1) if cpu else None,
             "cores_per_10k_tokens_s": round(cpu / wall / (tokens / wall) * 10000, 3) if tokens else None,
@@ -460,10 +467,13 @@ def table(report: dict) -> str:
     """The rows of both gateways (SMG's ``loop``: smg), then the ratio of tokens per core level by level."""
     smg = report["smg"]
     lines = [f"{'loop':>7} {'parsers':>7} {'streams':>7} {'tok/s':>9} {'gw cores':>8} {'tok/s/core':>10} {'cores/10k':>9} "
-             f"{'itl p50':>7} {'itl p99':>7} {'held':>5} {'complete':>8}"]
+             f"{'us/tok usr/sys':>14} {'itl p50':>7} {'itl p99':>7} {'held':>5} {'complete':>8}"]
     for r in report["kvshuttle"] + smg["rows"]:
+        per_token = (f"{r['gateway_user_s'] / r['tokens'] * 1e6:.0f}/{r['gateway_sys_s'] / r['tokens'] * 1e6:.0f}"
+                     if r.get("tokens") and "gateway_user_s" in r else "-")
         lines.append(f"{r['loop']:>7} {'on' if r['tools_and_reasoning'] else 'off':>7} {r['streams']:>7} {r['tokens_per_s']!s:>9} "
                      f"{r['gateway_cores']!s:>8} {r['tokens_per_core_s']!s:>10} {r['cores_per_10k_tokens_s']!s:>9} "
+                     f"{per_token:>14} "
                      f"{r['itl_p50_ms']!s:>7} {r['itl_p99_ms']!s:>7} {str(r['held_under_bound']):>5} "
                      f"{r['complete_streams']:>4}/{r['streams']}")
     lines.append(f"smg: {smg['status']}")

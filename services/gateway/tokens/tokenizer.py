@@ -153,6 +153,11 @@ class GatewayTokenizer:
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
 
+    @property
+    def backend(self) -> Tokenizer:
+        """The tokenizers library's tokenizer underneath (the detokenizer steps in it)."""
+        return self._tok
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``; special tokens written in the text become their ids."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids

@@ -6,7 +6,6 @@ the history, which would silently break KV reuse); only the new text is tokenize
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
@@ -22,6 +21,7 @@ from kvshuttle.control_plane.continuation import (
     plan_continuation,
     prefix_keys,
 )
+from kvshuttle.services.gateway.tokens import off_loop
 from kvshuttle.services.gateway.turns.context import KnownSession, TurnContext, elapsed_ms
 from kvshuttle.services.gateway.turns.errors import TurnError
 from kvshuttle.services.gateway.turns.request import TurnRequest
@@ -70,10 +70,10 @@ async def build(rt: TurnServices, ctx: TurnContext, *, fresh: bool = False) -> N
     cut = last_message_end(text, end_markers(rt)) if req.messages is not None else 0
     at = cut - cont.prefix_chars
     if at <= 0:  # the suffix holds no whole message (or its last one ends where the prefix does)
-        suffix_ids = await asyncio.to_thread(rt.tokenizer.encode, cont.suffix_text, False)
+        suffix_ids = await off_loop.encode(rt.tokenizer, cont.suffix_text)
         cut_tokens = len(cont.prefix_ids) if at == 0 and cont.continues else 0
     else:  # tokenized in two parts, so that the record knows the ids of the text up to the last message's end
-        head, tail = await asyncio.to_thread(_encode_split, rt.tokenizer, cont.suffix_text, at)
+        head, tail = await off_loop.encode_split(rt.tokenizer, cont.suffix_text, at)
         suffix_ids, cut_tokens = [*head, *tail], len(cont.prefix_ids) + len(head)
     ctx.prompt_ids, ctx.prompt_text = [*cont.prefix_ids, *suffix_ids], text
     ctx.continued, ctx.known_session = cont.continues, known
@@ -84,10 +84,6 @@ async def build(rt: TurnServices, ctx: TurnContext, *, fresh: bool = False) -> N
         # how far the prompt repeats the record's ids (by construction at least the continued ones): the scheduler
         # may pull the whole blocks of that many, where the record's digests prove fewer
         known.history_match_tokens = common_prefix(ctx.prompt_ids, s.token_ids, len(cont.prefix_ids))
-
-
-def _encode_split(tokenizer, text: str, at: int) -> tuple[list[int], list[int]]:
-    return tokenizer.encode(text[:at], False), tokenizer.encode(text[at:], False)
 
 
 def end_markers(rt: TurnServices) -> list[str]:
@@ -128,7 +124,7 @@ async def _text(rt: TurnServices, req: TurnRequest) -> str:
     if req.messages is None:
         return req.prompt_text or ""
     try:
-        return await asyncio.to_thread(rt.tokenizer.render_chat, req.messages, True, **req.template_vars)
+        return await off_loop.render_chat(rt.tokenizer, req.messages, **req.template_vars)
     except Exception as exc:  # template errors are the caller's input
         raise TurnError(400, grpc.StatusCode.INVALID_ARGUMENT, f"cannot render chat: {exc}") from None
 

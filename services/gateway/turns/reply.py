@@ -3,13 +3,13 @@ usage (each front end spells it in its API's shape), and a prepared turn run to 
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
 from kvshuttle.control_plane.answer import Event, Piece
 from kvshuttle.control_plane.reasoning import REASONING
+from kvshuttle.services.gateway.tokens import off_loop
 from kvshuttle.services.gateway.turns.context import Finished, KvOutcome, Tokenizer, TurnContext
 from kvshuttle.services.gateway.turns.errors import TurnError
 from kvshuttle.services.gateway.turns.request import TurnRequest
@@ -85,7 +85,7 @@ class Usage:
     async def with_reasoning(self, tokenizer: Tokenizer, events: list[Event]) -> Usage:
         """The same with the reasoning tokens counted (tokenized off the event loop)."""
         text = "".join(e.text for e in events if isinstance(e, Piece) and e.kind == REASONING)
-        count = len(await asyncio.to_thread(tokenizer.encode, text, False)) if text else 0
+        count = len(await off_loop.encode(tokenizer, text)) if text else 0
         return Usage(self.prompt, self.completion, self.cached, min(count, self.completion))
 
 

@@ -17,7 +17,6 @@ event).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
@@ -36,6 +35,7 @@ from kvshuttle.services.gateway.edge.http_entry import GatewayRoute
 from kvshuttle.services.gateway.edge.http_guard import caller
 from kvshuttle.services.gateway.edge.input_check import InputError
 from kvshuttle.services.gateway.edge.sse import frame, stream_response
+from kvshuttle.services.gateway.tokens import off_loop
 from kvshuttle.services.gateway.turns import Delta, TurnContext, TurnError, TurnRunner
 from kvshuttle.services.gateway.turns.errors import FieldError
 from kvshuttle.services.gateway.turns.reply import Usage, drain, kv_body, kv_headers
@@ -178,10 +178,10 @@ async def count_tokens(body: CountTokensIn, request: Request) -> Response:
     messages = chat_messages(body)
     tokenizer = state.runner.tokenizer
     try:
-        text = await asyncio.to_thread(tokenizer.render_chat, messages, True, **template_vars(body, tools))
+        text = await off_loop.render_chat(tokenizer, messages, **template_vars(body, tools))
     except Exception as exc:  # template errors are the caller's input
         raise TurnError(400, grpc.StatusCode.INVALID_ARGUMENT, f"cannot render chat: {exc}") from None
-    ids = await asyncio.to_thread(tokenizer.encode, text, False)
+    ids = await off_loop.encode(tokenizer, text)
     return JSONResponse({"input_tokens": len(ids)})
 
 
