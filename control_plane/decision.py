@@ -54,6 +54,8 @@ class HandleView:
     # Leading prompt ids the caller found equal to the recorded ids themselves (PlanTurnRequest.history_match_tokens;
     # 0: unknown): counted where the digests prove fewer.
     verified_tokens: int = 0
+    # The KV was computed by another model than the turn's (its decode worker serves another): never reused.
+    other_model: bool = False
 
 
 @dataclass
@@ -108,6 +110,8 @@ def decide(prompt: Sequence[int], handle: HandleView | None, policy: PullPolicy,
     if handle.expires_in_s <= policy.expiry_guard_s:
         return recompute(why.EXPIRED, f"KV handle expired or expires within {policy.expiry_guard_s:g}s "
                                       f"({handle.expires_in_s:.1f}s left)")
+    if handle.other_model:
+        return recompute(why.OTHER_MODEL, "the decode worker holding the KV serves another model than this turn's")
     if not handle.source_alive:
         return recompute(why.DECODE_WORKER_UNAVAILABLE, "the decode worker holding the KV is not alive")
     if handle.block_size <= 0 or handle.covered_tokens <= 0 or not handle.prefix_digest:

@@ -26,6 +26,7 @@ NO_RECORD = "no_record"  # no recorded KV for the session (first turn, another t
 HANDLE_USED = "handle_used"  # the record's KV handle was already claimed by another turn
 EXPIRED = "expired"  # the handle has expired or expires within the expiry guard
 DECODE_WORKER_UNAVAILABLE = "decode_worker_unavailable"  # the KV's decode worker is gone, elsewhere or not answering
+OTHER_MODEL = "other_model"  # the KV's decode worker serves another model than the turn's: never reused across models
 INCONSISTENT_RECORD = "inconsistent_record"  # no block size, covered tokens or prefix digest
 DIVERGED = "diverged"  # the prompt diverges from the recorded tokens before enough whole blocks
 BELOW_THRESHOLD = "below_threshold"  # the prompt extends the record, but too few tokens are reusable
@@ -49,7 +50,8 @@ UNKNOWN = "unknown"
 
 PULL_CODES = (PULL_ALL, PULL_PREFIX, PULL_EXPLORE)
 LOCAL_CODES = (LOCAL_FASTEST, LOCAL_ALWAYS)
-RECOMPUTE_CODES = (PULL_DISABLED, NO_RECORD, HANDLE_USED, KV_FREED_IDLE, KV_FREED_PRESSURE, EXPIRED, DECODE_WORKER_UNAVAILABLE, INCONSISTENT_RECORD,
+RECOMPUTE_CODES = (PULL_DISABLED, NO_RECORD, HANDLE_USED, KV_FREED_IDLE, KV_FREED_PRESSURE, EXPIRED, DECODE_WORKER_UNAVAILABLE, OTHER_MODEL,
+                   INCONSISTENT_RECORD,
                    DIVERGED, BELOW_THRESHOLD, HANDLE_UNUSABLE, COST_MODEL, WOULD_EXPIRE, STORE_UNAVAILABLE,
                    STORE_ERROR, CLAIM_REFUSED, CLAIM_MISMATCH, PULL_FAILED, WORKER_FAILED)
 VOCABULARY = frozenset((*PULL_CODES, *LOCAL_CODES, *RECOMPUTE_CODES, UNKNOWN))
@@ -75,6 +77,8 @@ DESCRIPTIONS: dict[str, str] = {
     EXPIRED: "the handle expired or expires within `--expiry-guard-s`",
     DECODE_WORKER_UNAVAILABLE: "the decode worker holding the KV is gone, registered elsewhere, excluded or not "
                                "answering",
+    OTHER_MODEL: "the decode worker holding the KV serves another model than the turn's: KV is never pulled or "
+                 "continued across models",
     INCONSISTENT_RECORD: "the record lacks a block size, covered tokens or a prefix digest",
     DIVERGED: "the prompt diverges from the recorded tokens before enough whole blocks",
     BELOW_THRESHOLD: "the prompt extends the record, but too few tokens are reusable",

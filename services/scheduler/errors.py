@@ -43,8 +43,9 @@ class WorkersNotReady(Unavailable):
 
 
 class NoLiveWorker(Unavailable):
-    """No live worker of ``role`` ("prefill" or "decode") outside the request's exclusions."""
+    """No live worker of ``role`` ("prefill" or "decode") outside the request's exclusions (serving ``model``, when
+    the request names one)."""
 
-    def __init__(self, role: str):
-        super().__init__(f"no live {role} worker")
+    def __init__(self, role: str, model: str = ""):
+        super().__init__(f"no live {role} worker" + (f" serving model {model!r}" if model else ""))
         self.role = role

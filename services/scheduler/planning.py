@@ -207,9 +207,10 @@ class PlanningService:
                 log.warning("could not refresh the worker list (%s)", exc.code().name)
             planned = self._plan_once(request, prompt, known, loads, exclude)
         if planned is None:
-            missing = "prefill" if not [w for w in self.workers.by_role(common_pb2.WORKER_ROLE_PREFILL)
+            missing = "prefill" if not [w for w in self.workers.by_role(common_pb2.WORKER_ROLE_PREFILL,
+                                                                        request.model or None)
                                         if w.worker_id not in exclude] else "decode"
-            raise NoLiveWorker(missing)
+            raise NoLiveWorker(missing, request.model)
         plan = planned.turn.plan
         if known.reason_override and plan.choice is Choice.RECOMPUTE and planned.handle is None:
             plan.code, plan.reason = known.reason_override
@@ -217,14 +218,14 @@ class PlanningService:
 
     def _plan_once(self, request: scheduler_pb2.PlanTurnRequest, prompt: Sequence[int], known: KnownSession,
                    loads: Mapping[str, WorkerLoad], exclude: set[str]) -> PlannedTurn | None:
-        session = known.session
+        session, model = known.session, request.model or None
         source = self.workers.get(session.decode_worker_id) if session is not None else None
-        handle = handle_view(session, known.expires_in_s, source, exclude, loads, known.verified_tokens)
-        prefill = self.workers.by_role(common_pb2.WORKER_ROLE_PREFILL)
+        handle = handle_view(session, known.expires_in_s, source, exclude, loads, known.verified_tokens, model)
+        prefill = self.workers.by_role(common_pb2.WORKER_ROLE_PREFILL, model)
         hits = self.prefix.hits(prompt, request.cache_salt, prefill) if self.prefix is not None else None
         turn = self.planner.plan(
             prompt, handle, prefill=prefill, prefix_hits=hits,
-            decode=self.workers.by_role(common_pb2.WORKER_ROLE_DECODE), loads=loads,
+            decode=self.workers.by_role(common_pb2.WORKER_ROLE_DECODE, model), loads=loads,
             source_worker=session.decode_worker_id if session is not None else "", exclude=exclude,
             disable_pull=request.disable_pull, policy=request.policy,
             session=(request.tenant or "default", request.session_id) if request.session_id else None)
@@ -400,10 +401,11 @@ class PlanningService:
 
 def handle_view(session: common_pb2.Session | None, expires_in: float, source: common_pb2.Worker | None,
                 exclude: set[str], loads: Mapping[str, WorkerLoad] | None = None,
-                verified: int = 0) -> HandleView | None:
+                verified: int = 0, model: str | None = None) -> HandleView | None:
     """The record as the decision sees it. Its decode worker counts as alive only while registered at the address the
     handle names, not excluded, and (when loads are polled) answering. ``verified``: the caller's count of prompt ids
-    equal to the record's (PlanTurnRequest.history_match_tokens)."""
+    equal to the record's (PlanTurnRequest.history_match_tokens). ``model``: the turn's (PlanTurnRequest.model);
+    a decode worker serving another holds KV this turn never reuses."""
     if session is None:
         return None
     if not session.kv_transfer_params_json:
@@ -418,6 +420,7 @@ def handle_view(session: common_pb2.Session | None, expires_in: float, source: c
         and (loads or {}).get(session.decode_worker_id, UNKNOWN).reachable,
         prefix_digest=session.prefix_digest, kv_freed=session.kv_freed,
         checkpoints=[(cp.tokens, cp.digest) for cp in session.checkpoints], verified_tokens=verified,
+        other_model=model is not None and source is not None and source.model != model,
     )
 
 

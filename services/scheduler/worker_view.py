@@ -19,6 +19,7 @@ class WorkerView:
     def __init__(self, registry: registry_pb2_grpc.SessionRegistryStub):
         self._registry = registry
         self._workers: dict[str, common_pb2.Worker] = {}
+        self._by_role: dict[tuple[int, str | None], list[common_pb2.Worker]] = {}  # built on use, cleared on change
         self.ready = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -33,8 +34,16 @@ class WorkerView:
     def get(self, worker_id: str) -> common_pb2.Worker | None:
         return self._workers.get(worker_id)
 
-    def by_role(self, role: int) -> list[common_pb2.Worker]:
-        return [w for w in self._workers.values() if w.role == role]
+    def by_role(self, role: int, model: str | None = None) -> list[common_pb2.Worker]:
+        """The workers of ``role`` (``model``: serving that model only; None: any). Built once per change of the
+        view, so a plan's cost does not grow with the workers of other roles and models; the list is shared: do not
+        change it."""
+        key = (role, model)
+        found = self._by_role.get(key)
+        if found is None:
+            found = self._by_role[key] = [w for w in self._workers.values()
+                                          if w.role == role and (model is None or w.model == model)]
+        return found
 
     async def wait_ready(self, timeout_s: float) -> bool:
         try:
@@ -49,6 +58,7 @@ class WorkerView:
         self.apply(Event(type=Event.EVENT_TYPE_SNAPSHOT, workers=resp.workers))
 
     def apply(self, event: Event) -> None:
+        self._by_role = {}
         if event.type == Event.EVENT_TYPE_SNAPSHOT:
             self._workers = {w.worker_id: w for w in event.workers}
             self.ready.set()

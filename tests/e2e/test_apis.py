@@ -216,7 +216,7 @@ def test_grpcurl_lists_describes_and_health_checks_every_service(stack):
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, 400, "max_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**9}, 400, "max_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature"),
-    ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-7"}, 404, "not found"),
+    ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-7"}, 404, "does not exist"),
     ({"messages": [{"role": "user", "content": "hi"}], "conversation_id": "x" * 300}, 400, "conversation_id"),
     ({"prompt": "x" * 200_000, "max_tokens": 1}, 400, "context"),
     ({"messages": [{"role": "user", "content": "hi"}], "policy": "fastest"}, 400, "unknown policy 'fastest'"),
@@ -228,6 +228,7 @@ async def test_bad_input_gets_a_4xx_json_error(stack, body, status, word):
         resp = await client.post(path, json=body)
     assert resp.status_code == status, resp.text
     assert word in resp.json()["error"]["message"]
+    assert resp.json()["error"]["code"] == ("model_not_found" if status == 404 else status)
 
 
 async def test_malformed_json_and_bad_grpc_input(stack):

@@ -258,6 +258,56 @@ async def test_bad_plans_are_rejected_with_a_status(planes):
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in err.value.details()
 
 
+async def test_a_turn_plans_on_its_models_workers_and_never_reuses_another_models_kv(planes):
+    """PlanTurnRequest.model (issue #37): the turn's prefill and decode workers serve its model, and a session whose
+    KV a worker of another model holds is recomputed (other_model), not pulled or continued; an unserved model has
+    no live worker; no model named: any worker, as before."""
+    reg, sched = planes
+    tag = uuid.uuid4().hex[:6]
+    workers = {}
+    for model, port in (("big", 7400), ("small", 7500)):
+        for role, shift in ((common_pb2.WORKER_ROLE_PREFILL, 0), (common_pb2.WORKER_ROLE_DECODE, 50)):
+            w = worker(f"{model}-{role}-{tag}", role, port + shift)
+            w.model = model
+            resp = await reg.RegisterWorker(registry_pb2.RegisterWorkerRequest(worker=w, lease_ttl_s=30))
+            workers[(model, role)] = (w, resp.lease_id)
+    try:
+        history = list(range(2000, 2100))
+        for model in ("big", "small"):
+            request = scheduler_pb2.PlanTurnRequest(session_id=f"m-{tag}-{model}", prompt_token_ids=history[:40],
+                                                    model=model)
+            got = await until(lambda r=request: _planned_on(sched, r, model), what=f"a plan on {model}'s workers")
+            assert {got.prefill.worker_id, got.decode.worker_id} == {
+                workers[(model, common_pb2.WORKER_ROLE_PREFILL)][0].worker_id,
+                workers[(model, common_pb2.WORKER_ROLE_DECODE)][0].worker_id}
+        held_on = workers[("big", common_pb2.WORKER_ROLE_DECODE)][0]
+        session = f"m-{tag}"
+        await reg.RecordTurn(registry_pb2.RecordTurnRequest(session_id=session, decode_worker_id=held_on.worker_id,
+                                                            kv_transfer_params_json=handle_for(held_on, 99),
+                                                            token_ids=history))
+        other = await plan(sched, session, history + [1, 2, 3], model="small")
+        assert other.decision == scheduler_pb2.DECISION_RECOMPUTE and other.reason_code == "other_model", other.reason
+        assert other.decode.model == other.prefill.model == "small"
+        same = await plan(sched, session, history + [1, 2, 3], model="big")
+        assert same.decision == scheduler_pb2.DECISION_PULL and same.source.worker_id == held_on.worker_id, same.reason
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await plan(sched, session, history, model="none-such")
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "serving model 'none-such'" in err.value.details()
+    finally:
+        for w, lease in workers.values():
+            await reg.DeregisterWorker(registry_pb2.DeregisterWorkerRequest(worker_id=w.worker_id, lease_id=lease))
+
+
+async def _planned_on(sched, request, model: str):
+    """The plan once the scheduler's worker view holds ``model``'s workers (None until then)."""
+    try:
+        got = await sched.PlanTurn(request)
+    except grpc.aio.AioRpcError as exc:
+        assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc.details()
+        return None
+    return got if got.prefill.model == model and got.decode.model == model else None
+
+
 async def test_cost_policy_learns_from_reported_outcomes(etcd):
     registry = await serve(RegistryConfig(listen="127.0.0.1:0", etcd_endpoints=etcd,
                                           key_prefix=f"/cost-{uuid.uuid4().hex[:6]}/", expiry_margin_s=5))

@@ -267,7 +267,7 @@ BAD = [
     ({**BASE, "system": [{"text": "", "type": {}}]}, 400, "invalid_request_error", "system"),  # found by fuzzing
     ({**BASE, "max_tokens": 4096, "thinking": {"type": "enabled", "budget_tokens": 1024}}, 400,
      "invalid_request_error", "thinking.budget_tokens: thinking.budget_tokens 1024 cannot be enforced"),
-    ({**BASE, "model": "claude-opus-4"}, 404, "not_found_error", "model 'claude-opus-4' not found"),
+    ({**BASE, "model": "claude-opus-4"}, 404, "not_found_error", "model 'claude-opus-4' does not exist"),
 ]
 
 

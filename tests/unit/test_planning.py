@@ -54,8 +54,8 @@ class Workers:
     def get(self, worker_id: str):
         return next((w for w in self.listed if w.worker_id == worker_id), None)
 
-    def by_role(self, role: int):
-        return [w for w in self.listed if w.role == role]
+    def by_role(self, role: int, model: str | None = None):
+        return [w for w in self.listed if w.role == role and (model is None or w.model == model)]
 
     async def refresh(self, timeout_s: float) -> None:
         self.log.append("refresh")

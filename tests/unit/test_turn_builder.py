@@ -37,7 +37,8 @@ def test_the_model_check():
     b.check_model("agent")
     with pytest.raises(TurnError) as err:
         b.check_model("gpt-4o")
-    assert err.value.http_status == 404 and "'gpt-4o' not found; this gateway serves 'agent'" in err.value.message
+    assert err.value.http_status == 404 and err.value.api_code == "model_not_found"
+    assert "'gpt-4o' does not exist or you do not have access to it; this gateway serves 'agent'" in err.value.message
     with pytest.raises(TurnError):  # Anthropic's model is required: an empty one is unknown too
         b.check_model("", required=True)
 

@@ -269,7 +269,8 @@ class Services:
             worker = common_pb2.Worker(
                 worker_id=f"{role}-0", engine_id=f"engine-{role}", grpc_address=address,
                 role=common_pb2.WORKER_ROLE_PREFILL if role == "prefill" else common_pb2.WORKER_ROLE_DECODE,
-                nixl_host="127.0.0.1", nixl_port=port + 1, block_size=16, kv_blocks_ttl_s=480, model="tiny")
+                nixl_host="127.0.0.1", nixl_port=port + 1, block_size=16, kv_blocks_ttl_s=480,
+                model=self.model_dir.name)  # the gateway's served model (its --model-dir's name)
             await stub.RegisterWorker(registry_pb2.RegisterWorkerRequest(worker=worker, lease_ttl_s=3600))
         await channel.close()
 

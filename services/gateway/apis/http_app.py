@@ -86,7 +86,8 @@ async def field_error(_: Request, exc: FieldError) -> JSONResponse:
 async def turn_error(_: Request, exc: TurnError) -> JSONResponse:
     headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s else None
     limit = getattr(exc, "openai_type", None)  # tenant_limits.RateLimited: OpenAI's rate-limit shape
-    return JSONResponse(error_body(exc.http_status, exc.message, limit, "rate_limit_exceeded" if limit else None),
+    code = "rate_limit_exceeded" if limit else exc.api_code
+    return JSONResponse(error_body(exc.http_status, exc.message, limit, code),
                         status_code=exc.http_status, headers=headers)
 
 

@@ -49,10 +49,12 @@ class TurnBuilder:
         self.parsers = Parsers(tool_call_parser, reasoning_parser)
 
     def check_model(self, model: str | None, *, required: bool = False) -> None:
-        """404 for a model this gateway does not serve (``required``: an empty name is one too)."""
+        """404 ``model_not_found`` (OpenAI's code) for a model this gateway does not serve (``required``: an empty
+        name is one too)."""
         if (model or required) and model != self.served_model:
             raise TurnError(404, grpc.StatusCode.NOT_FOUND,
-                            f"model {model!r} not found; this gateway serves {self.served_model!r}")
+                            f"The model {model!r} does not exist or you do not have access to it; this gateway "
+                            f"serves {self.served_model!r}", api_code="model_not_found")
 
     def tools(self, tools: Sequence[FunctionIn], choice: ToolChoice, words: ToolWords = OPENAI_TOOLS, *,
               parallel: bool = True, tenant: str = "") -> ToolUse:

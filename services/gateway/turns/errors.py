@@ -9,11 +9,14 @@ from kvshuttle.services.engine.client import EngineError
 
 
 class TurnError(Exception):
-    """A turn that cannot run; carries both an HTTP status and a gRPC code for the two front ends."""
+    """A turn that cannot run; carries both an HTTP status and a gRPC code for the two front ends, and the OpenAI
+    error code where OpenAI names one (``api_code``, e.g. ``model_not_found``; else the status)."""
 
-    def __init__(self, http_status: int, code: grpc.StatusCode, message: str, retry_after_s: int | None = None):
+    def __init__(self, http_status: int, code: grpc.StatusCode, message: str, retry_after_s: int | None = None,
+                 api_code: str | None = None):
         super().__init__(message)
         self.http_status, self.code, self.message, self.retry_after_s = http_status, code, message, retry_after_s
+        self.api_code = api_code
 
 
 class FieldError(ValueError):

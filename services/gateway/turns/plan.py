@@ -76,7 +76,8 @@ async def ask(rt: TurnServices, req: TurnRequest, prompt_ids: list[int], known_s
             return await rt.scheduler.PlanTurn(scheduler_pb2.PlanTurnRequest(
                 session_id=req.session_id, tenant=req.tenant, prompt_ids_packed=ids_bytes(prompt_ids),
                 disable_pull=req.disable_pull or bool(exclude), policy=req.policy,
-                exclude_worker_ids=list(exclude), max_tokens=req.room_tokens(rt.answer_room_tokens), cache_salt=rt.cache_salt(req.tenant),
+                exclude_worker_ids=list(exclude), max_tokens=req.room_tokens(rt.answer_room_tokens),
+                cache_salt=rt.cache_salt(req.tenant), model=rt.served_model,
                 **known_session.plan_fields()),
                 timeout=rt.control_timeout_s)
         except grpc.aio.AioRpcError as exc:

@@ -79,7 +79,7 @@ class TurnRunner:
     gateway's copies of the records it wrote, and its counters."""
 
     max_prompt_tokens = 0  # the gateway's limit on a prompt's tokens (0: only the context length limits it)
-    served_model = ""  # the model's name for clients (trace attributes)
+    served_model = ""  # the model's name for clients (trace attributes) and the workers' (Worker.model) it plans on
     kv_bytes_per_token = 0  # an estimate of one token's KV in bytes (trace attributes; 0: unknown)
     lean_streams = True  # Generate calls (P's prefill, D's streams) over h2_streams (off: grpc.aio; the gateway's --engine-streams)
     # The tenants' limits (tenant_limits.TenantQuotas: begin_turn(tenant) -> a quota with charge_prompt(n) and
@@ -400,7 +400,8 @@ class TurnRunner:
             first_block = list(record.head_token_ids[:record.block_size + 1])
             try:  # any live prefill worker will do: ask the scheduler for one
                 plan = await self.scheduler.PlanTurn(scheduler_pb2.PlanTurnRequest(
-                    tenant=tenant, prompt_ids_packed=ids_bytes(first_block), disable_pull=True),
+                    tenant=tenant, prompt_ids_packed=ids_bytes(first_block), disable_pull=True,
+                    model=self.served_model),
                     timeout=self.control_timeout_s)
                 released = await release_span(recording.free_handle(
                     self, f"end-{uuid.uuid4().hex[:16]}", record, plan.prefill, first_block, tenant, session_id))

@@ -18,6 +18,7 @@ from opentelemetry import trace
 
 class TurnServices(Protocol):
     tokenizer: Tokenizer
+    served_model: str  # the model the turns are for: the scheduler plans on its workers only
     registry: registry_pb2_grpc.SessionRegistryStub
     scheduler: scheduler_pb2_grpc.TransferSchedulerStub
     # limits and switches

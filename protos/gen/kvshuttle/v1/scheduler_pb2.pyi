@@ -22,7 +22,7 @@ DECISION_RECOMPUTE: Decision
 DECISION_LOCAL: Decision
 
 class PlanTurnRequest(_message.Message):
-    __slots__ = ("session_id", "tenant", "prompt_token_ids", "prompt_ids_packed", "disable_pull", "exclude_worker_ids", "session_snapshot", "session_not_found", "policy", "max_tokens", "history_match_tokens", "cache_salt")
+    __slots__ = ("session_id", "tenant", "prompt_token_ids", "prompt_ids_packed", "disable_pull", "exclude_worker_ids", "session_snapshot", "session_not_found", "policy", "max_tokens", "history_match_tokens", "cache_salt", "model")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class PlanTurnRequest(_message.Message):
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HISTORY_MATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tenant: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -47,7 +48,8 @@ class PlanTurnRequest(_message.Message):
     max_tokens: int
     history_match_tokens: int
     cache_salt: str
-    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_ids_packed: _Optional[bytes] = ..., disable_pull: _Optional[bool] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ..., session_snapshot: _Optional[_Union[_registry_pb2.GetSessionResponse, _Mapping]] = ..., session_not_found: _Optional[bool] = ..., policy: _Optional[str] = ..., max_tokens: _Optional[int] = ..., history_match_tokens: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    model: str
+    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_ids_packed: _Optional[bytes] = ..., disable_pull: _Optional[bool] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ..., session_snapshot: _Optional[_Union[_registry_pb2.GetSessionResponse, _Mapping]] = ..., session_not_found: _Optional[bool] = ..., policy: _Optional[str] = ..., max_tokens: _Optional[int] = ..., history_match_tokens: _Optional[int] = ..., cache_salt: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class PlanFigures(_message.Message):
     __slots__ = ("prompt_tokens", "session_found", "covered_tokens", "matched_tokens", "reusable_tokens", "compute_tokens", "block_size", "expires_in_s", "pull_threshold_tokens", "source_worker_alive", "snapshot_stale", "policy", "predicted_pull_ms", "predicted_recompute_ms", "pullable_tokens", "predicted_wait_ms", "worker_choice", "cached_tokens_estimate", "predicted_local_ms", "predicted_itl_delay_ms", "decode_streams")

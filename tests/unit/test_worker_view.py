@@ -1,0 +1,35 @@
+"""The scheduler's view of the registered workers (services/scheduler/worker_view.py): workers by role and model,
+the lists built once per change of the view (a plan's cost does not grow with other models' workers) and rebuilt
+after every watch event."""
+
+from __future__ import annotations
+
+from kvshuttle.services.scheduler.worker_view import Event, WorkerView
+from kvshuttle.v1 import common_pb2
+
+P, D = common_pb2.WORKER_ROLE_PREFILL, common_pb2.WORKER_ROLE_DECODE
+
+
+def w(worker_id: str, role: int, model: str) -> common_pb2.Worker:
+    return common_pb2.Worker(worker_id=worker_id, role=role, model=model)
+
+
+def ids(workers) -> list[str]:
+    return sorted(x.worker_id for x in workers)
+
+
+async def test_workers_by_role_and_model_follow_every_event():
+    view = WorkerView(registry=None)
+    view.apply(Event(type=Event.EVENT_TYPE_SNAPSHOT, workers=[w("p1", P, "big"), w("d1", D, "big"),
+                                                               w("p2", P, "small")]))
+    assert view.ready.is_set()
+    assert ids(view.by_role(P)) == ["p1", "p2"] and ids(view.by_role(P, "big")) == ["p1"]
+    assert view.by_role(P, "big") is view.by_role(P, "big")  # built once until the view changes
+    assert view.by_role(D, "small") == [] and view.by_role(P, "none-such") == []
+    view.apply(Event(type=Event.EVENT_TYPE_PUT, workers=[w("d2", D, "small"), w("p1", P, "small")]))  # p1 moved
+    assert ids(view.by_role(D, "small")) == ["d2"] and ids(view.by_role(P, "small")) == ["p1", "p2"]
+    assert view.by_role(P, "big") == []
+    view.apply(Event(type=Event.EVENT_TYPE_DELETE, workers=[w("p2", P, "small")]))
+    assert ids(view.by_role(P, "small")) == ["p1"] and ids(view.by_role(P)) == ["p1"]
+    view.apply(Event(type=Event.EVENT_TYPE_SNAPSHOT, workers=[w("d9", D, "big")]))
+    assert view.by_role(P) == [] and ids(view.by_role(D, "big")) == ["d9"]
