@@ -272,6 +272,7 @@ class AnsweringRunner:
     request's, or ``new_session`` when it has none."""
 
     control_timeout_s = 5.0
+    max_model_len = 4096
 
     def __init__(self, answer: str, pieces: int = 3, finish: str = "stop", registry=None,
                  new_session: str = "auto-1"):

@@ -1,6 +1,7 @@
-"""An unknown ``model`` is a 404 ``model_not_found`` on every API, as OpenAI answers it (issue #37): chat,
-completions and Responses through the openai SDK, Messages and count_tokens through the anthropic SDK
-(``not_found_error``, Anthropic's type for a 404), and NOT_FOUND on gRPC. No turn runs."""
+"""The served model as clients see it (issue #37): listed as vLLM lists models, and an unknown ``model`` is a 404
+``model_not_found`` on every API, as OpenAI answers it: chat, completions and Responses through the openai SDK,
+Messages and count_tokens through the anthropic SDK (``not_found_error``, Anthropic's type for a 404), and NOT_FOUND
+on gRPC. No turn runs."""
 
 from __future__ import annotations
 
@@ -43,6 +44,14 @@ def anthropic_sdk(runner) -> anthropic.AsyncAnthropic:
 def check_openai(err: openai.NotFoundError, model: str) -> None:
     assert err.status_code == 404 and err.code == "model_not_found", err.body
     assert err.body["type"] == "invalid_request_error" and f"{model!r} does not exist" in err.body["message"]
+
+
+async def test_the_served_model_is_listed_as_vllm_lists_it():
+    async with openai_sdk(AnsweringRunner("")) as api:
+        listed = (await api.models.list()).data
+    assert [m.id for m in listed] == [SERVED]
+    assert listed[0].object == "model" and listed[0].owned_by == "kvshuttle"
+    assert listed[0].model_extra == {"root": SERVED, "parent": None, "max_model_len": 4096}
 
 
 @pytest.mark.parametrize("stream", [False, True])

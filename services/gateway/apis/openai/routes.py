@@ -44,8 +44,12 @@ async def health(request: Request) -> dict[str, Any]:
 
 @router.get("/v1/models", responses={401: TURN_RESPONSES[401]})
 async def models(request: Request) -> dict[str, Any]:
-    return {"object": "list",
-            "data": [{"id": api_state(request).served_model, "object": "model", "created": 0, "owned_by": "kvshuttle"}]}
+    """The served model as vLLM lists one: ``root`` (its name here: the model's path stays on the workers),
+    ``parent`` (an adapter's base model; None for a base model) and ``max_model_len``."""
+    state = api_state(request)
+    return {"object": "list", "data": [{
+        "id": state.served_model, "object": "model", "created": 0, "owned_by": "kvshuttle",
+        "root": state.served_model, "parent": None, "max_model_len": state.runner.max_model_len}]}
 
 
 @router.post("/v1/chat/completions", responses=TURN_RESPONSES, openapi_extra=SESSION_HEADER)
