@@ -1,5 +1,5 @@
-"""A lean gRPC client for server-streaming calls (D's token streams, P's prefill): HTTP/2 over one plaintext connection per
-worker, written on an asyncio protocol.
+"""A lean gRPC client for server-streaming calls (D's token streams, P's prefill): HTTP/2 over one plaintext
+connection per worker, written on an asyncio protocol.
 
 Why not grpc.aio: it reads each message with its own operation on gRPC core's completion queue, handed from core's
 poller thread to the event loop (a thread wake, a future, a task step). Measured against the bench's fake engine
@@ -12,8 +12,8 @@ responses, metadata both ways, ``grpc-timeout``, flow control both ways (windows
 never waits for an update), SETTINGS/PING acknowledgements, RST_STREAM and GOAWAY. Header blocks: the request's are
 written as HPACK literals that never touch a dynamic table (no per-call encoder state: a few µs, where ``hpack``'s
 encoder took ~100); we announce a header table of 0 bytes, so the server's blocks decode on their own too, and a
-block seen before (the same response headers and trailers on every call) is not decoded again. Everything else (unary calls,
-health) stays on grpc.aio.
+block seen before (the same response headers and trailers on every call) is not decoded again. Everything else
+(unary calls, health) stays on grpc.aio.
 """
 
 from __future__ import annotations
@@ -417,8 +417,8 @@ class Connection(asyncio.Protocol):
         if start is None:
             start = self._paths[path] = (INDEXED_POST_HTTP + literal(":path", path)
                                          + literal(":authority", self.authority) + self._regular)
-        block = b"".join((start, literal("grpc-timeout", f"{millis}m" if millis < 100_000_000 else f"{millis // 1000}S"),
-                          *(literal(k, v) for k, v in metadata)))
+        timeout = f"{millis}m" if millis < 100_000_000 else f"{millis // 1000}S"
+        block = b"".join((start, literal("grpc-timeout", timeout), *(literal(k, v) for k, v in metadata)))
         if len(block) > self.peer_max_frame:
             raise StreamError(grpc.StatusCode.INTERNAL, "the request's metadata is too large")
         self.streams[stream.id] = stream

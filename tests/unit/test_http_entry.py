@@ -19,6 +19,7 @@ from kvshuttle.services.gateway.edge.http_guard import HttpGuard
 from kvshuttle.services.gateway.turns import Delta
 from kvshuttle.v1 import gateway_pb2
 
+from tests.support.grpc_context import Aborted, Context
 from tests.support.turn_fakes import AnsweringRunner
 
 HI = [{"role": "user", "content": "hi"}]
@@ -94,23 +95,6 @@ async def test_a_stream_that_fails_past_its_headers_ends_with_an_error_event(pat
     else:
         assert json.loads(data[-1]) == {"type": "error", "error": {"type": "api_error", "message": "internal error"}}
     assert len(data) > 2  # what was sent before the failure is kept
-
-
-class Aborted(Exception):
-    pass
-
-
-class Context:
-    """grpc.aio.ServicerContext, as far as the servicer uses it."""
-
-    def invocation_metadata(self):
-        return ()
-
-    async def send_initial_metadata(self, metadata):
-        pass
-
-    async def abort(self, code, details="", trailing_metadata=()):
-        raise Aborted(code, details)
 
 
 @pytest.mark.parametrize("method", ["Complete", "CompleteStream"])

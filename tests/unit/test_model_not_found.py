@@ -18,6 +18,7 @@ from kvshuttle.services.gateway.apis.responses.routes import add_responses_route
 from kvshuttle.v1 import gateway_pb2
 
 from tests.support.auth import open_guard
+from tests.support.grpc_context import Aborted, Context
 from tests.support.turn_fakes import AnsweringRunner
 
 SERVED = "agent"
@@ -84,32 +85,14 @@ async def test_messages_and_count_tokens_answer_not_found_error():
     assert runner.requests == []
 
 
-class Refused(Exception):
-    pass
-
-
-class Context:
-    def invocation_metadata(self):
-        return ()
-
-    async def send_initial_metadata(self, _):
-        pass
-
-    def set_trailing_metadata(self, _):
-        pass
-
-    async def abort(self, code, details="", trailing_metadata=()):
-        raise Refused(code, details)
-
-
 async def test_grpc_answers_not_found():
     runner = AnsweringRunner("never said")
     servicer = GatewayServicer(runner, SERVED, 16)
     chat = gateway_pb2.ChatCompleteRequest(model="gpt-7", messages=[gateway_pb2.ChatMessage(**m) for m in ASK])
-    with pytest.raises(Refused) as err:
+    with pytest.raises(Aborted) as err:
         await servicer.ChatComplete(chat, Context())
     assert err.value.args[0] == grpc.StatusCode.NOT_FOUND and "'gpt-7' does not exist" in err.value.args[1]
-    with pytest.raises(Refused) as err:
+    with pytest.raises(Aborted) as err:
         await servicer.Complete(gateway_pb2.CompleteRequest(model="gpt-7", prompt="hi"), Context())
     assert err.value.args[0] == grpc.StatusCode.NOT_FOUND
     assert runner.requests == []

@@ -81,7 +81,7 @@ class TurnRunner:
     max_prompt_tokens = 0  # the gateway's limit on a prompt's tokens (0: only the context length limits it)
     served_model = ""  # the model's name for clients (trace attributes) and the workers' (Worker.model) it plans on
     kv_bytes_per_token = 0  # an estimate of one token's KV in bytes (trace attributes; 0: unknown)
-    lean_streams = True  # Generate calls (P's prefill, D's streams) over h2_streams (off: grpc.aio; the gateway's --engine-streams)
+    lean_streams = True  # Generate calls (P's prefill, D's streams) over h2_streams (off: grpc.aio; --engine-streams)
     # The tenants' limits (tenant_limits.TenantQuotas: begin_turn(tenant) -> a quota with charge_prompt(n) and
     # end(generated)); None: no limits.
     quotas: Any = None
