@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import importlib.util
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -74,6 +76,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvshuttle: {name} needs {install.name} ({', '.join(lacking)} not installed): {install.pip}",
               file=sys.stderr)
         return 2
+    # ``kill -USR1 <pid>`` prints every thread's stack to the process's stderr (its log): where a stuck one waits.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         module = importlib.import_module(COMMANDS[name][0])
         if module.__name__ == f"{DEV}.stack":

@@ -9,6 +9,7 @@ the KV cache's memory).
 
 from __future__ import annotations
 
+import asyncio
 import signal
 
 import psutil
@@ -55,6 +56,10 @@ async def test_killing_one_process_of_a_worker_takes_the_whole_tree(stack, victi
             await until(lambda: not alive(pids), 60, f"the whole tree to go after the {victim} was killed",
                         interval_s=0.5)
         except AssertionError as exc:
-            raise AssertionError(f"{exc}; still running: {alive(pids)}") from None
+            left = alive(pids)
+            if agent.is_running():  # where it waits: every kvshuttle process prints its threads' stacks on SIGUSR1
+                agent.send_signal(signal.SIGUSR1)
+                await asyncio.sleep(2)
+            raise AssertionError(f"{exc}; still running: {left}; the agent's log:\n{child.log_tail(80)}") from None
     finally:
         await child.stop()

@@ -96,30 +96,39 @@ class TurnTap:
             self.lock.release()
             raise
 
+        # The answer is read by a task of its own, not by the client's response: a client may hang up as soon as it
+        # has the last chunk (the server then cancels the response), and the gateway still ends and records the turn;
+        # the turn is noted once the whole answer has been read, by a task __aexit__ waits for.
+        chunks: asyncio.Queue[bytes | None] = asyncio.Queue()
+        reading = asyncio.create_task(self._read(upstream, chunks))
+
         async def relay():
-            complete = False
             try:
-                async for chunk in upstream.aiter_raw():
+                while (chunk := await chunks.get()) is not None:
                     yield chunk
-                complete = True
             finally:
-                # A client may hang up as soon as it has the last chunk (the server then cancels this generator): the
-                # turn is noted anyway, by a task of its own, which __aexit__ waits for.
-                task = asyncio.create_task(self._finish(request.url.path, upstream, before, complete))
+                task = asyncio.create_task(self._finish(request.url.path, upstream, before, reading))
                 self._finishing.add(task)
                 task.add_done_callback(self._finishing.discard)
 
         headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS}
         return StreamingResponse(relay(), status_code=upstream.status_code, headers=headers)
 
-    async def _finish(self, path: str, upstream: httpx.Response, before: dict[str, float], complete: bool) -> None:
+    @staticmethod
+    async def _read(upstream: httpx.Response, chunks: asyncio.Queue[bytes | None]) -> None:
         try:
-            if not complete:  # the client left early: the gateway still ends (and records) the turn
-                try:
-                    async for _ in upstream.aiter_raw():
-                        pass
-                except httpx.HTTPError:
-                    pass
+            async for chunk in upstream.aiter_raw():
+                chunks.put_nowait(chunk)
+        finally:
+            chunks.put_nowait(None)
+
+    async def _finish(self, path: str, upstream: httpx.Response, before: dict[str, float],
+                      reading: asyncio.Task) -> None:
+        try:
+            try:
+                await reading
+            except httpx.HTTPError:
+                pass
             await upstream.aclose()
             await self._note(path, upstream, before)
         except BaseException as e:
