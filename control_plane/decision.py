@@ -111,7 +111,8 @@ def decide(prompt: Sequence[int], handle: HandleView | None, policy: PullPolicy,
         return recompute(why.EXPIRED, f"KV handle expired or expires within {policy.expiry_guard_s:g}s "
                                       f"({handle.expires_in_s:.1f}s left)")
     if handle.other_model:
-        return recompute(why.OTHER_MODEL, "the decode worker holding the KV serves another model than this turn's")
+        return recompute(why.OTHER_MODEL, "the session's KV is another model's than this turn's (recorded for it, "
+                                          "or held by a decode worker serving it)")
     if not handle.source_alive:
         return recompute(why.DECODE_WORKER_UNAVAILABLE, "the decode worker holding the KV is not alive")
     if handle.block_size <= 0 or handle.covered_tokens <= 0 or not handle.prefix_digest:

@@ -26,7 +26,7 @@ NO_RECORD = "no_record"  # no recorded KV for the session (first turn, another t
 HANDLE_USED = "handle_used"  # the record's KV handle was already claimed by another turn
 EXPIRED = "expired"  # the handle has expired or expires within the expiry guard
 DECODE_WORKER_UNAVAILABLE = "decode_worker_unavailable"  # the KV's decode worker is gone, elsewhere or not answering
-OTHER_MODEL = "other_model"  # the KV's decode worker serves another model than the turn's: never reused across models
+OTHER_MODEL = "other_model"  # the KV is another model's or adapter's: never reused across models
 INCONSISTENT_RECORD = "inconsistent_record"  # no block size, covered tokens or prefix digest
 DIVERGED = "diverged"  # the prompt diverges from the recorded tokens before enough whole blocks
 BELOW_THRESHOLD = "below_threshold"  # the prompt extends the record, but too few tokens are reusable
@@ -76,8 +76,8 @@ DESCRIPTIONS: dict[str, str] = {
     EXPIRED: "the handle expired or expires within `--expiry-guard-s`",
     DECODE_WORKER_UNAVAILABLE: "the decode worker holding the KV is gone, registered elsewhere, excluded or not "
                                "answering",
-    OTHER_MODEL: "the decode worker holding the KV serves another model than the turn's: KV is never pulled or "
-                 "continued across models",
+    OTHER_MODEL: "the session was recorded for another model or LoRA adapter than the turn's, or the decode worker "
+                 "holding its KV does not serve the turn's: KV is never pulled or continued across models",
     INCONSISTENT_RECORD: "the record lacks a block size, covered tokens or a prefix digest",
     DIVERGED: "the prompt diverges from the recorded tokens before enough whole blocks",
     BELOW_THRESHOLD: "the prompt extends the record, but too few tokens are reusable",

@@ -11,6 +11,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from kvshuttle.control_plane import models
 from kvshuttle.control_plane.kv_eviction import MIN_LEFT_S
 from kvshuttle.control_plane.kv_eviction import REASONS as FREE_REASONS
 from kvshuttle.control_plane.kv_params import HandleError, blocks_for, parse_handle
@@ -68,6 +69,16 @@ def validate_id(kind: str, value: str) -> str:
             raise InvalidArgument(f"{kind} {value[:64]!r} is not an id: an id of dots only names a path")
         raise InvalidArgument(f"{kind} {value[:64]!r} has characters outside A-Z a-z 0-9 . _ : @ = + -")
     return value
+
+
+def validate_model(model: str) -> str:
+    """A model's served name as a session records it (may be empty: none named): at most MAX_ID_LEN characters, no
+    control characters (names such as ``Qwen/Qwen3-8B`` or ``org/model:lora-1`` are fine; they are hashed into keys)."""
+    if len(model) > MAX_ID_LEN:
+        raise InvalidArgument(f"model is {len(model)} characters long; at most {MAX_ID_LEN} allowed")
+    if any(ord(c) < 32 or ord(c) == 127 for c in model):
+        raise InvalidArgument(f"model {model[:64]!r} has control characters")
+    return model
 
 
 def session_ref(tenant: str, session_id: str) -> tuple[str, str]:
@@ -214,6 +225,7 @@ def build_session(req: registry_pb2.RecordTurnRequest, worker: common_pb2.Worker
     validate_id("session_id", req.session_id)
     validate_id("tenant", req.tenant)
     validate_id("decode_worker_id", req.decode_worker_id)
+    validate_model(req.model)
     base, ids = req.base_tokens, req.token_ids
     if base < 0:
         raise InvalidArgument(f"base_tokens must not be negative, got {base}")
@@ -239,11 +251,17 @@ def build_session(req: registry_pb2.RecordTurnRequest, worker: common_pb2.Worker
                 else "absent")
         raise FailedPrecondition(f"the session's recorded history changed (the record is {have}, not at turn "
                                  f"{req.base_turn} with at least {base} ids): send the whole history (base_tokens 0)")
+    if base and previous.model != req.model:
+        raise FailedPrecondition(f"the session's recorded history is model {previous.model!r}'s, not {req.model!r}'s: "
+                                 "another model's ids are not continued; send the whole history (base_tokens 0)")
     if worker is None:
         raise FailedPrecondition(f"decode worker {req.decode_worker_id!r} is not registered")
     if worker.role != common_pb2.WORKER_ROLE_DECODE:
         raise FailedPrecondition(f"worker {req.decode_worker_id!r} is a {common_pb2.WorkerRole.Name(worker.role)} "
                                  "worker, not a decode worker")
+    if req.model and worker.model and not models.serves(worker, req.model):
+        raise FailedPrecondition(f"decode worker {worker.worker_id!r} serves {models.served_names(worker)}, not model "
+                                 f"{req.model!r}: its KV is not that model's")
     if worker.block_size <= 0 or worker.kv_blocks_ttl_s <= 0:
         raise FailedPrecondition(f"decode worker {worker.worker_id!r} has no block size or KV TTL registered")
     if worker.engine_id and handle.engine_id != worker.engine_id:
@@ -284,7 +302,7 @@ def build_session(req: registry_pb2.RecordTurnRequest, worker: common_pb2.Worker
         history_tokens=total, history_generation=generation, head_token_ids=head[:head_len],
         text_key=req.text_key or (_text_key(req.text) if req.text else b""),
         text_chars=len(req.text) if req.text else req.text_chars, text_boundaries=req.text_boundaries,
-        turn=(previous.turn if previous is not None else 0) + 1, claimed=False,
+        turn=(previous.turn if previous is not None else 0) + 1, claimed=False, model=req.model,
     )
     if len(req.kv_transfer_params_json.encode()) > handle_inline_bytes:
         session.handle_digest = handle_digest(req.kv_transfer_params_json)

@@ -276,12 +276,14 @@ class SessionRegistryServicer(registry_pb2_grpc.SessionRegistryServicer):
         request.tenant = request.tenant or rules.DEFAULT_TENANT
         rules.validate_id("tenant", request.tenant)
         rules.validate_find(request.text_keys)
+        rules.validate_model(request.model)
         with tracer.start_as_current_span("registry.find_session") as span:
-            found = await self.store.sessions.find(request.tenant, list(request.text_keys))
+            found = await self.store.sessions.find(request.tenant, list(request.text_keys), request.model)
             span.set_attribute("kvshuttle.found", found is not None)
         if found is None:
-            raise RpcFailure(grpc.StatusCode.NOT_FOUND, f"no session of tenant {request.tenant!r} has a recorded text "
-                                                        "that the prompt extends")
+            of_model = f" and model {request.model!r}" if request.model else ""
+            raise RpcFailure(grpc.StatusCode.NOT_FOUND, f"no session of tenant {request.tenant!r}{of_model} has a "
+                                                        "recorded text that the prompt extends")
         matched, session = found
         missing = await self._with_history(session) if request.include_token_ids else ""
         return registry_pb2.FindSessionResponse(session=session, expires_in_s=rules.expires_in(session, self.clock()),

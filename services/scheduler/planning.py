@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
-from kvshuttle.control_plane import kv_params
+from kvshuttle.control_plane import kv_params, models
 from kvshuttle.control_plane import reasons as why
 from kvshuttle.control_plane import session as session_rules
 from kvshuttle.control_plane.decision import Choice, HandleView, Plan, decide
@@ -405,7 +405,7 @@ def handle_view(session: common_pb2.Session | None, expires_in: float, source: c
     """The record as the decision sees it. Its decode worker counts as alive only while registered at the address the
     handle names, not excluded, and (when loads are polled) answering. ``verified``: the caller's count of prompt ids
     equal to the record's (PlanTurnRequest.history_match_tokens). ``model``: the turn's (PlanTurnRequest.model);
-    a decode worker serving another holds KV this turn never reuses."""
+    KV of a session recorded for another model, or held by a decode worker serving another, is never reused."""
     if session is None:
         return None
     if not session.kv_transfer_params_json:
@@ -420,7 +420,8 @@ def handle_view(session: common_pb2.Session | None, expires_in: float, source: c
         and (loads or {}).get(session.decode_worker_id, UNKNOWN).reachable,
         prefix_digest=session.prefix_digest, kv_freed=session.kv_freed,
         checkpoints=[(cp.tokens, cp.digest) for cp in session.checkpoints], verified_tokens=verified,
-        other_model=model is not None and source is not None and source.model != model,
+        other_model=model is not None and (session.model != model
+                                           or (source is not None and not models.serves(source, model))),
     )
 
 

@@ -7,6 +7,7 @@ import logging
 import random
 
 import grpc
+from kvshuttle.control_plane import models
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ class WorkerView:
         found = self._by_role.get(key)
         if found is None:
             found = self._by_role[key] = [w for w in self._workers.values()
-                                          if w.role == role and (model is None or w.model == model)]
+                                          if w.role == role and (model is None or models.serves(w, model))]
         return found
 
     async def wait_ready(self, timeout_s: float) -> bool:

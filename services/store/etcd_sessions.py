@@ -122,7 +122,7 @@ class SessionStore:
         # replaced record's entries go with its lease (revoked below)
         for content in dict.fromkeys([record.text_key, *(b.key for b in record.text_boundaries)]):
             if content:
-                index.append(KVService.txn_op_put(keys.content(session.tenant, content),
+                index.append(KVService.txn_op_put(keys.content(session.tenant, content, record.model),
                                                   codec.content_value(session.session_id), lease=lease_id))
         resp = await self._conn.call("put session", self._conn.kv.txn,
                                      [mod_revision_is(key, expect_revision)],
@@ -142,20 +142,22 @@ class SessionStore:
         self.recent.put(key, record)
         return record
 
-    async def find(self, tenant: str, text_keys: Sequence[bytes]) -> tuple[int, common_pb2.Session] | None:
-        """The record indexed under the first of ``text_keys`` that names a live record of ``tenant`` (whose own
-        text_key, or one of whose text_boundaries, is still that key), and that key's position; None when none does.
-        One transaction reads every index entry, then one read gets the record."""
+    async def find(self, tenant: str, text_keys: Sequence[bytes],
+                   model: str = "") -> tuple[int, common_pb2.Session] | None:
+        """The record of ``model`` indexed under the first of ``text_keys`` that names a live record of ``tenant``
+        and ``model`` (whose own text_key, or one of whose text_boundaries, is still that key), and that key's
+        position; None when none does. One transaction reads every index entry, then one read gets the record."""
         if not text_keys:
             return None
         resp = await self._conn.call("find session", self._conn.kv.txn, [], [
-            KVService.txn_op_get(self._keys.content(tenant, key)) for key in text_keys], [])
+            KVService.txn_op_get(self._keys.content(tenant, key, model)) for key in text_keys], [])
         for i, (key, answer) in enumerate(zip(text_keys, resp.responses, strict=True)):
             kvs = answer.response_range.kvs
             if not kvs:
                 continue
             session = await self.get(tenant, codec.content_session_id(kvs[0].value))
-            if session is not None and (session.text_key == key or any(b.key == key for b in session.text_boundaries)):
+            if session is not None and session.model == model and (
+                    session.text_key == key or any(b.key == key for b in session.text_boundaries)):
                 return i, session
         return None
 

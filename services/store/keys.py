@@ -13,7 +13,10 @@ Under ``prefix`` (default ``/kvshuttle/``; always ends with ``/``)::
                                           on the record's lease: with the index, what each decode worker still holds
     content/{tenant}/{text_key_hex}       the session id whose record's recorded text has this content key
                                           (Session.text_key), or one of whose text boundaries does
-                                          (Session.text_boundaries), on the record's lease: FindSession's index
+                                          (Session.text_boundaries), on the record's lease: FindSession's index.
+                                          A record of a model (Session.model) is indexed under
+                                          SHA-256("model\0" + model + "\0" + text key) instead, so that one
+                                          model's find never reaches another's sessions
     responses/{tenant}/{response_id}      a stored Responses API response's index entry (StoredResponse proto, its
                                           body in the history store), on its conversation's lease
     leaders/{name}                        the id of the replica that leads ``name`` (e.g. the scheduler replica that
@@ -31,6 +34,7 @@ Deployed clusters hold these keys: a change here is a data migration. The values
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 # A session's claim key is its record's key + this: ids never contain "!", and it sorts before every id character.
@@ -114,8 +118,11 @@ class Keys:
 
     # -- the content index ----------------------------------------------------------------------------------
 
-    def content(self, tenant: str, text_key: bytes) -> str:
-        """The content-index entry of a recorded text's key (FindSession): its value is the session id."""
+    def content(self, tenant: str, text_key: bytes, model: str = "") -> str:
+        """The content-index entry of a recorded text's key for ``model``'s sessions (FindSession): its value is the
+        session id."""
+        if model:
+            text_key = hashlib.sha256(b"model\0" + model.encode() + b"\0" + text_key).digest()
         return f"{self.prefix}content/{tenant}/{text_key.hex()}"
 
     def response(self, tenant: str, response_id: str) -> str:

@@ -682,6 +682,46 @@ async def test_find_session_by_content(stub, decode):
     print(f"FindSession, 63 keys, a boundary matched: p50 {took[25]:.2f} ms, p90 {took[45]:.2f} ms")
 
 
+async def test_a_session_is_its_models_own(stub):
+    """Session.model (issue #37): a record is found only by turns of its model (the same text sent to another model,
+    or to an adapter of the same base, finds nothing); its ids are continued only for that model; a decode worker
+    records only turns of a model it serves (its base model or one of its adapters)."""
+    from kvshuttle.control_plane.continuation import prefix_keys
+
+    w = decode_worker(uid("dm"), model="base", adapters=[common_pb2.LoraAdapter(name="base-sql", id=1, path="/a")])
+    w = (await stub.RegisterWorker(registry_pb2.RegisterWorkerRequest(worker=w, lease_ttl_s=60))).worker
+    try:
+        end = "<|im_end|>"
+        text = f"<|im_start|>user\nhi{end}\n<|im_start|>assistant\nhello{end}"
+        keys = prefix_keys(text + f"\n<|im_start|>user\nmore{end}", [end])
+        sids = {}
+        for model in ("base", "base-sql"):
+            sids[model] = uid("model")
+            got = await stub.RecordTurn(turn(w, sids[model], list(range(1, 12)), text=text, text_key=text_key(text),
+                                             model=model))
+            assert got.session.model == model
+        for model in ("base", "base-sql"):
+            found = await stub.FindSession(registry_pb2.FindSessionRequest(tenant=TENANT, text_keys=keys, model=model))
+            assert (found.session.session_id, found.session.model) == (sids[model], model)
+        for other in ("", "other", "base-other"):
+            await expect_status(stub.FindSession(registry_pb2.FindSessionRequest(tenant=TENANT, text_keys=keys,
+                                                                                 model=other)),
+                                grpc.StatusCode.NOT_FOUND, "no session")
+        # the adapter's ids are not continued for the base model
+        later = turn(w, sids["base-sql"], [12, 13], covered=12, text=text + "x", model="base", base_tokens=11,
+                     base_turn=1, prefix_digest=prefix_digest(list(range(1, 14)), 12))
+        await expect_status(stub.RecordTurn(later), grpc.StatusCode.FAILED_PRECONDITION, "model 'base-sql'")
+        later.model = "base-sql"
+        assert (await stub.RecordTurn(later)).session.turn == 2
+        await expect_status(stub.RecordTurn(turn(w, uid("model"), [1, 2, 3], model="tiny")),
+                            grpc.StatusCode.FAILED_PRECONDITION, "serves ['base', 'base-sql'], not model 'tiny'")
+        await expect_status(stub.FindSession(registry_pb2.FindSessionRequest(tenant=TENANT, text_keys=keys,
+                                                                             model="x\ny")),
+                            grpc.StatusCode.INVALID_ARGUMENT, "control characters")
+    finally:
+        await deregister(stub, w)
+
+
 async def test_find_session_by_a_text_boundary(stub, decode):
     """A record is also indexed under its text boundaries: a prompt that re-renders the last answer differently
     (its reasoning dropped) still finds it, and learns which boundary matched; a later record of the session

@@ -259,9 +259,9 @@ async def test_bad_plans_are_rejected_with_a_status(planes):
 
 
 async def test_a_turn_plans_on_its_models_workers_and_never_reuses_another_models_kv(planes):
-    """PlanTurnRequest.model (issue #37): the turn's prefill and decode workers serve its model, and a session whose
-    KV a worker of another model holds is recomputed (other_model), not pulled or continued; an unserved model has
-    no live worker; no model named: any worker, as before."""
+    """PlanTurnRequest.model (issue #37): the turn's prefill and decode workers serve its model (the base model or
+    one of its adapters), and a session recorded for another model or adapter is recomputed (other_model), not pulled
+    or continued; an unserved model has no live worker; no model named: any worker, as before."""
     reg, sched = planes
     tag = uuid.uuid4().hex[:6]
     workers = {}
@@ -269,6 +269,8 @@ async def test_a_turn_plans_on_its_models_workers_and_never_reuses_another_model
         for role, shift in ((common_pb2.WORKER_ROLE_PREFILL, 0), (common_pb2.WORKER_ROLE_DECODE, 50)):
             w = worker(f"{model}-{role}-{tag}", role, port + shift)
             w.model = model
+            if model == "big":
+                w.adapters.add(name="big-sql", id=1, path="/adapters/sql")
             resp = await reg.RegisterWorker(registry_pb2.RegisterWorkerRequest(worker=w, lease_ttl_s=30))
             workers[(model, role)] = (w, resp.lease_id)
     try:
@@ -282,14 +284,20 @@ async def test_a_turn_plans_on_its_models_workers_and_never_reuses_another_model
                 workers[(model, common_pb2.WORKER_ROLE_DECODE)][0].worker_id}
         held_on = workers[("big", common_pb2.WORKER_ROLE_DECODE)][0]
         session = f"m-{tag}"
-        await reg.RecordTurn(registry_pb2.RecordTurnRequest(session_id=session, decode_worker_id=held_on.worker_id,
-                                                            kv_transfer_params_json=handle_for(held_on, 99),
-                                                            token_ids=history))
-        other = await plan(sched, session, history + [1, 2, 3], model="small")
-        assert other.decision == scheduler_pb2.DECISION_RECOMPUTE and other.reason_code == "other_model", other.reason
-        assert other.decode.model == other.prefill.model == "small"
-        same = await plan(sched, session, history + [1, 2, 3], model="big")
-        assert same.decision == scheduler_pb2.DECISION_PULL and same.source.worker_id == held_on.worker_id, same.reason
+        for recorded in ("big", "big-sql"):
+            await reg.RecordTurn(registry_pb2.RecordTurnRequest(
+                session_id=session, decode_worker_id=held_on.worker_id, kv_transfer_params_json=handle_for(held_on, 99),
+                token_ids=history, model=recorded))
+            for model in sorted(("small", "big", "big-sql"), key=lambda m: m == recorded):  # a pull claims: last
+                got = await plan(sched, session, history + [1, 2, 3], model=model)
+                if model == recorded:
+                    assert got.decision == scheduler_pb2.DECISION_PULL, got.reason
+                    assert got.source.worker_id == held_on.worker_id
+                else:
+                    assert got.decision == scheduler_pb2.DECISION_RECOMPUTE, (recorded, model, got.reason)
+                    assert got.reason_code == "other_model", got.reason
+                served = "big" if model == "big-sql" else model
+                assert got.decode.model == got.prefill.model == served
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await plan(sched, session, history, model="none-such")
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "serving model 'none-such'" in err.value.details()

@@ -118,10 +118,12 @@ class Registry:
         return out
 
     async def FindSession(self, request, timeout=None):
-        """The record when one of the keys is its whole text's or one of its text boundaries' (the first that is)."""
+        """The record, when it is the request's model's and one of the keys is its whole text's or one of its text
+        boundaries' (the first that is)."""
         self.reads += 1
         s = self.session
-        known = {s.text_key, *(b.key for b in s.text_boundaries)} - {b""} if s is not None else set()
+        known = ({s.text_key, *(b.key for b in s.text_boundaries)} - {b""}
+                 if s is not None and s.model == request.model else set())
         for i, key in enumerate(request.text_keys):
             if key in known:
                 out = registry_pb2.FindSessionResponse(session=s, expires_in_s=100, matched_key=i)
@@ -147,7 +149,7 @@ class Registry:
             checkpoints=request.checkpoints, history_tokens=len(ids), history_generation=1,
             head_token_ids=ids[:BLOCK + 1], text_key=request.text_key or (text_key(request.text) if request.text else b""),
             text_chars=len(request.text) if request.text else request.text_chars,
-            text_boundaries=request.text_boundaries,
+            text_boundaries=request.text_boundaries, model=request.model,
             turn=(previous.turn if previous is not None else 0) + 1, revision=len(self.recorded) + 10)
         self.session, self.history = stored, ids
         self.histories.append(ids)

@@ -3,6 +3,7 @@ these keys and values. And the scheduler's small interface to the store (ClaimSt
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 from pathlib import Path
 from typing import get_type_hints
@@ -37,6 +38,12 @@ def test_the_key_layout():
     assert keys.leader("kv-manager") == "/kv/leaders/kv-manager"
     assert session_ref("t/s") == ("t", "s") and session_ref("t") == ("t", "")
     assert first_segment("d1/t/s") == "d1"
+    key = bytes(range(32))
+    assert keys.content("t", key) == f"/kv/content/t/{key.hex()}"
+    # a model's sessions are indexed under a key of their own (issue #37): one model's find never reaches another's
+    scoped = hashlib.sha256(b"model\0Qwen/Qwen3-8B\0" + key).hexdigest()
+    assert keys.content("t", key, "Qwen/Qwen3-8B") == f"/kv/content/t/{scoped}"
+    assert len({keys.content("t", key, m) for m in ("", "a", "b", "a:lora")}) == 4
 
 
 def test_the_store_builds_its_keys_from_the_layout():

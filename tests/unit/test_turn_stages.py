@@ -63,6 +63,35 @@ async def test_the_prompt_stage_continues_the_recorded_ids_and_tokenizes_only_th
     assert ctx.request.session_source == "client" and registry.reads == 1 and "session_ms" in ctx.timings
 
 
+async def test_a_session_is_continued_only_for_its_own_model():
+    """Issue #37: a client's session id sent to another model continues none of the record's ids (another model's
+    tokens), though the scheduler still gets the snapshot (and refuses its KV: other_model); the record stage then
+    sends the whole history under the turn's model. A chat without an id finds only its own model's sessions."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": "more"}]
+    for model, continued in (("tiny", True), ("other", False)):
+        r, _, registry = runner(registry=Registry(recorded("<user>hi<assistant>ok", [7] * 21, model="tiny")))
+        ctx = context(TurnRequest(session_id="s", messages=messages, model=model))
+        await prompt_stage.build(r, ctx)
+        assert ctx.continued is continued and (ctx.history_base is not None) is continued
+        assert ctx.prompt_ids[:21] == ([7] * 21 if continued else ids("<user>hi<assistant>ok"))
+        assert ctx.known_session.snapshot.session.model == "tiny"  # the scheduler still sees whose KV it is
+
+    r, _, registry = runner(registry=Registry(recorded("<user>hi<assistant>ok", [7] * 21, model="tiny")))
+    r.find_sessions = True
+    r.tokenizer.end_markers = ["<user>"]  # type: ignore[attr-defined]  # the recorded text ends before one
+    for model, source in (("other", "new"), ("tiny", "found")):
+        ctx = context(TurnRequest(messages=messages, model=model))
+        await prompt_stage.build(r, ctx)
+        assert ctx.request.session_source == source and ctx.continued is (source == "found")
+
+
+def test_a_prompt_cache_key_names_a_session_per_model():
+    a, b = TurnRequest(cache_key="k", model="a"), TurnRequest(cache_key="k", model="b")
+    assert a.cache_key_session != b.cache_key_session and a.cache_key_session.startswith("pck-")
+    assert TurnRequest(cache_key="k", model="a").cache_key_session == a.cache_key_session
+
+
 async def test_the_prompt_stage_starts_a_new_session_for_a_chat_without_an_id_when_none_is_found():
     r, _, _ = runner()
     r.find_sessions = True

@@ -33,3 +33,14 @@ async def test_workers_by_role_and_model_follow_every_event():
     assert ids(view.by_role(P, "small")) == ["p1"] and ids(view.by_role(P)) == ["p1"]
     view.apply(Event(type=Event.EVENT_TYPE_SNAPSHOT, workers=[w("d9", D, "big")]))
     assert view.by_role(P) == [] and ids(view.by_role(D, "big")) == ["d9"]
+
+
+async def test_a_turn_for_an_adapter_plans_on_the_workers_that_loaded_it():
+    view = WorkerView(registry=None)
+    with_sql = w("p1", P, "big")
+    with_sql.adapters.add(name="big-sql", id=1)
+    view.apply(Event(type=Event.EVENT_TYPE_SNAPSHOT, workers=[with_sql, w("p2", P, "big")]))
+    assert ids(view.by_role(P, "big-sql")) == ["p1"] and ids(view.by_role(P, "big")) == ["p1", "p2"]
+    unloaded = w("p1", P, "big")  # the agent registered again without the adapter
+    view.apply(Event(type=Event.EVENT_TYPE_PUT, workers=[unloaded]))
+    assert view.by_role(P, "big-sql") == []

@@ -96,6 +96,7 @@ class TurnBuilder:
         tags and the special-tokens rule follow from the tools and the parsers. ``constraint_after_reasoning``:
         the constraint starts after the reasoning the prompt leaves room for (the gateway's own constraints; vLLM's
         raw ``structured_outputs`` applies from the first token, as in vLLM)."""
+        fields.setdefault("model", self.served_model)
         req = TurnRequest(max_tokens=max_tokens or None, default_max_tokens=self.default_max_tokens,
                           parsing=self.parsers.parsing(tools.calls, tools.tools if tools.calls else None), **fields)
         if req.constraint is not None and constraint_after_reasoning:

@@ -77,7 +77,7 @@ async def ask(rt: TurnServices, req: TurnRequest, prompt_ids: list[int], known_s
                 session_id=req.session_id, tenant=req.tenant, prompt_ids_packed=ids_bytes(prompt_ids),
                 disable_pull=req.disable_pull or bool(exclude), policy=req.policy,
                 exclude_worker_ids=list(exclude), max_tokens=req.room_tokens(rt.answer_room_tokens),
-                cache_salt=rt.cache_salt(req.tenant), model=rt.served_model,
+                cache_salt=rt.cache_salt(req.tenant), model=req.model,
                 **known_session.plan_fields()),
                 timeout=rt.control_timeout_s)
         except grpc.aio.AioRpcError as exc:

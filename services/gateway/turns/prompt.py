@@ -60,6 +60,10 @@ async def build(rt: TurnServices, ctx: TurnContext, *, fresh: bool = False) -> N
     else:
         prev, known = None, KnownSession()
     ctx.timings["session_ms"] = elapsed_ms(t)
+    if prev is not None and prev.session.model != req.model:
+        # Another model's record (a client's session id sent to another model): none of its ids (another tokenizer's)
+        # are continued, and the scheduler, which still gets the snapshot, reuses none of its KV (other_model).
+        prev = None
     if prev is not None and prev.history_missing:
         rt.degraded["history_missing"] += 1
         log.warning("the session's exact ids are not available (%s): tokenizing its text again (%d such turns)",
@@ -192,7 +196,8 @@ async def find(rt: TurnServices, req: TurnRequest, text: str, new_id: str = "") 
     if keys:
         try:
             found = await rt.registry.FindSession(registry_pb2.FindSessionRequest(
-                tenant=req.tenant, text_keys=keys, include_token_ids=True), timeout=rt.control_timeout_s)
+                tenant=req.tenant, text_keys=keys, include_token_ids=True, model=req.model),
+                timeout=rt.control_timeout_s)
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.NOT_FOUND:
                 rt.degraded["session_read_failed"] += 1

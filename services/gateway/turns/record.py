@@ -119,7 +119,7 @@ async def _record_turn(rt: TurnServices, ctx: TurnContext, ids: list[int], text:
         kv_transfer_params_json=handle_json, text_chars=len(text), text_key=text_key(text) if text else b"",
         prefix_digest=digests.get(covered, b""),
         checkpoints=[common_pb2.PrefixCheckpoint(tokens=n, digest=digests[n]) for n in lengths],
-        text_boundaries=text_boundaries(text, cuts))
+        text_boundaries=text_boundaries(text, cuts), model=req.model)
     if base is not None and 0 < kept <= min(base.history_tokens, len(ids)):
         # only the ids after those the prompt kept of the record's (the registry appends them to its lineage, or
         # starts a new lineage with the kept ones copied inside the history store)

@@ -22,6 +22,8 @@ TOKEN_ID_LIMIT = 2**31  # token ids travel as int32 (our protos) / uint32 (vLLM'
 class TurnRequest:
     session_id: str = ""
     tenant: str = DEFAULT_TENANT
+    # The model the turn is for, by its served name ("": the gateway's own); its sessions, finds and KV are its own.
+    model: str = ""
     messages: list[dict] | None = None
     template_vars: dict[str, Any] = field(default_factory=dict)  # for the chat template: tools, chat_template_kwargs
     prompt_text: str | None = None
@@ -71,8 +73,12 @@ class TurnRequest:
 
     @property
     def cache_key_session(self) -> str:
-        """The session id a prompt_cache_key names (any string: hashed into the session id alphabet)."""
-        return f"pck-{hashlib.sha256(self.cache_key.encode()).hexdigest()[:40]}" if self.cache_key else ""
+        """The session id a prompt_cache_key names for the turn's model (any string: hashed into the session id
+        alphabet; one key sent to two models names two sessions)."""
+        if not self.cache_key:
+            return ""
+        scope = f"{self.model}\0{self.cache_key}" if self.model else self.cache_key
+        return f"pck-{hashlib.sha256(scope.encode()).hexdigest()[:40]}"
 
     def engine_sampling(self) -> dict[str, Any]:
         """The sampling parameters both workers get (EngineClient.generate's keywords), min_tokens aside."""

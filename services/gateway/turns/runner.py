@@ -190,6 +190,7 @@ class TurnRunner:
 
     async def prepare(self, req: TurnRequest) -> TurnContext:
         """The prompt, plan and prefill stages: a turn whose prompt is prefilled on P."""
+        req.model = req.model or self.served_model
         ctx = TurnContext(f"kvs-{uuid.uuid4().hex[:24]}", req, time.perf_counter())
         ctx.span = tracer.start_span("kvshuttle.turn", attributes=request_attributes(req, self.served_model))
         try:

@@ -20,7 +20,7 @@ WORKER_ROLE_PREFILL: WorkerRole
 WORKER_ROLE_DECODE: WorkerRole
 
 class Worker(_message.Message):
-    __slots__ = ("worker_id", "role", "engine_id", "grpc_address", "nixl_host", "nixl_port", "block_size", "kv_blocks_ttl_s", "model", "registered_at", "lease_id", "kv_bytes_per_token", "prefix_hash_algo", "prefix_hash_seed", "kv_events", "load_feed")
+    __slots__ = ("worker_id", "role", "engine_id", "grpc_address", "nixl_host", "nixl_port", "block_size", "kv_blocks_ttl_s", "model", "registered_at", "lease_id", "kv_bytes_per_token", "prefix_hash_algo", "prefix_hash_seed", "kv_events", "load_feed", "adapters")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class Worker(_message.Message):
     PREFIX_HASH_SEED_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FEED_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     engine_id: str
@@ -53,10 +54,21 @@ class Worker(_message.Message):
     prefix_hash_seed: str
     kv_events: bool
     load_feed: bool
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., engine_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., nixl_host: _Optional[str] = ..., nixl_port: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_blocks_ttl_s: _Optional[int] = ..., model: _Optional[str] = ..., registered_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., lease_id: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., prefix_hash_algo: _Optional[str] = ..., prefix_hash_seed: _Optional[str] = ..., kv_events: _Optional[bool] = ..., load_feed: _Optional[bool] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., engine_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., nixl_host: _Optional[str] = ..., nixl_port: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_blocks_ttl_s: _Optional[int] = ..., model: _Optional[str] = ..., registered_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., lease_id: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., prefix_hash_algo: _Optional[str] = ..., prefix_hash_seed: _Optional[str] = ..., kv_events: _Optional[bool] = ..., load_feed: _Optional[bool] = ..., adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ...) -> None: ...
+
+class LoraAdapter(_message.Message):
+    __slots__ = ("name", "id", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    id: int
+    path: str
+    def __init__(self, name: _Optional[str] = ..., id: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("session_id", "tenant", "decode_worker_id", "kv_transfer_params_json", "covered_tokens", "block_size", "token_ids", "expires_at", "updated_at", "turn", "claimed", "revision", "prefix_digest", "lease_id", "created_at", "kv_freed", "text_key", "checkpoints", "history_tokens", "history_generation", "text_chars", "head_token_ids", "handle_digest", "text_boundaries")
+    __slots__ = ("session_id", "tenant", "decode_worker_id", "kv_transfer_params_json", "covered_tokens", "block_size", "token_ids", "expires_at", "updated_at", "turn", "claimed", "revision", "prefix_digest", "lease_id", "created_at", "kv_freed", "text_key", "checkpoints", "history_tokens", "history_generation", "text_chars", "head_token_ids", "handle_digest", "text_boundaries", "model")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +93,7 @@ class Session(_message.Message):
     HEAD_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HANDLE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     TEXT_BOUNDARIES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tenant: str
     decode_worker_id: str
@@ -105,7 +118,8 @@ class Session(_message.Message):
     head_token_ids: _containers.RepeatedScalarFieldContainer[int]
     handle_digest: bytes
     text_boundaries: _containers.RepeatedCompositeFieldContainer[TextBoundary]
-    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., kv_transfer_params_json: _Optional[str] = ..., covered_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., turn: _Optional[int] = ..., claimed: _Optional[bool] = ..., revision: _Optional[int] = ..., prefix_digest: _Optional[bytes] = ..., lease_id: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., kv_freed: _Optional[str] = ..., text_key: _Optional[bytes] = ..., checkpoints: _Optional[_Iterable[_Union[PrefixCheckpoint, _Mapping]]] = ..., history_tokens: _Optional[int] = ..., history_generation: _Optional[int] = ..., text_chars: _Optional[int] = ..., head_token_ids: _Optional[_Iterable[int]] = ..., handle_digest: _Optional[bytes] = ..., text_boundaries: _Optional[_Iterable[_Union[TextBoundary, _Mapping]]] = ...) -> None: ...
+    model: str
+    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., kv_transfer_params_json: _Optional[str] = ..., covered_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., turn: _Optional[int] = ..., claimed: _Optional[bool] = ..., revision: _Optional[int] = ..., prefix_digest: _Optional[bytes] = ..., lease_id: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., kv_freed: _Optional[str] = ..., text_key: _Optional[bytes] = ..., checkpoints: _Optional[_Iterable[_Union[PrefixCheckpoint, _Mapping]]] = ..., history_tokens: _Optional[int] = ..., history_generation: _Optional[int] = ..., text_chars: _Optional[int] = ..., head_token_ids: _Optional[_Iterable[int]] = ..., handle_digest: _Optional[bytes] = ..., text_boundaries: _Optional[_Iterable[_Union[TextBoundary, _Mapping]]] = ..., model: _Optional[str] = ...) -> None: ...
 
 class TextBoundary(_message.Message):
     __slots__ = ("key", "chars", "tokens", "loop_start")

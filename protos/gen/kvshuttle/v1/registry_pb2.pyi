@@ -111,7 +111,7 @@ class GetSessionResponse(_message.Message):
     def __init__(self, session: _Optional[_Union[_common_pb2.Session, _Mapping]] = ..., expires_in_s: _Optional[float] = ..., history_missing: _Optional[str] = ...) -> None: ...
 
 class RecordTurnRequest(_message.Message):
-    __slots__ = ("session_id", "tenant", "decode_worker_id", "kv_transfer_params_json", "token_ids", "text", "finished_at", "text_key", "base_tokens", "base_turn", "prefix_digest", "checkpoints", "text_chars", "text_boundaries")
+    __slots__ = ("session_id", "tenant", "decode_worker_id", "kv_transfer_params_json", "token_ids", "text", "finished_at", "text_key", "base_tokens", "base_turn", "prefix_digest", "checkpoints", "text_chars", "text_boundaries", "model")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +126,7 @@ class RecordTurnRequest(_message.Message):
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     TEXT_CHARS_FIELD_NUMBER: _ClassVar[int]
     TEXT_BOUNDARIES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tenant: str
     decode_worker_id: str
@@ -140,7 +141,8 @@ class RecordTurnRequest(_message.Message):
     checkpoints: _containers.RepeatedCompositeFieldContainer[_common_pb2.PrefixCheckpoint]
     text_chars: int
     text_boundaries: _containers.RepeatedCompositeFieldContainer[_common_pb2.TextBoundary]
-    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., kv_transfer_params_json: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., text_key: _Optional[bytes] = ..., base_tokens: _Optional[int] = ..., base_turn: _Optional[int] = ..., prefix_digest: _Optional[bytes] = ..., checkpoints: _Optional[_Iterable[_Union[_common_pb2.PrefixCheckpoint, _Mapping]]] = ..., text_chars: _Optional[int] = ..., text_boundaries: _Optional[_Iterable[_Union[_common_pb2.TextBoundary, _Mapping]]] = ...) -> None: ...
+    model: str
+    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., kv_transfer_params_json: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., text_key: _Optional[bytes] = ..., base_tokens: _Optional[int] = ..., base_turn: _Optional[int] = ..., prefix_digest: _Optional[bytes] = ..., checkpoints: _Optional[_Iterable[_Union[_common_pb2.PrefixCheckpoint, _Mapping]]] = ..., text_chars: _Optional[int] = ..., text_boundaries: _Optional[_Iterable[_Union[_common_pb2.TextBoundary, _Mapping]]] = ..., model: _Optional[str] = ...) -> None: ...
 
 class RecordTurnResponse(_message.Message):
     __slots__ = ("session",)
@@ -171,14 +173,16 @@ class ClaimSessionResponse(_message.Message):
     def __init__(self, claimed: _Optional[bool] = ..., reason: _Optional[str] = ..., session: _Optional[_Union[_common_pb2.Session, _Mapping]] = ...) -> None: ...
 
 class FindSessionRequest(_message.Message):
-    __slots__ = ("tenant", "text_keys", "include_token_ids")
+    __slots__ = ("tenant", "text_keys", "include_token_ids", "model")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TEXT_KEYS_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     text_keys: _containers.RepeatedScalarFieldContainer[bytes]
     include_token_ids: bool
-    def __init__(self, tenant: _Optional[str] = ..., text_keys: _Optional[_Iterable[bytes]] = ..., include_token_ids: _Optional[bool] = ...) -> None: ...
+    model: str
+    def __init__(self, tenant: _Optional[str] = ..., text_keys: _Optional[_Iterable[bytes]] = ..., include_token_ids: _Optional[bool] = ..., model: _Optional[str] = ...) -> None: ...
 
 class FindSessionResponse(_message.Message):
     __slots__ = ("session", "expires_in_s", "matched_key", "history_missing")

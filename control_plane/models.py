@@ -1,0 +1,22 @@
+"""Which models a worker serves: its base model (Worker.model) and the LoRA adapters it has loaded, each asked for by
+its own name. KV is a model's and an adapter's own: vLLM computes it under the adapter and keys its block hashes by
+it, so a turn for one never reuses KV (or ids) recorded for another (docs/models.md)."""
+
+from __future__ import annotations
+
+from kvshuttle.v1 import common_pb2
+
+
+def serves(worker: common_pb2.Worker, model: str) -> bool:
+    """Whether ``worker`` answers requests for ``model``: its base model, or one of its adapters by name."""
+    return worker.model == model or any(a.name == model for a in worker.adapters)
+
+
+def adapter(worker: common_pb2.Worker, model: str) -> common_pb2.LoraAdapter | None:
+    """The adapter ``model`` names on ``worker`` (None: the base model, or not served there)."""
+    return next((a for a in worker.adapters if a.name == model), None)
+
+
+def served_names(worker: common_pb2.Worker) -> list[str]:
+    """Every name ``worker`` answers to: its base model first, then its adapters."""
+    return [worker.model, *(a.name for a in worker.adapters)] if worker.model else [a.name for a in worker.adapters]
