@@ -14,12 +14,11 @@ from typing import Protocol
 import grpc
 from fastapi import FastAPI
 from google.protobuf.message import Message
-from kvshuttle.control_plane.kv_size import kv_bytes_per_token
 from kvshuttle.control_plane.reasoning import REASONING_PARSERS
 from kvshuttle.control_plane.response_chain import MAX_CHAIN_RESPONSES
 from kvshuttle.control_plane.tool_calls import TOOL_CALL_PARSERS
 from kvshuttle.services.common import metrics
-from kvshuttle.services.common.config import TelemetryConfig, require, setting
+from kvshuttle.services.common.config import ConfigError, TelemetryConfig, require, setting
 from kvshuttle.services.common.grpc_server import Server, client_channel
 from kvshuttle.services.common.http_server import HttpServer
 from kvshuttle.services.common.metrics_http import PATH as METRICS_PATH
@@ -42,8 +41,11 @@ from kvshuttle.services.gateway.edge.http_metrics import HttpMetrics
 from kvshuttle.services.gateway.edge.http_tracing import HttpTracing
 from kvshuttle.services.gateway.edge.keys_reload import KeysFileWatcher
 from kvshuttle.services.gateway.edge.tenant_limits import TenantQuotas
+from kvshuttle.services.gateway.model_specs import ModelSpec, ModelSpecError, parse_models
 from kvshuttle.services.gateway.tokens.tokenizer import GatewayTokenizer
 from kvshuttle.services.gateway.turns import TurnRunner
+from kvshuttle.services.gateway.turns.builder import TurnBuilder
+from kvshuttle.services.gateway.turns.catalog import ServedModel
 from kvshuttle.services.gateway.turns.parsers import Parsers
 from kvshuttle.v1 import registry_pb2, registry_pb2_grpc, scheduler_pb2_grpc
 from starlette.requests import Request
@@ -114,6 +116,12 @@ class GatewayConfig(TelemetryConfig, TlsConfig):
                                      env="KVSHUTTLE_SERVED_MODEL_NAME")
     max_model_len: int = setting(0, "Context length in tokens (0: the model's max_position_embeddings)",
                                  env="KVSHUTTLE_MAX_MODEL_LEN")
+    models: str = setting("", "More models this gateway serves besides --model-dir's (which stays the default of a "
+                              "request that names none): NAME=DIR entries separated by commas, each optionally with "
+                              "?tool_call_parser=..&reasoning_parser=..&chat_template=FILE&max_model_len=N, e.g. "
+                              "'agent=/models/agent?tool_call_parser=hermes&reasoning_parser=qwen3'. Each needs "
+                              "prefill and decode workers serving NAME (docs/models.md)",
+                          env="KVSHUTTLE_GATEWAY_MODELS")
     default_max_tokens: int = setting(0, "The limit of an answer whose request sets none (max_tokens, "
                                          "max_completion_tokens, max_output_tokens; Anthropic's is required), when "
                                          "less than what the context leaves after the prompt; the answer then says "
@@ -218,8 +226,16 @@ class GatewayConfig(TelemetryConfig, TlsConfig):
         require(min(self.engine_timeout_s, self.control_timeout_s, self.prefill_timeout_s,
                     self.decode_stall_timeout_s) > 0, "timeouts must be > 0")
         require(self.worker_retries >= 0, "--worker-retries must be >= 0")
-        problem = Parsers(self.tool_call_parser, self.reasoning_parser).problem()
-        require(problem is None, problem or "")
+        try:
+            specs = self.model_specs()
+        except ModelSpecError as exc:
+            raise ConfigError(str(exc)) from None
+        names = [spec.name for spec in specs]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        require(not twice, f"--models: model {twice[0]!r} is served twice" if twice else "")
+        for spec in specs:
+            problem = Parsers(spec.tool_call_parser, spec.reasoning_parser).problem() or spec.problem()
+            require(problem is None, f"model {spec.name!r}: {problem}" if spec is not specs[0] else problem or "")
         require(not self.scheduler_args or self.scheduler == "local",
                 "--scheduler-args configures the embedded scheduler: it needs --scheduler local")
 
@@ -229,18 +245,11 @@ class GatewayConfig(TelemetryConfig, TlsConfig):
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model_dir).name
 
-    def context_len(self) -> int:
-        if self.max_model_len:
-            return self.max_model_len
-        config = json.loads(Path(self.model_dir, "config.json").read_text())
-        return int(config.get("max_position_embeddings", 2048))
-
-    def kv_bytes_per_token(self) -> int:
-        """An estimate of one token's KV in bytes, from the model's config.json (0: unknown)."""
-        try:
-            return kv_bytes_per_token(json.loads(Path(self.model_dir, "config.json").read_text()))
-        except (OSError, ValueError):
-            return 0
+    def model_specs(self) -> list[ModelSpec]:
+        """Every model served: --model-dir's first (the default), then --models'."""
+        first = ModelSpec(self.model_name(), self.model_dir, self.tool_call_parser, self.reasoning_parser,
+                          self.chat_template, self.max_model_len)
+        return [first, *parse_models(self.models)]
 
 
 class EmbeddedScheduler(Protocol):
@@ -280,16 +289,22 @@ class GatewayService:
                                                 options=() if scheduler else ROUND_ROBIN)
         scheduler_stub = (scheduler.stub if scheduler is not None
                           else scheduler_pb2_grpc.TransferSchedulerStub(self.scheduler_channel))
-        self.runner = self._turn_runner(scheduler_stub)
+        specs = cfg.model_specs()
+        self.runner = self._turn_runner(scheduler_stub, specs[0])  # the default model's
+        # the other models, each with its own runner (tokenizer, context length, workers) and builder (parsers)
+        self.more_models = [ServedModel(spec.name, self._turn_runner(scheduler_stub, spec), TurnBuilder(
+            spec.name, cfg.default_max_tokens, tool_call_parser=spec.tool_call_parser,
+            reasoning_parser=spec.reasoning_parser)) for spec in specs[1:]]
         bridge_token = secrets.token_urlsafe(24)  # marks the REST bridge's calls: the HTTP guard counted them
         servicer = GatewayServicer(self.runner, cfg.model_name(), cfg.default_max_tokens, self.keys, self.quotas,
-                                   bridge_token, reasoning_parser=cfg.reasoning_parser)
+                                   bridge_token, reasoning_parser=cfg.reasoning_parser, more_models=self.more_models)
         self.grpc = Server(cfg.grpc_listen, [SERVICE_NAME],
                            [lambda s: add_gateway_servicer(servicer, s)],
                            tls=cfg.server_tls(), max_message_bytes=max_message)
         self.self_channel = client_channel(self.grpc.address, own_tls, max_message_bytes=max_message)
         routes = self._bridge_routes(bridge_token)
-        metrics.GATEWAY_STATE.register(self.runner.metrics_state)
+        for runner in (self.runner, *(m.runner for m in self.more_models)):
+            metrics.GATEWAY_STATE.register(runner.metrics_state)
         registry = metrics.registry_for("gateway", extra=[  # and the embedded scheduler's, when it plans here
             *metrics.GROUPS["scheduler"], *metrics.GROUPS["etcd"]] if self.scheduler is not None else ())
         self.metrics = MetricsServer(cfg.metrics_listen, registry, name="gateway") if cfg.metrics_listen else None
@@ -302,12 +317,12 @@ class GatewayService:
         self.grpc_address = self.grpc.address
         self.http_address = self.http.address
 
-    def _turn_runner(self, scheduler_stub: object) -> TurnRunner:
+    def _turn_runner(self, scheduler_stub: object, spec: ModelSpec) -> TurnRunner:
         cfg = self.cfg
         runner = TurnRunner(
-            GatewayTokenizer(cfg.model_dir, Path(cfg.chat_template).read_text() if cfg.chat_template else None),
+            GatewayTokenizer(spec.model_dir, spec.chat_template_text()),
             registry_pb2_grpc.SessionRegistryStub(self.registry_channel),
-            scheduler_stub, max_model_len=cfg.context_len(),
+            scheduler_stub, max_model_len=spec.context_len(),
             engine_timeout_s=cfg.engine_timeout_s, control_timeout_s=cfg.control_timeout_s,
             session_cache_bytes=cfg.session_cache_mb << 20, first_token_from_prefill=cfg.first_token_from_prefill,
             prefill_timeout_s=cfg.prefill_timeout_s, decode_stall_timeout_s=cfg.decode_stall_timeout_s,
@@ -317,7 +332,7 @@ class GatewayService:
         runner.answer_room_tokens = cfg.answer_room_tokens
         runner.find_sessions = cfg.find_sessions
         runner.lean_streams = cfg.engine_streams == "h2"
-        runner.served_model, runner.kv_bytes_per_token = cfg.model_name(), cfg.kv_bytes_per_token()
+        runner.served_model, runner.kv_bytes_per_token = spec.name, spec.kv_bytes_per_token()
         runner.quotas = self.quotas
         runner.cache_group_of = self.keys.cache_group  # a tenant's prefix-cache salt follows its cache group
         return runner
@@ -342,7 +357,8 @@ class GatewayService:
         /metrics) with the bridged methods in the OpenAPI document."""
         cfg = self.cfg
         app = create_app(self.runner, cfg.model_name(), cfg.default_max_tokens, extra_routes=routes,
-                         tool_call_parser=cfg.tool_call_parser, reasoning_parser=cfg.reasoning_parser)
+                         tool_call_parser=cfg.tool_call_parser, reasoning_parser=cfg.reasoning_parser,
+                         more_models=self.more_models)
         add_anthropic_routes(app)
         add_responses_routes(app, response_ttl_s=cfg.response_ttl_s,
                              chain_max_responses=cfg.response_chain_max_responses,
@@ -387,7 +403,8 @@ class GatewayService:
             await self.keys_watcher.stop()
         await self.http.stop()
         await self.grpc.stop()
-        await self.runner.close()
+        for runner in (self.runner, *(m.runner for m in self.more_models)):
+            await runner.close()
         if self.scheduler is not None:
             await self.scheduler.stop()
         for channel in (self.registry_channel, self.scheduler_channel, self.self_channel):

@@ -9,7 +9,6 @@ import json
 import pytest
 from jsonschema import Draft202012Validator
 from kvshuttle.control_plane.constraints import json_answer
-from kvshuttle.services.gateway.turns import TurnError
 from kvshuttle.services.gateway.turns import tools as tool_rules
 from kvshuttle.services.gateway.turns.builder import TurnBuilder
 from kvshuttle.services.gateway.turns.errors import FieldError
@@ -28,19 +27,6 @@ CLOCK = FunctionIn(name="now")
 
 def builder(tools: str = "hermes", reasoning: str = "qwen3") -> TurnBuilder:
     return TurnBuilder("agent", 17, tool_call_parser=tools, reasoning_parser=reasoning)
-
-
-def test_the_model_check():
-    b = builder()
-    b.check_model(None)
-    b.check_model("")
-    b.check_model("agent")
-    with pytest.raises(TurnError) as err:
-        b.check_model("gpt-4o")
-    assert err.value.http_status == 404 and err.value.api_code == "model_not_found"
-    assert "'gpt-4o' does not exist or you do not have access to it; this gateway serves 'agent'" in err.value.message
-    with pytest.raises(TurnError):  # Anthropic's model is required: an empty one is unknown too
-        b.check_model("", required=True)
 
 
 @pytest.mark.parametrize("words, tools, choice, param, says", [

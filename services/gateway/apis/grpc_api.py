@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -17,6 +18,7 @@ from kvshuttle.services.gateway.edge.auth import AuthError, KeyRing, Principal
 from kvshuttle.services.gateway.edge.tenant_limits import TenantQuotas
 from kvshuttle.services.gateway.turns import Delta, Finished, KvOutcome, TurnContext, TurnError, TurnRequest, TurnRunner
 from kvshuttle.services.gateway.turns.builder import TurnBuilder
+from kvshuttle.services.gateway.turns.catalog import ModelCatalog, ServedModel
 from kvshuttle.services.gateway.turns.reply import Usage, drain
 from kvshuttle.v1 import gateway_pb2, gateway_pb2_grpc, scheduler_pb2
 
@@ -140,15 +142,17 @@ def _limit(turn: TurnContext) -> dict[str, Any]:
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, runner: TurnRunner, served_model: str, default_max_tokens: int, keys: KeyRing | None = None,
-                 quotas: TenantQuotas | None = None, bridge_token: str = "", *, reasoning_parser: str = ""):
+                 quotas: TenantQuotas | None = None, bridge_token: str = "", *, reasoning_parser: str = "",
+                 more_models: Sequence[ServedModel] = ()):
         """``keys``: API keys (metadata ``authorization: Bearer <key>``); none: open, every caller the default
         tenant. ``quotas``: the tenants' limits (requests per second are counted here, except for calls from this
         gateway's REST bridge, which the HTTP guard counted: they carry ``bridge_token`` in BRIDGED).
         ``reasoning_parser``: the gateway's (vLLM's names): a chat answer's reasoning is split from its content, as
-        in the HTTP APIs (the gRPC API takes no tools, so no calls are parsed)."""
-        self.runner = runner
-        self.served_model = served_model
-        self.builder = TurnBuilder(served_model, default_max_tokens, reasoning_parser=reasoning_parser)
+        in the HTTP APIs (the gRPC API takes no tools, so no calls are parsed). ``served_model`` on ``runner`` is
+        the default of a request that names no model; ``more_models`` are served too."""
+        self.runner = runner  # the default model's: ending a session goes through it (the registry is every model's)
+        self.models = ModelCatalog([ServedModel(served_model, runner, TurnBuilder(
+            served_model, default_max_tokens, reasoning_parser=reasoning_parser)), *more_models])
         self.keys = keys or KeyRing()
         self.quotas = quotas
         self.bridge_token = bridge_token.encode()
@@ -190,7 +194,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return gateway_pb2.EndSessionResponse(deleted=deleted, kv_released=released)
 
     def _request(self, msg, **prompt) -> TurnRequest:
-        self.builder.check_model(msg.model)
+        builder = self.models.get(msg.model).builder
         unknown = unknown_field(msg)
         if unknown:
             raise TurnError(400, grpc.StatusCode.INVALID_ARGUMENT,
@@ -200,7 +204,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         except input_check.InputError as exc:
             raise TurnError(400, grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         s = msg.sampling
-        return self.builder.request(
+        return builder.request(
             session_id=msg.session_id, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p or 1.0,
             seed=s.seed if s.HasField("seed") else None, ignore_eos=s.ignore_eos, stop=list(s.stop),
             disable_pull=msg.disable_pull, policy=msg.policy, top_k=s.top_k, min_p=s.min_p,
@@ -234,7 +238,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return self._request(msg, messages=[_template_message(m) for m in msg.messages])
 
     async def _prepare(self, req: TurnRequest, context) -> TurnContext:
-        turn = await self.runner.prepare(req)
+        turn = await self.models.runner_of(req).prepare(req)
         await context.send_initial_metadata((
             ("x-kv-decision", turn.kv.decision),
             ("x-kv-reason", turn.kv.reason.encode("ascii", "replace").decode()),
@@ -247,7 +251,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         try:
             req = self._authorized(req_fn, msg, context)
             turn = await self._prepare(req, context)
-            return turn, await drain(self.runner, turn)
+            return turn, await drain(self.models.runner_of(turn.request), turn)
         except TurnError as exc:
             await abort(context, exc)
         except grpc.aio.AbortError:
@@ -258,7 +262,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def Complete(self, request, context):
         turn, f = await self._unary(self._complete_request, request, context)
         return gateway_pb2.CompleteResponse(
-            id=turn.id, model=self.served_model, text=f.text, token_ids=f.output_ids, prompt_token_ids=turn.prompt_ids,
+            id=turn.id, model=turn.request.model, text=f.text, token_ids=f.output_ids, prompt_token_ids=turn.prompt_ids,
             finish_reason=f.finish_reason, usage=usage(f), kv=kv_report(f.kv), timings=turn_timings(f.timings),
             **_limit(turn))
 
@@ -269,7 +273,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         message = gateway_pb2.ChatMessage(role="assistant", content=blocks.joined(TEXT_BLOCK) or "",
                                           reasoning_content=blocks.joined(REASONING_BLOCK) or "")
         return gateway_pb2.ChatCompleteResponse(
-            id=turn.id, model=self.served_model, message=message, token_ids=f.output_ids,
+            id=turn.id, model=turn.request.model, message=message, token_ids=f.output_ids,
             prompt_token_ids=turn.prompt_ids, finish_reason=blocks.finish_reason(f.finish_reason), usage=usage(f),
             kv=kv_report(f.kv), timings=turn_timings(f.timings), **_limit(turn))
 
@@ -278,10 +282,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         try:
             turn = await self._prepare(self._authorized(req_fn, msg, context), context)
             yield gateway_pb2.TurnEvent(started=gateway_pb2.TurnEvent.Started(
-                id=turn.id, model=self.served_model, kv=kv_report(turn.kv), prompt_tokens=len(turn.prompt_ids),
+                id=turn.id, model=turn.request.model, kv=kv_report(turn.kv), prompt_tokens=len(turn.prompt_ids),
                 **_limit(turn)))
             blocks = AnswerBlocks()
-            async for event in self.runner.decode(turn):
+            async for event in self.models.runner_of(turn.request).decode(turn):
                 if isinstance(event, Delta):
                     parts = _parts(blocks.feed(event.events)) if chat else {}
                     yield gateway_pb2.TurnEvent(delta=gateway_pb2.TurnEvent.Delta(

@@ -5,7 +5,7 @@ document without FastAPI's 422s. ``create_app`` serves the OpenAI routes; ``add_
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -18,20 +18,25 @@ from kvshuttle.services.gateway.edge.api_errors import error_body
 from kvshuttle.services.gateway.edge.http_entry import GatewayRoute
 from kvshuttle.services.gateway.turns import TurnError, TurnRunner
 from kvshuttle.services.gateway.turns.builder import TurnBuilder
+from kvshuttle.services.gateway.turns.catalog import ModelCatalog, ServedModel
 from kvshuttle.services.gateway.turns.errors import FieldError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 
 def create_app(runner: TurnRunner, served_model: str, default_max_tokens: int,
-               extra_routes: list | None = None, *, tool_call_parser: str = "", reasoning_parser: str = "") -> FastAPI:
-    """``tool_call_parser`` / ``reasoning_parser``: the parsers' names (tool_calls.TOOL_CALL_PARSERS,
+               extra_routes: list | None = None, *, tool_call_parser: str = "", reasoning_parser: str = "",
+               more_models: Sequence[ServedModel] = ()) -> FastAPI:
+    """The app for ``served_model`` on ``runner`` (the default of a request that names no model), and
+    ``more_models``. ``tool_call_parser`` / ``reasoning_parser``: the parsers' names (tool_calls.TOOL_CALL_PARSERS,
     reasoning.REASONING_PARSERS); "" leaves tool calls (a request with tools is then refused) or reasoning
     unparsed. ``extra_routes`` (the REST bridge's, /metrics) go before the APIs' routes."""
     app = FastAPI(title="kvshuttle gateway", version="0.1.0",
                   description="OpenAI-compatible API over P/D-disaggregated vLLM with KV reuse across turns.",
                   exception_handlers=EXCEPTION_HANDLERS)
-    app.state.api = ApiState(runner, TurnBuilder(served_model, default_max_tokens, tool_call_parser=tool_call_parser,
-                                                 reasoning_parser=reasoning_parser))
+    first = ServedModel(served_model, runner, TurnBuilder(served_model, default_max_tokens,
+                                                          tool_call_parser=tool_call_parser,
+                                                          reasoning_parser=reasoning_parser))
+    app.state.api = ApiState(ModelCatalog([first, *more_models]))
     app.router.route_class = GatewayRoute  # input_check on every body, and a JSON 500 for what nothing else answers
     for route in extra_routes or []:
         app.router.routes.append(route)

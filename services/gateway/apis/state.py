@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from kvshuttle.services.gateway.edge.http_metrics import ARRIVED
 from kvshuttle.services.gateway.turns import TurnContext, TurnRequest, TurnRunner
-from kvshuttle.services.gateway.turns.builder import TurnBuilder
+from kvshuttle.services.gateway.turns.catalog import ModelCatalog, ServedModel
 
 DEFAULT_RESPONSE_TTL_S = 86_400  # the gateway's --response-ttl-s
 DEFAULT_CHAIN_MAX_RESPONSES = 10_000  # --response-chain-max-responses
@@ -17,19 +17,24 @@ DEFAULT_CHAIN_MAX_BYTES = 3 << 20  # --response-chain-max-bytes (within gRPC's d
 
 @dataclass(frozen=True)
 class ApiState:
-    """The turn runner, the turn builder (the served model, its default answer limit and parsers), and the Responses
-    API's stored-response settings (``response_ttl_s`` after a conversation's last stored response; ``chain_max_*``
-    bound a conversation read back)."""
+    """The served models (each with its turn runner and turn builder: tokenizer, parsers, default answer limit), and
+    the Responses API's stored-response settings (``response_ttl_s`` after a conversation's last stored response;
+    ``chain_max_*`` bound a conversation read back)."""
 
-    runner: TurnRunner
-    builder: TurnBuilder
+    models: ModelCatalog
     response_ttl_s: int = DEFAULT_RESPONSE_TTL_S
     chain_max_responses: int = DEFAULT_CHAIN_MAX_RESPONSES
     chain_max_bytes: int = DEFAULT_CHAIN_MAX_BYTES
 
+    def model(self, name: str | None, *, required: bool = False) -> ServedModel:
+        """The served model a request names (404 model_not_found when not served; none named: the default)."""
+        return self.models.get(name, required=required)
+
     @property
-    def served_model(self) -> str:
-        return self.builder.served_model
+    def runner(self) -> TurnRunner:
+        """The default model's runner: what is not a turn (stored responses, ending sessions) goes through it (the
+        registry is every model's)."""
+        return self.models.default.runner
 
 
 def api_state(request: Request) -> ApiState:
@@ -40,7 +45,7 @@ def api_state(request: Request) -> ApiState:
 async def prepare_turn(request: Request, req: TurnRequest) -> TurnContext:
     """The turn prepared by the runner, its ``request_ms`` timing set: from the request's arrival at the gateway's
     ASGI front to the turn's start (the part of a client's time to first token before the turn's own timings)."""
-    turn = await api_state(request).runner.prepare(req)
+    turn = await api_state(request).models.runner_of(req).prepare(req)
     arrived = request.scope.get(ARRIVED)
     if arrived is not None:
         turn.timings["request_ms"] = round((turn.started - arrived) * 1000, 3)

@@ -2,7 +2,6 @@
 gRPC API) translate their request's spelling into what this builder takes, and it makes the TurnRequest.
 
 It owns the rules a turn's request follows whatever API it came through:
-- the model check;
 - the tools and ``tool_choice`` (tools.py's ``check_tools``), and the answer parsing they imply (tools.py's
   ``check_tool_results``, which every front end runs over its messages in chat's form: each tool result answers an
   earlier call);
@@ -19,9 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import grpc
 from kvshuttle.control_plane.constraints import CALL_SYNTAX, Constraint, forced_tool_calls, not_forced
-from kvshuttle.services.gateway.turns.errors import FieldError, TurnError
+from kvshuttle.services.gateway.turns.errors import FieldError
 from kvshuttle.services.gateway.turns.parsers import Parsers
 from kvshuttle.services.gateway.turns.request import TurnRequest
 from kvshuttle.services.gateway.turns.tools import (
@@ -47,14 +45,6 @@ class TurnBuilder:
         self.served_model = served_model
         self.default_max_tokens = default_max_tokens
         self.parsers = Parsers(tool_call_parser, reasoning_parser)
-
-    def check_model(self, model: str | None, *, required: bool = False) -> None:
-        """404 ``model_not_found`` (OpenAI's code) for a model this gateway does not serve (``required``: an empty
-        name is one too)."""
-        if (model or required) and model != self.served_model:
-            raise TurnError(404, grpc.StatusCode.NOT_FOUND,
-                            f"The model {model!r} does not exist or you do not have access to it; this gateway "
-                            f"serves {self.served_model!r}", api_code="model_not_found")
 
     def tools(self, tools: Sequence[FunctionIn], choice: ToolChoice, words: ToolWords = OPENAI_TOOLS, *,
               parallel: bool = True, tenant: str = "") -> ToolUse:

@@ -221,6 +221,8 @@ def release_unused_handle(rt: TurnServices, ctx: TurnContext) -> asyncio.Task | 
             or req.disable_pull):  # a forced recompute (benchmarks, comparisons) leaves the session's KV alone
         return None
     record = snapshot.session
+    if record.model != req.model:
+        return None  # another model's KV: this turn's P (of the turn's model) must never read it
     n = min(record.covered_tokens, record.block_size)
     if not plan.figures.source_worker_alive or not session_rules.freeable(record, len(ctx.prompt_ids), time.time()):
         return None

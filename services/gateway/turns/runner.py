@@ -399,10 +399,10 @@ class TurnRunner:
                             retry_after_s=1) from None
         if session_rules.freeable(record, len(record.head_token_ids), time.time()):
             first_block = list(record.head_token_ids[:record.block_size + 1])
-            try:  # any live prefill worker will do: ask the scheduler for one
+            try:  # any live prefill worker of the session's model will do: ask the scheduler for one
                 plan = await self.scheduler.PlanTurn(scheduler_pb2.PlanTurnRequest(
                     tenant=tenant, prompt_ids_packed=ids_bytes(first_block), disable_pull=True,
-                    model=self.served_model),
+                    model=record.model or self.served_model),
                     timeout=self.control_timeout_s)
                 released = await release_span(recording.free_handle(
                     self, f"end-{uuid.uuid4().hex[:16]}", record, plan.prefill, first_block, tenant, session_id))

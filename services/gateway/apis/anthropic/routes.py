@@ -115,7 +115,7 @@ router = APIRouter(route_class=AnthropicRoute, tags=["anthropic"])
 
 
 def add_anthropic_routes(app: FastAPI) -> None:
-    """Adds the Messages API to the gateway's app (create_app's: its ApiState's runner, model and parsers; "" parsers
+    """Adds the Messages API to the gateway's app (create_app's: its ApiState's models and parsers; "" parsers
     leave that part unparsed, and a request with tools is then refused unless tool_choice is none). Its
     ``default_max_tokens`` is not used: Anthropic's ``max_tokens`` is required."""
     app.include_router(router)
@@ -124,9 +124,8 @@ def add_anthropic_routes(app: FastAPI) -> None:
 @router.post(MESSAGES_PATH, responses=MESSAGE_RESPONSES, openapi_extra=SESSION_HEADER)
 async def messages(body: MessagesIn, request: Request) -> Response:
     """Anthropic's Messages API (Claude-Code-style agents): one assistant turn, streamed or whole."""
-    state = api_state(request)
-    builder, runner, served_model = state.builder, state.runner, state.served_model
-    builder.check_model(body.model, required=True)
+    served = api_state(request).model(body.model, required=True)
+    builder, runner, served_model = served.builder, served.runner, served.name
     budget = getattr(body.thinking, "budget_tokens", None)
     if budget is not None and budget < body.max_tokens - 1:
         raise FieldError("thinking.budget_tokens", f"thinking.budget_tokens {budget} cannot be enforced (the "
@@ -169,14 +168,13 @@ async def messages(body: MessagesIn, request: Request) -> Response:
                                            **ANTHROPIC_ERRORS})
 async def count_tokens(body: CountTokensIn, request: Request) -> Response:
     """The prompt's tokens for the same body, as /v1/messages would render it (no turn runs)."""
-    state = api_state(request)
-    state.builder.check_model(body.model, required=True)
+    served = api_state(request).model(body.model, required=True)
     functions, choice, _ = chat_tools(body)
     # counted as rendered, whatever the gateway parses
     check_tools(functions, choice, ANTHROPIC_TOOLS, tenant=caller(request).tenant)
     tools = ToolUse(template_tools(functions))
     messages = chat_messages(body)
-    tokenizer = state.runner.tokenizer
+    tokenizer = served.runner.tokenizer
     try:
         text = await off_loop.render_chat(tokenizer, messages, **template_vars(body, tools))
     except Exception as exc:  # template errors are the caller's input

@@ -24,12 +24,13 @@ from kvshuttle.services.gateway.apis.openai.models import ChatCompletionIn, Comp
 from kvshuttle.services.gateway.apis.openai.stream import CHAT, COMPLETION, Logprobs, Shape, error_tail, stream, usage
 from kvshuttle.services.gateway.apis.openai.structured_output import requested_constraint
 from kvshuttle.services.gateway.apis.request_model import session_id_of
-from kvshuttle.services.gateway.apis.state import ApiState, api_state, prepare_turn
+from kvshuttle.services.gateway.apis.state import api_state, prepare_turn
 from kvshuttle.services.gateway.edge.api_errors import SESSION_HEADER, TURN_RESPONSES
 from kvshuttle.services.gateway.edge.http_entry import GatewayRoute
 from kvshuttle.services.gateway.edge.http_guard import caller
 from kvshuttle.services.gateway.edge.sse import stream_response
 from kvshuttle.services.gateway.turns import TurnRequest
+from kvshuttle.services.gateway.turns.catalog import ServedModel
 from kvshuttle.services.gateway.turns.reply import Usage, drain, kv_body, kv_headers
 from kvshuttle.services.gateway.turns.tools import NamedTool, check_tool_results
 
@@ -39,23 +40,26 @@ router = APIRouter(route_class=GatewayRoute)  # input_check on every body, and a
 @router.get("/health")
 async def health(request: Request) -> dict[str, Any]:
     """Up; ``degraded`` counts the turns served without the session store (registry/etcd unreachable)."""
-    return {"status": "ok", "degraded": dict(api_state(request).runner.degraded)}
+    degraded: dict[str, int] = {}
+    for served in api_state(request).models:
+        for kind, n in served.runner.degraded.items():
+            degraded[kind] = degraded.get(kind, 0) + n
+    return {"status": "ok", "degraded": degraded}
 
 
 @router.get("/v1/models", responses={401: TURN_RESPONSES[401]})
 async def models(request: Request) -> dict[str, Any]:
-    """The served model as vLLM lists one: ``root`` (its name here: the model's path stays on the workers),
+    """The served models as vLLM lists them: ``root`` (its name here: the model's path stays on the workers),
     ``parent`` (an adapter's base model; None for a base model) and ``max_model_len``."""
-    state = api_state(request)
     return {"object": "list", "data": [{
-        "id": state.served_model, "object": "model", "created": 0, "owned_by": "kvshuttle",
-        "root": state.served_model, "parent": None, "max_model_len": state.runner.max_model_len}]}
+        "id": served.name, "object": "model", "created": 0, "owned_by": "kvshuttle", "root": served.name,
+        "parent": None, "max_model_len": served.runner.max_model_len} for served in api_state(request).models]}
 
 
 @router.post("/v1/chat/completions", responses=TURN_RESPONSES, openapi_extra=SESSION_HEADER)
 async def chat(body: ChatCompletionIn, request: Request):
-    state = api_state(request)
-    builder, choice = state.builder, body.tool_choice
+    served = api_state(request).model(body.model)
+    builder, choice = served.builder, body.tool_choice
     tenant = caller(request).tenant
     tools = builder.tools([t.function for t in body.tools or []],
                           NamedTool(choice.function.name) if isinstance(choice, NamedToolChoice) else choice,
@@ -63,29 +67,28 @@ async def chat(body: ChatCompletionIn, request: Request):
     messages = [m.plain(f"messages.{i}") for i, m in enumerate(body.messages)]
     check_tool_results(messages)
     asked, param = _structured(body, tenant)
-    req = _turn_request(state, body, request, body.max_completion_tokens or body.max_tokens, messages=messages,
+    req = _turn_request(served, body, request, body.max_completion_tokens or body.max_tokens, messages=messages,
                         template_vars=body.template_vars(), constraint=builder.constraint(asked, param, tools),
                         tools=tools, constraint_after_reasoning=body.structured_outputs is None)
     answer = AnswerShape(parsed=builder.parsers.reasoning is not None or tools.calls,
                          parallel_tool_calls=body.parallel_tool_calls, include_reasoning=body.include_reasoning)
-    return await _respond(request, state, body, req, CHAT, answer)
+    return await _respond(request, served, body, req, CHAT, answer)
 
 
 @router.post("/v1/completions", responses=TURN_RESPONSES, openapi_extra=SESSION_HEADER)
 async def completions(body: CompletionIn, request: Request):
-    state = api_state(request)
+    served = api_state(request).model(body.model)
     prompt = {"prompt_text": body.prompt} if isinstance(body.prompt, str) else {"prompt_ids": body.prompt}
     asked, param = _structured(body, caller(request).tenant)
-    constraint = state.builder.constraint(asked, param)
-    req = _turn_request(state, body, request, body.max_tokens, constraint=constraint, constraint_after_reasoning=False,
-                        **prompt)
-    return await _respond(request, state, body, req, COMPLETION)
+    constraint = served.builder.constraint(asked, param)
+    req = _turn_request(served, body, request, body.max_tokens, constraint=constraint,
+                        constraint_after_reasoning=False, **prompt)
+    return await _respond(request, served, body, req, COMPLETION)
 
 
-def _turn_request(state: ApiState, body: SamplingIn, request: Request, max_tokens: int | None,
+def _turn_request(served: ServedModel, body: SamplingIn, request: Request, max_tokens: int | None,
                   **prompt: Any) -> TurnRequest:
-    builder = state.builder
-    builder.check_model(body.model)
+    builder = served.builder
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     session = session_id_of(request.headers, body.conversation_id)
     who = caller(request)  # the tenant comes from the API key only (no identity: 401)
@@ -103,9 +106,9 @@ def _structured(body: SamplingIn, tenant: str) -> tuple[Constraint | None, str]:
             "response_format" if body.response_format else "structured_outputs")
 
 
-async def _respond(request: Request, state: ApiState, body: SamplingIn, req: TurnRequest, shape: Shape,
+async def _respond(request: Request, served: ServedModel, body: SamplingIn, req: TurnRequest, shape: Shape,
                    answer: AnswerShape | None = None):
-    runner, served_model = state.runner, state.served_model
+    runner, served_model = served.runner, served.name
     turn = await prepare_turn(request, req)
     answer = answer or AnswerShape()
     lps = Logprobs(speller(runner.tokenizer), runner.hidden_token_ids(req)) if req.logprobs is not None else None

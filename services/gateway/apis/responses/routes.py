@@ -55,7 +55,7 @@ _PAGE_PARAMS = frozenset({"after", "limit", "order", "include"})
 def add_responses_routes(app: FastAPI, *, response_ttl_s: int = DEFAULT_RESPONSE_TTL_S,
                          chain_max_responses: int = DEFAULT_CHAIN_MAX_RESPONSES,
                          chain_max_bytes: int = DEFAULT_CHAIN_MAX_BYTES) -> None:
-    """Adds the Responses API to the gateway's app (create_app's: its ApiState's runner, model and parsers), with
+    """Adds the Responses API to the gateway's app (create_app's: its ApiState's models and parsers), with
     its stored-response settings: ``response_ttl_s``, and ``chain_max_*`` bounding the conversations read back
     (``previous_response_id``, input items)."""
     app.state.api = dataclasses.replace(app.state.api, response_ttl_s=response_ttl_s,
@@ -66,8 +66,8 @@ def add_responses_routes(app: FastAPI, *, response_ttl_s: int = DEFAULT_RESPONSE
 @router.post("/v1/responses", responses=TURN_RESPONSES, openapi_extra=SESSION_HEADER)
 async def create(body: ResponsesIn, request: Request):
     state = api_state(request)
-    builder, runner = state.builder, state.runner
-    builder.check_model(body.model)
+    served = state.model(body.model)
+    builder, runner = served.builder, served.runner
     who = caller(request)
     choice = body.tool_choice
     tools = builder.tools(body.tools or [], NamedTool(choice.name) if isinstance(choice, NamedFunctionChoice)
@@ -89,7 +89,7 @@ async def create(body: ResponsesIn, request: Request):
                           constraint=builder.constraint(_structured(body, who.tenant), "text.format", tools))
     turn = await prepare_turn(request, req)
     output = OutputBuilder(parallel_tool_calls=body.parallel_tool_calls)
-    response = response_object(body, turn, state.served_model)
+    response = response_object(body, turn, served.name)
 
     async def finished(event: Finished) -> dict[str, Any]:
         used = await Usage.of(event).with_reasoning(runner.tokenizer, event.answer_events)

@@ -1,0 +1,35 @@
+"""The models one gateway serves (services/gateway/turns/catalog.py): found by name, the first the default, an
+unknown one a 404 model_not_found."""
+
+from __future__ import annotations
+
+import pytest
+from kvshuttle.services.gateway.turns import TurnError, TurnRequest
+from kvshuttle.services.gateway.turns.builder import TurnBuilder
+from kvshuttle.services.gateway.turns.catalog import ModelCatalog, ServedModel
+
+
+def served(name: str) -> ServedModel:
+    return ServedModel(name, runner=f"runner-{name}", builder=TurnBuilder(name))  # type: ignore[arg-type]
+
+
+def test_models_by_name_the_first_the_default():
+    catalog = ModelCatalog([served("agent"), served("tiny")])
+    assert catalog.names == ["agent", "tiny"] and len(catalog) == 2
+    assert catalog.get(None).name == catalog.get("").name == "agent" and catalog.get("tiny").name == "tiny"
+    assert catalog.runner_of(TurnRequest(model="tiny")) == "runner-tiny"
+    assert catalog.runner_of(TurnRequest()) == "runner-agent"
+    with pytest.raises(TurnError) as err:
+        catalog.get("gpt-4o")
+    assert err.value.http_status == 404 and err.value.api_code == "model_not_found"
+    assert "'gpt-4o' does not exist or you do not have access to it; this gateway serves 'agent', 'tiny'" in (
+        err.value.message)
+    with pytest.raises(TurnError):  # Anthropic's model is required: an empty one is unknown too
+        catalog.get("", required=True)
+
+
+def test_a_catalog_refuses_no_model_a_model_twice_and_a_builder_of_another():
+    for models, words in (([], "at least one"), ([served("a"), served("a")], "served twice"),
+                          ([ServedModel("a", None, TurnBuilder("b"))], "its builder serves 'b'")):  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=words):
+            ModelCatalog(models)
