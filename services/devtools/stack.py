@@ -310,14 +310,14 @@ class Stack:
                     raise TimeoutError(f"{name} did not answer /health in {timeout_s:g} s:\n{child.log_tail(30)}")
                 await asyncio.sleep(0.3)
 
-    async def flush_prefill(self, wait_s: float = 40.0) -> None:
-        """Empty the prefill workers' own prefix caches, so that any history P does not compute must come over NIXL.
-        vLLM refuses while P holds blocks (e.g. a prefill whose decode worker never read it, until its KV lease
-        ends): retried until ``wait_s``."""
+    async def flush_prefill(self, wait_s: float = 40.0, workers: Sequence[common_pb2.Worker] | None = None) -> None:
+        """Empty the prefill workers' own prefix caches (the stack's, or those of ``workers``), so that any history P
+        does not compute must come over NIXL. vLLM refuses while P holds blocks (e.g. a prefill whose decode worker
+        never read it, until its KV lease ends): retried until ``wait_s``."""
         from kvshuttle.services.engine.client import EngineClient
 
         deadline = time.monotonic() + wait_s
-        for w in self.workers:
+        for w in self.workers if workers is None else workers:
             if w.role != common_pb2.WORKER_ROLE_PREFILL:
                 continue
             client = EngineClient(w.grpc_address, timeout_s=30)
@@ -330,11 +330,15 @@ class Stack:
                 await client.close()
 
     async def spawn_worker(self, role: str, name: str, bind: str, gpu: str = "",
-                           decoder_kv_blocks_ttl: int | None = None, extra_args: str | None = None) -> ChildProcess:
+                           decoder_kv_blocks_ttl: int | None = None, extra_args: str | None = None,
+                           served_model_name: str = "") -> ChildProcess:
         """Start one ``kvshuttle worker`` (it registers itself) with the stack's settings: own ports and work dir,
-        CPU binding ``bind`` (or GPU ``gpu``), the stack's decode KV TTL unless ``decoder_kv_blocks_ttl``, and the
-        role's extra vLLM arguments unless ``extra_args``."""
+        CPU binding ``bind`` (or GPU ``gpu``), the stack's decode KV TTL unless ``decoder_kv_blocks_ttl``, the
+        role's extra vLLM arguments unless ``extra_args``, and the model's directory name as its served name unless
+        ``served_model_name``."""
         extra = ["--cuda-visible-devices", gpu, "--kv-buffer-device", "cuda"] if gpu else []
+        if served_model_name:
+            extra += ["--served-model-name", served_model_name]
         if self.cfg.traces_exporter == "otlp":  # vLLM's own spans join the turns' traces
             extra += ["--vllm-otlp-traces-endpoint", self.cfg.otlp_endpoint]
         self.metrics[name] = f"http://127.0.0.1:{free_port()}/metrics"

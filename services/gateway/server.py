@@ -231,6 +231,9 @@ class GatewayConfig(TelemetryConfig, TlsConfig):
         except ModelSpecError as exc:
             raise ConfigError(str(exc)) from None
         names = [spec.name for spec in specs]
+        unserved = sorted(self.key_ring().models_named() - set(names))
+        require(not unserved, f"--api-keys-file names models this gateway does not serve: {unserved} (it serves "
+                              f"{names})")
         twice = sorted({n for n in names if names.count(n) > 1})
         require(not twice, f"--models: model {twice[0]!r} is served twice" if twice else "")
         for spec in specs:

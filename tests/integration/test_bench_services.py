@@ -77,6 +77,27 @@ async def test_tiny_run_reports_every_operation_at_every_level(tmp_path):
         assert info["pid"] and _gone(info["pid"]), name
 
 
+async def test_plans_at_each_number_of_models_name_their_model(tmp_path):
+    """--model-counts (issue #37): the plans at each count of models, each model with the same workers, and each
+    p50 as a ratio to the first count's; every plan lands on the turn's model's workers (else it could not pull)."""
+    out = tmp_path / "out"
+    proc = await _bench("--concurrency", "1", "--requests-per-level", "4", "--warmup-requests", "0",
+                        "--operations", "plan_disable_pull,local_disable_pull,plan_pull_snapshot",
+                        "--model-counts", "1,3", "--fleet-workers", "12", "--out", str(out), "--log-level", "WARNING")
+    stdout, stderr = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode == 0, stderr.decode()[-3000:]
+    report = json.loads((out / "services.json").read_text())
+    cells = [(r["operation"], r["models"]) for r in report["results"] if r["models"]]
+    assert sorted(cells) == sorted((op, n) for op in ("plan_disable_pull", "local_disable_pull",
+                                                      "plan_pull_snapshot") for n in (1, 3))
+    assert all(r["errors"] == 0 for r in report["results"]), [r["error_samples"] for r in report["results"]]
+    models = report["models"]
+    assert models["counts"] == [1, 3] and models["workers_per_model"] == 4
+    assert set(models["ratios"]) == {"plan_disable_pull", "local_disable_pull", "plan_pull_snapshot"}
+    assert all(ratios["1"] == 1.0 and ratios["3"] > 0 for ratios in models["ratios"].values())
+    assert "PlanTurn disable_pull p50 vs 1 model: 1: 1.00x" in stdout.decode()
+
+
 async def test_plans_claim_through_the_registry_on_request(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     plans = "plan_recompute,plan_pull,plan_pull_snapshot"

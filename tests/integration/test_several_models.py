@@ -6,6 +6,7 @@ the same text, and only the model keeps their sessions apart) and one with a tem
 
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
 
@@ -13,6 +14,7 @@ import grpc
 import httpx
 import pytest
 from kvshuttle.services.common.grpc_server import client_channel
+from kvshuttle.services.gateway.edge import auth
 from kvshuttle.services.gateway.server import GatewayConfig, GatewayService
 from kvshuttle.services.registry.server import RegistryConfig, serve
 from kvshuttle.services.scheduler.server import SchedulerConfig, SchedulerService
@@ -51,7 +53,10 @@ def _pulls(p: FakeEngineServer) -> int:
                for r in p.engine.requests if r.HasField("kv_transfer_params_json"))
 
 
-async def test_two_models_behind_one_gateway_keep_their_sessions_and_kv_apart(etcd, model_dir, tmp_path):
+@contextlib.asynccontextmanager
+async def three_models(etcd: str, model_dir, tmp_path, **gateway: str):
+    """Registry, scheduler, a fake pair per model and one gateway serving tiny, tiny-b and tiny-t (``gateway``: more
+    of its settings): the gateway and the pairs by model."""
     prefix = f"/models-{uuid.uuid4().hex[:6]}/"
     registry = await serve(RegistryConfig(listen="127.0.0.1:0", etcd_endpoints=etcd, key_prefix=prefix))
     scheduler = SchedulerService(SchedulerConfig(listen="127.0.0.1:0", registry=registry.address, key_prefix=prefix,
@@ -62,13 +67,21 @@ async def test_two_models_behind_one_gateway_keep_their_sessions_and_kv_apart(et
                 what="the scheduler's view of every worker")
     template = tmp_path / "b.jinja"
     template.write_text(TEMPLATE_B)
-    gateway = GatewayService(GatewayConfig(http_listen="127.0.0.1:0", grpc_listen="127.0.0.1:0",
+    service = GatewayService(GatewayConfig(http_listen="127.0.0.1:0", grpc_listen="127.0.0.1:0",
                                            registry=registry.address, scheduler=scheduler.address,
                                            model_dir=str(model_dir), served_model_name="tiny", max_model_len=2048,
                                            models=f"tiny-b={model_dir}?max_model_len=2048,"
-                                                  f"tiny-t={model_dir}?chat_template={template}&max_model_len=1024"))
-    await gateway.start()
+                                                  f"tiny-t={model_dir}?chat_template={template}&max_model_len=1024",
+                                           **gateway))
+    await service.start()
     try:
+        yield service, pairs
+    finally:
+        await stop_all(service, scheduler, registry, [e for pair in pairs.values() for e in pair])
+
+
+async def test_two_models_behind_one_gateway_keep_their_sessions_and_kv_apart(etcd, model_dir, tmp_path):
+    async with three_models(etcd, model_dir, tmp_path) as (gateway, pairs):
         async with httpx.AsyncClient(base_url=f"http://{gateway.http_address}", timeout=30) as client:
             listed = (await client.get("/v1/models")).json()["data"]
             assert [(m["id"], m["max_model_len"], m["parent"]) for m in listed] == [
@@ -131,5 +144,44 @@ async def test_two_models_behind_one_gateway_keep_their_sessions_and_kv_apart(et
                 await stub.ChatComplete(gateway_pb2.ChatCompleteRequest(
                     model="tiny-c", messages=[gateway_pb2.ChatMessage(role="user", content="hi")]))
             assert err.value.code() == grpc.StatusCode.NOT_FOUND
-    finally:
-        await stop_all(gateway, scheduler, registry, [e for pair in pairs.values() for e in pair])
+
+
+async def test_a_key_uses_only_the_models_the_keys_file_gives_it(etcd, model_dir, tmp_path):
+    """The keys file's ``models`` (issue #37): a key limited to tiny-b sees only tiny-b in /v1/models, gets it when it
+    names no model, and gets 404 model_not_found for the others, as if they were not served (the message names only
+    its own); a key without the field uses every model. Over HTTP and gRPC."""
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"keys": [auth.entry("kvs-b-only-1", "acme", models=["tiny-b"]),
+                                         auth.entry("kvs-every-1", "globex")]}))
+    async with three_models(etcd, model_dir, tmp_path, api_keys_file=str(keys)) as (gateway, pairs):
+        only_b, every = ({"Authorization": f"Bearer {k}"} for k in ("kvs-b-only-1", "kvs-every-1"))
+        async with httpx.AsyncClient(base_url=f"http://{gateway.http_address}", timeout=30) as client:
+            listed = {name: [m["id"] for m in (await client.get("/v1/models", headers=h)).json()["data"]]
+                      for name, h in (("only_b", only_b), ("every", every))}
+            assert listed == {"only_b": ["tiny-b"], "every": ["tiny", "tiny-b", "tiny-t"]}
+            hi = [{"role": "user", "content": "hi"}]
+            for model in ("tiny", "tiny-t", "tiny-c"):
+                refused = await client.post("/v1/chat/completions", headers=only_b,
+                                            json={"model": model, "messages": hi, "max_tokens": 2})
+                assert refused.status_code == 404 and refused.json()["error"]["code"] == "model_not_found"
+                message = refused.json()["error"]["message"]
+                assert "serves 'tiny-b'" in message and "'tiny'," not in message and "tiny-t" not in message.replace(
+                    f"'{model}' does not exist", "")
+            default = await client.post("/v1/chat/completions", headers=only_b, json={"messages": hi, "max_tokens": 2})
+            assert default.status_code == 200 and default.json()["model"] == "tiny-b"
+            anthropic = await client.post("/v1/messages", headers=only_b, json={
+                "model": "tiny", "messages": hi, "max_tokens": 2})
+            assert anthropic.status_code == 404 and anthropic.json()["error"]["type"] == "not_found_error"
+            for model in ("tiny", "tiny-t"):
+                allowed = await client.post("/v1/chat/completions", headers=every,
+                                            json={"model": model, "messages": hi, "max_tokens": 2})
+                assert allowed.status_code == 200, allowed.text
+        async with client_channel(gateway.grpc_address) as channel:
+            stub = gateway_pb2_grpc.GatewayStub(channel)
+            request = gateway_pb2.ChatCompleteRequest(model="tiny", messages=[gateway_pb2.ChatMessage(
+                role="user", content="hi")], sampling=gateway_pb2.SamplingOptions(max_tokens=2))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.ChatComplete(request, metadata=(("authorization", "Bearer kvs-b-only-1"),))
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+            got = await stub.ChatComplete(request, metadata=(("authorization", "Bearer kvs-every-1"),))
+            assert got.model == "tiny"

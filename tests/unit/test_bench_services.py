@@ -168,6 +168,10 @@ def test_scale_history_tokens_needs_a_scaled_operation(capsys):
                                                                         "holds only in-process plans and etcd_claim"),
     (["--order", "level", "--concurrency", "1", "--operations", "plan_pull,record_turn"], "--order has no effect"),
     (["--order", "level", "--operations", "plan_pull"], "--order has no effect unless --operations lists more"),
+    (["--model-counts", "1,20", "--operations", "record_turn"], "--model-counts has no effect without plan_disable_pull"),
+    (["--fleet-workers", "100"], "--fleet-workers has no effect without --model-counts"),
+    (["--model-counts", "1,0"], "--model-counts must list integers >= 1"),
+    (["--model-counts", "1,20", "--fleet-workers", "30"], "--fleet-workers must give every model"),
 ])
 def test_settings_only_some_operations_use_need_one_of_them(argv, words):
     with pytest.raises(ConfigError, match=words):
@@ -183,6 +187,7 @@ def test_settings_only_some_operations_use_need_one_of_them(argv, words):
     ["--channels", "4", "--operations", "grpc_echo"],
     ["--order", "level", "--concurrency", "1,4", "--operations", "plan_pull,record_turn"],
     ["--order", "operation", "--operations", "plan_pull"],
+    ["--model-counts", "20,1", "--fleet-workers", "40", "--operations", "local_disable_pull"],
     ["--turn-tokens", "64", "--new-tokens", "8", "--claims", "registry", "--channels", "2", "--order", "level",
      "--scale-history-tokens", "1024,4096"],  # every operation (the default): every setting has its effect
 ])

@@ -33,3 +33,17 @@ def test_a_catalog_refuses_no_model_a_model_twice_and_a_builder_of_another():
                           ([ServedModel("a", None, TurnBuilder("b"))], "its builder serves 'b'")):  # type: ignore[arg-type]
         with pytest.raises(ValueError, match=words):
             ModelCatalog(models)
+
+
+def test_a_key_limited_to_some_models_sees_only_those():
+    catalog = ModelCatalog([served("agent"), served("tiny"), served("big")])
+    assert [m.name for m in catalog.usable({"tiny", "big"})] == ["tiny", "big"]
+    assert catalog.get(None, allowed={"tiny", "big"}).name == "tiny"  # the default is not this key's: its first
+    assert catalog.get(None, allowed={"agent", "big"}).name == "agent"
+    with pytest.raises(TurnError) as err:
+        catalog.get("agent", allowed={"tiny"})
+    assert err.value.api_code == "model_not_found" and "serves 'tiny'" in err.value.message
+    assert "'big'" not in err.value.message  # what other keys may use is not told
+    with pytest.raises(TurnError) as err:
+        catalog.get(None, allowed={"other"})  # a key whose models this gateway does not serve
+    assert "no model to this key" in err.value.message

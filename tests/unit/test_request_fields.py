@@ -8,6 +8,7 @@ import httpx
 import pytest
 from kvshuttle.services.gateway.apis.grpc_api import GatewayServicer, unknown_field
 from kvshuttle.services.gateway.apis.http_app import create_app
+from kvshuttle.services.gateway.edge.auth import OPEN
 from kvshuttle.services.gateway.turns import TurnError
 from kvshuttle.v1 import gateway_pb2
 
@@ -149,17 +150,17 @@ def test_grpc_sampling_options_are_mapped_onto_the_turn():
             max_tokens=5, top_k=2, min_p=0.25, presence_penalty=0.5, frequency_penalty=1.5, repetition_penalty=1.5,
             min_tokens=2, stop_token_ids=[3], logit_bias={4: 100.0}, include_stop_str_in_output=True,
             skip_special_tokens=False, spaces_between_special_tokens=False))
-    req = servicer()._chat_request(msg)
+    req = servicer()._chat_request(msg, OPEN)
     assert (req.top_k, req.min_p, req.presence_penalty, req.frequency_penalty) == (2, 0.25, 0.5, 1.5)
     assert (req.repetition_penalty, req.min_tokens, req.stop_token_ids, req.logit_bias) == (1.5, 2, [3], {4: 100.0})
     assert req.include_stop_str_in_output and not req.skip_special_tokens and not req.spaces_between_special_tokens
     assert req.messages == [{"role": "user", "content": "hi", "name": "bo"}]
     plain = servicer()._chat_request(gateway_pb2.ChatCompleteRequest(messages=[gateway_pb2.ChatMessage(
-        role="user", content="hi")]))
+        role="user", content="hi")]), OPEN)
     assert plain.repetition_penalty == 1.0 and plain.skip_special_tokens and plain.spaces_between_special_tokens
     assert plain.messages == [{"role": "user", "content": "hi"}]
     explicit_zero = gateway_pb2.SamplingOptions(repetition_penalty=0.0)  # set: the TurnRunner refuses it
-    assert servicer()._complete_request(gateway_pb2.CompleteRequest(prompt="x", sampling=explicit_zero)
+    assert servicer()._complete_request(gateway_pb2.CompleteRequest(prompt="x", sampling=explicit_zero), OPEN
                                         ).repetition_penalty == 0.0
 
 
@@ -170,7 +171,7 @@ def test_a_grpc_field_this_gateway_does_not_know_is_a_400():
     msg.sampling.ParseFromString(sampling)
     assert unknown_field(msg) == "sampling#101"
     with pytest.raises(TurnError) as err:
-        servicer()._chat_request(msg)
+        servicer()._chat_request(msg, OPEN)
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "sampling#101" in err.value.message
     message = gateway_pb2.ChatMessage(role="user").SerializeToString() + b"\xa0\x06\x01"  # field 100 = 1
     msg = gateway_pb2.ChatCompleteRequest()

@@ -64,6 +64,11 @@ alone), else the plan's own work.
 size and prints each one's p50 as a ratio to the first size's: a record's cost should not grow with its history
 (GetSession's does: it returns the ids).
 
+``--model-counts 1,20`` (with ``--fleet-workers 1000``) also runs the claim-free and claiming plans at concurrency 1
+with the fleet's workers serving that many models, each with the same number of workers (50): the turn's model keeps
+its workers while the others' grow. A plan looks only at its model's workers, so its p50 should not grow with the
+number of models (each count's p50 is printed as a ratio to the first's).
+
 The scheduler reads records and claims handles in etcd itself (``--claims etcd``, with the registry's store code,
 as ``kvshuttle up`` runs it) or through the registry's ``GetSession``/``ClaimSession`` (``--claims registry``).
 
@@ -91,6 +96,7 @@ and does not). Output: a table on stdout and ``<out>/services.json``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -164,6 +170,9 @@ ETCD_COUNTERS = {"etcd_disk_wal_write_bytes_total": "wal", "etcd_network_client_
 VOCAB = (100, 50_000)  # token ids are drawn from this range (a typical BPE vocabulary)
 TEXT_CHARS_PER_TOKEN = 4  # the recorded text: about this many characters per token, as English BPE gives
 WORKER_LEASE_TTL_S = 10
+BENCH_MODEL = "bench"  # the model the fake workers serve and every benchmarked turn names
+FLEET_LEASE_TTL_S = 3600  # --model-counts: the fleet's leases outlast the run (no keep-alives during it)
+MODEL_OPS = (PLAN_DISABLE_PULL, LOCAL_DISABLE_PULL, PLAN_PULL_SNAPSHOT)  # --model-counts: what it measures
 DECODE_KV_TTL_S = 3600  # the fake decode worker keeps KV long enough that no handle expires during the run
 SETUP_CONCURRENCY = 16  # untimed recording of the sessions a cell needs
 ECHO_METHOD = "/kvshuttle.bench.Echo/Echo"
@@ -201,6 +210,14 @@ class ServicesBenchConfig:
                                             "at these history sizes, comma-separated (e.g. 1024,131072), and "
                                             "print each one's p50 as a ratio to the first size's")
     block_size: int = setting(16, "The fake decode worker's KV block size (tokens per hashed block)")
+    model_counts: str = setting("", "Also measure claim-free and claiming plans (PlanTurn disable_pull, in-process "
+                                    "disable_pull, PlanTurn pull+snapshot, those of them in --operations) at "
+                                    "concurrency 1 with the fleet's workers serving this many models each, "
+                                    "comma-separated (e.g. 1,20): every model has --fleet-workers / the largest count "
+                                    "workers, so the turn's model keeps its workers while the others' grow; each p50 "
+                                    "is printed as a ratio to the first count's")
+    fleet_workers: int = setting(1000, "--model-counts: the fleet's workers at the largest count (half prefill, "
+                                       "half decode)")
     channels: int = setting(1, "gRPC channels per service that the client coroutines share round-robin "
                                "(1: one connection, like one gateway)")
     claims: str = setting("etcd", "Where the scheduler reads session records and claims handles: etcd (directly, "
@@ -233,6 +250,9 @@ class ServicesBenchConfig:
     def scale_sizes(self) -> list[int]:
         return [int(x) for x in self.scale_history_tokens.split(",") if x.strip()]
 
+    def model_count_list(self) -> list[int]:
+        return sorted({int(x) for x in self.model_counts.split(",") if x.strip()})
+
     def validate(self) -> None:
         try:
             levels = self.levels()
@@ -256,6 +276,14 @@ class ServicesBenchConfig:
             sizes = [0]
         require(all(n >= max(32, 2 * self.block_size + 1) for n in sizes),
                 "--scale-history-tokens must list integers that cover at least two blocks, e.g. 1024,131072")
+        try:
+            counts = self.model_count_list()
+        except ValueError:
+            counts = [0]
+        require(all(n >= 1 for n in counts), "--model-counts must list integers >= 1, e.g. 1,20")
+        require(not counts or self.fleet_workers >= 2 * max(counts),
+                "--fleet-workers must give every model at least a prefill and a decode worker (>= 2 x the largest "
+                "--model-counts)")
         require(self.channels >= 1, "--channels must be >= 1")
         require(self.rpc_timeout_s > 0 and self.startup_timeout_s > 0, "timeouts must be > 0")
         self.validate_effects(ops)
@@ -267,6 +295,9 @@ class ServicesBenchConfig:
 
         require_effect(self, "scale_history_tokens", any(op in SCALED for op in ops),
                        f"{among(SCALED)} in --operations (the operations it measures at each size)")
+        require_effect(self, "model_counts", any(op in MODEL_OPS for op in ops),
+                       f"{among(MODEL_OPS)} in --operations (the plans it measures at each count)")
+        require_effect(self, "fleet_workers", bool(self.model_counts), "without --model-counts")
         require_effect(self, "turn_tokens", RECORD_TURN in ops,
                        f"without {RECORD_TURN} in --operations (the ids each timed RecordTurn adds)")
         require_effect(self, "new_tokens", any(op in PROMPTED for op in ops),
@@ -295,11 +326,11 @@ def _reraise_if_cancelling() -> None:
 
 # -- the fake workers ----------------------------------------------------------------------------------------------
 
-def fake_worker(worker_id: str, role: int, port: int, block_size: int) -> common_pb2.Worker:
+def fake_worker(worker_id: str, role: int, port: int, block_size: int, model: str = "bench") -> common_pb2.Worker:
     """A worker record as a worker agent registers it; nothing listens at its addresses."""
     return common_pb2.Worker(worker_id=worker_id, role=role, engine_id=f"bench-engine-{worker_id}",
                              grpc_address=f"127.0.0.1:{port}", nixl_host="127.0.0.1", nixl_port=port + 1,
-                             block_size=block_size, kv_blocks_ttl_s=DECODE_KV_TTL_S, model="bench")
+                             block_size=block_size, kv_blocks_ttl_s=DECODE_KV_TTL_S, model=model)
 
 
 def handle_for(decode: common_pb2.Worker, covered: int) -> str:
@@ -593,7 +624,8 @@ class Workload:
         """A whole-history record, as a gateway writes a session's first turn: the registry digests the ids."""
         return registry_pb2.RecordTurnRequest(session_id=session_id, decode_worker_id=self.decode.worker_id,
                                               kv_transfer_params_json=self.handle, token_ids=self.history,
-                                              text_chars=self.text_chars, text_key=text_key(session_id))
+                                              text_chars=self.text_chars, text_key=text_key(session_id),
+                                              model=BENCH_MODEL)
 
     def turn_requests(self, session_id: str, first: registry_pb2.RecordTurnResponse,
                       turns: int) -> list[registry_pb2.RecordTurnRequest]:
@@ -613,11 +645,13 @@ class Workload:
                 kv_transfer_params_json=handle_for(self.decode, covered), token_ids=ids[base:],
                 base_tokens=base, base_turn=record.turn + k, text_chars=4 * len(ids),
                 text_key=text_key(f"{session_id}-{k}"), prefix_digest=digests[covered],
-                checkpoints=[common_pb2.PrefixCheckpoint(tokens=n, digest=digests[n]) for n in lengths]))
+                checkpoints=[common_pb2.PrefixCheckpoint(tokens=n, digest=digests[n]) for n in lengths],
+                model=BENCH_MODEL))
         return out
 
     def disable_pull_request(self, session_id: str) -> scheduler_pb2.PlanTurnRequest:
-        return scheduler_pb2.PlanTurnRequest(session_id=session_id, prompt_ids_packed=self.packed, disable_pull=True)
+        return scheduler_pb2.PlanTurnRequest(session_id=session_id, prompt_ids_packed=self.packed, disable_pull=True,
+                                             model=BENCH_MODEL)
 
     async def _record_many(self, session_ids: Sequence[str]) -> list[registry_pb2.RecordTurnResponse]:
         """Record each session once (untimed setup), a few at a time."""
@@ -648,21 +682,24 @@ class Workload:
         prefix = f"bench-{self.run_id}-{self._cells}"
         if op == PLAN_RECOMPUTE:  # never recorded
             return [scheduler_pb2.PlanTurnRequest(session_id=f"{prefix}-none-{i % concurrency}",
-                                                  prompt_ids_packed=self.packed) for i in range(concurrency)]
+                                                  prompt_ids_packed=self.packed, model=BENCH_MODEL)
+                    for i in range(concurrency)]
         if op == PLAN_DISABLE_PULL:  # recorded, but the request disables the pull
             await self._record_many([f"{prefix}-dp"])
             return [self.disable_pull_request(f"{prefix}-dp")]
         if op == PLAN_PULL:  # a fresh record per plan
             ids = [f"{prefix}-pull-{i}" for i in range(requests)]
             await self._record_many(ids)
-            return [scheduler_pb2.PlanTurnRequest(session_id=s, prompt_ids_packed=self.packed) for s in ids]
+            return [scheduler_pb2.PlanTurnRequest(session_id=s, prompt_ids_packed=self.packed, model=BENCH_MODEL)
+                    for s in ids]
         if op == PLAN_PULL_SNAPSHOT:  # as the gateway plans: with the record it has just read (GetSession untimed)
             ids = [f"{prefix}-snap-{i}" for i in range(requests)]
             await self._record_many(ids)
             snapshots = await self._read_many(ids)
             for snap in snapshots:  # what the gateway sends: the record without its history
                 snap.session.ClearField("token_ids")
-            return [scheduler_pb2.PlanTurnRequest(session_id=s, prompt_ids_packed=self.packed, session_snapshot=snap)
+            return [scheduler_pb2.PlanTurnRequest(session_id=s, prompt_ids_packed=self.packed, session_snapshot=snap,
+                                                  model=BENCH_MODEL)
                     for s, snap in zip(ids, snapshots, strict=True)]
         if op == ETCD_CLAIM:  # a fresh record per claim, claimed with the scheduler's transaction
             if self.etcd is None:
@@ -760,6 +797,7 @@ class CellResult:
     cpu_ms_per_op: dict[str, float]
     error_samples: list[str]
     history_tokens: int = 0
+    models: int = 0  # --model-counts cells: the models the fleet's workers served
     # etcd's own counters over the cell, per request: WAL bytes written, client bytes received and sent, bytes put
     etcd_bytes_per_op: dict[str, float] = dataclasses.field(default_factory=dict)
 
@@ -1085,6 +1123,8 @@ async def run_benchmark(cfg: ServicesBenchConfig, emit: Callable[[str], None] = 
                 emit(line)
         scaled = await _run_scaled(cfg, services, stubs, workers.decode, emit) if cfg.scale_sizes() else []
         results += scaled
+        if cfg.model_count_list():
+            results += await _run_models(cfg, services, stubs, workload, embedded, emit)
     finally:
         if embedded is not None:
             await embedded.stop()
@@ -1123,6 +1163,7 @@ async def run_benchmark(cfg: ServicesBenchConfig, emit: Callable[[str], None] = 
         "results": [r.to_dict() for r in results],
         "record_bytes": workload.record_bytes,
         "scaling": _scaling(results, cfg),
+        "models": _by_models(results, cfg),
         "goals": _json_safe(summary),
     }
     path = out / "services.json"
@@ -1154,6 +1195,95 @@ async def _run_scaled(cfg: ServicesBenchConfig, services: Services, stubs: Seque
     for line in _scaling(results, cfg).get("lines", []):
         emit(line)
     return results
+
+
+class Fleet:
+    """--model-counts: more fake workers, registered on long leases (no keep-alives while plans are timed), serving
+    ``bench`` (the turn's model: the bench pair and more) and ``bench-m1``... (the others)."""
+
+    def __init__(self, registry: registry_pb2_grpc.SessionRegistryStub, block_size: int, per_model: int):
+        self.registry, self.block_size, self.per_model = registry, block_size, per_model
+        self.registered: list[tuple[str, int]] = []  # (worker id, lease id)
+        self.models = 1  # "bench", with the bench pair's 2 workers so far
+        self._port = 20000
+
+    async def _register(self, model: str, count: int) -> None:
+        gate = asyncio.Semaphore(SETUP_CONCURRENCY)
+
+        async def one(i: int) -> None:
+            role = common_pb2.WORKER_ROLE_PREFILL if i % 2 == 0 else common_pb2.WORKER_ROLE_DECODE
+            async with gate:
+                self._port += 2
+                worker = fake_worker(f"fleet-{model}-{i}", role, self._port, self.block_size, model)
+                resp = await self.registry.RegisterWorker(registry_pb2.RegisterWorkerRequest(
+                    worker=worker, lease_ttl_s=FLEET_LEASE_TTL_S), timeout=10.0)
+                self.registered.append((worker.worker_id, resp.lease_id))
+
+        await asyncio.gather(*(one(i) for i in range(count)))
+
+    async def grow_to(self, models: int) -> str:
+        """Register workers until ``models`` models have ``per_model`` workers each; returns the last model's name
+        (registered last: a scheduler that plans on it has seen every worker, as its watch is in order)."""
+        if len(self.registered) == 0:
+            await self._register(BENCH_MODEL, self.per_model - 2)
+        last = BENCH_MODEL
+        while self.models < models:
+            last = f"{BENCH_MODEL}-m{self.models}"
+            await self._register(last, self.per_model)
+            self.models += 1
+        return last
+
+    async def stop(self) -> None:
+        for worker_id, lease_id in self.registered:
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await self.registry.DeregisterWorker(registry_pb2.DeregisterWorkerRequest(
+                    worker_id=worker_id, lease_id=lease_id), timeout=10.0)
+        self.registered.clear()
+
+
+async def _run_models(cfg: ServicesBenchConfig, services: Services, stubs: Sequence[Stubs], workload: Workload,
+                      embedded: SchedulerService | None, emit: Callable[[str], None]) -> list[CellResult]:
+    """The plans of MODEL_OPS at concurrency 1 at each --model-counts count; then the p50 ratios to the first."""
+    counts, results = cfg.model_count_list(), []
+    fleet = Fleet(stubs[0].registry, cfg.block_size, cfg.fleet_workers // max(counts))
+    emit(f"\nat each number of models ({fleet.per_model} workers each; concurrency 1; the turn names its model):")
+    try:
+        for n in counts:
+            last = await fleet.grow_to(n)
+            await _wait_scheduler_ready(stubs[0].scheduler, workload, cfg.startup_timeout_s, last)
+            if embedded is not None:
+                await _wait_scheduler_ready(stubs[0].local, workload, cfg.startup_timeout_s, last)
+            for op in (o for o in MODEL_OPS if o in cfg.operation_list()):
+                if cfg.warmup_requests:
+                    await run_cell(workload, services, stubs, op, 1, min(cfg.warmup_requests, 5))
+                result = await run_cell(workload, services, stubs, op, 1, cfg.requests_per_level)
+                result.label, result.models = f"{LABELS[op]} x{n} models", n
+                results.append(result)
+                emit(table_row(result))
+    finally:
+        await fleet.stop()
+    for line in _by_models(results, cfg).get("lines", []):
+        emit(line)
+    return results
+
+
+def _by_models(results: Sequence[CellResult], cfg: ServicesBenchConfig) -> dict:
+    """Each --model-counts operation's p50 at every count as a ratio to its p50 at the first count."""
+    counts = cfg.model_count_list()
+    if not counts:
+        return {}
+    out: dict[str, Any] = {"counts": counts, "workers_per_model": cfg.fleet_workers // max(counts), "ratios": {},
+                           "lines": []}
+    for op in MODEL_OPS:
+        cells = {r.models: r for r in results if r.operation == op and r.models}
+        base = cells.get(counts[0])
+        if base is None or not math.isfinite(base.p50_ms):
+            continue
+        ratios = {n: cells[n].p50_ms / base.p50_ms for n in counts if n in cells}
+        out["ratios"][op] = ratios
+        out["lines"].append(f"{LABELS[op]} p50 vs {counts[0]} model{'s' * (counts[0] > 1)}: " + ", ".join(
+            f"{n}: {r:.2f}x ({cells[n].p50_ms:.3f} ms)" for n, r in ratios.items()))
+    return out
 
 
 def _scaling(results: Sequence[CellResult], cfg: ServicesBenchConfig) -> dict:
@@ -1188,11 +1318,12 @@ async def _start_embedded(services: Services) -> SchedulerService:
 
 
 async def _wait_scheduler_ready(scheduler: scheduler_pb2_grpc.TransferSchedulerStub, workload: Workload,
-                                timeout_s: float) -> None:
-    """Until the scheduler's worker view (WatchWorkers) holds both fake workers and it answers a plan."""
+                                timeout_s: float, model: str = BENCH_MODEL) -> None:
+    """Until the scheduler's worker view (WatchWorkers) holds a prefill and a decode worker of ``model`` and it
+    answers a plan."""
     deadline = time.monotonic() + timeout_s
     request = scheduler_pb2.PlanTurnRequest(session_id=f"bench-{workload.run_id}-ready",
-                                            prompt_token_ids=workload.prompt[:64])
+                                            prompt_token_ids=workload.prompt[:64], model=model)
     while True:
         try:
             await scheduler.PlanTurn(request, timeout=5.0)

@@ -177,7 +177,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def _authorized(self, req_fn, msg, context) -> TurnRequest:
         """The turn for ``msg``, as the caller's tenant (the key decides it; nothing in the request can)."""
         caller = self._caller(context)
-        req = req_fn(msg)
+        req = req_fn(msg, caller)
         req.tenant = caller.tenant
         return req
 
@@ -193,8 +193,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             await _internal(context, "EndSession")
         return gateway_pb2.EndSessionResponse(deleted=deleted, kv_released=released)
 
-    def _request(self, msg, **prompt) -> TurnRequest:
-        builder = self.models.get(msg.model).builder
+    def _request(self, msg, who: Principal, **prompt) -> TurnRequest:
+        builder = self.models.get(msg.model, allowed=who.models).builder
         unknown = unknown_field(msg)
         if unknown:
             raise TurnError(400, grpc.StatusCode.INVALID_ARGUMENT,
@@ -217,16 +217,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                            if s.HasField("spaces_between_special_tokens") else True),
             **prompt)
 
-    def _complete_request(self, msg: gateway_pb2.CompleteRequest) -> TurnRequest:
+    def _complete_request(self, msg: gateway_pb2.CompleteRequest, who: Principal) -> TurnRequest:
         if msg.prompt and msg.prompt_token_ids:
             raise TurnError(400, grpc.StatusCode.INVALID_ARGUMENT, "give prompt or prompt_token_ids, not both")
         if msg.prompt_token_ids:
-            return self._request(msg, prompt_ids=list(msg.prompt_token_ids))
+            return self._request(msg, who, prompt_ids=list(msg.prompt_token_ids))
         if not msg.prompt:
             raise TurnError(400, grpc.StatusCode.INVALID_ARGUMENT, "prompt or prompt_token_ids is required")
-        return self._request(msg, prompt_text=msg.prompt)
+        return self._request(msg, who, prompt_text=msg.prompt)
 
-    def _chat_request(self, msg: gateway_pb2.ChatCompleteRequest) -> TurnRequest:
+    def _chat_request(self, msg: gateway_pb2.ChatCompleteRequest, who: Principal) -> TurnRequest:
         roles = {"system", "developer", "user", "assistant", "tool"}
         bad = [m.role for m in msg.messages if m.role not in roles]
         if bad:
@@ -235,7 +235,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if reasoned:
             raise TurnError(400, grpc.StatusCode.INVALID_ARGUMENT,
                             f"messages[{reasoned[0]}].reasoning_content: only an assistant message has reasoning")
-        return self._request(msg, messages=[_template_message(m) for m in msg.messages])
+        return self._request(msg, who, messages=[_template_message(m) for m in msg.messages])
 
     async def _prepare(self, req: TurnRequest, context) -> TurnContext:
         turn = await self.models.runner_of(req).prepare(req)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fastapi import Request
+from kvshuttle.services.gateway.edge.auth import Principal
 from kvshuttle.services.gateway.edge.http_metrics import ARRIVED
 from kvshuttle.services.gateway.turns import TurnContext, TurnRequest, TurnRunner
 from kvshuttle.services.gateway.turns.catalog import ModelCatalog, ServedModel
@@ -26,9 +27,10 @@ class ApiState:
     chain_max_responses: int = DEFAULT_CHAIN_MAX_RESPONSES
     chain_max_bytes: int = DEFAULT_CHAIN_MAX_BYTES
 
-    def model(self, name: str | None, *, required: bool = False) -> ServedModel:
-        """The served model a request names (404 model_not_found when not served; none named: the default)."""
-        return self.models.get(name, required=required)
+    def model(self, name: str | None, who: Principal, *, required: bool = False) -> ServedModel:
+        """The served model a request names, among those the caller's key may use (404 model_not_found when not
+        served or not the caller's; none named: the default)."""
+        return self.models.get(name, required=required, allowed=who.models)
 
     @property
     def runner(self) -> TurnRunner:

@@ -18,6 +18,10 @@ they have in common (a system prompt) is cached once for all of them, and each c
 the others sent. Without it every tenant's prefix cache is its own (control_plane/cache_salt.py). All of a tenant's
 entries must name the same group.
 
+Optional ``"models"`` on an entry: the served models (names, as clients ask for them) its key may use; others are
+answered as unknown (404 ``model_not_found``) and left out of ``GET /v1/models``. Without it the key may use every
+model the gateway serves.
+
 ``kvshuttle hash-key`` makes an entry: it reads a key on stdin (or ``--generate`` makes a new one) and prints the entry.
 A request's tenant comes from its key alone; ``admin`` keys may also use the admin-only routes (worker listing).
 With no keys file the gateway is open: every caller is the default tenant, with admin rights.
@@ -55,6 +59,10 @@ class Principal:
     admin: bool = False
     name: str = ""
     cache_group: str = ""  # tenants of one group share a prefix-cache salt ("": the tenant's own)
+    models: frozenset[str] | None = None  # the models the key may use (None: every one served)
+
+    def may_use(self, model: str) -> bool:
+        return self.models is None or model in self.models
 
 
 OPEN = Principal(session_rules.DEFAULT_TENANT, admin=True, name="open")
@@ -122,7 +130,7 @@ class KeyRing:
             where = f"--api-keys-file {path!r}, entry {i}"
             if not isinstance(item, dict):
                 raise ConfigError(f"{where}: must be an object")
-            unknown = set(item) - {"sha256", "tenant", "admin", "name", "cache_group"}
+            unknown = set(item) - {"sha256", "tenant", "admin", "name", "cache_group", "models"}
             if unknown:
                 raise ConfigError(f"{where}: unknown fields {sorted(unknown)}")
             digest = str(item.get("sha256", "")).lower()
@@ -141,7 +149,13 @@ class KeyRing:
             if not isinstance(admin, bool):
                 raise ConfigError(f"{where}: \"admin\" must be true or false")
             group = _cache_group(item.get("cache_group", ""), tenant, groups, where)
-            entries.append((bytes.fromhex(digest), Principal(tenant, admin, str(item.get("name", "")), group)))
+            models = item.get("models")
+            if models is not None and (not isinstance(models, list) or not models
+                                       or not all(isinstance(m, str) and m for m in models)):
+                raise ConfigError(f"{where}: \"models\" must be a non-empty list of model names (leave it out for "
+                                  "every model)")
+            entries.append((bytes.fromhex(digest), Principal(tenant, admin, str(item.get("name", "")), group,
+                                                            frozenset(models) if models is not None else None)))
         if not entries:
             raise ConfigError(f"--api-keys-file: {path!r} lists no keys (leave the setting empty for an open gateway)")
         return cls(entries, _limits(data.get("limits", {}), {p.tenant for _, p in entries}, path))
@@ -161,6 +175,10 @@ class KeyRing:
         if found is None:
             raise AuthError("invalid API key")
         return found
+
+    def models_named(self) -> set[str]:
+        """Every model some entry's ``models`` names."""
+        return {m for _, p in self._entries if p.models is not None for m in p.models}
 
     def cache_group(self, tenant: str) -> str:
         """The tenant's cache group ("": none, or no such tenant here)."""
@@ -208,7 +226,8 @@ def _cache_group(value: object, tenant: str, groups: dict[str, str], where: str)
     return group
 
 
-def entry(key: str, tenant: str, *, admin: bool = False, name: str = "", cache_group: str = "") -> dict:
+def entry(key: str, tenant: str, *, admin: bool = False, name: str = "", cache_group: str = "",
+          models: Sequence[str] = ()) -> dict:
     """The keys-file entry for ``key``."""
     session_rules.validate_id("tenant", tenant)
     out: dict = {"sha256": hash_key(key), "tenant": tenant}
@@ -219,6 +238,8 @@ def entry(key: str, tenant: str, *, admin: bool = False, name: str = "", cache_g
     if cache_group:
         session_rules.validate_id("cache_group", cache_group)
         out["cache_group"] = cache_group
+    if models:
+        out["models"] = list(models)
     return out
 
 
@@ -230,6 +251,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--name", default="", help="A label for the entry (shown nowhere else)")
     parser.add_argument("--cache-group", default="",
                         help="Share a prefix cache with the other tenants of this group (default: the tenant's own)")
+    parser.add_argument("--models", default="",
+                        help="The served models the key may use, comma-separated (default: every one)")
     parser.add_argument("--generate", action="store_true",
                         help="Make a new random key and print it (to stderr) with the entry; else read it on stdin")
     args = parser.parse_args(argv)
@@ -246,4 +269,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         key = sys.stdin.readline().strip()
         if not key:
             parser.error("no key on stdin")
-    print(json.dumps(entry(key, args.tenant, admin=args.admin, name=args.name, cache_group=args.cache_group)))
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    print(json.dumps(entry(key, args.tenant, admin=args.admin, name=args.name, cache_group=args.cache_group,
+                           models=models)))

@@ -4,7 +4,7 @@ unknown one is a 404 ``model_not_found`` on every API (docs/models.md)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -53,14 +53,22 @@ class ModelCatalog:
         """The runner of the model ``req`` is for (the builder set it)."""
         return self.get(req.model).runner
 
-    def get(self, model: str | None, *, required: bool = False) -> ServedModel:
-        """The served model ``model`` names; none named: the default, unless ``required`` (Anthropic's APIs). Else a
-        404 ``model_not_found`` (OpenAI's code; the APIs spell it their own way)."""
-        if not model and not required:
-            return self.default
+    def usable(self, allowed: Collection[str] | None = None) -> list[ServedModel]:
+        """The served models a caller may use (``allowed``: its key's models; None: every one)."""
+        return [m for m in self._by_name.values() if allowed is None or m.name in allowed]
+
+    def get(self, model: str | None, *, required: bool = False,
+            allowed: Collection[str] | None = None) -> ServedModel:
+        """The served model ``model`` names, among those ``allowed`` (the caller's key's; None: every one); none
+        named: the default (the first allowed), unless ``required`` (Anthropic's APIs). Else a 404
+        ``model_not_found`` (OpenAI's code; the APIs spell it their own way), the same whether the model is not
+        served or not the caller's: an answer never tells a caller which models other keys may use."""
+        usable = self.usable(allowed)
+        if not model and not required and usable:
+            return self.default if self.default in usable else usable[0]
         found = self._by_name.get(model or "")
-        if found is None:
-            served = ", ".join(repr(n) for n in self._by_name)
+        if found is None or found not in usable:
+            served = ", ".join(repr(m.name) for m in usable) or "no model to this key"
             raise TurnError(404, grpc.StatusCode.NOT_FOUND,
                             f"The model {model!r} does not exist or you do not have access to it; this gateway "
                             f"serves {served}", api_code="model_not_found")

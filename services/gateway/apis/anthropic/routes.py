@@ -124,7 +124,7 @@ def add_anthropic_routes(app: FastAPI) -> None:
 @router.post(MESSAGES_PATH, responses=MESSAGE_RESPONSES, openapi_extra=SESSION_HEADER)
 async def messages(body: MessagesIn, request: Request) -> Response:
     """Anthropic's Messages API (Claude-Code-style agents): one assistant turn, streamed or whole."""
-    served = api_state(request).model(body.model, required=True)
+    served = api_state(request).model(body.model, caller(request), required=True)
     builder, runner, served_model = served.builder, served.runner, served.name
     budget = getattr(body.thinking, "budget_tokens", None)
     if budget is not None and budget < body.max_tokens - 1:
@@ -168,7 +168,7 @@ async def messages(body: MessagesIn, request: Request) -> Response:
                                            **ANTHROPIC_ERRORS})
 async def count_tokens(body: CountTokensIn, request: Request) -> Response:
     """The prompt's tokens for the same body, as /v1/messages would render it (no turn runs)."""
-    served = api_state(request).model(body.model, required=True)
+    served = api_state(request).model(body.model, caller(request), required=True)
     functions, choice, _ = chat_tools(body)
     # counted as rendered, whatever the gateway parses
     check_tools(functions, choice, ANTHROPIC_TOOLS, tenant=caller(request).tenant)

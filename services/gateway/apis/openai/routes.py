@@ -53,12 +53,13 @@ async def models(request: Request) -> dict[str, Any]:
     ``parent`` (an adapter's base model; None for a base model) and ``max_model_len``."""
     return {"object": "list", "data": [{
         "id": served.name, "object": "model", "created": 0, "owned_by": "kvshuttle", "root": served.name,
-        "parent": None, "max_model_len": served.runner.max_model_len} for served in api_state(request).models]}
+        "parent": None, "max_model_len": served.runner.max_model_len}
+        for served in api_state(request).models.usable(caller(request).models)]}
 
 
 @router.post("/v1/chat/completions", responses=TURN_RESPONSES, openapi_extra=SESSION_HEADER)
 async def chat(body: ChatCompletionIn, request: Request):
-    served = api_state(request).model(body.model)
+    served = api_state(request).model(body.model, caller(request))
     builder, choice = served.builder, body.tool_choice
     tenant = caller(request).tenant
     tools = builder.tools([t.function for t in body.tools or []],
@@ -77,7 +78,7 @@ async def chat(body: ChatCompletionIn, request: Request):
 
 @router.post("/v1/completions", responses=TURN_RESPONSES, openapi_extra=SESSION_HEADER)
 async def completions(body: CompletionIn, request: Request):
-    served = api_state(request).model(body.model)
+    served = api_state(request).model(body.model, caller(request))
     prompt = {"prompt_text": body.prompt} if isinstance(body.prompt, str) else {"prompt_ids": body.prompt}
     asked, param = _structured(body, caller(request).tenant)
     constraint = served.builder.constraint(asked, param)

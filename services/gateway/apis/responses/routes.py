@@ -65,10 +65,9 @@ def add_responses_routes(app: FastAPI, *, response_ttl_s: int = DEFAULT_RESPONSE
 
 @router.post("/v1/responses", responses=TURN_RESPONSES, openapi_extra=SESSION_HEADER)
 async def create(body: ResponsesIn, request: Request):
-    state = api_state(request)
-    served = state.model(body.model)
+    state, who = api_state(request), caller(request)
+    served = state.model(body.model, who)
     builder, runner = served.builder, served.runner
-    who = caller(request)
     choice = body.tool_choice
     tools = builder.tools(body.tools or [], NamedTool(choice.name) if isinstance(choice, NamedFunctionChoice)
                           else choice, RESPONSES_TOOLS, parallel=body.parallel_tool_calls, tenant=who.tenant)
