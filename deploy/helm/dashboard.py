@@ -15,9 +15,15 @@ NS = 'namespace=~"$namespace"'  # every selector: the namespace picked at the to
 RATE = "$__rate_interval"
 PULL, LOCAL, NOT_OK = 'decision="pull"', 'decision="local"', 'code!="OK"'
 PULLED, PROMPT, PROMPT_PARTS = 'kind="pulled"', 'kind="prompt"', 'kind=~"pulled|cached|computed"'
+# The gateway's turn metrics carry the model a turn asked for: their panels follow the model picked at the top.
+BY_MODEL = {"kvshuttle_turns_total", "kvshuttle_turn_tokens_total", "kvshuttle_kv_pulled_bytes_total",
+            "kvshuttle_ttft_seconds_bucket", "kvshuttle_turn_duration_seconds_bucket", "kvshuttle_turn_failures_total",
+            "kvshuttle_turn_sessions_total", "kvshuttle_turn_records_total"}
+MODEL = 'model=~"$model"'
 
 
 def sel(metric: str, matchers: str = "") -> str:
+    matchers = ", ".join(m for m in (MODEL if metric in BY_MODEL else "", matchers) if m)
     return f"{metric}{{{NS}{', ' + matchers if matchers else ''}}}"
 
 
@@ -174,6 +180,12 @@ def dashboard() -> dict:
              "datasource": {"type": "prometheus", "uid": "${datasource}"},
              "query": {"query": "label_values(kvshuttle_turns_total, namespace)", "refId": "namespace"},
              "definition": "label_values(kvshuttle_turns_total, namespace)",
+             "includeAll": True, "allValue": ".*", "multi": True, "current": {}, "refresh": 2, "hide": 0},
+            {"type": "query", "name": "model", "label": "Model",
+             "datasource": {"type": "prometheus", "uid": "${datasource}"},
+             "query": {"query": "label_values(kvshuttle_turns_total{namespace=~\"$namespace\"}, model)",
+                       "refId": "model"},
+             "definition": "label_values(kvshuttle_turns_total{namespace=~\"$namespace\"}, model)",
              "includeAll": True, "allValue": ".*", "multi": True, "current": {}, "refresh": 2, "hide": 0},
         ]},
         "annotations": {"list": []},

@@ -60,28 +60,30 @@ ROLES = ("prefill", "decode")
 WORKER_STATES = ("live", "unreachable", "unknown")
 
 # -- gateway ---------------------------------------------------------------------------------------------------
-TURNS = Counter("kvshuttle_turns", "Turns answered, by the KV decision they ran with and its reason code",
-                ["decision", "reason"], registry=None)
+TURNS = Counter("kvshuttle_turns", "Turns answered, by model (the served name the request asked for), the KV decision "
+                "they ran with and its reason code", ["model", "decision", "reason"], registry=None)
 TURN_SESSIONS = Counter("kvshuttle_turn_sessions", "Answered turns by how their session was known: client (the request "
                         "named it), response (previous_response_id), prompt_cache_key (the session its prompt_cache_key names), found "
                         "(no session id; the prompt text extends a recorded session's), new (no "
-                        "session id and none found: a new session), none (not recorded)", ["source"], registry=None)
+                        "session id and none found: a new session), none (not recorded); by model", ["model", "source"],
+                        registry=None)
 TURN_RECORDS = Counter("kvshuttle_turn_records", "Answered turns by what became of their record (KV handle + exact ids "
                        "for the next turn): recorded, unrecorded (no session), or record_refused, record_unavailable, "
-                       "record_error, no_handle (the next turn cannot pull it)", ["outcome"], registry=None)
+                       "record_error, no_handle (the next turn cannot pull it); by model", ["model", "outcome"],
+                       registry=None)
 TURN_TOKENS = Counter("kvshuttle_turn_tokens", "Tokens of answered turns: prompt = pulled (from D over NIXL) + "
-                      "cached (P's own prefix cache) + computed (by P); generated = answer tokens", ["kind"],
-                      registry=None)
+                      "cached (P's own prefix cache) + computed (by P); generated = answer tokens; by model",
+                      ["model", "kind"], registry=None)
 TTFT = Histogram("kvshuttle_ttft_seconds", "Time to the first answer token, from the request reaching the turn logic",
-                 ["decision", "policy"], buckets=TTFT_BUCKETS, registry=None)
+                 ["model", "decision", "policy"], buckets=TTFT_BUCKETS, registry=None)
 TURN_DURATION = Histogram("kvshuttle_turn_duration_seconds", "Answered turns, start to end (recording included)",
-                          ["decision"], buckets=TURN_BUCKETS, registry=None)
-TURN_FAILURES = Counter("kvshuttle_turn_failures", "Turns that ended without a full answer, by kind", ["kind"],
-                        registry=None)
+                          ["model", "decision"], buckets=TURN_BUCKETS, registry=None)
+TURN_FAILURES = Counter("kvshuttle_turn_failures", "Turns that ended without a full answer, by model and kind",
+                        ["model", "kind"], registry=None)
 KV_PULLED_BYTES = Counter("kvshuttle_kv_pulled_bytes", "KV pulled from decode workers, estimated: pulled tokens x "
                           "the model's KV bytes per token (config.json: 2 x layers x KV heads x head dim x dtype "
                           "size); not counted when the config does not say. Exact bytes: vLLM's "
-                          "vllm:nixl_bytes_transferred on the prefill workers", registry=None)
+                          "vllm:nixl_bytes_transferred on the prefill workers; by model", ["model"], registry=None)
 HTTP_REQUESTS = Counter("kvshuttle_http_requests", "HTTP requests answered by the gateway, by method, route "
                         "template (`unmatched`: no route) and status code; refusals before the turn logic included "
                         "(401, 413, malformed bodies)", ["method", "route", "code"], registry=None)
@@ -96,8 +98,9 @@ API_KEYS_RELOADS = Counter("kvshuttle_api_keys_reloads", "Reloads of the API key
                            ["result"], registry=None)
 
 # -- scheduler -------------------------------------------------------------------------------------------------
-PLANS = Counter("kvshuttle_plans", "PlanTurn answers, by policy, decision and reason code",
-                ["policy", "decision", "reason"], registry=None)
+PLANS = Counter("kvshuttle_plans", "PlanTurn answers, by model (the turn's; empty when it names none), policy, "
+                "decision and reason code",
+                ["model", "policy", "decision", "reason"], registry=None)
 KV_PULLS_LOST = Counter("kvshuttle_kv_pulls_lost", "Turns that found their session's KV freed by the scheduler's KV "
                         "manager (they recompute), by why it was freed: idle, or pressure (room for a turn "
                         "included)", ["reason"],
@@ -137,17 +140,8 @@ GRPC_HANDLED = Counter("kvshuttle_grpc_server_handled", "gRPC calls completed, b
 GRPC_SECONDS = Histogram("kvshuttle_grpc_server_handling_seconds", "gRPC call handling time (streams: their whole "
                          "life)", ["service", "method"], buckets=GRPC_BUCKETS, registry=None)
 
-# Series that exist from the start (so rate() and increase() see their first event), where the values are known.
-for _code in reasons.PULL_CODES:
-    TURNS.labels("pull", _code)
-for _code in reasons.RECOMPUTE_CODES:
-    TURNS.labels("recompute", _code)
-for _code in reasons.LOCAL_CODES:
-    TURNS.labels("local", _code)
-for _kind in TOKEN_KINDS:
-    TURN_TOKENS.labels(_kind)
-for _kind in FAILURE_KINDS:
-    TURN_FAILURES.labels(_kind)
+# Series that exist from the start (so rate() and increase() see their first event), where the values are known; a
+# gateway's per-model ones once it knows its models (declare_models).
 for _reason in (kv_eviction.IDLE, kv_eviction.PRESSURE):
     KV_PULLS_LOST.labels(_reason)
 for _result in LEARNED_RESULTS:
@@ -161,29 +155,47 @@ for _result in DEFRAG_RESULTS:
 
 # -- recording ------------------------------------------------------------------------------------------------------
 
+def declare_models(models: Iterable[str]) -> None:
+    """Create the gateway's per-model series of every served model (at 0), so that rate() and increase() see each
+    model's first turn."""
+    for model in models:
+        for code in reasons.PULL_CODES:
+            TURNS.labels(model, "pull", code)
+        for code in reasons.RECOMPUTE_CODES:
+            TURNS.labels(model, "recompute", code)
+        for code in reasons.LOCAL_CODES:
+            TURNS.labels(model, "local", code)
+        for kind in TOKEN_KINDS:
+            TURN_TOKENS.labels(model, kind)
+        for kind in FAILURE_KINDS:
+            TURN_FAILURES.labels(model, kind)
+        KV_PULLED_BYTES.labels(model)
+
+
 def _decision(decision: str) -> str:
     return decision if decision in DECISIONS else "recompute"
 
 
-def turn_answered(finished: Any, kv_bytes_per_token: int = 0) -> None:
-    """One answered turn (the gateway's ``Finished``: ``kv``, ``prompt_tokens``, ``output_ids``, ``timings``)."""
+def turn_answered(finished: Any, kv_bytes_per_token: int = 0, model: str = "") -> None:
+    """One answered turn of ``model`` (the gateway's ``Finished``: ``kv``, ``prompt_tokens``, ``output_ids``,
+    ``timings``)."""
     kv, timings = finished.kv, finished.timings
     decision = _decision(kv.decision)
-    TURNS.labels(decision, reasons.known(kv.reason_code)).inc()
-    TURN_SESSIONS.labels(getattr(kv, "session_source", "") or "none").inc()
+    TURNS.labels(model, decision, reasons.known(kv.reason_code)).inc()
+    TURN_SESSIONS.labels(model, getattr(kv, "session_source", "") or "none").inc()
     record = getattr(kv, "record", "")
     if record:
-        TURN_RECORDS.labels(record if record in reasons.RECORD_OUTCOMES else reasons.UNKNOWN).inc()
-    TTFT.labels(decision, kv.figures.policy if kv.figures is not None else "").observe(
+        TURN_RECORDS.labels(model, record if record in reasons.RECORD_OUTCOMES else reasons.UNKNOWN).inc()
+    TTFT.labels(model, decision, kv.figures.policy if kv.figures is not None else "").observe(
         timings.get("ttft_ms", 0.0) / 1000)
-    TURN_DURATION.labels(decision).observe(timings.get("total_ms", 0.0) / 1000)
+    TURN_DURATION.labels(model, decision).observe(timings.get("total_ms", 0.0) / 1000)
     prompt, pulled, computed = finished.prompt_tokens, kv.pulled_tokens, kv.computed_tokens
     for kind, n in (("prompt", prompt), ("pulled", pulled), ("cached", max(0, prompt - pulled - computed)),
                     ("computed", computed), ("generated", len(finished.output_ids))):
         if n:
-            TURN_TOKENS.labels(kind).inc(n)
+            TURN_TOKENS.labels(model, kind).inc(n)
     if pulled and kv_bytes_per_token:
-        KV_PULLED_BYTES.inc(pulled * kv_bytes_per_token)
+        KV_PULLED_BYTES.labels(model).inc(pulled * kv_bytes_per_token)
 
 
 def failure_kind(exc: BaseException) -> str:
@@ -201,18 +213,18 @@ def failure_kind(exc: BaseException) -> str:
     return "unavailable" if status == 503 else "internal"
 
 
-def turn_failed(exc: BaseException) -> None:
-    TURN_FAILURES.labels(failure_kind(exc)).inc()
+def turn_failed(exc: BaseException, model: str = "") -> None:
+    TURN_FAILURES.labels(model, failure_kind(exc)).inc()
 
 
 def worker_failed(role: str) -> None:
     WORKER_FAILURES.labels(role).inc()
 
 
-def plan_made(*, policy: str, decision: str, reason_code: str, seconds: float) -> None:
-    """One PlanTurn answer (the scheduler)."""
+def plan_made(*, policy: str, decision: str, reason_code: str, seconds: float, model: str = "") -> None:
+    """One PlanTurn answer (the scheduler) for a turn of ``model``."""
     decision = _decision(decision)
-    PLANS.labels(policy, decision, reasons.known(reason_code)).inc()
+    PLANS.labels(model, policy, decision, reasons.known(reason_code)).inc()
     PLAN_SECONDS.labels(decision).observe(seconds)
 
 

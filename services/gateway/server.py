@@ -308,6 +308,7 @@ class GatewayService:
         routes = self._bridge_routes(bridge_token)
         for runner in (self.runner, *(m.runner for m in self.more_models)):
             metrics.GATEWAY_STATE.register(runner.metrics_state)
+        metrics.declare_models(spec.name for spec in specs)
         registry = metrics.registry_for("gateway", extra=[  # and the embedded scheduler's, when it plans here
             *metrics.GROUPS["scheduler"], *metrics.GROUPS["etcd"]] if self.scheduler is not None else ())
         self.metrics = MetricsServer(cfg.metrics_listen, registry, name="gateway") if cfg.metrics_listen else None

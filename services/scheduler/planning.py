@@ -336,7 +336,7 @@ class PlanningService:
                 "kvshuttle.decode_streams": figures.decode_streams,
             })
         metrics.plan_made(policy=policy.name, decision=plan.choice.value, reason_code=plan.code,
-                          seconds=time.perf_counter() - started)
+                          seconds=time.perf_counter() - started, model=request.model)
         return scheduler_pb2.PlanTurnResponse(
             decision=decision, reason=plan.reason, reason_code=plan.code, prefill=prefill, decode=decode,
             prefill_kv_transfer_params_json=json.dumps(plan.prefill_params),

@@ -64,12 +64,14 @@ async def test_an_answered_pull_turn_moves_turns_tokens_and_ttft():
     r = coded_runner(scheduler_pb2.DECISION_PULL, PullingEngine())
     r.kv_bytes_per_token = 1000
     before = scrape()
-    turn, events = await run(r, TurnRequest(session_id="s", prompt_text="hello", max_tokens=4))
+    turn, events = await run(r, TurnRequest(session_id="s", prompt_text="hello", max_tokens=4, model="m-metrics"))
     after = scrape()
     kv = turn.kv
     assert kv.decision == "pull" and kv.reason_code == reasons.PULL_PREFIX and kv.pulled_tokens == 3
     assert kv.computed_tokens == 2
     assert delta(before, after, "kvshuttle_turns_total", decision="pull", reason="pull_prefix") == 1
+    assert delta(before, after, "kvshuttle_turns_total", model="m-metrics") == 1  # by the model it asked for
+    assert delta(before, after, "kvshuttle_ttft_seconds_count", model="m-metrics") == 1
     assert delta(before, after, "kvshuttle_turns_total") == 1
     assert delta(before, after, "kvshuttle_turn_tokens_total", kind="prompt") == 5
     assert delta(before, after, "kvshuttle_turn_tokens_total", kind="pulled") == 3

@@ -21,7 +21,12 @@ from prometheus_client import CollectorRegistry, generate_latest
 from tests.support.metrics import delta, parse, value
 
 ROOT = Path(__file__).resolve().parents[2]
-UNBOUNDED = {"tenant", "session", "session_id", "worker", "worker_id", "engine_id", "address", "reason_text", "model"}
+UNBOUNDED = {"tenant", "session", "session_id", "worker", "worker_id", "engine_id", "address", "reason_text"}
+# A model only on the turns' metrics: bounded by the models served (a gateway's turns get past the model check only
+# for those; a plan is counted only once workers of its model answered it).
+BY_MODEL = {"kvshuttle_turns_total", "kvshuttle_turn_sessions_total", "kvshuttle_turn_records_total",
+            "kvshuttle_turn_tokens_total", "kvshuttle_ttft_seconds", "kvshuttle_turn_duration_seconds",
+            "kvshuttle_turn_failures_total", "kvshuttle_kv_pulled_bytes_total", "kvshuttle_plans_total"}
 
 
 def reference_page(uri: str) -> str:
@@ -55,6 +60,7 @@ def test_names_types_and_labels_follow_prometheus_conventions():
         # admin key on the gateway's HTTP port).
         assert not set(m.labels) - {"tenant"} & UNBOUNDED, m
         assert "tenant" not in m.labels or m.name == "kvshuttle_rate_limited_total", m
+        assert ("model" in m.labels) == (m.name in BY_MODEL), m
         # One series per decode worker, only where the point is per-worker capacity (bounded by the cluster's size).
         assert "decode_worker" not in m.labels or m.name.startswith("kvshuttle_decode_kv_"), m
         assert m.help
@@ -96,11 +102,16 @@ def test_each_endpoint_serves_its_groups_only(service):
 
 
 def test_counters_with_known_label_values_exist_from_the_start():
+    """Each served model's turn series exist once the gateway declares its models (at start-up)."""
+    metrics.declare_models(["tiny", "org/big"])
     samples = parse(generate_latest(metrics.registry_for("gateway")).decode())
-    for code in reasons.RECOMPUTE_CODES:
-        assert ("kvshuttle_turns_total", frozenset({("decision", "recompute"), ("reason", code)})) in samples
-    for kind in metrics.FAILURE_KINDS:
-        assert ("kvshuttle_turn_failures_total", frozenset({("kind", kind)})) in samples
+    for model in ("tiny", "org/big"):
+        for code in reasons.RECOMPUTE_CODES:
+            assert ("kvshuttle_turns_total", frozenset({("model", model), ("decision", "recompute"),
+                                                        ("reason", code)})) in samples
+        for kind in metrics.FAILURE_KINDS:
+            assert ("kvshuttle_turn_failures_total", frozenset({("model", model), ("kind", kind)})) in samples
+        assert ("kvshuttle_kv_pulled_bytes_total", frozenset({("model", model)})) in samples
 
 
 async def test_the_endpoint_answers_get_metrics_only():

@@ -192,7 +192,7 @@ class TurnRunner:
         """The prompt, plan and prefill stages: a turn whose prompt is prefilled on P."""
         req.model = req.model or self.served_model
         ctx = TurnContext(f"kvs-{uuid.uuid4().hex[:24]}", req, time.perf_counter())
-        ctx.span = tracer.start_span("kvshuttle.turn", attributes=request_attributes(req, self.served_model))
+        ctx.span = tracer.start_span("kvshuttle.turn", attributes=request_attributes(req, req.model))
         try:
             with trace.use_span(ctx.span, end_on_exit=False, record_exception=False, set_status_on_exception=False):
                 self.validate(req)
@@ -225,7 +225,7 @@ class TurnRunner:
                 ctx.quota.end(0)
             record_failure(ctx.span, exc)
             ctx.span.end()
-            metrics.turn_failed(exc)
+            metrics.turn_failed(exc, req.model)
             raise
 
     async def decode(self, turn: TurnContext) -> AsyncIterator[Delta | Finished]:
@@ -260,16 +260,16 @@ class TurnRunner:
                              turn.held_events, turn.answer_events)
             # the turn is done (a consumer may close this generator later)
             log_turn(turn, event)
-            turn.span.set_attributes(finished_attributes(turn, event, self.served_model))
+            turn.span.set_attributes(finished_attributes(turn, event, req.model))
             turn.span.end()
             answered = True
-            metrics.turn_answered(event, self.kv_bytes_per_token)
+            metrics.turn_answered(event, self.kv_bytes_per_token, turn.request.model)
             yield event
         except BaseException as exc:
             if turn.span.is_recording():
                 record_failure(turn.span, exc)
             if not answered:
-                metrics.turn_failed(exc)
+                metrics.turn_failed(exc, turn.request.model)
             raise
         finally:
             if turn.quota is not None:  # the tokens it generated count against its tenant's tokens per minute
@@ -428,8 +428,9 @@ def log_turn(turn: TurnContext, event: Finished) -> None:
     req, kv = turn.request, turn.kv
     who = "".join(f" {name}={value!r}" for name, value in (("user", req.end_user),
                                                            ("safety_identifier", req.safety_identifier)) if value)
-    turn_log.info("turn %s: tenant %s session %s (%s) %s/%s, %d prompt tokens (%d pulled, %d computed), %d "
-                  "generated, record %s%s", turn.id, req.tenant, hashed(req.session_id) if req.session_id else "-",
+    turn_log.info("turn %s: model %s tenant %s session %s (%s) %s/%s, %d prompt tokens (%d pulled, %d computed), %d "
+                  "generated, record %s%s", turn.id, req.model or "-", req.tenant,
+                  hashed(req.session_id) if req.session_id else "-",
                   kv.session_source or "-", kv.decision, kv.reason_code, event.prompt_tokens, kv.pulled_tokens,
                   kv.computed_tokens, len(event.output_ids), kv.record or "-", who)
 
