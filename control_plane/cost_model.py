@@ -309,46 +309,55 @@ class Turn:
 
 
 class PrefillCostModel:
-    """Compute fits per prefill worker and transfer fits per (prefill, decode) link; unseen ones use the priors."""
+    """Compute fits per prefill worker and transfer fits per (prefill, decode) link; unseen ones use the priors.
+
+    Workers come in groups (``group``: the model they serve; "" when none is named): a worker or link not measured yet
+    predicts from the most-measured one of its own group, never another model's (a 135M model's workers and a 7B
+    model's cost differently)."""
 
     def __init__(self, prior: PrefillPrior | None = None):
         self.prior = prior or PrefillPrior()
         self._compute: dict[str, RecentFit[Turn]] = {}
         self._links: dict[tuple[str, str], RecentFit[Turn]] = {}
         self._stale: set[tuple[str, str]] = set()  # links to refit: their worker's compute fit changed
-        # The most-measured fits (what a worker or link not measured yet predicts from), kept as they change so a
-        # prediction costs the same with 2 workers or 1,000 (observation counts only grow).
-        self._most_measured: str | None = None
-        self._most_link: tuple[str, str] | None = None
+        self._group_of: dict[str, str] = {}  # worker -> its group, as its observations named it ("" left out)
+        # The most-measured fits of each group (what a worker or link not measured yet predicts from), kept as they
+        # change so a prediction costs the same with 2 workers or 1,000 (observation counts only grow).
+        self._most_measured: dict[str, str] = {}
+        self._most_link: dict[str, tuple[str, str]] = {}
         self._most_link_of: dict[str, tuple[str, str]] = {}
         self._links_of: dict[str, set[tuple[str, str]]] = {}  # worker -> its links (for the stale marks)
         self._local: dict[str, RecentFit[Turn]] = {}  # decode worker -> its fit of turns continued on it
-        self._most_local: str | None = None
+        self._most_local: dict[str, str] = {}
 
-    def _compute_fit(self, worker: str) -> RecentFit[Turn] | None:
-        """The worker's fit; for a worker not measured yet, the most-measured one's (workers of a fleet are alike,
-        and comparing one worker's measurements with another's priors would pick whichever guess is lower)."""
+    def _compute_fit(self, worker: str, group: str = "") -> RecentFit[Turn] | None:
+        """The worker's fit; for a worker not measured yet, the most-measured one's of its group (workers of a
+        fleet's model are alike, and comparing one worker's measurements with another's priors would pick
+        whichever guess is lower)."""
         fit = self._compute.get(worker)
-        if fit is None and self._most_measured is not None:
-            fit = self._compute[self._most_measured]
+        if fit is None:
+            most = self._most_measured.get(group)
+            if most is not None:
+                fit = self._compute[most]
         return fit
 
-    def compute_ms(self, worker: str, computed: int, context: int) -> float:
-        fit = self._compute_fit(worker)
+    def compute_ms(self, worker: str, computed: int, context: int, group: str = "") -> float:
+        fit = self._compute_fit(worker, group)
         fixed, per_k, per_k_kctx = fit.theta if fit else self.prior.compute()
         k = computed / 1000  # compute_features, inlined: the planner prices every candidate worker with it
         return fixed + per_k * k + per_k_kctx * k * context / 1000
 
-    def transfer_ms(self, worker: str, source: str, pulled: int) -> float:
-        fit = self._link_fit(worker, source)
+    def transfer_ms(self, worker: str, source: str, pulled: int, group: str = "") -> float:
+        fit = self._link_fit(worker, source, group)
         fixed, per_k = fit.theta if fit else self.prior.transfer()
         return fixed + per_k * pulled / 1000  # transfer_features, inlined
 
-    def _link_fit(self, worker: str, source: str) -> RecentFit[Turn] | None:
-        """The link's fit; for a link never used, the most-measured link of the same P, else of any P."""
+    def _link_fit(self, worker: str, source: str, group: str = "") -> RecentFit[Turn] | None:
+        """The link's fit; for a link never used, the most-measured link of the same P, else of any P of the
+        group."""
         key = (worker, source)
         if key not in self._links:
-            key = self._most_link_of.get(worker) or self._most_link
+            key = self._most_link_of.get(worker) or self._most_link.get(group)
             if key is None:
                 return None
         if key in self._stale:
@@ -357,19 +366,21 @@ class PrefillCostModel:
         return self._links[key]
 
     def observe(self, worker: str, *, prompt_tokens: int, computed_tokens: int, pulled_tokens: int,
-                prefill_ms: float, source: str = "") -> None:
-        """A measured turn on ``worker``: tokens it computed and pulled (from ``source``), and how long it took."""
+                prefill_ms: float, source: str = "", group: str = "") -> None:
+        """A measured turn on ``worker`` (of ``group``): tokens it computed and pulled (from ``source``), and how long
+        it took."""
         if prompt_tokens <= 0 or computed_tokens < 0 or pulled_tokens < 0 or prefill_ms < 0:
             raise ValueError("token counts and time must be non-negative, and the prompt non-empty")
+        self._note_group(worker, group)
         turn = Turn(computed_tokens, prompt_tokens, pulled_tokens, prefill_ms)
         if pulled_tokens == 0:
             fit = self._compute.get(worker)
             if fit is None:
                 fit = self._compute[worker] = self._new_compute_fit()
             fit.add(turn)
-            most = self._compute.get(self._most_measured) if self._most_measured is not None else None
+            most = self._compute.get(self._most_measured.get(group, ""))
             if most is None or fit.observations > most.observations:
-                self._most_measured = worker
+                self._most_measured[group] = worker
             self._stale.update(self._links_of.get(worker, ()))
             return
         key = (worker, source)
@@ -383,8 +394,14 @@ class PrefillCostModel:
         fit.add(turn)
         if self._more_measured(key, self._most_link_of.get(worker)):
             self._most_link_of[worker] = key
-        if self._more_measured(key, self._most_link):
-            self._most_link = key
+        if self._more_measured(key, self._most_link.get(group)):
+            self._most_link[group] = key
+
+    def _note_group(self, worker: str, group: str) -> None:
+        if group:
+            self._group_of[worker] = group
+        else:
+            self._group_of.pop(worker, None)
 
     def _new_compute_fit(self) -> RecentFit[Turn]:
         return RecentFit(self.prior.compute(), self.prior, _compute_xy, _computed_of)
@@ -393,44 +410,46 @@ class PrefillCostModel:
         """A link fit of ``worker``: it fits what ``worker``'s compute fit (as it is when asked) leaves unexplained."""
         return RecentFit(
             self.prior.transfer(), self.prior,
-            lambda t: (transfer_features(t.pulled), t.ms - self.compute_ms(worker, t.computed, t.context), t.ms),
+            lambda t: (transfer_features(t.pulled),
+                       t.ms - self.compute_ms(worker, t.computed, t.context, self._group_of.get(worker, "")), t.ms),
             _pulled_of)
 
     def _more_measured(self, key: tuple[str, str], than: tuple[str, str] | None) -> bool:
         return than is None or self._links[key].observations > self._links[than].observations
 
     def observe_local(self, worker: str, *, prompt_tokens: int, computed_tokens: int, streams: int,
-                      ms: float) -> None:
-        """A turn continued on decode worker ``worker``: the prompt tokens it computed (its prefix cache held the
-        rest), the streams it decoded meanwhile, and its time to the first token."""
+                      ms: float, group: str = "") -> None:
+        """A turn continued on decode worker ``worker`` (of ``group``): the prompt tokens it computed (its prefix
+        cache held the rest), the streams it decoded meanwhile, and its time to the first token."""
         if prompt_tokens <= 0 or computed_tokens < 0 or streams < 0 or ms < 0:
             raise ValueError("token counts, streams and time must be non-negative, and the prompt non-empty")
+        self._note_group(worker, group)
         fit = self._local.get(worker)
         if fit is None:
             fit = self._local[worker] = RecentFit(self.prior.local(), self.prior, _local_xy, _computed_of)
         fit.add(Turn(computed_tokens, prompt_tokens, 0, ms, streams))
-        most = self._local.get(self._most_local) if self._most_local is not None else None
+        most = self._local.get(self._most_local.get(group, ""))
         if most is None or fit.observations > most.observations:
-            self._most_local = worker
+            self._most_local[group] = worker
 
-    def local_theta(self, worker: str) -> list[float]:
-        """``worker``'s local fit; a decode worker not measured yet: the most-measured one's, else the fleet's
-        compute fit with the per-stream prior."""
+    def local_theta(self, worker: str, group: str = "") -> list[float]:
+        """``worker``'s local fit; a decode worker not measured yet: the most-measured one's of its group, else
+        the group's compute fit with the per-stream prior."""
         fit = self._local.get(worker)
-        if fit is None and self._most_local is not None:
-            fit = self._local[self._most_local]
+        if fit is None and group in self._most_local:
+            fit = self._local[self._most_local[group]]
         if fit is not None:
             return fit.theta
-        reference = self._compute_fit(self._most_measured or "")
+        reference = self._compute_fit(self._most_measured.get(group, ""), group)
         compute = reference.theta if reference else self.prior.compute()
         return [*compute, self.prior.ms_per_decode_stream]
 
     def predict_local(self, worker: str, *, prompt_tokens: int, cached_tokens: int, streams: int,
-                      waiting: int = 0) -> LocalPrediction:
-        """The turn continued on decode worker ``worker``, whose prefix cache holds ``cached_tokens`` of the prompt
-        (D computes at least the last prompt token) while it decodes ``streams`` streams; ``waiting`` requests
-        queued on D before it."""
-        fixed, per_k, per_k_kctx, per_stream = self.local_theta(worker)
+                      waiting: int = 0, group: str = "") -> LocalPrediction:
+        """The turn continued on decode worker ``worker`` (of ``group``), whose prefix cache holds ``cached_tokens``
+        of the prompt (D computes at least the last prompt token) while it decodes ``streams`` streams; ``waiting``
+        requests queued on D before it."""
+        fixed, per_k, per_k_kctx, per_stream = self.local_theta(worker, group)
         computed = max(1, prompt_tokens - cached_tokens)
         k = computed / 1000
         work = per_k * k + per_k_kctx * k * prompt_tokens / 1000
@@ -442,24 +461,28 @@ class PrefillCostModel:
 
     @property
     def reference_worker(self) -> str | None:
-        """The most-measured prefill worker (None before any measurement): the fleet's compute fit."""
-        return self._most_measured
+        """The most-measured prefill worker of the "" group (None before any measurement): its compute fit."""
+        return self.reference_worker_of("")
+
+    def reference_worker_of(self, group: str) -> str | None:
+        """The group's most-measured prefill worker (None before any measurement): the group's compute fit."""
+        return self._most_measured.get(group)
 
     def predict(self, worker: str, *, prompt_tokens: int, reusable_tokens: int, cached_tokens: int = 0,
-                source: str = "", compute_as: str | None = None) -> Prediction:
-        """Both options of a turn on ``worker``: PULL (load ``reusable_tokens`` from ``source``, compute the rest)
-        or RECOMPUTE (compute all but the ``cached_tokens`` P already holds in its own prefix cache). ``compute_as``:
-        price the compute with that worker's fit instead (e.g. :attr:`reference_worker`, to compare workers of one
-        fleet by their work alone); the transfer stays ``worker``'s link's."""
+                source: str = "", compute_as: str | None = None, group: str = "") -> Prediction:
+        """Both options of a turn on ``worker`` (of ``group``): PULL (load ``reusable_tokens`` from ``source``,
+        compute the rest) or RECOMPUTE (compute all but the ``cached_tokens`` P already holds in its own prefix
+        cache). ``compute_as``: price the compute with that worker's fit instead (e.g. :meth:`reference_worker_of`,
+        to compare workers of one model by their work alone); the transfer stays ``worker``'s link's."""
         compute_of = compute_as or worker
-        recompute = self.compute_ms(compute_of, prompt_tokens - cached_tokens, prompt_tokens)
+        recompute = self.compute_ms(compute_of, prompt_tokens - cached_tokens, prompt_tokens, group)
         if reusable_tokens <= 0:
             return Prediction(None, recompute)
         pulled = max(0, reusable_tokens - cached_tokens)  # P loads only what it does not hold
         computed = prompt_tokens - max(reusable_tokens, cached_tokens)
-        pull = self.compute_ms(compute_of, computed, prompt_tokens)
+        pull = self.compute_ms(compute_of, computed, prompt_tokens, group)
         if pulled:
-            pull += self.transfer_ms(worker, source, pulled)
+            pull += self.transfer_ms(worker, source, pulled, group)
         return Prediction(pull, recompute)
 
     def observations(self, worker: str) -> tuple[int, int]:
@@ -488,11 +511,16 @@ class PrefillCostModel:
             "compute": {worker: fit.state() for worker, fit in self._compute.items()},
             "links": [[worker, source, fit.state()] for (worker, source), fit in self._links.items()],
             "stale": sorted([worker, source] for worker, source in self._stale),
-            "most_measured": self._most_measured,
-            "most_link": list(self._most_link) if self._most_link is not None else None,
+            "most_measured": self._most_measured.get(""),
+            "most_link": list(self._most_link[""]) if "" in self._most_link else None,
             "most_link_of": {worker: key[1] for worker, key in self._most_link_of.items()},
             "local": {worker: fit.state() for worker, fit in self._local.items()},
-            "most_local": self._most_local,
+            "most_local": self._most_local.get(""),
+            # the named groups (models): each worker's, and each group's most-measured fits
+            "groups": dict(self._group_of),
+            "most_measured_of": {g: w for g, w in self._most_measured.items() if g},
+            "most_link_in": {g: list(key) for g, key in self._most_link.items() if g},
+            "most_local_of": {g: w for g, w in self._most_local.items() if g},
         }
 
     def load_state(self, state: Mapping[str, Any]) -> None:
@@ -516,10 +544,16 @@ class PrefillCostModel:
                 fit.load_state(fit_state)
                 links_of.setdefault(key[0], set()).add(key)
             stale = {_link_in(item, links) for item in _list(state["stale"], "stale")}
-            most_measured = state["most_measured"]
-            if most_measured is not None and most_measured not in compute:
-                raise ValueError(f"most_measured {most_measured!r} has no compute fit")
-            most_link = _link_in(state["most_link"], links) if state["most_link"] is not None else None
+            most_measured = {group: _str(worker, "worker") for group, worker in
+                             [("", state["most_measured"]),
+                              *_mapping(state.get("most_measured_of", {}), "most_measured_of").items()]
+                             if worker is not None}
+            for group, worker in most_measured.items():
+                if worker not in compute:
+                    raise ValueError(f"most_measured {worker!r} (group {group!r}) has no compute fit")
+            most_link = {group: _link_in(key, links) for group, key in
+                         [("", state["most_link"]), *_mapping(state.get("most_link_in", {}), "most_link_in").items()]
+                         if key is not None}
             most_link_of = {_str(worker, "worker"): _link_in([worker, source], links)
                             for worker, source in _mapping(state["most_link_of"], "most_link_of").items()}
             local: dict[str, RecentFit[Turn]] = {}
@@ -527,12 +561,18 @@ class PrefillCostModel:
                 fit = local[_str(worker, "worker")] = RecentFit(self.prior.local(), self.prior, _local_xy,
                                                                 _computed_of)
                 fit.load_state(fit_state)
-            most_local = state.get("most_local")
-            if most_local is not None and most_local not in local:
-                raise ValueError(f"most_local {most_local!r} has no local fit")
+            most_local = {group: _str(worker, "worker") for group, worker in
+                          [("", state.get("most_local")),
+                           *_mapping(state.get("most_local_of", {}), "most_local_of").items()]
+                          if worker is not None}
+            for group, worker in most_local.items():
+                if worker not in local:
+                    raise ValueError(f"most_local {worker!r} (group {group!r}) has no local fit")
+            group_of = {_str(w, "worker"): _str(g, "group")
+                        for w, g in _mapping(state.get("groups", {}), "groups").items()}
         self._compute, self._links, self._links_of, self._stale = compute, links, links_of, stale
         self._most_measured, self._most_link, self._most_link_of = most_measured, most_link, most_link_of
-        self._local, self._most_local = local, most_local
+        self._local, self._most_local, self._group_of = local, most_local, group_of
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any], prior: PrefillPrior | None = None) -> PrefillCostModel:

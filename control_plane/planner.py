@@ -81,7 +81,7 @@ class Planner(Generic[W]):
     def plan(self, prompt: Sequence[int], handle: HandleView | None, *, prefill: Sequence[W], decode: Sequence[W],
              loads: Mapping[str, WorkerLoad], source_worker: str = "", exclude: Collection[str] = (),
              disable_pull: bool = False, policy: str = "", session: Hashable | None = None,
-             prefix_hits: Mapping[str, int] | None = None) -> TurnPlan[W] | None:
+             prefix_hits: Mapping[str, int] | None = None, model: str = "") -> TurnPlan[W] | None:
         """The turn's plan; None when there is no live prefill or decode worker (outside ``exclude``).
 
         ``session`` (e.g. (tenant, session id)) lets the planner count on the prefix cache of the prefill worker that
@@ -90,7 +90,8 @@ class Planner(Generic[W]):
         that hit (in whole blocks of at most ``len(prompt) - 1`` tokens: P always computes the last token) replaces
         the session-based estimate of :class:`.prefill_cache.PrefillCacheHints`; workers not in it are estimated as
         without it. With ``candidates`` the sample keeps the worker with the most hits, besides the session's last
-        prefill worker."""
+        prefill worker. ``model``: the turn's (its workers serve it): workers the cost model has not measured yet
+        are priced like the most-measured one of that model."""
         chosen_policy = self.policy(policy)
         n = len(prompt)
         holder = next((w for w in decode if w.worker_id == source_worker), None) if source_worker else None
@@ -113,7 +114,7 @@ class Planner(Generic[W]):
         # queue, priced with the fleet's compute fit: a prefill pool is one kind of worker, and per-worker fits of
         # noisy measurements would otherwise outweigh a cached prefix. The chosen worker's own fit then judges pull
         # vs recompute on it.
-        fleet = self.model.reference_worker
+        fleet = self.model.reference_worker_of(model)
 
         def cached_on(worker_id: str) -> int:
             if worker_id not in cached:
@@ -128,7 +129,8 @@ class Planner(Generic[W]):
 
         def predict(worker_id: str, compute_as: str | None = None) -> Prediction:
             return self.model.predict(worker_id, prompt_tokens=n, reusable_tokens=reusable,
-                                      cached_tokens=cached_on(worker_id), source=source_worker, compute_as=compute_as)
+                                      cached_tokens=cached_on(worker_id), source=source_worker, compute_as=compute_as,
+                                      group=model)
 
         def option_ms(predicted: Prediction) -> float:
             if not can_pull or predicted.pull_ms is None:
@@ -154,7 +156,7 @@ class Planner(Generic[W]):
             held = loads.get(source_worker, UNKNOWN)
             on_d = min(safe.matched_tokens, n - 1)  # D's prefix cache holds whole blocks
             local = self.model.predict_local(
-                source_worker, prompt_tokens=n, streams=held.running + held.pending, waiting=held.waiting,
+                source_worker, prompt_tokens=n, streams=held.running + held.pending, waiting=held.waiting, group=model,
                 cached_tokens=on_d // handle.block_size * handle.block_size if handle.block_size > 0 else 0)
         ctx = PolicyInputs(p.worker.worker_id, source_worker, prediction if can_pull else None, wait_ms,
                           handle.expires_in_s if handle else 0.0, local=local)
@@ -199,7 +201,7 @@ class Planner(Generic[W]):
         if outcome.decision is Choice.LOCAL:
             self.model.observe_local(outcome.decode_worker, prompt_tokens=outcome.prompt_tokens,
                                      computed_tokens=outcome.computed_tokens, streams=outcome.streams,
-                                     ms=outcome.prefill_ms)
+                                     ms=outcome.prefill_ms, group=outcome.model)
             self.reported += 1
             return regret
         if outcome.decision is Choice.RECOMPUTE:
@@ -207,7 +209,7 @@ class Planner(Generic[W]):
                                      actual=outcome.prompt_tokens - outcome.computed_tokens)
         self.model.observe(outcome.prefill_worker, prompt_tokens=outcome.prompt_tokens,
                            computed_tokens=outcome.computed_tokens, pulled_tokens=outcome.pulled_tokens,
-                           prefill_ms=outcome.prefill_ms, source=outcome.source_worker)
+                           prefill_ms=outcome.prefill_ms, source=outcome.source_worker, group=outcome.model)
         self.reported += 1
         return regret
 

@@ -66,6 +66,7 @@ class Outcome:
     cached_estimate: int = 0  # the prefill worker's prefix-cache hit the plan predicted
     decode_worker: str = ""  # LOCAL: the decode worker that served the turn (prefill_ms: its time to first token)
     streams: int = 0  # LOCAL: the streams that decode worker was decoding meanwhile
+    model: str = ""  # the turn's model: its workers are priced apart from other models' (cost_model groups)
 
 
 def demote(plan: Plan, code: str, reason: str) -> Plan:

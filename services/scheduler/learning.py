@@ -70,6 +70,10 @@ def outcome_of(request: scheduler_pb2.ReportOutcomeRequest) -> tuple[Outcome, Ha
         raise InvalidOutcome("a LOCAL outcome names its decode_worker_id and pulls nothing")
     if not math.isfinite(request.prefill_ms) or request.prefill_ms < 0:
         raise InvalidOutcome("prefill_ms must be a non-negative number")
+    try:
+        session_rules.validate_model(request.model)
+    except session_rules.InvalidArgument as exc:
+        raise InvalidOutcome(str(exc)) from None
     session = None
     if request.session_id:
         try:
@@ -81,7 +85,7 @@ def outcome_of(request: scheduler_pb2.ReportOutcomeRequest) -> tuple[Outcome, Ha
         request.prefill_ms, CHOICES[request.decision],
         source_worker=request.source_worker_id, pullable_tokens=request.pullable_tokens, policy=request.policy,
         cached_estimate=request.cached_tokens_estimate, decode_worker=request.decode_worker_id,
-        streams=request.decode_streams)
+        streams=request.decode_streams, model=request.model)
     return outcome, session
 
 

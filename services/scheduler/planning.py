@@ -228,7 +228,8 @@ class PlanningService:
             decode=self.workers.by_role(common_pb2.WORKER_ROLE_DECODE, model), loads=loads,
             source_worker=session.decode_worker_id if session is not None else "", exclude=exclude,
             disable_pull=request.disable_pull, policy=request.policy,
-            session=(request.tenant or "default", request.session_id) if request.session_id else None)
+            session=(request.tenant or "default", request.session_id) if request.session_id else None,
+            model=request.model)
         return None if turn is None else PlannedTurn(turn, handle, source, loads, exclude)
 
     async def claim(self, request: scheduler_pb2.PlanTurnRequest, prompt: Sequence[int], known: KnownSession,

@@ -146,3 +146,46 @@ def test_a_worker_not_measured_yet_is_taken_to_be_like_the_measured_ones():
     new = model.predict("p9", prompt_tokens=2000, reusable_tokens=1900, source="d0")
     assert new == measured and new.recompute_ms > 100
     assert model.predict("p9", prompt_tokens=2000, reusable_tokens=1900, source="d7") == measured
+
+
+def test_a_worker_not_measured_yet_is_taken_to_be_like_its_own_models_workers():
+    """Issue #37: workers of two models (group = the model) cost differently; an unmeasured worker is priced like
+    the most-measured one of its own model, never another's (even one with more measurements), and a model none of
+    whose workers was measured gets the priors. Links and turns continued on D alike; and the state keeps it."""
+    rng = random.Random(3)
+    model = PrefillCostModel(PrefillPrior(fixed_ms=1.0, ms_per_ktoken=1.0, ms_per_ktoken_per_kcontext=0.0))
+    big, small = (80.0, 900.0, 40.0), (2.0, 20.0, 1.0)
+    for group, worker, compute, n in (("big", "big-p0", big, 20), ("small", "small-p0", small, 60)):
+        for _ in range(n):
+            context = rng.randrange(100, 8000)
+            pulled = context - 200 if rng.random() < 0.5 else 0
+            model.observe(worker, prompt_tokens=context, computed_tokens=context - pulled, pulled_tokens=pulled,
+                          prefill_ms=true_ms(context - pulled, context, pulled, compute=compute),
+                          source=f"{group}-d0", group=group)
+        model.observe_local(f"{group}-d0", prompt_tokens=2000, computed_tokens=100, streams=2,
+                            ms=true_ms(100, 2000, 0, compute=compute), group=group)
+
+    def recompute(worker: str, group: str) -> float:
+        return model.predict(worker, prompt_tokens=2000, reusable_tokens=0, group=group).recompute_ms
+
+    assert recompute("big-p9", "big") == pytest.approx(recompute("big-p0", "big"))
+    assert recompute("small-p9", "small") == pytest.approx(recompute("small-p0", "small"))
+    assert recompute("big-p9", "big") > 20 * recompute("small-p9", "small")
+    assert recompute("new-p0", "new") == pytest.approx(1.0 + 2.0)  # nothing of the model measured: the priors
+    assert model.reference_worker_of("big") == "big-p0" and model.reference_worker_of("small") == "small-p0"
+    assert model.reference_worker is None  # no worker of the "" group
+    pull = model.predict("big-p9", prompt_tokens=2000, reusable_tokens=1800, source="big-d9", group="big")
+    assert pull.pull_ms > 10 * model.predict("small-p9", prompt_tokens=2000, reusable_tokens=1800,
+                                             source="small-d9", group="small").pull_ms
+    local = {g: model.predict_local(f"{g}-d9", prompt_tokens=2000, cached_tokens=1900, streams=2, group=g).ms
+             for g in ("big", "small")}
+    assert local["big"] > 10 * local["small"]
+
+    again = PrefillCostModel.from_state(model.state(), model.prior)
+    for worker, group in (("big-p9", "big"), ("small-p9", "small"), ("big-p0", "big")):
+        assert again.predict(worker, prompt_tokens=2000, reusable_tokens=1800, source=f"{group}-d0",
+                             group=group) == model.predict(worker, prompt_tokens=2000, reusable_tokens=1800,
+                                                           source=f"{group}-d0", group=group)
+    legacy = {k: v for k, v in model.state().items()
+              if k not in ("groups", "most_measured_of", "most_link_in", "most_local_of")}
+    assert PrefillCostModel.from_state(legacy, model.prior).reference_worker is None  # a state from before groups

@@ -230,7 +230,8 @@ def test_an_empty_planner_s_snapshot_loads_and_works():
     snapshot = roundtrip(empty.learned_state())
     assert snapshot == {"version": 1, "model": {"compute": {}, "links": [], "stale": [], "most_measured": None,
                                                 "most_link": None, "most_link_of": {}, "local": {},
-                                                "most_local": None},
+                                                "most_local": None, "groups": {}, "most_measured_of": {},
+                                                "most_link_in": {}, "most_local_of": {}},
                         "regret": {"turns": {}, "regrets": {}}, "cache_trust": {}, "reported": 0}
     p = trained()
     p.load_learned_state(snapshot)  # forgets what it learned

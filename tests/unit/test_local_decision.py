@@ -145,3 +145,12 @@ def test_a_local_report_must_name_its_decode_worker_and_pull_nothing():
                 dict(decode_worker_id="d", decode_streams=-1)):
         with pytest.raises(InvalidOutcome):
             outcome_of(scheduler_pb2.ReportOutcomeRequest(**base, **bad))
+
+
+def test_a_report_names_its_model_and_the_cost_model_learns_it_per_model():
+    base = dict(prefill_worker_id="p0", prompt_tokens=300, computed_tokens=300, prefill_ms=15.0,
+                decision=scheduler_pb2.DECISION_RECOMPUTE)
+    outcome, _ = outcome_of(scheduler_pb2.ReportOutcomeRequest(**base, model="org/big"))
+    assert outcome.model == "org/big"
+    with pytest.raises(InvalidOutcome, match="control characters"):
+        outcome_of(scheduler_pb2.ReportOutcomeRequest(**base, model="big\n"))

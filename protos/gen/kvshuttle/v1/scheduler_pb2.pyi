@@ -98,7 +98,7 @@ class PlanFigures(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., session_found: _Optional[bool] = ..., covered_tokens: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., reusable_tokens: _Optional[int] = ..., compute_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., expires_in_s: _Optional[float] = ..., pull_threshold_tokens: _Optional[int] = ..., source_worker_alive: _Optional[bool] = ..., snapshot_stale: _Optional[bool] = ..., policy: _Optional[str] = ..., predicted_pull_ms: _Optional[float] = ..., predicted_recompute_ms: _Optional[float] = ..., pullable_tokens: _Optional[int] = ..., predicted_wait_ms: _Optional[float] = ..., worker_choice: _Optional[str] = ..., cached_tokens_estimate: _Optional[int] = ..., predicted_local_ms: _Optional[float] = ..., predicted_itl_delay_ms: _Optional[float] = ..., decode_streams: _Optional[int] = ...) -> None: ...
 
 class ReportOutcomeRequest(_message.Message):
-    __slots__ = ("prefill_worker_id", "decode_worker_id", "prompt_tokens", "pulled_tokens", "computed_tokens", "prefill_ms", "decision", "source_worker_id", "pullable_tokens", "policy", "cached_tokens_estimate", "session_id", "tenant", "decode_streams")
+    __slots__ = ("prefill_worker_id", "decode_worker_id", "prompt_tokens", "pulled_tokens", "computed_tokens", "prefill_ms", "decision", "source_worker_id", "pullable_tokens", "policy", "cached_tokens_estimate", "session_id", "tenant", "decode_streams", "model")
     PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,7 @@ class ReportOutcomeRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     DECODE_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     prefill_worker_id: str
     decode_worker_id: str
     prompt_tokens: int
@@ -127,7 +128,8 @@ class ReportOutcomeRequest(_message.Message):
     session_id: str
     tenant: str
     decode_streams: int
-    def __init__(self, prefill_worker_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., pulled_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., decision: _Optional[_Union[Decision, str]] = ..., source_worker_id: _Optional[str] = ..., pullable_tokens: _Optional[int] = ..., policy: _Optional[str] = ..., cached_tokens_estimate: _Optional[int] = ..., session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., decode_streams: _Optional[int] = ...) -> None: ...
+    model: str
+    def __init__(self, prefill_worker_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., pulled_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., decision: _Optional[_Union[Decision, str]] = ..., source_worker_id: _Optional[str] = ..., pullable_tokens: _Optional[int] = ..., policy: _Optional[str] = ..., cached_tokens_estimate: _Optional[int] = ..., session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., decode_streams: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
 
 class OutcomeBatch(_message.Message):
     __slots__ = ("replica", "outcomes", "seq")
