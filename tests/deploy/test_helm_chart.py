@@ -116,7 +116,7 @@ def parse_flags(args: list[str]) -> dict[str, str]:
 
 def relocate(values, root: Path):
     """Point the pod's absolute mount paths (/etc/kvshuttle/..., /models/...) into ``root``."""
-    fix = lambda v: re.sub(r"(?<![\w.])/(etc/kvshuttle|models)/", f"{root}/\\1/", v)  # noqa: E731
+    fix = lambda v: re.sub(r"(?<![\w.])/(etc/kvshuttle|models(?:-[a-z0-9-]+)?)/", f"{root}/\\1/", v)  # noqa: E731
     return {k: fix(v) for k, v in values.items()} if isinstance(values, dict) else [fix(v) for v in values]
 
 
@@ -263,6 +263,18 @@ BROKEN = {
     "even etcd member count": ("etcd: {bundled: {replicas: 2}}", ["/etcd/bundled/replicas"]),
     "API key given in clear": ("gateway: {apiKeys: {entries: [{sha256: my-secret-key, tenant: a}]}}",
                                ["/gateway/apiKeys/entries/0/sha256", "does not match pattern"]),
+    "extra model id that is no DNS label": ("extraModels: [{id: Big_Model, name: big, source: pvc, "
+                                            "pvc: {claimName: m}}]", ["/extraModels/0/id", "does not match pattern"]),
+    "extra model built in the pod": ("extraModels: [{id: t, name: t, source: build}]",
+                                     ["/extraModels/0/source", "'pvc', 'hostPath', 'huggingface'"]),
+    "extra model without its claim": ("extraModels: [{id: b, name: big, source: pvc}]", ["/extraModels/0"]),
+    "extra model id used twice": ("extraModels: [{id: b, name: big, source: hostPath, hostPath: {path: /m/b}}, "
+                                  "{id: b, name: other, source: hostPath, hostPath: {path: /m/o}}]",
+                                  ["extraModels[1]: id \"b\" or name \"other\" is used twice"]),
+    "extra model named as the main one": ("extraModels: [{id: b, name: Qwen/Qwen3-8B, source: hostPath, "
+                                          "hostPath: {path: /m/b}}]", ["extraModels[0]: id \"b\" or name"]),
+    "extra models given as a gateway setting": ("gateway: {settings: {models: 'a=/m/a'}}",
+                                                ["/gateway/settings", "'models' not allowed"]),
     "GPU limit that contradicts tensor parallel": (
         "decode: {settings: {tensor-parallel-size: 2}, resources: {limits: {nvidia.com/gpu: 1}}}",
         ["decode.resources.limits[nvidia.com/gpu] is 1 but tensor-parallel-size is 2"]),
@@ -280,6 +292,90 @@ def test_broken_values_fail_with_a_message_naming_the_value(case, tmp_path):
     for text in expected:
         assert text in out.stderr, f"{case}: {text!r} not in:\n{out.stderr}"
     assert "panic" not in out.stderr.lower()
+
+
+EXTRA_MODELS = """
+extraModels:
+  - id: llama3b
+    name: meta-llama/Llama-3.2-3B-Instruct
+    source: pvc
+    pvc: {claimName: models}
+    path: llama-3.2-3b
+    maxModelLen: 8192
+    toolCallParser: llama3_json
+    prefill: {replicas: 2}
+    decode: {replicas: 3, settings: {max-num-seqs: 64}}
+  - id: small
+    name: small
+    source: huggingface
+    huggingface: {repo: HuggingFaceTB/SmolLM2-135M-Instruct}
+"""
+
+
+def test_extra_models_get_their_own_pools_and_the_gateway_serves_them(pod_root, tmp_path):
+    """extraModels (issue #37, docs/models.md): each model gets a prefill and a decode Deployment of its own, serving
+    it under its name from its own files, with the main pools' values where it sets none; the gateway mounts each
+    one's tokenizer and serves them all (--models, parsed here by the gateway's own config, files checked); the
+    NetworkPolicy and the PodMonitor take every pool of a role alike; the manifests validate."""
+    from kvshuttle.services.gateway.model_specs import ModelSpec
+
+    values = tmp_path / "extra.yaml"
+    values.write_text(EXTRA_MODELS)
+    docs = rendered("gpu-1p1d", "-f", str(values))
+    deployments = objects(docs, "Deployment")
+    pools = {name: d for name, d in deployments.items() if name.startswith(f"{RELEASE}-kvshuttle-prefill")
+             or name.startswith(f"{RELEASE}-kvshuttle-decode")}
+    seen = {}
+    for name, d in pools.items():
+        pod = d["spec"]["template"]["spec"]
+        flags = parse_flags(pod["containers"][0]["args"])
+        labels = d["spec"]["template"]["metadata"]["labels"]
+        assert d["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        seen[name.removeprefix(f"{RELEASE}-kvshuttle-")] = (
+            d["spec"]["replicas"], flags["--served-model-name"], flags["--model"], flags.get("--max-model-len"),
+            flags.get("--max-num-seqs"), labels["kvshuttle.io/worker-role"], labels["app.kubernetes.io/component"])
+    assert seen == {
+        "prefill": (1, "Qwen/Qwen3-8B", "/models/Qwen3-8B", "32768", None, "prefill", "prefill"),
+        "decode": (1, "Qwen/Qwen3-8B", "/models/Qwen3-8B", "32768", None, "decode", "decode"),
+        "prefill-llama3b": (2, "meta-llama/Llama-3.2-3B-Instruct", "/models/llama-3.2-3b", "8192", None, "prefill",
+                            "prefill-llama3b"),
+        "decode-llama3b": (3, "meta-llama/Llama-3.2-3B-Instruct", "/models/llama-3.2-3b", "8192", "64", "decode",
+                           "decode-llama3b"),
+        "prefill-small": (1, "small", "/models/hf", None, None, "prefill", "prefill-small"),
+        "decode-small": (1, "small", "/models/hf", None, None, "decode", "decode-small"),
+    }
+    assert len({tuple(sorted(d["spec"]["selector"]["matchLabels"].items())) for d in pools.values()}) == 6
+
+    gateway = dict(kvshuttle_containers(docs))["gateway"]
+    for d in ("models-llama3b/llama-3.2-3b", "models-small/hf"):
+        (pod_root / d).mkdir(parents=True, exist_ok=True)
+        (pod_root / d / "tokenizer.json").write_text("{}")
+    cfg = parse("gateway", gateway["args"], container_env(gateway), pod_root)
+    assert cfg.model_specs()[1:] == [
+        ModelSpec("meta-llama/Llama-3.2-3B-Instruct", f"{pod_root}/models-llama3b/llama-3.2-3b",
+                  tool_call_parser="llama3_json", max_model_len=8192),
+        ModelSpec("small", f"{pod_root}/models-small/hf")]
+    gateway_pod = deployments[f"{RELEASE}-kvshuttle-gateway"]["spec"]["template"]["spec"]
+    mounts = {m["mountPath"]: m["name"] for m in gateway_pod["containers"][0]["volumeMounts"]}
+    assert mounts["/models-llama3b"] == "model-llama3b" and mounts["/models-small"] == "model-small"
+    volumes = {v["name"]: v for v in gateway_pod["volumes"]}
+    assert volumes["model-llama3b"]["persistentVolumeClaim"]["claimName"] == "models"
+    fetch = next(c for c in gateway_pod["initContainers"] if c["name"] == "model-small")  # the tokenizer only
+    assert {"name": "KVSHUTTLE_MODEL_DIR", "value": "/models-small/hf"} in fetch["env"]
+    assert any(e["name"] == "KVSHUTTLE_MODEL_PATTERNS" for e in fetch["env"])
+    for command, container in kvshuttle_containers(docs):
+        parse(command, container["args"], container_env(container), pod_root)
+
+    policies = objects(docs, "NetworkPolicy")
+    for role in ("prefill", "decode"):
+        selector = policies[f"{RELEASE}-kvshuttle-{role}-traffic"]["spec"]["podSelector"]["matchLabels"]
+        matched = [n for n, d in pools.items() if selector.items() <= d["spec"]["template"]["metadata"]["labels"].items()]
+        assert len(matched) == 3, (role, matched)  # every model's pool of the role
+    manifest = tmp_path / "rendered.yaml"
+    manifest.write_text(yaml.safe_dump_all(docs))
+    out = subprocess.run([str(ROOT / ".venv/bin/kubernetes-validate"), "--strict", "--quiet", "-k", "1.30.0",
+                          str(manifest)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_default_values_alone_ask_for_a_model():

@@ -318,22 +318,31 @@ securityContext:
 
 {{/*
 The model's files. Workers read the whole model; the gateway only its tokenizer and chat template.
+Each helper takes (list model volume mount): the model's values (.Values.model, or an extraModels item), the
+volume's name and where it is mounted ("model" at /models in every worker pod; the gateway mounts each extra model's
+volume at /models-<id> too). Called with $ instead: the main model's.
 kvshuttle.modelDir: where the model directory is inside the containers.
 */}}
+{{- define "kvshuttle.modelArgs" -}}
+{{- if kindIs "slice" . }}{{ toJson . }}{{ else }}{{ toJson (list .Values.model "model" "/models") }}{{ end -}}
+{{- end -}}
+
 {{- define "kvshuttle.modelDir" -}}
-{{- $m := .Values.model -}}
+{{- $a := include "kvshuttle.modelArgs" . | fromJsonArray -}}
+{{- $m := index $a 0 -}}{{- $mount := index $a 2 -}}
 {{- if eq $m.source "build" -}}
-/models/tiny
+{{ $mount }}/tiny
 {{- else if eq $m.source "huggingface" -}}
-/models/hf
+{{ $mount }}/hf
 {{- else -}}
-{{- printf "/models/%s" $m.path | trimSuffix "/" -}}
+{{- printf "%s/%s" $mount ($m.path | default "") | trimSuffix "/" -}}
 {{- end -}}
 {{- end -}}
 
 {{- define "kvshuttle.modelVolume" -}}
-{{- $m := .Values.model -}}
-- name: model
+{{- $a := include "kvshuttle.modelArgs" . | fromJsonArray -}}
+{{- $m := index $a 0 -}}
+- name: {{ index $a 1 }}
 {{- if eq $m.source "pvc" }}
   persistentVolumeClaim: {claimName: {{ $m.pvc.claimName | quote }}, readOnly: true}
 {{- else if eq $m.source "hostPath" }}
@@ -344,21 +353,24 @@ kvshuttle.modelDir: where the model directory is inside the containers.
 {{- end -}}
 
 {{- define "kvshuttle.modelMount" -}}
-- {name: model, mountPath: /models, readOnly: {{ has .Values.model.source (list "pvc" "hostPath") }}}
+{{- $a := include "kvshuttle.modelArgs" . | fromJsonArray -}}
+- {name: {{ index $a 1 }}, mountPath: {{ index $a 2 }}, readOnly: {{ has (index $a 0).source (list "pvc" "hostPath") }}}
 {{- end -}}
 
-{{/* Init container that fills the model volume (huggingface, build). Call with (list $ image tokenizerOnly). */}}
+{{/* Init container that fills the model volume (huggingface, build). Call with (list $ image tokenizerOnly), or
+(list $ image tokenizerOnly model volume mount) for another model's volume. */}}
 {{- define "kvshuttle.modelInit" -}}
 {{- $ := index . 0 -}}{{- $image := index . 1 -}}{{- $tokenizerOnly := index . 2 -}}
-{{- $m := $.Values.model -}}
+{{- $m := $.Values.model -}}{{- $volume := "model" -}}{{- $mount := "/models" -}}
+{{- if gt (len .) 3 }}{{ $m = index . 3 }}{{ $volume = index . 4 }}{{ $mount = index . 5 }}{{ end -}}
 {{- if has $m.source (list "huggingface" "build") }}
-- name: model
+- name: {{ $volume }}
   image: {{ $image }}
   imagePullPolicy: {{ $.Values.images.pullPolicy }}
   securityContext:
     {{- toYaml $.Values.securityContext | nindent 4 }}
 {{- if eq $m.source "build" }}
-  command: [kvshuttle, make-model, /models/tiny]
+  command: [kvshuttle, make-model, {{ printf "%s/tiny" $mount }}]
 {{- else }}
   command:
     - python
@@ -368,22 +380,23 @@ kvshuttle.modelDir: where the model directory is inside the containers.
       from huggingface_hub import snapshot_download
       patterns = os.environ.get("KVSHUTTLE_MODEL_PATTERNS")
       snapshot_download(repo_id=os.environ["KVSHUTTLE_MODEL_REPO"], revision=os.environ["KVSHUTTLE_MODEL_REVISION"],
-                        local_dir="/models/hf", allow_patterns=patterns.split(",") if patterns else None)
+                        local_dir=os.environ["KVSHUTTLE_MODEL_DIR"], allow_patterns=patterns.split(",") if patterns else None)
   env:
     - {name: KVSHUTTLE_MODEL_REPO, value: {{ $m.huggingface.repo | quote }}}
-    - {name: KVSHUTTLE_MODEL_REVISION, value: {{ $m.huggingface.revision | quote }}}
+    - {name: KVSHUTTLE_MODEL_REVISION, value: {{ $m.huggingface.revision | default "main" | quote }}}
+    - {name: KVSHUTTLE_MODEL_DIR, value: {{ printf "%s/hf" $mount | quote }}}
     - {name: HF_HOME, value: /tmp/hf}
 {{- if $tokenizerOnly }}
     - {name: KVSHUTTLE_MODEL_PATTERNS, value: "*.json,*.jinja,*.model,*.txt,*.tiktoken"}
 {{- end }}
-{{- if $m.huggingface.tokenSecret.name }}
+{{- with ($m.huggingface.tokenSecret | default dict) }}{{ if .name }}
     - name: HF_TOKEN
       valueFrom:
-        secretKeyRef: {name: {{ $m.huggingface.tokenSecret.name | quote }}, key: {{ $m.huggingface.tokenSecret.key | quote }}}
-{{- end }}
+        secretKeyRef: {name: {{ .name | quote }}, key: {{ .key | default "token" | quote }}}
+{{- end }}{{ end }}
 {{- end }}
   volumeMounts:
-    - {name: model, mountPath: /models}
+    - {name: {{ $volume }}, mountPath: {{ $mount }}}
     - {name: tmp, mountPath: /tmp}
 {{- end }}
 {{- end -}}
@@ -562,7 +575,12 @@ prometheus.io/scheme: {{ index . 2 | default "http" | quote }}
 {{- $ := index . 0 -}}
 app.kubernetes.io/name: {{ include "kvshuttle.name" $ }}
 app.kubernetes.io/instance: {{ $.Release.Name }}
+{{- /* Workers by their role: every model's pool of that role (prefill, prefill-<id>, ...). */}}
+{{- if has (index . 1) (list "prefill" "decode") }}
+kvshuttle.io/worker-role: {{ index . 1 }}
+{{- else }}
 app.kubernetes.io/component: {{ index . 1 }}
+{{- end }}
 {{- end -}}
 
 {{/* The port of an endpoint (host:port, scheme://[user@]host:port/path), or the default. Call with (list endpoint
