@@ -1272,18 +1272,9 @@ def _by_models(results: Sequence[CellResult], cfg: ServicesBenchConfig) -> dict:
     counts = cfg.model_count_list()
     if not counts:
         return {}
-    out: dict[str, Any] = {"counts": counts, "workers_per_model": cfg.fleet_workers // max(counts), "ratios": {},
-                           "lines": []}
-    for op in MODEL_OPS:
-        cells = {r.models: r for r in results if r.operation == op and r.models}
-        base = cells.get(counts[0])
-        if base is None or not math.isfinite(base.p50_ms):
-            continue
-        ratios = {n: cells[n].p50_ms / base.p50_ms for n in counts if n in cells}
-        out["ratios"][op] = ratios
-        out["lines"].append(f"{LABELS[op]} p50 vs {counts[0]} model{'s' * (counts[0] > 1)}: " + ", ".join(
-            f"{n}: {r:.2f}x ({cells[n].p50_ms:.3f} ms)" for n, r in ratios.items()))
-    return out
+    out = _p50_ratios(results, MODEL_OPS, counts, lambda r: r.models,
+                      f"{counts[0]} model{'s' * (counts[0] > 1)}", digits=3)
+    return {"counts": counts, "workers_per_model": cfg.fleet_workers // max(counts), **out}
 
 
 def _scaling(results: Sequence[CellResult], cfg: ServicesBenchConfig) -> dict:
@@ -1291,16 +1282,26 @@ def _scaling(results: Sequence[CellResult], cfg: ServicesBenchConfig) -> dict:
     sizes = cfg.scale_sizes()
     if not sizes:
         return {}
-    out: dict[str, Any] = {"sizes": sizes, "ratios": {}, "lines": []}
-    for op in SCALED:
-        cells = {r.history_tokens: r for r in results if r.operation == op and r.label.startswith(LABELS[op] + " @")}
-        base = cells.get(sizes[0])
+    out = _p50_ratios(results, SCALED, sizes,
+                      lambda r: r.history_tokens if r.label.startswith(LABELS[r.operation] + " @") else 0,
+                      f"{sizes[0]} ids", digits=2)
+    return {"sizes": sizes, **out}
+
+
+def _p50_ratios(results: Sequence[CellResult], ops: Sequence[str], points: Sequence[int],
+                point_of: Callable[[CellResult], int], first: str, digits: int) -> dict:
+    """For each of ``ops``: its cells' p50 at every one of ``points`` (``point_of`` a cell: 0 for none) as a ratio
+    to the first point's, and a line saying so (``first`` names the first point)."""
+    out: dict[str, Any] = {"ratios": {}, "lines": []}
+    for op in ops:
+        cells = {point_of(r): r for r in results if r.operation == op and point_of(r)}
+        base = cells.get(points[0])
         if base is None or not math.isfinite(base.p50_ms):
             continue
-        ratios = {n: cells[n].p50_ms / base.p50_ms for n in sizes if n in cells}
+        ratios = {n: cells[n].p50_ms / base.p50_ms for n in points if n in cells}
         out["ratios"][op] = ratios
-        out["lines"].append(f"{LABELS[op]} p50 vs {sizes[0]} ids: " + ", ".join(
-            f"{n}: {r:.2f}x ({cells[n].p50_ms:.2f} ms)" for n, r in ratios.items()))
+        out["lines"].append(f"{LABELS[op]} p50 vs {first}: " + ", ".join(
+            f"{n}: {r:.2f}x ({cells[n].p50_ms:.{digits}f} ms)" for n, r in ratios.items()))
     return out
 
 
