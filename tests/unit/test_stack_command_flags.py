@@ -78,3 +78,27 @@ def test_soak_settings_that_others_make_no_ops():
     # the model directory and telemetry are shared env vars, set for every process: never refused
     parse_config(SoakConfig, *URL, "--sessions", "4", environ={"KVSHUTTLE_MODEL_DIR": "var/models/x",
                                                                "KVSHUTTLE_OTLP_ENDPOINT": "http://x:4317"})
+
+
+def test_more_models_for_the_local_stack(tmp_path):
+    """`kvshuttle up --models` (issue #37): each more model's variant, its options, where it is built, and the
+    gateway's --models entry for it; a variant that is unknown, served twice or asked with --gpus is refused."""
+    from kvshuttle.services.devtools.stack import Stack
+
+    cfg = parse_config(StackConfig, "--models", "tiny-tools, agent?tool_call_parser=hermes&reasoning_parser=qwen3")
+    assert cfg.more_models() == [("tiny-tools", ""), ("agent", "tool_call_parser=hermes&reasoning_parser=qwen3")]
+    stack = Stack(parse_config(StackConfig, "--work-dir", str(tmp_path), "--max-model-len", "4096",
+                               "--models", "agent?max_model_len=2048"))
+    where = Stack.more_model_dir("agent")
+    assert where.parts[-3:] == ("var", "models", "agent")
+    assert stack._model_spec("tiny-tools", "", where) == f"tiny-tools={where}?max_model_len=4096"
+    assert stack._model_spec("agent", "max_model_len=2048", where) == f"agent={where}?max_model_len=2048"
+    from kvshuttle.services.gateway.model_specs import parse_models
+
+    assert [s.name for s in parse_models(stack._model_spec("agent", "tool_call_parser=hermes", where))] == ["agent"]
+    for argv, words in ((["--models", "huge"], "unknown variant 'huge'"),
+                        (["--models", "tiny"], "'tiny' is served twice"),
+                        (["--models", "agent,agent"], "'agent' is served twice"),
+                        (["--models", "agent", "--gpus", "0,1"], "CPU workers only")):
+        with pytest.raises(ConfigError, match=words):
+            parse_config(StackConfig, *argv)
