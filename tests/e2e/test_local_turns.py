@@ -41,7 +41,9 @@ async def test_a_turn_continued_on_d_is_served_from_its_cache_and_answers_like_a
     (p,) = [w.worker_id for w in stack.workers if w.role == common_pb2.WORKER_ROLE_PREFILL]
     (d,) = [w.worker_id for w in stack.workers if w.role == common_pb2.WORKER_ROLE_DECODE]
     session, twin = new_session("local"), new_session("local-twin")
-    messages = [{"role": "system", "content": "You are a careful coding agent."}, user_turn(0)]
+    # A system prompt of its own: D's prefix cache must hold no more of this conversation than the session left
+    # there (other tests on the shared stack send the same turns).
+    messages = [{"role": "system", "content": f"You are a careful coding agent ({session})."}, user_turn(0)]
     twin_messages = list(messages)
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=300) as client:
         first = await turn(client, session, messages)
