@@ -222,7 +222,7 @@ class GatewayConfig(TelemetryConfig, TlsConfig):
                 "with --tls-cert the gateway needs --tls-ca (KVSHUTTLE_TLS_CA): its REST bridge calls its own gRPC API")
         require(not self.tls_client_ca or bool(self.tls_client_cert),
                 "with --tls-client-ca the gateway needs --tls-client-cert: its REST bridge calls its own gRPC API")
-        self.key_ring()
+        keys = self.key_ring()
         require(min(self.engine_timeout_s, self.control_timeout_s, self.prefill_timeout_s,
                     self.decode_stall_timeout_s) > 0, "timeouts must be > 0")
         require(self.worker_retries >= 0, "--worker-retries must be >= 0")
@@ -231,7 +231,7 @@ class GatewayConfig(TelemetryConfig, TlsConfig):
         except ModelSpecError as exc:
             raise ConfigError(str(exc)) from None
         names = [spec.name for spec in specs]
-        unserved = sorted(self.key_ring().models_named() - set(names))
+        unserved = sorted(keys.models_named() - set(names))
         require(not unserved, f"--api-keys-file names models this gateway does not serve: {unserved} (it serves "
                               f"{names})")
         twice = sorted({n for n in names if names.count(n) > 1})

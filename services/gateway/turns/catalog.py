@@ -63,13 +63,13 @@ class ModelCatalog:
         named: the default (the first allowed), unless ``required`` (Anthropic's APIs). Else a 404
         ``model_not_found`` (OpenAI's code; the APIs spell it their own way), the same whether the model is not
         served or not the caller's: an answer never tells a caller which models other keys may use."""
+        found = self._by_name.get(model or "") if model or required else self.default
+        if found is not None and (allowed is None or found.name in allowed):  # every turn: no list built
+            return found
         usable = self.usable(allowed)
         if not model and not required and usable:
-            return self.default if self.default in usable else usable[0]
-        found = self._by_name.get(model or "")
-        if found is None or found not in usable:
-            served = ", ".join(repr(m.name) for m in usable) or "no model to this key"
-            raise TurnError(404, grpc.StatusCode.NOT_FOUND,
-                            f"The model {model!r} does not exist or you do not have access to it; this gateway "
-                            f"serves {served}", api_code="model_not_found")
-        return found
+            return usable[0]  # the default is not the caller's: its first
+        served = ", ".join(repr(m.name) for m in usable) or "no model to this key"
+        raise TurnError(404, grpc.StatusCode.NOT_FOUND,
+                        f"The model {model!r} does not exist or you do not have access to it; this gateway "
+                        f"serves {served}", api_code="model_not_found")
