@@ -91,9 +91,11 @@ class Planner(Generic[W]):
         the session-based estimate of :class:`.prefill_cache.PrefillCacheHints`; workers not in it are estimated as
         without it. With ``candidates`` the sample keeps the worker with the most hits, besides the session's last
         prefill worker. ``model``: the turn's (its workers serve it): workers the cost model has not measured yet
-        are priced like the most-measured one of that model."""
+        are priced like the most-measured one of that model (a turn naming none: of the model all its prefill workers
+        serve, when they serve one)."""
         chosen_policy = self.policy(policy)
         n = len(prompt)
+        model = model or _one_model(prefill)
         holder = next((w for w in decode if w.worker_id == source_worker), None) if source_worker else None
         if self.candidates:
             keep = [self.cache_hints.worker_of(session)]
@@ -278,3 +280,10 @@ def _counts(value: Any, what: str) -> dict[str, int]:
             isinstance(k, str) and isinstance(n, int) and not isinstance(n, bool) and n >= 0 for k, n in value.items()):
         raise ValueError(f"{what} is not a mapping of policy name to a count")
     return dict(value)
+
+
+def _one_model(workers: Sequence[HasId]) -> str:
+    """The base model every one of ``workers`` serves ("" when they serve several, or do not say): the cost-model
+    group of a turn that names no model, so its unmeasured workers are priced like their measured peers."""
+    models = {getattr(w, "model", "") for w in workers}
+    return models.pop() if len(models) == 1 else ""

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import pytest
 from kvshuttle.control_plane.cost_model import PrefillCostModel
 from kvshuttle.control_plane.decision import Choice
-from kvshuttle.control_plane.planner import Planner
+from kvshuttle.control_plane.load import WorkerLoad
+from kvshuttle.control_plane.planner import Planner, _one_model
 from kvshuttle.control_plane.policies import Outcome, make_policy
 from kvshuttle.control_plane.prefill_cache import PrefillCacheHints
 from kvshuttle.control_plane.selection import make_selector
@@ -19,6 +20,11 @@ from tests.support.planning import HISTORY, handle_view
 class W:
     worker_id: str
     block_size: int = 16
+
+
+@dataclass(frozen=True)
+class MW(W):
+    model: str = ""
 
 
 def test_the_worker_that_prefilled_the_last_turn_holds_its_whole_blocks():
@@ -190,3 +196,24 @@ def test_workers_are_compared_by_their_work_not_by_their_own_noisy_fits():
     assert got.prefill.worker_id == "p0" and got.cached_tokens == 640
     assert got.prediction.recompute_ms == pytest.approx(own[0])
     assert "640 of 1300 prompt tokens cached there" in got.worker_choice
+
+
+def test_a_turn_naming_no_model_prices_its_unmeasured_workers_like_their_models_measured_ones():
+    """The gateway reports every turn with its model; a plan that names none (a client of the scheduler's own API)
+    prices its prefill workers by the model they all serve. Before, the "" group had no measured worker, so the
+    measured p0 (80 ms for a 4-token prompt on a slow machine, one turn pending) was compared with the unmeasured
+    p1's priors, and 8 requests running on p1 did not outweigh the difference (the CI failure of
+    tests/e2e/test_load_aware.py::test_busy_prefill_worker_is_avoided)."""
+    model = PrefillCostModel()
+    planner = Planner({"cost": make_policy("cost", {}, model=model)}, "cost", model, make_selector("load"))
+    for i in range(6):
+        planner.observe(Outcome("p0", 4, 0, 4, 80.0 + i % 2, Choice.RECOMPUTE, policy="cost", model="m"))
+    assert model.reference_worker_of("m") == "p0" and model.reference_worker is None
+    prefill = [MW("p0", model="m"), MW("p1", model="m")]
+    loads = {"p0": WorkerLoad(pending=1), "p1": WorkerLoad(running=8)}
+    for named in ("", "m"):
+        got = planner.plan([11, 12, 13, 14], None, prefill=prefill, decode=[MW("d0", model="m")], loads=loads,
+                           model=named)
+        assert got.prefill.worker_id == "p0", (named, got.worker_choice)
+    assert _one_model(prefill) == "m"
+    assert _one_model([MW("p0", model="m"), MW("p1", model="other")]) == "" and _one_model([W("p0")]) == ""
