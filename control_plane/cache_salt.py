@@ -14,7 +14,7 @@ tenant name. P and D, and every gateway replica, derive the same salt for a tena
 blocks pulled into D and D's blocks pulled into P hash alike on both sides.
 
 The salt travels to vLLM's gRPC server as call metadata (``METADATA_KEY``: vLLM's ``GenerateRequest`` has no salt
-field for token input); kvshuttle's vLLM plugin (workers/vllm_cache_salt.py) puts it in the prompt and answers with
+field for token input); kvshuttle's vLLM plugin (workers/vllm_call_options.py) puts it in the prompt and answers with
 ``APPLIED_KEY`` in the call's initial metadata, so a worker without the plugin is refused, never silently unsalted.
 """
 

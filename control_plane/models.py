@@ -20,3 +20,11 @@ def adapter(worker: common_pb2.Worker, model: str) -> common_pb2.LoraAdapter | N
 def served_names(worker: common_pb2.Worker) -> list[str]:
     """Every name ``worker`` answers to: its base model first, then its adapters."""
     return [worker.model, *(a.name for a in worker.adapters)] if worker.model else [a.name for a in worker.adapters]
+
+
+# A Generate call for an adapter names it in call metadata (vLLM's GenerateRequest has no LoRA field); kvshuttle's
+# vLLM plugin (workers/vllm_call_options.py) runs the request under the adapter of that name the worker has loaded
+# and answers ADAPTER_APPLIED_KEY: "1" in the call's initial metadata (a worker that does not is refused, so a turn
+# for an adapter never runs on the base model).
+ADAPTER_METADATA_KEY = "kvshuttle-lora"
+ADAPTER_APPLIED_KEY = "kvshuttle-lora-applied"

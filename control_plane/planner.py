@@ -91,11 +91,11 @@ class Planner(Generic[W]):
         the session-based estimate of :class:`.prefill_cache.PrefillCacheHints`; workers not in it are estimated as
         without it. With ``candidates`` the sample keeps the worker with the most hits, besides the session's last
         prefill worker. ``model``: the turn's (its workers serve it): workers the cost model has not measured yet
-        are priced like the most-measured one of that model (a turn naming none: of the model all its prefill workers
-        serve, when they serve one)."""
+        are priced like the most-measured one of that model: of the base model all its prefill workers serve, when
+        they serve one (a turn naming none, or an adapter's turn), else of ``model``."""
         chosen_policy = self.policy(policy)
         n = len(prompt)
-        model = model or _one_model(prefill)
+        model = _one_model(prefill) or model  # an adapter's turn is priced as its base model's
         holder = next((w for w in decode if w.worker_id == source_worker), None) if source_worker else None
         if self.candidates:
             keep = [self.cache_hints.worker_of(session)]
@@ -284,6 +284,7 @@ def _counts(value: Any, what: str) -> dict[str, int]:
 
 def _one_model(workers: Sequence[HasId]) -> str:
     """The base model every one of ``workers`` serves ("" when they serve several, or do not say): the cost-model
-    group of a turn that names no model, so its unmeasured workers are priced like their measured peers."""
+    group of a turn (an adapter's turns cost as its base model's; a turn naming no model is priced like the measured
+    workers of the model its workers serve)."""
     models = {getattr(w, "model", "") for w in workers}
     return models.pop() if len(models) == 1 else ""

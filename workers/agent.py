@@ -10,6 +10,7 @@ stop vLLM, exit 0.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -32,6 +33,7 @@ from kvshuttle.services.store.load_feed import LoadFeedPublisher
 from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 from kvshuttle.workers.kv_feed import KvFeedAgent
 from kvshuttle.workers.load_feed import LoadFeedAgent
+from kvshuttle.workers.lora_modules import AdapterError, AdapterSet
 from kvshuttle.workers.vllm_process import VllmProcess, WorkerConfig, vllm_command
 
 log = logging.getLogger("kvshuttle.worker")
@@ -63,6 +65,7 @@ class RegistryLink:
         self.registrations = 0
         self.keepalives = 0
         self.registered = asyncio.Event()
+        self._changed = asyncio.Event()  # the record changed (update): register it again
         self._channel = fast_reconnect_channel(address, tls)  # notices a returning registry within ~2 s
         self._stub = registry_pb2_grpc.SessionRegistryStub(self._channel)
 
@@ -76,7 +79,13 @@ class RegistryLink:
             await self._keep_alive()
             self.registered.clear()
 
+    def update(self, worker: common_pb2.Worker) -> None:
+        """Register ``worker`` (this worker's record, changed: e.g. its adapters) in place of the registered one."""
+        self.worker = worker
+        self._changed.set()
+
     async def _register(self) -> None:
+        self._changed.clear()
         delay, failing = self.retry_s, False
         request = registry_pb2.RegisterWorkerRequest(worker=self.worker, lease_ttl_s=self.ttl_s)
         while True:
@@ -104,7 +113,10 @@ class RegistryLink:
         last_ok = time.monotonic()
         wait = self.granted_ttl_s / 3
         while True:
-            await asyncio.sleep(wait)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), wait)
+            if self._changed.is_set():
+                return
             interval = self.granted_ttl_s / 3
             try:
                 resp = await self._stub.KeepAlive(
@@ -170,6 +182,8 @@ class Agent:
         self.metrics = None  # the metrics endpoint (--metrics-listen), once vLLM's metrics directory exists
         self.kv_feed: KvFeedAgent | None = None  # with --kv-feed on a prefill worker, once the engine is up
         self.load_feed: LoadFeedAgent | None = None  # with --kv-feed, once the engine is up
+        # the LoRA adapters served (--lora-modules, --lora-modules-file); None: LoRA off
+        self.adapters = AdapterSet(cfg.adapter_table_path, cfg.lora_limits()[1]) if cfg.serves_adapters else None
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -186,7 +200,15 @@ class Agent:
         link_task: asyncio.Task | None = None
         feed_task: asyncio.Task | None = None
         load_task: asyncio.Task | None = None
+        adapters_task: asyncio.Task | None = None
         try:
+            if self.adapters is not None:
+                try:
+                    self.adapters.apply(self.cfg.adapters_at_start())
+                except AdapterError as exc:
+                    raise AgentError(str(exc)) from None
+                log.info("serving LoRA adapters: %s", ", ".join(self.adapters.current) or "none yet")
+                metrics.LORA_ADAPTERS.set(len(self.adapters.current))
             await self.process.start()
             log.info("started vLLM (%s, pid %s) for %s on %s; log %s", self.cfg.role, self.process.pid,
                      self.cfg.model, self.cfg.grpc_address, getattr(self.process, "log_path", "-"))
@@ -205,6 +227,8 @@ class Agent:
                                      on_registered=self._announce, tls=self.cfg.client_tls())
             metrics.WORKER_STATE.register(self.link.metrics_state)
             link_task = asyncio.create_task(self.link.run(), name="registry-link")
+            if self.cfg.lora_modules_file:
+                adapters_task = asyncio.create_task(self._follow_adapters(), name="lora-modules-file")
             reason = await self._until_stopped(self._watch(link_task))
             if reason:
                 log.error("leaving: %s\n--- vLLM log tail ---\n%s", reason, self.process.log_tail())
@@ -213,7 +237,7 @@ class Agent:
             log.error("%s\n--- vLLM log tail ---\n%s", exc, self.process.log_tail())
             status = 1
         finally:
-            for task in (link_task, feed_task, load_task):
+            for task in (link_task, feed_task, load_task, adapters_task):
                 if task is not None:
                     task.cancel()
                     await asyncio.gather(task, return_exceptions=True)
@@ -300,7 +324,29 @@ class Agent:
             kv_blocks_ttl_s=cfg.decoder_kv_blocks_ttl, model=cfg.model_name,
             kv_bytes_per_token=_kv_bytes_per_token(cfg.model, info.model_dtype),
             prefix_hash_algo=cfg.prefix_hash_algo, prefix_hash_seed=cfg.prefix_hash_seed, kv_events=cfg.kv_events,
-            load_feed=cfg.load_feed)
+            load_feed=cfg.load_feed, adapters=self.adapters.records() if self.adapters is not None else ())
+
+    async def _follow_adapters(self) -> None:
+        """Re-read --lora-modules-file every --lora-modules-poll-s: serve and register what it lists now. A file
+        that cannot be read or names an unusable adapter changes nothing (the error is logged and counted)."""
+        assert self.adapters is not None and self.link is not None
+        last_error = ""
+        while True:
+            await asyncio.sleep(self.cfg.lora_modules_poll_s)
+            try:
+                wanted = await asyncio.to_thread(self.cfg.adapters_at_start)
+                changed = await asyncio.to_thread(self.adapters.apply, wanted)
+            except AdapterError as exc:
+                if str(exc) != last_error:
+                    log.error("adapters unchanged: %s", exc)
+                    metrics.ADAPTER_FILE_ERRORS.inc()
+                last_error = str(exc)
+                continue
+            last_error = ""
+            if changed:
+                log.info("serving LoRA adapters: %s; registering again", ", ".join(self.adapters.current) or "none")
+                metrics.LORA_ADAPTERS.set(len(self.adapters.current))
+                self.link.update(self._worker_record())
 
     def _kv_feed_agent(self) -> KvFeedAgent:
         """The one subscriber to this worker's KV events, publishing them to the feed (workers/kv_feed.py)."""
@@ -376,6 +422,12 @@ def print_vllm_command(cfg: WorkerConfig, out: TextIO | None = None) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = load(WorkerConfig, argv, prog="kvshuttle worker", description=WorkerConfig.__doc__)
+    if cfg.serves_adapters:
+        try:
+            cfg.lora_limits()
+        except AdapterError as exc:
+            print(f"kvshuttle worker: {exc}", file=sys.stderr)
+            return 2
     if cfg.print_vllm_command:
         print_vllm_command(cfg)
         return 0

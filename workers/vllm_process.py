@@ -80,6 +80,16 @@ class WorkerConfig(TelemetryConfig, TlsClientConfig):
     enforce_eager: bool = setting(True, "Skip torch.compile/graph capture (faster start)")
     max_model_len: int = setting(0, "Max model length; 0: the model's")
     max_num_seqs: int = setting(0, "Max concurrent sequences; 0: vLLM's default")
+    lora_modules: str = setting(
+        "", "LoRA adapters this worker serves, NAME=DIR entries separated by commas (PEFT directories; vLLM "
+            "--lora-modules): each registered as an adapter of this worker's model, asked for by NAME")
+    lora_modules_file: str = setting(
+        "", "A JSON file of adapter NAME -> DIR, re-read while the worker runs: adapters added there are served and "
+            "registered, removed ones are no longer (with --lora-modules: both)")
+    lora_modules_poll_s: float = setting(2.0, "Seconds between reads of --lora-modules-file")
+    max_lora_rank: int = setting(0, "vLLM --max-lora-rank; 0: the smallest vLLM takes that covers the adapters given "
+                                    "at start (at least 16)")
+    max_loras: int = setting(0, "vLLM --max-loras (adapters in one batch); 0: the adapters given at start (>= 1)")
     extra_args: str = setting("", "More vLLM arguments (shell-quoted)")
     vllm_otlp_traces_endpoint: str = setting(
         "", "OTLP/gRPC endpoint for vLLM's own spans (vLLM --otlp-traces-endpoint): one 'llm_request' span per "
@@ -129,10 +139,55 @@ class WorkerConfig(TelemetryConfig, TlsClientConfig):
         seed = self.prefix_hash_seed
         require(seed == "" or (seed.isascii() and seed.isdigit() and int(seed) <= 4294967295),
                 "--prefix-hash-seed must be empty or an integer 0..4294967295 (Python's rule for PYTHONHASHSEED)")
+        if self.lora_modules:
+            from kvshuttle.workers.lora_modules import AdapterError, parse_lora_modules
+
+            try:
+                parse_lora_modules(self.lora_modules)
+            except AdapterError as exc:
+                require(False, str(exc))
+        require(self.lora_modules_poll_s > 0, "--lora-modules-poll-s must be > 0")
+        require_effect(self, "lora_modules_poll_s", bool(self.lora_modules_file), "without --lora-modules-file")
+        require(self.max_lora_rank in (0, 1, 8, 16, 32, 64, 128, 256, 320, 512),
+                "--max-lora-rank must be 0 or one of vLLM's: 1, 8, 16, 32, 64, 128, 256, 320, 512")
+        require(self.max_loras >= 0, "--max-loras must be >= 0")
+        for name in ("max_lora_rank", "max_loras"):
+            require_effect(self, name, self.serves_adapters, "without --lora-modules or --lora-modules-file")
         self.validate_tls_client()  # towards the registry (vLLM's own gRPC server stays plaintext)
         from kvshuttle.services.common.metrics_http import check_listen
 
         check_listen(self.metrics_listen)
+
+    @property
+    def serves_adapters(self) -> bool:
+        """Whether this worker's vLLM runs with LoRA on (adapters given now, or possibly later by the file)."""
+        return bool(self.lora_modules or self.lora_modules_file)
+
+    @property
+    def adapter_table_path(self) -> Path:
+        """The adapter table the agent writes and kvshuttle's vLLM plugin reads (workers/vllm_call_options.py)."""
+        return self.work_path / "lora-adapters.json"
+
+    def adapters_at_start(self) -> dict[str, str]:
+        """The adapters to serve now: --lora-modules and --lora-modules-file's (AdapterError: a bad entry)."""
+        from kvshuttle.workers.lora_modules import AdapterError, parse_lora_modules, read_modules_file
+
+        wanted = parse_lora_modules(self.lora_modules)
+        if self.lora_modules_file:
+            for name, path in read_modules_file(self.lora_modules_file).items():
+                if name in wanted and wanted[name] != path:
+                    raise AdapterError(f"adapter {name!r} is in --lora-modules and --lora-modules-file with "
+                                       "different directories")
+                wanted[name] = path
+        return wanted
+
+    def lora_limits(self) -> tuple[int, int]:
+        """vLLM's --max-loras and --max-lora-rank for this worker (reads the adapters' configs)."""
+        from kvshuttle.workers.lora_modules import adapter_rank, vllm_rank
+
+        wanted = self.adapters_at_start()
+        rank = self.max_lora_rank or vllm_rank([adapter_rank(p) for p in wanted.values()])
+        return self.max_loras or max(1, len(wanted)), rank
 
     @property
     def kv_events(self) -> bool:
@@ -222,6 +277,9 @@ def vllm_command(cfg: WorkerConfig) -> tuple[list[str], dict[str, str | None]]:
         argv += ["--tensor-parallel-size", str(cfg.tensor_parallel_size)]
     if cfg.vllm_otlp_traces_endpoint:
         argv += ["--otlp-traces-endpoint", cfg.vllm_otlp_traces_endpoint]
+    if cfg.serves_adapters:
+        max_loras, max_rank = cfg.lora_limits()
+        argv += ["--enable-lora", "--max-loras", str(max_loras), "--max-lora-rank", str(max_rank)]
     argv += shlex.split(cfg.extra_args)
 
     work = cfg.work_path
@@ -252,6 +310,8 @@ def vllm_command(cfg: WorkerConfig) -> tuple[list[str], dict[str, str | None]]:
         env["KVSHUTTLE_VLLM_IDLE_SPIN_MS"] = str(cfg.vllm_idle_spin_ms)
     if cfg.kv_cache_gib:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gib)
+    if cfg.serves_adapters:
+        env["KVSHUTTLE_LORA_ADAPTERS_FILE"] = str(cfg.adapter_table_path.resolve())
     if cfg.vllm_otlp_traces_endpoint:
         env["OTEL_SERVICE_NAME"] = f"vllm-{cfg.role}"  # vLLM names no service itself ("unknown_service")
     return argv, env

@@ -42,7 +42,7 @@ CHART_MANAGED: dict[str, set[str]] = {
                 "models"},
     "worker": {"role", "model", "served_model_name", "host", "grpc_port", "advertise_host", "nixl_host", "nixl_port",
                "worker_id", "work_dir", "vllm_log", "metrics_listen", "vllm_otlp_traces_endpoint", "registry", "max_model_len", "python", "cuda_visible_devices",
-               "print_vllm_command", "kv_feed", "kv_feed_key_prefix"},
+               "print_vllm_command", "kv_feed", "kv_feed_key_prefix", "lora_modules", "lora_modules_file"},
 }
 CONFIGS = {"registry": RegistryConfig, "scheduler": SchedulerConfig, "gateway": GatewayConfig, "worker": WorkerConfig}
 JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string"}

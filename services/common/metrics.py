@@ -118,6 +118,10 @@ ETCD_SECONDS = Histogram("kvshuttle_etcd_request_seconds", "etcd operations, ret
                          ["op"], buckets=FAST_BUCKETS, registry=None)
 ETCD_ERRORS = Counter("kvshuttle_etcd_errors", "etcd operations that failed: unavailable (unreachable, no leader, "
                       "timeout) or error (any other refusal)", ["op", "kind"], registry=None)
+ADAPTER_FILE_ERRORS = Counter("kvshuttle_worker_adapter_file_errors", "Reads of a worker's --lora-modules-file that "
+                              "changed nothing (unreadable, or naming an adapter that cannot be served; the worker "
+                              "keeps serving the adapters it had)")
+LORA_ADAPTERS = Gauge("kvshuttle_worker_lora_adapters", "LoRA adapters this worker serves and has registered")
 LIVE_WORKERS = Gauge("kvshuttle_live_workers", "Registered workers (etcd, counted every census interval)", ["role"],
                      registry=None)
 LIVE_SESSIONS = Gauge("kvshuttle_live_sessions", "Session records in etcd (counted every census interval)",

@@ -31,6 +31,7 @@ from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 log = logging.getLogger("kvshuttle.stack")
 REPO = Path(__file__).resolve().parent.parent
 MODEL_VARIANTS = ("tiny", "tiny-tools", "medium", "agent", "smollm2")  # workers/model_builder.py's VARIANTS
+ADAPTER = "tiny-lora"  # --lora: the tiny model's test LoRA adapter (workers/lora_adapter.py)
 REAL_MODEL_VARIANTS = ("smollm2",)  # a real model's weights (the others are the random or trained test models)
 # The settings that only shape the local stack a command starts, so do nothing when it drives a running gateway
 # (--gateway-url) instead. Not here: the model directory (the bench reads its tokenizer there), the work directory
@@ -38,7 +39,7 @@ REAL_MODEL_VARIANTS = ("smollm2",)  # a real model's weights (the others are the
 STACK_ONLY = ("model_variant", "tool_call_parser", "reasoning_parser", "http_port", "grpc_port", "prefill_workers",
               "decode_workers", "dtype", "decoder_kv_blocks_ttl", "expiry_margin_s", "max_model_len", "etcd_members",
               "cpu_bind", "nixl_progress_delay_us", "vllm_idle_spin_ms", "worker_nice", "gpus", "prefill_extra_args",
-              "decode_extra_args", "tls", "kv_feed", "models")
+              "decode_extra_args", "tls", "kv_feed", "models", "lora")
 
 
 @dataclasses.dataclass
@@ -60,6 +61,9 @@ class StackConfig(TelemetryConfig):
                               "'tiny-tools,agent?tool_call_parser=hermes&reasoning_parser=qwen3'); each is built into "
                               "var/models/<variant> when missing, gets a prefill and a decode worker of its own and is "
                               "served under the variant's name (docs/models.md)")
+    lora: bool = setting(False, "The stack's workers also serve the tiny model's LoRA adapter 'tiny-lora' (built into "
+                                "var/models/tiny-lora when missing; --model-variant tiny or tiny-tools): clients "
+                                "send model 'tiny-lora' (docs/models.md#lora-adapters)")
     tool_call_parser: str = setting("", "The gateway's --tool-call-parser (e.g. hermes for the agent model)")
     reasoning_parser: str = setting("", "The gateway's --reasoning-parser (e.g. qwen3 for the agent model)")
     http_port: int = setting(8000, "Gateway HTTP port (0: any free port)")
@@ -125,6 +129,8 @@ class StackConfig(TelemetryConfig):
         require(not twice, f"--models: {twice[0]!r} is served twice (--model-variant's model is served already)"
                 if twice else "")
         require(not variants or not self.gpus, "--models runs on CPU workers only (not with --gpus)")
+        require(not self.lora or self.model_variant in ("tiny", "tiny-tools"),
+                "--lora serves the tiny model's adapter: with --model-variant tiny or tiny-tools")
 
     def require_stack_started(self, gateway_url: str, also: Sequence[str] = (), keep: Sequence[str] = ()) -> None:
         """For commands that start the stack unless given --gateway-url: with one, the stack-only settings (and
@@ -355,14 +361,20 @@ class Stack:
 
     async def spawn_worker(self, role: str, name: str, bind: str, gpu: str = "",
                            decoder_kv_blocks_ttl: int | None = None, extra_args: str | None = None,
-                           served_model_name: str = "", model_dir: Path | None = None) -> ChildProcess:
+                           served_model_name: str = "", model_dir: Path | None = None,
+                           lora_modules: str = "", lora_modules_file: str = "") -> ChildProcess:
         """Start one ``kvshuttle worker`` (it registers itself) with the stack's settings: own ports and work dir,
         CPU binding ``bind`` (or GPU ``gpu``), the stack's decode KV TTL unless ``decoder_kv_blocks_ttl``, the
         role's extra vLLM arguments unless ``extra_args``, and the stack's model (``model_dir``: another one) under
-        its directory's name (``served_model_name``: another name)."""
+        its directory's name (``served_model_name``: another name); ``lora_modules`` / ``lora_modules_file``: the
+        LoRA adapters it serves (``kvshuttle worker``'s flags)."""
         extra = ["--cuda-visible-devices", gpu, "--kv-buffer-device", "cuda"] if gpu else []
         if served_model_name:
             extra += ["--served-model-name", served_model_name]
+        if lora_modules:
+            extra += ["--lora-modules", lora_modules]
+        if lora_modules_file:
+            extra += ["--lora-modules-file", lora_modules_file, "--lora-modules-poll-s", "0.5"]
         if self.cfg.traces_exporter == "otlp":  # vLLM's own spans join the turns' traces
             extra += ["--vllm-otlp-traces-endpoint", self.cfg.otlp_endpoint]
         self.metrics[name] = f"http://127.0.0.1:{free_port()}/metrics"
@@ -422,8 +434,9 @@ class Stack:
             binds = cpu_binds(len(roles)) if self.cfg.cpu_bind == "split" else [self.cfg.cpu_bind] * len(roles)
         binds = binds if not more else (cpu_binds(len(roles) + 2 * len(more)) if self.cfg.cpu_bind == "split"
                                          else [self.cfg.cpu_bind] * (len(roles) + 2 * len(more)))
+        adapter = f"{ADAPTER}={self.more_model_dir(ADAPTER)}" if self.cfg.lora else ""
         for i, role in enumerate(roles):
-            await self.spawn_worker(role, f"{role}-{i}", binds[i], gpus[i] if gpus else "")
+            await self.spawn_worker(role, f"{role}-{i}", binds[i], gpus[i] if gpus else "", lora_modules=adapter)
         for j, (variant, _, model_dir) in enumerate(more):  # a prefill and a decode worker of each more model
             for k, role in enumerate(("prefill", "decode")):
                 await self.spawn_worker(role, f"{role}-{variant}", binds[len(roles) + 2 * j + k],
@@ -439,8 +452,10 @@ class Stack:
 
         wanted = [(self.model_dir, self.cfg.model_variant),
                   *((self.more_model_dir(v), v) for v, _ in self.cfg.more_models())]
+        if self.cfg.lora:
+            wanted.append((self.more_model_dir(ADAPTER), ADAPTER))
         for model_dir, variant in wanted:
-            if not (model_dir / "config.json").is_file():
+            if not any((model_dir / f).is_file() for f in ("config.json", "adapter_config.json")):
                 log.info("building the %s model into %s", variant, model_dir)
                 await asyncio.to_thread(build_model, model_dir, variant)
 
@@ -552,7 +567,7 @@ async def _up(cfg: StackConfig) -> None:
 
     async def start() -> None:
         await stack.start()
-        models = ", ".join([stack.model_dir.name, *(v for v, _ in cfg.more_models())])
+        models = ", ".join([stack.model_dir.name, *(v for v, _ in cfg.more_models()), *([ADAPTER] if cfg.lora else [])])
         print(f"kvshuttle is up.\n  OpenAI API:  {stack.base_url}/v1  (model{'s' * (',' in models)} {models})\n"
               f"  gateway gRPC: {stack.gateway_grpc}\n  registry:     {stack.registry_address}\n"
               f"  scheduler:    {stack.scheduler_address}\n"

@@ -8,8 +8,9 @@ servicer's ``GenerateComplete.output_ids`` (and its ``completion_tokens``) cover
 ``Final.output_ids`` is built from the chunks; in a non-streamed call it is the complete's list. ``finish_reason == "error"`` (e.g. a failed KV load
 on a prefill worker) arrives as a normal Final, not as an exception: the caller decides whether to retry.
 
-``cache_salt`` (kvshuttle.control_plane.cache_salt) travels as call metadata; a worker that does not confirm it
-(no kvshuttle vLLM plugin) fails the call with FAILED_PRECONDITION at its first response, before anything is yielded.
+``cache_salt`` (kvshuttle.control_plane.cache_salt) and ``adapter`` (a LoRA adapter's name,
+kvshuttle.control_plane.models) travel as call metadata; a worker that does not confirm them (no kvshuttle vLLM
+plugin) fails the call with FAILED_PRECONDITION at its first response, before anything is yielded.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvshuttle.control_plane import cache_salt as salts
 from kvshuttle.control_plane.kv_index.events import EventBatch
 from kvshuttle.control_plane.kv_params import prefill_request_params
+from kvshuttle.control_plane.models import ADAPTER_APPLIED_KEY, ADAPTER_METADATA_KEY
 from kvshuttle.services.common.telemetry import client_interceptors, server_attributes, tracing_enabled
 from kvshuttle.services.common.tls import ClientTls
 from kvshuttle.services.engine import h2_streams
@@ -197,7 +199,7 @@ class EngineClient:
                        logit_bias: Mapping[int, float] | None = None, skip_special_tokens: bool = True,
                        spaces_between_special_tokens: bool = True,
                        constraint: tuple[str, Any] | None = None,
-                       cache_salt: str | None = None) -> AsyncIterator[Chunk | Final]:
+                       cache_salt: str | None = None, adapter: str | None = None) -> AsyncIterator[Chunk | Final]:
         """Yield a Chunk per streamed piece (none when ``stream`` is false) and exactly one Final last.
 
         The sampling keywords are vLLM's (``top_k`` 0: off). ``logprobs``: None, or how many of the most likely
@@ -206,6 +208,7 @@ class EngineClient:
         or ("choice", [str, ...]). The worker detokenizes only to match ``stop`` strings
         (then with ``skip_special_tokens``/``spaces_between_special_tokens``); the caller detokenizes the answer.
         ``cache_salt``: the prefix-cache salt of the request's tenant (None: unsalted, for direct tools).
+        ``adapter``: the LoRA adapter to run under, by the name the worker registered it (None: the base model).
 
         Raises EngineError on gRPC errors and timeouts. Closing or cancelling the iterator cancels the RPC (the
         server then aborts the request).
@@ -232,26 +235,27 @@ class EngineClient:
             sampling_params=sampling, stream=stream)
         if kv_transfer_params is not None:
             request.kv_transfer_params_json = json.dumps(kv_transfer_params)
-        metadata = None if cache_salt is None else ((salts.METADATA_KEY, cache_salt),)
+        metadata: tuple[tuple[str, str], ...] = ()
+        if cache_salt is not None:
+            metadata += ((salts.METADATA_KEY, cache_salt),)
+        if adapter is not None:
+            metadata += ((ADAPTER_METADATA_KEY, adapter),)
         timeout = timeout_s or self.timeout_s
         if self._lean is not None:
-            call: Any = await self._lean_call(request, metadata or (), timeout)
+            call: Any = await self._lean_call(request, metadata, timeout)
         else:
-            call = self._engine().Generate(request, timeout=timeout, metadata=metadata)
+            call = self._engine().Generate(request, timeout=timeout, metadata=metadata or None)
         streamed: list[int] = []
         streamed_logprobs: list[TokenLogprob] = []
         want = logprobs is not None
         final: Final | None = None
         try:
-            salt_confirmed = cache_salt is None
+            confirmed = not metadata
             read, eof = call.read, grpc.aio.EOF
             while (response := await read()) is not eof:  # read() direct: no generator of grpc's per message
-                if not salt_confirmed:  # the worker's initial metadata came with its first response at the latest
-                    if dict(await call.initial_metadata() or ()).get(salts.APPLIED_KEY) != "1":
-                        raise EngineError(grpc.StatusCode.FAILED_PRECONDITION,
-                                          f"the worker at {self.address} does not apply per-tenant cache salts (its "
-                                          "vLLM lacks kvshuttle's plugin, kvshuttle.workers.vllm_plugin)")
-                    salt_confirmed = True
+                if not confirmed:  # the worker's initial metadata came with its first response at the latest
+                    self._check_applied(dict(await call.initial_metadata() or ()), cache_salt, adapter)
+                    confirmed = True
                 kind = response.WhichOneof("response")
                 if kind == "chunk":
                     c = response.chunk
@@ -290,6 +294,17 @@ class EngineClient:
                 call.end_span(grpc.StatusCode.CANCELLED)  # a no-op once ended
         yield final
 
+    def _check_applied(self, answer: Mapping[str, str], cache_salt: str | None, adapter: str | None) -> None:
+        """Refuse a worker that did not confirm the call options it was sent (no kvshuttle vLLM plugin)."""
+        if cache_salt is not None and answer.get(salts.APPLIED_KEY) != "1":
+            raise EngineError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"the worker at {self.address} does not apply per-tenant cache salts (its vLLM lacks "
+                              "kvshuttle's plugin, kvshuttle.workers.vllm_plugin)")
+        if adapter is not None and answer.get(ADAPTER_APPLIED_KEY) != "1":
+            raise EngineError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"the worker at {self.address} did not run the request under adapter {adapter!r} (its "
+                              "vLLM lacks kvshuttle's plugin, kvshuttle.workers.vllm_plugin)")
+
     async def _lean_call(self, request: Any, metadata: Sequence[tuple[str, str]], timeout_s: float) -> _LeanCall:
         """Start a streamed Generate on the lean channel, as a CLIENT span like grpc.aio's interceptor makes."""
         assert self._lean is not None
@@ -327,7 +342,8 @@ class EngineClient:
         return False
 
     async def prefill(self, request_id: str, prompt_ids: Sequence[int], *, kv_transfer_params: dict | None,
-                      timeout_s: float | None = None, cache_salt: str | None = None, **sampling: Any) -> Final:
+                      timeout_s: float | None = None, cache_salt: str | None = None, adapter: str | None = None,
+                      **sampling: Any) -> Final:
         """Compute (or pull) the prompt's KV on a prefill worker: ``max_tokens=1``, not streamed.
 
         ``kv_transfer_params`` is a decode worker's (trimmed) handle to pull from, or None for a plain prefill
@@ -338,7 +354,8 @@ class EngineClient:
         params = prefill_request_params() if kv_transfer_params is None else kv_transfer_params
         final: Final | None = None
         async for item in self.generate(request_id, prompt_ids, max_tokens=1, kv_transfer_params=params,
-                                        stream=False, timeout_s=timeout_s, cache_salt=cache_salt, **sampling):
+                                        stream=False, timeout_s=timeout_s, cache_salt=cache_salt, adapter=adapter,
+                                        **sampling):
             if isinstance(item, Final):
                 final = item
         assert final is not None  # generate always ends with a Final or raises

@@ -25,6 +25,7 @@ from kvshuttle.services.common.metrics_http import PATH as METRICS_PATH
 from kvshuttle.services.common.metrics_http import MetricsServer, check_listen, metrics_route
 from kvshuttle.services.common.telemetry import tracing_enabled
 from kvshuttle.services.common.tls import TlsConfig, read_pem
+from kvshuttle.services.common.worker_view import WorkerView
 from kvshuttle.services.gateway.apis.anthropic.routes import add_anthropic_routes
 from kvshuttle.services.gateway.apis.grpc_api import BRIDGED, GatewayServicer, add_gateway_servicer
 from kvshuttle.services.gateway.apis.http_app import create_app
@@ -44,6 +45,7 @@ from kvshuttle.services.gateway.edge.tenant_limits import TenantQuotas
 from kvshuttle.services.gateway.model_specs import ModelSpec, ModelSpecError, parse_models
 from kvshuttle.services.gateway.tokens.tokenizer import GatewayTokenizer
 from kvshuttle.services.gateway.turns import TurnRunner
+from kvshuttle.services.gateway.turns.adapters import RegisteredAdapters
 from kvshuttle.services.gateway.turns.builder import TurnBuilder
 from kvshuttle.services.gateway.turns.catalog import ServedModel
 from kvshuttle.services.gateway.turns.parsers import Parsers
@@ -222,7 +224,7 @@ class GatewayConfig(TelemetryConfig, TlsConfig):
                 "with --tls-cert the gateway needs --tls-ca (KVSHUTTLE_TLS_CA): its REST bridge calls its own gRPC API")
         require(not self.tls_client_ca or bool(self.tls_client_cert),
                 "with --tls-client-ca the gateway needs --tls-client-cert: its REST bridge calls its own gRPC API")
-        keys = self.key_ring()
+        self.key_ring()  # the keys file is read and checked here
         require(min(self.engine_timeout_s, self.control_timeout_s, self.prefill_timeout_s,
                     self.decode_stall_timeout_s) > 0, "timeouts must be > 0")
         require(self.worker_retries >= 0, "--worker-retries must be >= 0")
@@ -231,9 +233,6 @@ class GatewayConfig(TelemetryConfig, TlsConfig):
         except ModelSpecError as exc:
             raise ConfigError(str(exc)) from None
         names = [spec.name for spec in specs]
-        unserved = sorted(keys.models_named() - set(names))
-        require(not unserved, f"--api-keys-file names models this gateway does not serve: {unserved} (it serves "
-                              f"{names})")
         twice = sorted({n for n in names if names.count(n) > 1})
         require(not twice, f"--models: model {twice[0]!r} is served twice" if twice else "")
         for spec in specs:
@@ -295,12 +294,16 @@ class GatewayService:
         specs = cfg.model_specs()
         self.runner = self._turn_runner(scheduler_stub, specs[0])  # the default model's
         # the other models, each with its own runner (tokenizer, context length, workers) and builder (parsers)
+        # the LoRA adapters live workers of these models have registered, served under their names as they come
+        self.workers = WorkerView(registry_pb2_grpc.SessionRegistryStub(self.registry_channel))
+        self.adapters = RegisteredAdapters(self.workers)
         self.more_models = [ServedModel(spec.name, self._turn_runner(scheduler_stub, spec), TurnBuilder(
             spec.name, cfg.default_max_tokens, tool_call_parser=spec.tool_call_parser,
             reasoning_parser=spec.reasoning_parser)) for spec in specs[1:]]
         bridge_token = secrets.token_urlsafe(24)  # marks the REST bridge's calls: the HTTP guard counted them
         servicer = GatewayServicer(self.runner, cfg.model_name(), cfg.default_max_tokens, self.keys, self.quotas,
-                                   bridge_token, reasoning_parser=cfg.reasoning_parser, more_models=self.more_models)
+                                   bridge_token, reasoning_parser=cfg.reasoning_parser, more_models=self.more_models,
+                                   adapters=self.adapters)
         self.grpc = Server(cfg.grpc_listen, [SERVICE_NAME],
                            [lambda s: add_gateway_servicer(servicer, s)],
                            tls=cfg.server_tls(), max_message_bytes=max_message)
@@ -362,7 +365,7 @@ class GatewayService:
         cfg = self.cfg
         app = create_app(self.runner, cfg.model_name(), cfg.default_max_tokens, extra_routes=routes,
                          tool_call_parser=cfg.tool_call_parser, reasoning_parser=cfg.reasoning_parser,
-                         more_models=self.more_models)
+                         more_models=self.more_models, adapters=self.adapters)
         add_anthropic_routes(app)
         add_responses_routes(app, response_ttl_s=cfg.response_ttl_s,
                              chain_max_responses=cfg.response_chain_max_responses,
@@ -390,6 +393,11 @@ class GatewayService:
         else:
             log.warning("no API keys configured (--api-keys-file): the gateway is open, every caller is tenant "
                         "%r with admin rights", OPEN.tenant)
+        unserved = sorted(self.keys.models_named() - {spec.name for spec in self.cfg.model_specs()})
+        if unserved:
+            log.warning("--api-keys-file names models this gateway serves no base model of: %s; they are served once "
+                        "a live worker of a served model registers an adapter of that name", ", ".join(unserved))
+        self.workers.start()
         await self.grpc.start()
         await self.http.start()
         if self.keys_watcher is not None:
@@ -407,6 +415,7 @@ class GatewayService:
             await self.keys_watcher.stop()
         await self.http.stop()
         await self.grpc.stop()
+        await self.workers.stop()
         for runner in (self.runner, *(m.runner for m in self.more_models)):
             await runner.close()
         if self.scheduler is not None:

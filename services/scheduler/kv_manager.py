@@ -34,10 +34,10 @@ from kvshuttle.control_plane import kv_eviction as ev
 from kvshuttle.control_plane import session as session_rules
 from kvshuttle.control_plane.cost_model import PrefillCostModel
 from kvshuttle.services.common import metrics
+from kvshuttle.services.common.worker_view import WorkerView
 from kvshuttle.services.engine.client import EngineClient, EngineError
 from kvshuttle.services.scheduler.claims import ClaimsError, EtcdClaims
 from kvshuttle.services.scheduler.load_monitor import LoadMonitor
-from kvshuttle.services.scheduler.worker_view import WorkerView
 from kvshuttle.v1 import common_pb2, scheduler_pb2
 
 log = logging.getLogger(__name__)

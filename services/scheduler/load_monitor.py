@@ -37,8 +37,8 @@ from collections.abc import Callable
 
 from kvshuttle.control_plane.load import WorkerLoad, parse_get_loads, smoothed
 from kvshuttle.control_plane.load_feed import FeedSample
+from kvshuttle.services.common.worker_view import WorkerView
 from kvshuttle.services.engine.client import EngineClient
-from kvshuttle.services.scheduler.worker_view import WorkerView
 from kvshuttle.services.store.load_feed import LoadFeedReader
 from kvshuttle.v1 import common_pb2
 from opentelemetry.instrumentation.utils import suppress_instrumentation

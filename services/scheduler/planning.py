@@ -37,13 +37,13 @@ from kvshuttle.control_plane.policies import Policy, PolicyError
 from kvshuttle.control_plane.selection import UNKNOWN
 from kvshuttle.services.common import metrics
 from kvshuttle.services.common.telemetry import hashed
+from kvshuttle.services.common.worker_view import WorkerView
 from kvshuttle.services.scheduler.claims import ClaimsError, SessionClaims
 from kvshuttle.services.scheduler.errors import InvalidRequest, NoLiveWorker, WorkersNotReady
 from kvshuttle.services.scheduler.kv_manager import KvManager
 from kvshuttle.services.scheduler.learning import InvalidOutcome, Learning, LocalLearning, outcome_of
 from kvshuttle.services.scheduler.load_monitor import LoadMonitor
 from kvshuttle.services.scheduler.prefix_index import PrefixIndex
-from kvshuttle.services.scheduler.worker_view import WorkerView
 from kvshuttle.v1 import common_pb2, scheduler_pb2
 from opentelemetry import trace
 
@@ -222,7 +222,11 @@ class PlanningService:
         source = self.workers.get(session.decode_worker_id) if session is not None else None
         handle = handle_view(session, known.expires_in_s, source, exclude, loads, known.verified_tokens, model)
         prefill = self.workers.by_role(common_pb2.WORKER_ROLE_PREFILL, model)
-        hits = self.prefix.hits(prompt, request.cache_salt, prefill) if self.prefix is not None else None
+        # The KV index looks prompts up as the base model's blocks (vLLM hashes an adapter's under the adapter): an
+        # adapter's turn would match the base model's cache. It counts on its session's own prefill worker only.
+        adapter_turn = model is not None and any(w.model != model for w in prefill)
+        hits = (self.prefix.hits(prompt, request.cache_salt, prefill)
+                if self.prefix is not None and not adapter_turn else None)
         turn = self.planner.plan(
             prompt, handle, prefill=prefill, prefix_hits=hits,
             decode=self.workers.by_role(common_pb2.WORKER_ROLE_DECODE, model), loads=loads,

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from kvshuttle.control_plane.kv_index.feed import FeedFollower
 from kvshuttle.control_plane.kv_index.hashing import HashScheme
 from kvshuttle.control_plane.kv_index.index import KvIndex
-from kvshuttle.services.scheduler.worker_view import WorkerView
+from kvshuttle.services.common.worker_view import WorkerView
 from kvshuttle.services.store.kv_feed import KvFeedReader
 from kvshuttle.v1 import common_pb2, scheduler_pb2
 

@@ -23,13 +23,13 @@ from kvshuttle.services.common.config import TelemetryConfig, require, require_e
 from kvshuttle.services.common.grpc_server import Server, client_channel, service_main
 from kvshuttle.services.common.metrics_http import MetricsServer, check_listen
 from kvshuttle.services.common.tls import EtcdSecurityConfig, TlsConfig
+from kvshuttle.services.common.worker_view import WorkerView
 from kvshuttle.services.scheduler.claims import EtcdClaims, RegistryClaims, SessionClaims
 from kvshuttle.services.scheduler.kv_manager import KvManager
 from kvshuttle.services.scheduler.learning import Learning, LocalLearning, SharedLearning
 from kvshuttle.services.scheduler.load_monitor import LoadMonitor
 from kvshuttle.services.scheduler.prefix_index import PrefixIndex
 from kvshuttle.services.scheduler.servicer import TransferSchedulerServicer
-from kvshuttle.services.scheduler.worker_view import WorkerView
 from kvshuttle.services.store.etcd_store import EtcdStore, parse_endpoints
 from kvshuttle.services.store.history_url import check_history_url, open_history_store
 from kvshuttle.v1 import common_pb2, registry_pb2_grpc, scheduler_pb2_grpc

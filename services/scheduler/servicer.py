@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import grpc
 from kvshuttle.control_plane.planner import Planner
+from kvshuttle.services.common.worker_view import WorkerView
 from kvshuttle.services.scheduler.claims import RegistryClaims, SessionClaims
 from kvshuttle.services.scheduler.errors import PlanningError
 from kvshuttle.services.scheduler.kv_manager import KvManager
@@ -16,7 +17,6 @@ from kvshuttle.services.scheduler.load_monitor import LoadMonitor
 from kvshuttle.services.scheduler.planning import PlanningService
 from kvshuttle.services.scheduler.planning import prompt_of as prompt_of  # re-exported (tests.support.turn_fakes)
 from kvshuttle.services.scheduler.prefix_index import PrefixIndex
-from kvshuttle.services.scheduler.worker_view import WorkerView
 from kvshuttle.v1 import registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 

@@ -273,6 +273,22 @@ BROKEN = {
                                   ["extraModels[1]: id \"b\" or name \"other\" is used twice"]),
     "extra model named as the main one": ("extraModels: [{id: b, name: Qwen/Qwen3-8B, source: hostPath, "
                                           "hostPath: {path: /m/b}}]", ["extraModels[0]: id \"b\" or name"]),
+    "adapters without a source": ("model: {adapters: {items: [{name: sql, path: sql}]}}",
+                                  ["the adapters of model \"Qwen/Qwen3-8B\" list items but no source"]),
+    "adapters on a pvc without its claim": ("model: {adapters: {source: pvc}}", ["/model/adapters"]),
+    "an adapter's path outside its source": ("model: {adapters: {source: hostPath, hostPath: {path: /a}, items: "
+                                             "[{name: sql, path: /etc/sql}]}}",
+                                             ["/model/adapters/items/0/path", "does not match pattern"]),
+    "an adapter named as a model": ("model: {adapters: {source: hostPath, hostPath: {path: /a}, items: "
+                                    "[{name: Qwen/Qwen3-8B, path: q}]}}",
+                                    ["adapter \"Qwen/Qwen3-8B\" of model \"Qwen/Qwen3-8B\": the name is already"]),
+    "one adapter name for two models": ("model: {adapters: {source: hostPath, hostPath: {path: /a}, items: "
+                                        "[{name: sql, path: s}]}}\nextraModels: [{id: b, name: big, source: "
+                                        "hostPath, hostPath: {path: /m/b}, adapters: {source: hostPath, hostPath: "
+                                        "{path: /a}, items: [{name: sql, path: t}]}}]",
+                                        ["adapter \"sql\" of model \"big\": the name is already"]),
+    "the adapter list given as a setting": ("prefill: {settings: {lora-modules-file: /x.json}}",
+                                            ["/prefill/settings", "'lora-modules-file' not allowed"]),
     "extra models given as a gateway setting": ("gateway: {settings: {models: 'a=/m/a'}}",
                                                 ["/gateway/settings", "'models' not allowed"]),
     "GPU limit that contradicts tensor parallel": (
@@ -371,6 +387,68 @@ def test_extra_models_get_their_own_pools_and_the_gateway_serves_them(pod_root, 
         selector = policies[f"{RELEASE}-kvshuttle-{role}-traffic"]["spec"]["podSelector"]["matchLabels"]
         matched = [n for n, d in pools.items() if selector.items() <= d["spec"]["template"]["metadata"]["labels"].items()]
         assert len(matched) == 3, (role, matched)  # every model's pool of the role
+    manifest = tmp_path / "rendered.yaml"
+    manifest.write_text(yaml.safe_dump_all(docs))
+    out = subprocess.run([str(ROOT / ".venv/bin/kubernetes-validate"), "--strict", "--quiet", "-k", "1.30.0",
+                          str(manifest)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+ADAPTERS = """
+model:
+  adapters:
+    source: pvc
+    pvc: {claimName: adapters}
+    items:
+      - {name: sql-lora, path: qwen3/sql}
+      - {name: support-v2, path: qwen3/support}
+extraModels:
+  - id: small
+    name: small
+    source: hostPath
+    hostPath: {path: /m/small}
+    adapters: {source: hostPath, hostPath: {path: /a}}
+"""
+
+
+def test_adapters_are_a_list_the_workers_follow_from_a_config_map(pod_root, tmp_path):
+    """model.adapters / extraModels[].adapters (issue #37, docs/models.md#lora-adapters): the files mounted read-only
+    at /adapters, the list a ConfigMap per model mounted where the workers' --lora-modules-file reads it (parsed
+    here by the worker's own config: each name -> its directory); a model without adapters runs its pools with LoRA
+    off, one with a source and no items with LoRA on and an empty list; the manifests validate."""
+    values = tmp_path / "adapters.yaml"
+    values.write_text(ADAPTERS)
+    docs = rendered("gpu-1p1d", "-f", str(values))
+    maps = objects(docs, "ConfigMap")
+    lists = {name.removeprefix(f"{RELEASE}-kvshuttle-"): json.loads(m["data"]["lora-modules.json"])
+             for name, m in maps.items() if "adapters" in name}
+    assert lists == {"adapters": {"sql-lora": "/adapters/qwen3/sql", "support-v2": "/adapters/qwen3/support"},
+                     "adapters-small": {}}
+    for name, d in objects(docs, "Deployment").items():
+        component = name.removeprefix(f"{RELEASE}-kvshuttle-")
+        if not component.startswith(("prefill", "decode")):
+            continue
+        pod = d["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        flags = parse_flags(container["args"])
+        listed = "adapters-small" if component.endswith("-small") else "adapters"
+        assert flags["--lora-modules-file"] == "/etc/kvshuttle/adapters/lora-modules.json", component
+        mounts = {m["mountPath"]: (m["name"], m.get("readOnly")) for m in container["volumeMounts"]}
+        assert mounts["/adapters"] == ("adapters", True) and mounts["/etc/kvshuttle/adapters"] == ("adapter-list", True)
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["adapter-list"]["configMap"]["name"] == f"{RELEASE}-kvshuttle-{listed}"
+        source = volumes["adapters"]
+        assert (source["hostPath"]["path"] == "/a") if listed == "adapters-small" else (
+            source["persistentVolumeClaim"] == {"claimName": "adapters", "readOnly": True})
+        # the worker's own config takes the flags, and reads the list the ConfigMap holds
+        adapter_file = pod_root / "etc/kvshuttle/adapters/lora-modules.json"
+        adapter_file.parent.mkdir(parents=True, exist_ok=True)
+        adapter_file.write_text(maps[f"{RELEASE}-kvshuttle-{listed}"]["data"]["lora-modules.json"])
+        cfg = parse("worker", container["args"], container_env(container), pod_root)
+        assert cfg.serves_adapters and cfg.lora_modules_file.endswith("/etc/kvshuttle/adapters/lora-modules.json")
+    plain = rendered("gpu-1p1d")
+    for name, d in objects(plain, "Deployment").items():
+        assert "--lora-modules-file" not in " ".join(d["spec"]["template"]["spec"]["containers"][0]["args"]), name
     manifest = tmp_path / "rendered.yaml"
     manifest.write_text(yaml.safe_dump_all(docs))
     out = subprocess.run([str(ROOT / ".venv/bin/kubernetes-validate"), "--strict", "--quiet", "-k", "1.30.0",

@@ -237,3 +237,51 @@ async def test_agent_fails_fast_when_vllm_exits_during_start_up():
 
 async def _exit_soon(proc: FakeProcess) -> None:
     asyncio.get_running_loop().call_later(0.3, proc.exit, 1)
+
+
+def _adapter(path, rank: int = 8) -> str:
+    """A directory that reads as a PEFT LoRA adapter of ``rank`` (the agent checks its config, vLLM loads it)."""
+    path.mkdir()
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank}))
+    (path / "adapter_model.safetensors").write_bytes(b"weights")
+    return str(path)
+
+
+async def test_adapters_loaded_and_unloaded_while_running_are_registered(tmp_path):
+    """Issue #37: ``--lora-modules`` at start, ``--lora-modules-file`` followed while the worker runs: each change
+    is written to the plugin's table and registered again (a new lease, the record's adapters); a file naming an
+    adapter that cannot be served changes nothing and is counted; ids stay each adapter's own."""
+    from kvshuttle.services.common import metrics
+    from kvshuttle.workers.vllm_call_options import AdapterTable
+
+    port = free_port()
+    reg = await RegistryServer.start(port)
+    fixed, extra = _adapter(tmp_path / "fixed"), _adapter(tmp_path / "extra")
+    listing = tmp_path / "lora-modules.json"
+    listing.write_text("{}")
+    agent, proc, out, task = await start_agent(port, lora_modules=f"fixed={fixed}", lora_modules_file=str(listing),
+                                               lora_modules_poll_s=0.1, work_dir=str(tmp_path / "work"))
+    table = AdapterTable(str(agent.cfg.adapter_table_path))
+
+    def registered() -> list[tuple[str, int]]:
+        return [(a.name, a.id) for a in reg.servicer.registered[-1].adapters] if reg.servicer.registered else []
+
+    try:
+        await until(lambda: agent_mod.READY_MARKER in out.getvalue(), what="the ready line")
+        assert registered() == [("fixed", 1)] and table.get("fixed").path == fixed and table.get("extra") is None
+        listing.write_text(json.dumps({"extra": extra}))
+        await until(lambda: registered() == [("extra", 2), ("fixed", 1)], what="the loaded adapter registered")
+        assert table.get("extra").id == 2
+        errors = metrics.ADAPTER_FILE_ERRORS._value.get()
+        listing.write_text(json.dumps({"extra": extra, "broken": str(tmp_path / "missing")}))
+        await until(lambda: metrics.ADAPTER_FILE_ERRORS._value.get() == errors + 1, what="the bad file counted")
+        assert registered() == [("extra", 2), ("fixed", 1)] and table.get("broken") is None
+        listing.write_text("{}")  # unloaded: the fixed one stays
+        await until(lambda: registered() == [("fixed", 1)], what="the unloaded adapter gone")
+        assert table.get("extra") is None and agent.link.lease_id == reg.servicer.next_lease
+        listing.write_text(json.dumps({"extra": extra}))
+        await until(lambda: registered() == [("extra", 2), ("fixed", 1)], what="loaded again, under its old id")
+        agent.request_stop()
+        assert await asyncio.wait_for(task, 10) == 0
+    finally:
+        await reg.stop()

@@ -8,9 +8,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from kvshuttle.services.common.worker_view import WorkerView
 from kvshuttle.services.engine.client import EngineClient
 from kvshuttle.services.scheduler.load_monitor import FEED_STALE_MIN_S, LoadMonitor
-from kvshuttle.services.scheduler.worker_view import WorkerView
 from kvshuttle.services.store.load_feed import LoadFeedPublisher
 from kvshuttle.v1 import scheduler_pb2
 from kvshuttle.workers.load_feed import LoadFeedAgent

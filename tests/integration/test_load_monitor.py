@@ -7,10 +7,10 @@ import logging
 import time
 
 import pytest
+from kvshuttle.services.common.worker_view import WorkerView
 from kvshuttle.services.devtools.etcd_process import free_port
 from kvshuttle.services.engine.client import EngineClient
 from kvshuttle.services.scheduler.load_monitor import LoadMonitor
-from kvshuttle.services.scheduler.worker_view import WorkerView
 from kvshuttle.v1 import common_pb2
 
 from tests.support.load_servers import Event, LoadServer, delete, put, worker

@@ -56,7 +56,7 @@ def _pulls(p: FakeEngineServer) -> int:
 @contextlib.asynccontextmanager
 async def three_models(etcd: str, model_dir, tmp_path, **gateway: str):
     """Registry, scheduler, a fake pair per model and one gateway serving tiny, tiny-b and tiny-t (``gateway``: more
-    of its settings): the gateway and the pairs by model."""
+    of its settings): the gateway, the pairs by model, the scheduler."""
     prefix = f"/models-{uuid.uuid4().hex[:6]}/"
     registry = await serve(RegistryConfig(listen="127.0.0.1:0", etcd_endpoints=etcd, key_prefix=prefix))
     scheduler = SchedulerService(SchedulerConfig(listen="127.0.0.1:0", registry=registry.address, key_prefix=prefix,
@@ -75,13 +75,13 @@ async def three_models(etcd: str, model_dir, tmp_path, **gateway: str):
                                            **gateway))
     await service.start()
     try:
-        yield service, pairs
+        yield service, pairs, scheduler
     finally:
         await stop_all(service, scheduler, registry, [e for pair in pairs.values() for e in pair])
 
 
 async def test_two_models_behind_one_gateway_keep_their_sessions_and_kv_apart(etcd, model_dir, tmp_path):
-    async with three_models(etcd, model_dir, tmp_path) as (gateway, pairs):
+    async with three_models(etcd, model_dir, tmp_path) as (gateway, pairs, scheduler):
         async with httpx.AsyncClient(base_url=f"http://{gateway.http_address}", timeout=30) as client:
             listed = (await client.get("/v1/models")).json()["data"]
             assert [(m["id"], m["max_model_len"], m["parent"]) for m in listed] == [
@@ -153,7 +153,7 @@ async def test_a_key_uses_only_the_models_the_keys_file_gives_it(etcd, model_dir
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps({"keys": [auth.entry("kvs-b-only-1", "acme", models=["tiny-b"]),
                                          auth.entry("kvs-every-1", "globex")]}))
-    async with three_models(etcd, model_dir, tmp_path, api_keys_file=str(keys)) as (gateway, pairs):
+    async with three_models(etcd, model_dir, tmp_path, api_keys_file=str(keys)) as (gateway, pairs, scheduler):
         only_b, every = ({"Authorization": f"Bearer {k}"} for k in ("kvs-b-only-1", "kvs-every-1"))
         async with httpx.AsyncClient(base_url=f"http://{gateway.http_address}", timeout=30) as client:
             listed = {name: [m["id"] for m in (await client.get("/v1/models", headers=h)).json()["data"]]
@@ -185,3 +185,76 @@ async def test_a_key_uses_only_the_models_the_keys_file_gives_it(etcd, model_dir
             assert err.value.code() == grpc.StatusCode.NOT_FOUND
             got = await stub.ChatComplete(request, metadata=(("authorization", "Bearer kvs-every-1"),))
             assert got.model == "tiny"
+
+
+async def _register_adapters(registry_address: str, model: str, pair, *names: str) -> None:
+    """``model``'s pair registers again, now serving the adapters ``names`` (as an agent does when its
+    --lora-modules-file changes)."""
+    async with client_channel(registry_address) as channel:
+        stub = registry_pb2_grpc.SessionRegistryStub(channel)
+        for role, server, name in ((common_pb2.WORKER_ROLE_PREFILL, pair[0], f"p-{model}"),
+                                   (common_pb2.WORKER_ROLE_DECODE, pair[1], f"d-{model}")):
+            await stub.RegisterWorker(registry_pb2.RegisterWorkerRequest(worker=common_pb2.Worker(
+                worker_id=name, role=role, engine_id=f"engine-{name}", grpc_address=server.address,
+                nixl_host="127.0.0.1", nixl_port=server.port + 1, block_size=16, kv_blocks_ttl_s=480, model=model,
+                adapters=[common_pb2.LoraAdapter(name=n, id=i + 1, path=f"/adapters/{n}")
+                          for i, n in enumerate(names)]), lease_ttl_s=60))
+
+
+async def test_an_adapter_a_worker_registers_is_served_and_keeps_its_sessions_apart(etcd, model_dir, tmp_path):
+    """Issue #37: tiny-b's workers register the adapter ``sql-lora`` while the gateway runs: it is listed with its
+    parent and served on tiny-b's workers; both of a turn's engine calls name it (the plugin's call metadata), a
+    base-model turn names none; its second turn is found in its own session and pulled; the same history sent to the
+    base model is a new session; its outcomes teach the cost model about the base model's workers. Once no worker
+    registers it, it is unknown again."""
+    async with three_models(etcd, model_dir, tmp_path) as (gateway, pairs, scheduler):
+        registry = gateway.cfg.registry
+        p, d = pairs["tiny-b"]
+        await _register_adapters(registry, "tiny-b", pairs["tiny-b"], "sql-lora")
+        async with httpx.AsyncClient(base_url=f"http://{gateway.http_address}", timeout=30) as client:
+            async def listed() -> list:
+                return [(m["id"], m["parent"]) for m in (await client.get("/v1/models")).json()["data"]]
+
+            await until(lambda: _has(listed, ("sql-lora", "tiny-b")), what="the adapter listed")
+            assert (await listed())[-1] == ("sql-lora", "tiny-b")
+
+            def adapters_sent(server: FakeEngineServer, since: int) -> list[str | None]:
+                return [server.engine.metadata[r.request_id].get("kvshuttle-lora")
+                        for r in server.engine.requests[since:]]
+
+            messages = [{"role": "user", "content": "Write the query for last week's orders."}]
+            asked_p, asked_d = len(p.engine.requests), len(d.engine.requests)
+            first = await client.post("/v1/chat/completions", json={
+                "model": "sql-lora", "messages": messages, "max_tokens": 4})
+            assert first.status_code == 200 and first.json()["model"] == "sql-lora", first.text
+            assert adapters_sent(p, asked_p) == ["sql-lora"] and adapters_sent(d, asked_d) == ["sql-lora"]
+            history = [*messages, {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+                       {"role": "user", "content": "And by region?"}]
+            pulls = _pulls(p)
+            second = await client.post("/v1/chat/completions", json={
+                "model": "sql-lora", "messages": history, "max_tokens": 4})
+            assert (second.headers["x-session-source"], second.headers["x-session-id"], second.headers[
+                "x-kv-decision"]) == ("found", first.headers["x-session-id"], "pull"), second.headers
+            assert _pulls(p) == pulls + 1
+            asked_p = len(p.engine.requests)
+            base = await client.post("/v1/chat/completions", json={
+                "model": "tiny-b", "messages": history, "max_tokens": 4})
+            assert base.headers["x-session-source"] == "new" and base.headers["x-kv-decision"] == "recompute"
+            assert adapters_sent(p, asked_p) == [None] and _pulls(p) == pulls + 1
+            # the adapter's turns were learned as tiny-b's (its base model's): no cost-model group of its own
+            cost = scheduler.planner.model
+            await until(lambda: cost.reference_worker_of("tiny-b") == "p-tiny-b", what="tiny-b's outcomes learned")
+            assert cost.reference_worker_of("sql-lora") is None
+            await _register_adapters(registry, "tiny-b", pairs["tiny-b"])  # unloaded everywhere
+            await until(lambda: _lacks(listed, ("sql-lora", "tiny-b")), what="the adapter gone")
+            gone = await client.post("/v1/chat/completions", json={
+                "model": "sql-lora", "messages": messages, "max_tokens": 4})
+            assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
+
+
+async def _has(listed, entry) -> bool:
+    return entry in await listed()
+
+
+async def _lacks(listed, entry) -> bool:
+    return entry not in await listed()

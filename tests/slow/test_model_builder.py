@@ -41,7 +41,28 @@ def test_tiny_tools_is_the_tiny_model_with_the_agent_chat_template(model_dir, tm
     assert json.loads((model_dir / "tokenizer_config.json").read_text())["chat_template"] == model_builder.CHAT_TEMPLATE
     assert model_builder.is_complete(model_dir, model_builder.recipe_hash(
         model_builder.recipe("tiny", model_builder.corpus_files())))
-    assert set(MODEL_VARIANTS) == set(model_builder.VARIANTS)
+    assert set(MODEL_VARIANTS) == set(model_builder.VARIANTS) - set(model_builder.lora_adapter.ADAPTERS)
+
+
+def test_tiny_lora_is_a_peft_adapter_of_the_tiny_model_byte_identical_on_rebuild(model_dir, tmp_path):
+    """The test adapter (workers/lora_adapter.py): a PEFT LoRA vLLM loads (config, safetensors), one A and B of the
+    tiny model's own shapes for every attention projection of every layer, the same bytes on every build."""
+    import json
+
+    from safetensors import safe_open
+
+    out = model_builder.build_model(tmp_path / "tiny-lora", "tiny-lora")
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["r"], config["target_modules"]) == ("LORA", 8, ["q_proj", "k_proj", "v_proj",
+                                                                                       "o_proj"])
+    tiny = json.loads((model_dir / "config.json").read_text())
+    with safe_open(str(out / "adapter_model.safetensors"), "pt") as f:
+        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    assert len(shapes) == tiny["num_hidden_layers"] * 4 * 2
+    hidden, kv = tiny["hidden_size"], tiny["num_key_value_heads"] * tiny["head_dim"]
+    layer = "base_model.model.model.layers.0.self_attn"
+    assert shapes[f"{layer}.q_proj.lora_A.weight"] == (8, hidden) and shapes[f"{layer}.k_proj.lora_B.weight"] == (kv, 8)
+    assert model_builder.verify_rebuild(out, "tiny-lora") == []
 
 
 def test_smollm2_is_the_wheels_gguf_de_quantized_with_its_own_tokenizer_and_template(smollm2_model_dir):

@@ -8,6 +8,7 @@ import json
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvshuttle.control_plane import cache_salt
+from kvshuttle.control_plane.models import ADAPTER_APPLIED_KEY, ADAPTER_METADATA_KEY
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import common_pb2
 
@@ -18,7 +19,7 @@ class FakeEngine(vllm_engine_pb2_grpc.VllmEngineServicer):
     """Answers token i of a request with ``prompt[-1] + i + 1``; mimics the streamed-complete quirk (its
     output_ids and completion_tokens cover only the last chunk, as vLLM 0.32's servicer does). Request ids starting with ``fail`` are refused, ``slow`` ones stream
     one token per 50 ms. A request with a cache salt (call metadata) is answered with the confirmation kvshuttle's
-    vLLM plugin sends (workers/vllm_cache_salt.py); ``metadata`` keeps the salt. ``handle``: fields (remote_engine_id, remote_host, remote_port) that make the final message's
+    vLLM plugin sends (workers/vllm_call_options.py), and so is one naming an adapter; ``metadata`` keeps them. ``handle``: fields (remote_engine_id, remote_host, remote_port) that make the final message's
     kv_transfer_params a decode worker's handle (with block ids for ``block_size``-token blocks) that the registry
     records."""
 
@@ -36,8 +37,13 @@ class FakeEngine(vllm_engine_pb2_grpc.VllmEngineServicer):
         self.requests.append(request)
         rid = request.request_id
         self.metadata[rid] = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
+        applied = ()
         if cache_salt.METADATA_KEY in self.metadata[rid] and self.confirms_salts:
-            await context.send_initial_metadata(((cache_salt.APPLIED_KEY, "1"),))
+            applied += ((cache_salt.APPLIED_KEY, "1"),)
+        if ADAPTER_METADATA_KEY in self.metadata[rid] and self.confirms_salts:
+            applied += ((ADAPTER_APPLIED_KEY, "1"),)
+        if applied:
+            await context.send_initial_metadata(applied)
         if rid.startswith("fail"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "refused by fake")
         prompt = list(request.tokenized.input_ids)

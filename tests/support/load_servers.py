@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+from kvshuttle.services.common.worker_view import WorkerView
 from kvshuttle.services.devtools.etcd_process import free_port
-from kvshuttle.services.scheduler.worker_view import WorkerView
 from kvshuttle.v1 import common_pb2, registry_pb2
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from kvshuttle.control_plane import cache_salt
 from kvshuttle.services.common.config import ConfigError
 from kvshuttle.services.gateway.edge import auth
-from kvshuttle.workers import vllm_cache_salt as patch
+from kvshuttle.workers import vllm_call_options as patch
 from smg_grpc_proto import vllm_engine_pb2
 
 IDS = st.text(alphabet="abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._:@=+-", min_size=1,
@@ -94,21 +94,22 @@ class _Engine:
     def __init__(self):
         self.seen: list[dict] = []
 
-    def generate(self, *, prompt, request_id, **_):
+    def generate(self, *, prompt, request_id, **kwargs):
         self.seen.append(prompt)
+        self.kwargs = kwargs
         return request_id
 
 
 def test_the_engine_hook_salts_only_the_request_it_was_given():
     engine = _Engine()
-    salts = patch.engine_salts(engine)
-    assert patch.engine_salts(engine) is salts  # hooked once
-    salts["r1"] = "kvs1-aa"
+    waiting = patch.engine_options(engine)
+    assert patch.engine_options(engine) is waiting  # hooked once
+    waiting["r1"] = patch.Options(salt="kvs1-aa")
     rendered = {"type": "token", "prompt_token_ids": [1, 2]}
     assert engine.generate(prompt=rendered, request_id="r2") == "r2"  # another request: unchanged
     assert engine.generate(prompt=rendered, request_id="r1") == "r1"
     assert engine.seen == [rendered, {**rendered, "cache_salt": "kvs1-aa"}] and "cache_salt" not in rendered
-    assert salts == {}  # taken: the servicer wrapper knows it was applied
-    salts["r3"] = "kvs1-bb"
+    assert waiting == {}  # taken: the servicer wrapper knows it was applied
+    waiting["r3"] = patch.Options(salt="kvs1-bb")
     with pytest.raises(ValueError, match="cannot take a cache salt"):
         engine.generate(prompt={**rendered, "cache_salt": "mm"}, request_id="r3")

@@ -47,3 +47,44 @@ def test_a_key_limited_to_some_models_sees_only_those():
     with pytest.raises(TurnError) as err:
         catalog.get(None, allowed={"other"})  # a key whose models this gateway does not serve
     assert "no model to this key" in err.value.message
+
+
+class Adapters:
+    """Registered adapters as the gateway's worker view lists them: name -> base models."""
+
+    def __init__(self, **adapters: set[str]):
+        self.listed = {name.replace("_", "-"): frozenset(bases) for name, bases in adapters.items()}
+
+    def adapters(self):
+        return self.listed
+
+
+def test_registered_adapters_are_served_on_their_base_models_runner_under_their_own_name():
+    """Issue #37: an adapter live workers of a served model registered is served by name, with its base model's
+    runner and rules; its turns name the adapter and run under it (engine_sampling's adapter); it lists after the
+    base models with its parent. One of an unserved model, or registered for two served models, is not served."""
+    source = Adapters(sql_lora={"tiny"}, other_lora={"elsewhere"}, twice={"tiny", "agent"})
+    catalog = ModelCatalog([served("agent"), served("tiny")], source)
+    lora = catalog.get("sql-lora")
+    assert (lora.name, lora.parent, lora.runner) == ("sql-lora", "tiny", "runner-tiny")
+    assert catalog.get("sql-lora") is lora  # built once
+    req = lora.builder.request(messages=[])
+    assert (req.model, req.base_model, req.engine_sampling()["adapter"]) == ("sql-lora", "tiny", "sql-lora")
+    base = catalog.get("tiny").builder.request(messages=[])
+    assert (base.model, base.base_model, base.engine_sampling()["adapter"]) == ("tiny", "", None)
+    assert catalog.runner_of(req) == "runner-tiny"
+    assert [(m.name, m.parent) for m in catalog.usable()] == [("agent", ""), ("tiny", ""), ("sql-lora", "tiny")]
+    assert [m.name for m in catalog.usable({"sql-lora"})] == ["sql-lora"]
+    with pytest.raises(TurnError) as err:
+        catalog.get("other-lora")  # its base model is not served here
+    assert err.value.api_code == "model_not_found"
+    with pytest.raises(TurnError) as err:
+        catalog.get("twice")
+    assert err.value.http_status == 503 and "more than one base model (agent, tiny)" in err.value.message
+    with pytest.raises(TurnError) as err:
+        catalog.get("sql-lora", allowed={"tiny"})  # a key limited to the base model
+    assert err.value.api_code == "model_not_found"
+    source.listed = {}  # unloaded everywhere
+    with pytest.raises(TurnError):
+        catalog.get("sql-lora")
+    assert [m.name for m in catalog.usable()] == ["agent", "tiny"]

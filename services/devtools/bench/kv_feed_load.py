@@ -37,9 +37,9 @@ from kvshuttle.control_plane.kv_index.index import KvIndex
 from kvshuttle.control_plane.load import WorkerLoad
 from kvshuttle.control_plane.load_feed import to_feed as load_to_feed
 from kvshuttle.services.common.config import TelemetryConfig, load, require, setting
+from kvshuttle.services.common.worker_view import WorkerView
 from kvshuttle.services.devtools.redis_process import RedisProcess
 from kvshuttle.services.scheduler.load_monitor import LoadMonitor
-from kvshuttle.services.scheduler.worker_view import WorkerView
 from kvshuttle.services.store import load_feed
 from kvshuttle.services.store.kv_feed import STREAM, KvFeedReader
 from kvshuttle.v1 import common_pb2, registry_pb2

@@ -18,7 +18,7 @@ from kvshuttle.services.gateway.edge.auth import AuthError, KeyRing, Principal
 from kvshuttle.services.gateway.edge.tenant_limits import TenantQuotas
 from kvshuttle.services.gateway.turns import Delta, Finished, KvOutcome, TurnContext, TurnError, TurnRequest, TurnRunner
 from kvshuttle.services.gateway.turns.builder import TurnBuilder
-from kvshuttle.services.gateway.turns.catalog import ModelCatalog, ServedModel
+from kvshuttle.services.gateway.turns.catalog import AdapterSource, ModelCatalog, ServedModel
 from kvshuttle.services.gateway.turns.reply import Usage, drain
 from kvshuttle.v1 import gateway_pb2, gateway_pb2_grpc, scheduler_pb2
 
@@ -143,16 +143,17 @@ def _limit(turn: TurnContext) -> dict[str, Any]:
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, runner: TurnRunner, served_model: str, default_max_tokens: int, keys: KeyRing | None = None,
                  quotas: TenantQuotas | None = None, bridge_token: str = "", *, reasoning_parser: str = "",
-                 more_models: Sequence[ServedModel] = ()):
+                 more_models: Sequence[ServedModel] = (), adapters: AdapterSource | None = None):
         """``keys``: API keys (metadata ``authorization: Bearer <key>``); none: open, every caller the default
         tenant. ``quotas``: the tenants' limits (requests per second are counted here, except for calls from this
         gateway's REST bridge, which the HTTP guard counted: they carry ``bridge_token`` in BRIDGED).
         ``reasoning_parser``: the gateway's (vLLM's names): a chat answer's reasoning is split from its content, as
         in the HTTP APIs (the gRPC API takes no tools, so no calls are parsed). ``served_model`` on ``runner`` is
-        the default of a request that names no model; ``more_models`` are served too."""
+        the default of a request that names no model; ``more_models`` are served too, and the adapters of these
+        that ``adapters`` lists."""
         self.runner = runner  # the default model's: ending a session goes through it (the registry is every model's)
         self.models = ModelCatalog([ServedModel(served_model, runner, TurnBuilder(
-            served_model, default_max_tokens, reasoning_parser=reasoning_parser)), *more_models])
+            served_model, default_max_tokens, reasoning_parser=reasoning_parser)), *more_models], adapters)
         self.keys = keys or KeyRing()
         self.quotas = quotas
         self.bridge_token = bridge_token.encode()

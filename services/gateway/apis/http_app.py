@@ -18,16 +18,16 @@ from kvshuttle.services.gateway.edge.api_errors import error_body
 from kvshuttle.services.gateway.edge.http_entry import GatewayRoute
 from kvshuttle.services.gateway.turns import TurnError, TurnRunner
 from kvshuttle.services.gateway.turns.builder import TurnBuilder
-from kvshuttle.services.gateway.turns.catalog import ModelCatalog, ServedModel
+from kvshuttle.services.gateway.turns.catalog import AdapterSource, ModelCatalog, ServedModel
 from kvshuttle.services.gateway.turns.errors import FieldError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 
 def create_app(runner: TurnRunner, served_model: str, default_max_tokens: int,
                extra_routes: list | None = None, *, tool_call_parser: str = "", reasoning_parser: str = "",
-               more_models: Sequence[ServedModel] = ()) -> FastAPI:
+               more_models: Sequence[ServedModel] = (), adapters: AdapterSource | None = None) -> FastAPI:
     """The app for ``served_model`` on ``runner`` (the default of a request that names no model), and
-    ``more_models``. ``tool_call_parser`` / ``reasoning_parser``: the parsers' names (tool_calls.TOOL_CALL_PARSERS,
+    ``more_models``, and the adapters of these that ``adapters`` lists. ``tool_call_parser`` / ``reasoning_parser``: the parsers' names (tool_calls.TOOL_CALL_PARSERS,
     reasoning.REASONING_PARSERS); "" leaves tool calls (a request with tools is then refused) or reasoning
     unparsed. ``extra_routes`` (the REST bridge's, /metrics) go before the APIs' routes."""
     app = FastAPI(title="kvshuttle gateway", version="0.1.0",
@@ -36,7 +36,7 @@ def create_app(runner: TurnRunner, served_model: str, default_max_tokens: int,
     first = ServedModel(served_model, runner, TurnBuilder(served_model, default_max_tokens,
                                                           tool_call_parser=tool_call_parser,
                                                           reasoning_parser=reasoning_parser))
-    app.state.api = ApiState(ModelCatalog([first, *more_models]))
+    app.state.api = ApiState(ModelCatalog([first, *more_models], adapters))
     app.router.route_class = GatewayRoute  # input_check on every body, and a JSON 500 for what nothing else answers
     for route in extra_routes or []:
         app.router.routes.append(route)

@@ -15,6 +15,7 @@ What a turn reports back (usage, KV headers, ``drain``) is in reply.py.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,8 +44,16 @@ class TurnBuilder:
         """``default_max_tokens``: the limit of an answer whose request sets none (0: the context left after the
         prompt, as vLLM does)."""
         self.served_model = served_model
+        self.base_model = ""  # an adapter's builder: the base model it adapts (for_adapter)
         self.default_max_tokens = default_max_tokens
         self.parsers = Parsers(tool_call_parser, reasoning_parser)
+
+    def for_adapter(self, name: str) -> TurnBuilder:
+        """This (base model's) builder for the turns of its LoRA adapter ``name``: the same rules and parsers, the
+        requests for ``name`` run under the adapter."""
+        adapter = copy.copy(self)
+        adapter.served_model, adapter.base_model = name, self.served_model
+        return adapter
 
     def tools(self, tools: Sequence[FunctionIn], choice: ToolChoice, words: ToolWords = OPENAI_TOOLS, *,
               parallel: bool = True, tenant: str = "") -> ToolUse:
@@ -87,6 +96,8 @@ class TurnBuilder:
         the constraint starts after the reasoning the prompt leaves room for (the gateway's own constraints; vLLM's
         raw ``structured_outputs`` applies from the first token, as in vLLM)."""
         fields.setdefault("model", self.served_model)
+        if self.base_model:
+            fields.setdefault("base_model", self.base_model)
         req = TurnRequest(max_tokens=max_tokens or None, default_max_tokens=self.default_max_tokens,
                           parsing=self.parsers.parsing(tools.calls, tools.tools if tools.calls else None), **fields)
         if req.constraint is not None and constraint_after_reasoning:

@@ -1,11 +1,16 @@
 """The models one gateway serves (ModelCatalog): each with its own turn runner (tokenizer, chat template, context
 length, the workers it plans on) and turn builder (parsers, default answer limit). A request names its model; an
-unknown one is a 404 ``model_not_found`` on every API (docs/models.md)."""
+unknown one is a 404 ``model_not_found`` on every API (docs/models.md).
+
+Besides its base models, a gateway serves every LoRA adapter that live workers of one of them have registered
+(``Worker.adapters``, followed as workers come, go and change their adapters): an adapter's turns run on its base
+model's runner and builder (its tokenizer, template and parsers), under the adapter's name."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 from kvshuttle.services.gateway.turns.builder import TurnBuilder
@@ -21,13 +26,20 @@ class ServedModel:
     name: str
     runner: TurnRunner
     builder: TurnBuilder
+    parent: str = ""  # an adapter's base model ("": a base model)
+
+
+class AdapterSource(Protocol):
+    """The adapters live workers have registered, by name: their base models (more than one: ambiguous)."""
+
+    def adapters(self) -> Mapping[str, frozenset[str]]: ...
 
 
 class ModelCatalog:
     """The served models by name; the first is the default of a request that names none (as vLLM serves its first
     served model name)."""
 
-    def __init__(self, served: Sequence[ServedModel]):
+    def __init__(self, served: Sequence[ServedModel], adapters: AdapterSource | None = None):
         if not served:
             raise ValueError("a gateway serves at least one model")
         self._by_name: dict[str, ServedModel] = {}
@@ -38,6 +50,8 @@ class ModelCatalog:
                 raise ValueError(f"model {model.name!r}: its builder serves {model.builder.served_model!r}")
             self._by_name[model.name] = model
         self.default = served[0]
+        self._adapters = adapters
+        self._adapter_models: dict[tuple[str, str], ServedModel] = {}  # (adapter, base): built on first use
 
     def __iter__(self) -> Iterator[ServedModel]:
         return iter(self._by_name.values())
@@ -54,8 +68,42 @@ class ModelCatalog:
         return self.get(req.model).runner
 
     def usable(self, allowed: Collection[str] | None = None) -> list[ServedModel]:
-        """The served models a caller may use (``allowed``: its key's models; None: every one)."""
-        return [m for m in self._by_name.values() if allowed is None or m.name in allowed]
+        """The served models a caller may use (``allowed``: its key's models; None: every one): the base models,
+        then the adapters registered now (by name)."""
+        found = [m for m in self._by_name.values() if allowed is None or m.name in allowed]
+        if self._adapters is not None:
+            for name, bases in sorted(self._adapters.adapters().items()):
+                if (allowed is None or name in allowed) and name not in self._by_name and len(bases) == 1:
+                    adapter = self._adapter(name, next(iter(bases)))
+                    if adapter is not None:
+                        found.append(adapter)
+        return found
+
+    def _adapter(self, name: str, base: str) -> ServedModel | None:
+        """The served model of adapter ``name`` of ``base`` (None: this gateway does not serve ``base``)."""
+        key = (name, base)
+        found = self._adapter_models.get(key)
+        if found is None:
+            parent = self._by_name.get(base)
+            if parent is None:
+                return None
+            found = self._adapter_models[key] = ServedModel(name, parent.runner, parent.builder.for_adapter(name),
+                                                            parent=base)
+        return found
+
+    def _registered_adapter(self, name: str) -> ServedModel | None:
+        """The adapter ``name`` as live workers register it now (None: none does, for a model served here)."""
+        if self._adapters is None:
+            return None
+        bases = self._adapters.adapters().get(name)
+        if not bases:
+            return None
+        served = sorted(b for b in bases if b in self._by_name)
+        if len(served) > 1:
+            raise TurnError(503, grpc.StatusCode.UNAVAILABLE,
+                            f"adapter {name!r} is registered for more than one base model ({', '.join(served)}): "
+                            "its workers' --lora-modules must name it for one")
+        return self._adapter(name, served[0]) if served else None
 
     def get(self, model: str | None, *, required: bool = False,
             allowed: Collection[str] | None = None) -> ServedModel:
@@ -64,6 +112,8 @@ class ModelCatalog:
         ``model_not_found`` (OpenAI's code; the APIs spell it their own way), the same whether the model is not
         served or not the caller's: an answer never tells a caller which models other keys may use."""
         found = self._by_name.get(model or "") if model or required else self.default
+        if found is None and model:
+            found = self._registered_adapter(model)
         if found is not None and (allowed is None or found.name in allowed):  # every turn: no list built
             return found
         usable = self.usable(allowed)

@@ -64,7 +64,8 @@ def _report(rt: TurnServices, ctx: TurnContext, first_ms: float) -> None:
         prompt_tokens=len(ctx.prompt_ids), pulled_tokens=0, computed_tokens=kv.computed_tokens, prefill_ms=first_ms,
         source_worker_id=plan.decode.worker_id, pullable_tokens=plan.figures.pullable_tokens,
         policy=plan.figures.policy, session_id=req.session_id, tenant=req.tenant,
-        decode_streams=plan.figures.decode_streams, decision=scheduler_pb2.DECISION_LOCAL, model=req.model)
+        decode_streams=plan.figures.decode_streams, decision=scheduler_pb2.DECISION_LOCAL,
+        model=req.base_model or req.model)
     send_outcome(rt, request)
 
 

@@ -37,7 +37,8 @@ async def run(rt: TurnServices, ctx: TurnContext, attempt: int = 0) -> None:
     # say (no kvshuttle plugin): what the pull covered
     loaded = kv_params.take_loaded_tokens(p_final.kv_transfer_params, p_final.cached_tokens)
     kv.pulled_tokens = (ctx.plan.figures.reusable_tokens if loaded is None else loaded) if kv.decision == "pull" else 0
-    report(rt, ctx.plan, kv, len(ctx.prompt_ids), ctx.timings["prefill_ms"], req.session_id, req.tenant, req.model)
+    report(rt, ctx.plan, kv, len(ctx.prompt_ids), ctx.timings["prefill_ms"], req.session_id, req.tenant,
+           req.base_model or req.model)
     ctx.span.set_attributes({"kvshuttle.pulled_tokens": kv.pulled_tokens,
                              "kvshuttle.computed_tokens": kv.computed_tokens,
                              "kvshuttle.retried_as_recompute": kv.retried_as_recompute,
@@ -113,7 +114,8 @@ def refused(exc: EngineError) -> TurnError:
 
 def report(rt: TurnServices, plan: scheduler_pb2.PlanTurnResponse, kv: KvOutcome, prompt_tokens: int,
            prefill_ms: float, session_id: str = "", tenant: str = "", model: str = "") -> None:
-    """Tell the scheduler what the prefill cost (its cost model learns from it); off the turn's path."""
+    """Tell the scheduler what the prefill cost (its cost model learns from it, per base ``model``); off the turn's
+    path."""
     request = scheduler_pb2.ReportOutcomeRequest(
         prefill_worker_id=plan.prefill.worker_id, decode_worker_id=plan.decode.worker_id,
         prompt_tokens=prompt_tokens, pulled_tokens=kv.pulled_tokens, computed_tokens=kv.computed_tokens,

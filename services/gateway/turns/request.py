@@ -24,6 +24,9 @@ class TurnRequest:
     tenant: str = DEFAULT_TENANT
     # The model the turn is for, by its served name ("": the gateway's own); its sessions, finds and KV are its own.
     model: str = ""
+    # A LoRA adapter's turn: the base model it adapts ("": ``model`` is a base model). The workers run the turn
+    # under the adapter named ``model``; it is priced as its base model's turns.
+    base_model: str = ""
     messages: list[dict] | None = None
     template_vars: dict[str, Any] = field(default_factory=dict)  # for the chat template: tools, chat_template_kwargs
     prompt_text: str | None = None
@@ -81,13 +84,15 @@ class TurnRequest:
         return f"pck-{hashlib.sha256(scope.encode()).hexdigest()[:40]}"
 
     def engine_sampling(self) -> dict[str, Any]:
-        """The sampling parameters both workers get (EngineClient.generate's keywords), min_tokens aside."""
+        """The sampling parameters both workers get (EngineClient.generate's keywords), min_tokens aside, and the
+        adapter the turn runs under."""
         return {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed, "ignore_eos": self.ignore_eos,
                 "top_k": max(self.top_k, 0), "min_p": self.min_p, "presence_penalty": self.presence_penalty,
                 "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
                 "stop_token_ids": self.stop_token_ids, "logit_bias": self.logit_bias,
                 "skip_special_tokens": self.skip_special_tokens,
-                "spaces_between_special_tokens": self.spaces_between_special_tokens, "logprobs": self.logprobs}
+                "spaces_between_special_tokens": self.spaces_between_special_tokens, "logprobs": self.logprobs,
+                "adapter": self.model if self.base_model else None}
 
     def room_tokens(self, answer_room_tokens: int) -> int:
         """The answer's KV room the scheduler makes on the decode worker: its limit, or for an answer that only the

@@ -53,7 +53,7 @@ async def models(request: Request) -> dict[str, Any]:
     ``parent`` (an adapter's base model; None for a base model) and ``max_model_len``."""
     return {"object": "list", "data": [{
         "id": served.name, "object": "model", "created": 0, "owned_by": "kvshuttle", "root": served.name,
-        "parent": None, "max_model_len": served.runner.max_model_len}
+        "parent": served.parent or None, "max_model_len": served.runner.max_model_len}
         for served in api_state(request).models.usable(caller(request).models)]}
 
 

@@ -22,6 +22,7 @@ class WorkerView:
         self._workers: dict[str, common_pb2.Worker] = {}
         self._by_role: dict[tuple[int, str | None], list[common_pb2.Worker]] = {}  # built on use, cleared on change
         self.ready = asyncio.Event()
+        self.version = 0  # counts the view's changes (what is built from it can be kept until it changes)
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -31,6 +32,9 @@ class WorkerView:
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+
+    def all(self) -> list[common_pb2.Worker]:
+        return list(self._workers.values())
 
     def get(self, worker_id: str) -> common_pb2.Worker | None:
         return self._workers.get(worker_id)
@@ -60,6 +64,7 @@ class WorkerView:
 
     def apply(self, event: Event) -> None:
         self._by_role = {}
+        self.version += 1
         if event.type == Event.EVENT_TYPE_SNAPSHOT:
             self._workers = {w.worker_id: w for w in event.workers}
             self.ready.set()
