@@ -109,7 +109,9 @@ class HashScheme:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
 
-    def hashes(self, token_ids: Sequence[int], salt: str = "") -> list[EventHash]:
-        """The prompt's full-block hashes as the workers' KV events name them (what the index is keyed by)."""
+    def hashes(self, token_ids: Sequence[int], salt: str = "",
+               lora: tuple[str, str] | None = None) -> list[EventHash]:
+        """The prompt's full-block hashes as the workers' KV events name them (what the index is keyed by);
+        ``lora``: the (name, path) of the adapter the prompt runs under, as the worker loaded it."""
         return [event_hash(h, self.int_hashes)
-                for h in block_hashes(token_ids, self.block_size, salt, self.algo, self.seed)]
+                for h in block_hashes(token_ids, self.block_size, salt, self.algo, self.seed, lora)]

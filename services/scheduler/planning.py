@@ -222,11 +222,10 @@ class PlanningService:
         source = self.workers.get(session.decode_worker_id) if session is not None else None
         handle = handle_view(session, known.expires_in_s, source, exclude, loads, known.verified_tokens, model)
         prefill = self.workers.by_role(common_pb2.WORKER_ROLE_PREFILL, model)
-        # The KV index looks prompts up as the base model's blocks (vLLM hashes an adapter's under the adapter): an
-        # adapter's turn would match the base model's cache. It counts on its session's own prefill worker only.
-        adapter_turn = model is not None and any(w.model != model for w in prefill)
-        hits = (self.prefix.hits(prompt, request.cache_salt, prefill)
-                if self.prefix is not None and not adapter_turn else None)
+        # An adapter's turn (its workers' base model is another name) is looked up under the adapter: vLLM hashes
+        # its blocks under it, so the base model's cached blocks never count for it.
+        adapter = model if model is not None and any(w.model != model for w in prefill) else None
+        hits = self.prefix.hits(prompt, request.cache_salt, prefill, adapter) if self.prefix is not None else None
         turn = self.planner.plan(
             prompt, handle, prefill=prefill, prefix_hits=hits,
             decode=self.workers.by_role(common_pb2.WORKER_ROLE_DECODE, model), loads=loads,

@@ -87,21 +87,34 @@ class PrefixIndex:
                 self.follower.forget(worker_id)
                 self._absent_since.pop(worker_id, None)
 
-    def hits(self, prompt: Sequence[int], salt: str,
-             prefill: Sequence[common_pb2.Worker]) -> Mapping[str, int] | None:
+    def hits(self, prompt: Sequence[int], salt: str, prefill: Sequence[common_pb2.Worker],
+             adapter: str | None = None) -> Mapping[str, int] | None:
         """Per prefill worker the index knows (same hash scheme, trusted view): the prompt's tokens its prefix
-        cache holds, from the first on. None when it knows none of them."""
+        cache holds, from the first on. None when it knows none of them. ``adapter``: the LoRA adapter the turn
+        runs under: vLLM hashes its blocks under the adapter's name and path, as each worker registered them."""
         index = self.index
         if index is None or not prefill:
             return None
-        known = [w.worker_id for w in prefill
+        known = [w for w in prefill
                  if self.follower.followed(w.worker_id) and worker_scheme(w) == index.scheme
                  and not index.stale_reason(w.worker_id)]
         if not known:
             return None
         self.lookups += 1
-        hashes = index.scheme.hashes(prompt, salt)
-        return {w: index.cached_prefix_tokens(w, hashes) for w in known}
+        if adapter is None:
+            hashes = index.scheme.hashes(prompt, salt)
+            return {w.worker_id: index.cached_prefix_tokens(w.worker_id, hashes) for w in known}
+        by_path: dict[str, list] = {}  # one hashing per path the workers loaded the adapter from
+        hits = {}
+        for w in known:
+            path = next((a.path for a in w.adapters if a.name == adapter), None)
+            if path is None:
+                continue
+            hashes = by_path.get(path)
+            if hashes is None:
+                hashes = by_path[path] = index.scheme.hashes(prompt, salt, (adapter, path))
+            hits[w.worker_id] = index.cached_prefix_tokens(w.worker_id, hashes)
+        return hits or None
 
     def fill_stats(self, out: scheduler_pb2.KvIndexStats) -> None:
         reader, follower, index = self.reader, self.follower, self.index

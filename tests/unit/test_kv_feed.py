@@ -214,3 +214,36 @@ def test_relay_events_take_the_engine_cache_only_and_unsign_hashes():
     assert first.token_ids == tuple(range(BS)) and first.extra_keys == (("kvs1-x",),)
     assert rm == BlockRemoved(block_hashes=(2**64 - 1,)) and cleared == AllBlocksCleared()
     assert relay_events(common_pb2.KvEventBatch(sequence_number=3)).events == ()
+
+
+def test_an_adapters_turn_is_looked_up_under_the_adapter_as_each_worker_loaded_it():
+    """Issue #37: vLLM hashes an adapter's blocks under its name and path. The scheduler's prefix index looks an
+    adapter's turn up that way, with each worker's registered path: it finds the adapter's cached blocks, never the
+    base model's blocks of the same tokens (and a base-model turn never the adapter's)."""
+    from kvshuttle.services.scheduler.prefix_index import PrefixIndex
+    from kvshuttle.v1 import common_pb2 as kvs_common
+
+    scheme = HashScheme(block_size=4)
+    tokens = list(range(100, 117))  # four full blocks and one token
+    base, lora = scheme.hashes(tokens), scheme.hashes(tokens, lora=("sql", "/adapters/sql"))
+    assert base != lora
+    prefix = PrefixIndex(workers=None, url="redis://unused", key_prefix="/x/")
+    prefix.index = KvIndex(scheme)
+    prefix.follower = FeedFollower(prefix.index)
+
+    def worker(worker_id: str, *adapters: tuple[str, str]) -> kvs_common.Worker:
+        return kvs_common.Worker(worker_id=worker_id, kv_events=True, block_size=4, prefix_hash_algo="sha256",
+                                 adapters=[kvs_common.LoraAdapter(name=n, id=1, path=p) for n, p in adapters])
+
+    for worker_id, hashes in (("p-base", base[:3]), ("p-lora", lora[:2])):
+        # (the feed carries a chain's first tokens only for blocks a reader can re-hash: not an adapter's)
+        first = tuple(tokens[:4 * len(hashes)]) if worker_id == "p-base" else ()
+        batch = EventBatch(ts=0.0, events=(BlockStored(block_hashes=tuple(hashes), parent_block_hash=None,
+                                                       token_ids=first, block_size=4),))
+        assert prefix.follower.on_snapshot(worker_id, 1, 1, batch)
+    workers = [worker("p-base", ("sql", "/adapters/sql")), worker("p-lora", ("sql", "/adapters/sql"))]
+    assert prefix.hits(tokens, "", workers) == {"p-base": 12, "p-lora": 0}
+    assert prefix.hits(tokens, "", workers, adapter="sql") == {"p-base": 0, "p-lora": 8}
+    moved = [worker("p-base"), worker("p-lora", ("sql", "/elsewhere/sql"))]  # loaded from another path: another KV
+    assert prefix.hits(tokens, "", moved, adapter="sql") == {"p-lora": 0}
+    assert prefix.hits(tokens, "", [worker("p-base")], adapter="sql") is None  # no worker serves it

@@ -470,3 +470,55 @@ def test_workers_sharing_a_host_share_its_cores():
     # engine still busy (the other prefill finishing at the same instant, or the other D's stream)
     assert first_ttfts(2, 1.0) == pytest.approx([2 * compute + 2 * rest] * 2)
     assert first_ttfts(2, 2.0) == pytest.approx([compute + rest] * 2)  # a core each
+
+
+# -- LoRA adapters (issue #37) --------------------------------------------------------------------------------------
+
+
+def test_sessions_under_an_adapter_have_a_kv_of_their_own_and_keep_it_in_a_trace():
+    """A share of the sessions runs under one of the model's adapters (Zipf): the same system prompt under an
+    adapter is another segment (vLLM hashes an adapter's KV under it), the same one for every session of that
+    adapter; a Mooncake trace carries each session's adapter (``model``) and reads back with it, its hash ids kept
+    apart from the base model's."""
+    mix = AgenticMix(sessions=300, shared_prompts=1, adapters=4, adapter_share=0.5, seed=2)
+    sessions = agentic_sessions(mix)
+    by_model: dict[str, set[int]] = {}
+    for s in sessions:
+        by_model.setdefault(s.model, set()).add(s.first[0][0])
+    assert "" in by_model and {"lora-1", "lora-2"} <= set(by_model) <= {"", "lora-1", "lora-2", "lora-3", "lora-4"}
+    assert all(len(segments) == 1 for segments in by_model.values())  # one shared prompt per adapter
+    assert len(set().union(*by_model.values())) == len(by_model)  # ... and no two alike
+    assert 0.35 < sum(bool(s.model) for s in sessions) / len(sessions) < 0.65
+    assert all(not s.model for s in agentic_sessions(dataclasses.replace(mix, adapter_share=0.0)))
+    back = {s.session_id: s for s in read_mooncake(mooncake_lines(sessions))}
+    assert all(back[s.session_id].model == s.model for s in sessions)
+    firsts = {}
+    for s in back.values():
+        firsts.setdefault(s.model, set()).add(s.first[0][0])
+    assert len(set().union(*firsts.values())) == len(firsts)  # a trace's adapters share no KV either
+    twin = [json.dumps({"timestamp": 0, "input_length": 600, "output_length": 4, "hash_ids": [1, 2]}),
+            json.dumps({"timestamp": 5, "input_length": 1200, "output_length": 4, "hash_ids": [1, 2, 3],
+                        "model": "lora-1"})]
+    assert len(read_mooncake(twin)) == 2  # an adapter's line never joins a base model's session
+
+
+def test_an_adapters_turn_hits_its_own_cached_prompt_and_never_the_base_models():
+    """Two sessions with the same system prompt, the second under an adapter (its own segment: vLLM's KV of it
+    under the adapter), then a third under the same adapter: no prefix-cache hit across the base model and the
+    adapter in any strategy; the adapter's second session hits its first one's cached prompt (kvshuttle's index
+    looks it up under the adapter, as the scheduler does), and its later turn pulls its own history."""
+    system = 4096
+    base = SimSession("s0", "t0", 0.0, [(5, system), (900_000, 300)], [SimTurn(0, 64), SimTurn(200, 64, 1.0)])
+    lora = SimSession("s1", "t0", 5.0, [(5 + 7, system), (900_001, 300)], [SimTurn(0, 64), SimTurn(200, 64, 1.0)],
+                      "lora-1")
+    again = SimSession("s2", "t0", 10.0, [(5 + 7, system), (900_002, 300)], [SimTurn(0, 64)], "lora-1")
+    for name in ("kvshuttle", "cache_aware"):
+        ps, ds, index = fleet(prefill=2, decode=1)
+        strategy = strategies.make(name, ps, ds, random.Random(0), candidates=4, unit=256, prior=PrefillPrior(),
+                                   index=index)
+        cols = Simulation([base, lora, again], strategy, PROFILE, ps, ds, SimSettings()).run().turns
+        row = {(cols.session[i], cols.turn[i]): i for i in range(len(cols))}
+        assert cols.cached[row[1, 0]] == 0, name  # the adapter's first turn: nothing of the base model's KV
+        assert cols.cached[row[2, 0]] == system // 256 * 256, name  # the adapter's own cached prompt
+        if name == "kvshuttle":
+            assert cols.pulled[row[1, 1]] > 0  # the adapter's second turn pulled its own history

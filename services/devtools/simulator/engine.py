@@ -334,7 +334,8 @@ class Simulation:
                 prompt = token_ids(live.segments)
         unit = self.settings.unit_tokens
         keys = live.chain.keys[: n // unit]
-        routed = self.strategy.route(live.key, prompt, view, record.source if record else "", keys[: (n - 1) // unit])
+        routed = self.strategy.route(live.key, prompt, view, record.source if record else "", keys[: (n - 1) // unit],
+                                     spec.model)
         flight = InFlight(live, self.now, n, boundary, keys, routed, turn.output_tokens, code=routed.code)
         if routed.choice is Choice.PULL:
             source = self.decode_by_id[record.source]

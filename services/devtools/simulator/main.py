@@ -33,7 +33,8 @@ from kvshuttle.services.devtools.simulator.workload import (
 )
 
 # The agentic workload's settings (unused with --trace).
-AGENTIC = ("sessions", "arrival_s", "agent_share", "agent_gap_s", "chat_gap_s", "max_history_tokens")
+AGENTIC = ("sessions", "arrival_s", "agent_share", "agent_gap_s", "chat_gap_s", "max_history_tokens", "adapters",
+           "adapter_share")
 
 
 @dataclasses.dataclass
@@ -59,6 +60,9 @@ class SimulateConfig:
     agent_gap_s: float = setting(3.0, "Agentic workload: an agent's mean pause between turns (tool time)")
     chat_gap_s: float = setting(45.0, "Agentic workload: a chat user's mean pause between turns")
     max_history_tokens: int = setting(131_072, "Agentic workload: the model's context (sessions end before it)")
+    adapters: int = setting(0, "Agentic workload: LoRA adapters of the model (docs/models.md); sessions under one "
+                               "choose it Zipf(1.1); its KV is its own (no cache hit or pull across adapters)")
+    adapter_share: float = setting(0.0, "Agentic workload: share of sessions that run under an adapter")
     seed: int = setting(0, "Workload and simulation seed")
     ttl_s: float = setting(480.0, "Decode workers keep an unread handle this long (decoder_kv_blocks_ttl)")
     tick_s: float = setting(5.0, "Expiry and freeing rounds every this many simulated seconds")
@@ -110,6 +114,9 @@ class SimulateConfig:
         require(self.candidates >= 1, "--candidates must be >= 1")
         require(self.sessions >= 1 and self.arrival_s >= 0, "--sessions must be >= 1 and --arrival-s >= 0")
         require(0 <= self.agent_share <= 1, "--agent-share must be within 0..1")
+        require(self.adapters >= 0 and 0 <= self.adapter_share <= 1,
+                "--adapters must be >= 0 and --adapter-share within 0..1")
+        require_effect(self, "adapter_share", self.adapters > 0, "without --adapters")
         require(self.agent_gap_s > 0 and self.chat_gap_s > 0, "--agent-gap-s and --chat-gap-s must be > 0")
         require(self.ttl_s > 0 and self.tick_s > 0 and self.slo_ms > 0, "--ttl-s, --tick-s and --slo-ms must be > 0")
         require(self.validate_warm_up >= 0, "--validate-warm-up must be >= 0")
@@ -177,7 +184,8 @@ class SimulateConfig:
     def mix(self) -> AgenticMix:
         return AgenticMix(sessions=self.sessions, arrival_s=self.arrival_s, agent_share=self.agent_share,
                           agent_gap_s=self.agent_gap_s, chat_gap_s=self.chat_gap_s,
-                          max_history_tokens=self.max_history_tokens, seed=self.seed)
+                          max_history_tokens=self.max_history_tokens, adapters=self.adapters,
+                          adapter_share=self.adapter_share, seed=self.seed)
 
 
 def workload(cfg: SimulateConfig) -> list[SimSession]:

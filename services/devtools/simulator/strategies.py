@@ -112,9 +112,11 @@ class Strategy:
             candidates, unit
 
     def route(self, session: tuple[str, str], prompt, handle: HandleView | None, source: str,
-              unit_keys: list[int]) -> Routed:
+              unit_keys: list[int], adapter: str = "") -> Routed:
         """Where the turn runs and whether it pulls. ``source``: the decode worker holding the session's handle;
-        ``unit_keys``: the prompt's whole prefix-cache units (the cache-aware router matches them)."""
+        ``unit_keys``: the prompt's whole prefix-cache units (the cache-aware router matches them; an adapter's
+        turns have units of their own, so every strategy keeps adapters' caches apart); ``adapter``: the LoRA
+        adapter the turn runs under ("": the base model)."""
         raise NotImplementedError
 
     def observe(self, outcome: Outcome) -> None:
@@ -160,7 +162,7 @@ class PlannerStrategy(Strategy):
     def model(self) -> PrefillCostModel:
         return self.planner.model
 
-    def route(self, session, prompt, handle, source, unit_keys) -> Routed:
+    def route(self, session, prompt, handle, source, unit_keys, adapter="") -> Routed:
         tp = self.planner.plan(prompt, handle, prefill=self.prefill, decode=self.decode, loads=self.loads,
                                source_worker=source, disable_pull=self.disable_pull, session=session)
         plan = tp.plan
@@ -191,7 +193,7 @@ class KvShuttle(PlannerStrategy):
         for p in self.prefill:
             p.on_events, p.event_block_tokens = self.kv_index.apply, self.unit
 
-    def route(self, session, prompt, handle, source, unit_keys) -> Routed:
+    def route(self, session, prompt, handle, source, unit_keys, adapter="") -> Routed:
         hashes = self.kv_index.scheme.hashes(prompt)
         lookup = hashes[:(len(prompt) - 1) // self.unit]  # P always computes the last token
         if self.fleet_index is None or len(self.prefill) <= 64:
@@ -204,6 +206,8 @@ class KvShuttle(PlannerStrategy):
             last = self.planner.cache_hints.worker_of(session)
             if last is not None:
                 asked.append(last)
+        # An adapter's prompt is its own segments here (its KV is the adapter's), hashed as the scheduler hashes it
+        # under the adapter (services/scheduler/prefix_index.py): the index finds the adapter's cached blocks only.
         hits = {w: self.kv_index.cached_prefix_tokens(w, lookup) for w in asked}
         tp = self.planner.plan(prompt, handle, prefill=self.prefill, decode=self.decode, loads=self.loads,
                                source_worker=source, disable_pull=self.disable_pull, session=session,
@@ -261,7 +265,7 @@ class CacheAware(Strategy):
         best = min(key(w) for w in workers)
         return self.rng.choice([w for w in workers if key(w) == best])
 
-    def route(self, session, prompt, handle, source, unit_keys) -> Routed:
+    def route(self, session, prompt, handle, source, unit_keys, adapter="") -> Routed:
         p, d = self._prefill_worker(len(prompt), unit_keys), self._decode_worker()
         return Routed(p, d, Choice.RECOMPUTE, reasons.NO_RECORD, policy=self.name)  # it keeps no handles
 
@@ -304,7 +308,7 @@ class CacheAwarePull(CacheAware):
         super().__init__(*args, index=index)
         self.safety = PullPolicy(pull_threshold_tokens, expiry_guard_s)
 
-    def route(self, session, prompt, handle, source, unit_keys) -> Routed:
+    def route(self, session, prompt, handle, source, unit_keys, adapter="") -> Routed:
         n = len(prompt)
         p, d = self._prefill_worker(n, unit_keys), self._decode_worker()
         if handle is None:
@@ -368,7 +372,7 @@ class ConditionalDisagg(Strategy):
         self.eff_isl_threshold, self.eff_isl_ratio_threshold = eff_isl_threshold, eff_isl_ratio_threshold
         self.overlap_score_weight = overlap_score_weight
 
-    def route(self, session, prompt, handle, source, unit_keys) -> Routed:
+    def route(self, session, prompt, handle, source, unit_keys, adapter="") -> Routed:
         n, unit, w = len(prompt), self.unit, self.overlap_score_weight
         overlap = {d.worker_id: (d.prefix.held(unit_keys) * unit if d.prefix is not None else 0) for d in self.decode}
 
@@ -445,7 +449,7 @@ class CacheAwareOffload(Strategy):
         costs = {w.worker_id: score(w, queue) for w, queue in zip(workers, q, strict=True)}
         return _pick(self.rng, workers, lambda w: costs[w.worker_id])
 
-    def route(self, session, prompt, handle, source, unit_keys) -> Routed:
+    def route(self, session, prompt, handle, source, unit_keys, adapter="") -> Routed:
         holders: set[str] = set()
         if unit_keys:
             holders = set(self.index.get(unit_keys[0], ())) | set(self.cpu_index.get(unit_keys[0], ()))

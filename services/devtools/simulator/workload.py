@@ -5,19 +5,26 @@ are equal token for token exactly when their segments are, so the real prefix di
 work on them unchanged; a segment shared by many sessions (a system prompt, tool definitions, a trace's hash block)
 is a prefix their prompts share, which a prefill worker's prefix cache can hit.
 
+A session runs on the base model (``model`` "") or under one of the model's LoRA adapters (``lora-<k>``): vLLM
+computes and hashes an adapter's KV under the adapter, so a system prompt shared by sessions of two adapters (or of
+an adapter and the base model) is two prefixes, no cache hit and no pull between them. The workload gives each
+adapter's shared prompts segment ids of their own for that.
+
 A session's first prompt is ``first`` (its segments); each later turn's prompt is the history (every earlier prompt
 and answer) plus ``new_tokens`` fresh tokens (the user's message, or a tool's result). A turn arrives ``gap_s`` after
 the previous answer ended (closed loop: an agent waits for the answer before it acts), the first at ``start_s``.
 
 **Mooncake format** (JSON lines, as NVIDIA aiperf and the FAST'25 Mooncake traces use it): ``timestamp`` (ms),
 ``input_length``, ``output_length``, ``hash_ids`` (one id per ``trace_block`` tokens, 512 by default), and
-optionally ``session_id`` and ``delay`` (ms after the previous turn's answer). Lines with a ``session_id`` are that
+optionally ``session_id``, ``delay`` (ms after the previous turn's answer) and ``model`` (an adapter's name: its
+hash ids name KV of that adapter's own). Lines with a ``session_id`` are that
 session's turns in order; lines without one join the session whose last prompt's hash ids they extend (the way the
 gateway finds a session for a client that sends no id), else start a new session.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import math
@@ -48,6 +55,7 @@ class SimSession:
     start_s: float
     first: list[tuple[int, int]]  # the first prompt's segments
     turns: list[SimTurn]
+    model: str = ""  # the LoRA adapter it runs under ("": the base model)
 
     @property
     def first_tokens(self) -> int:
@@ -74,6 +82,8 @@ class AgenticMix:
     chat_output_tokens: tuple[int, int] = (100, 800)
     max_history_tokens: int = 131_072  # the model's context: a session ends before it would pass it
     tenants: int = 8
+    adapters: int = 0  # LoRA adapters of the model, chosen Zipf(1.1) by the sessions that run under one
+    adapter_share: float = 0.0  # sessions run under an adapter (the rest: the base model)
     seed: int = 0
 
 
@@ -89,9 +99,14 @@ def agentic_sessions(mix: AgenticMix) -> list[SimSession]:
     own = itertools.count(OWN_SEGMENTS)
     starts = sorted(rng.uniform(0, mix.arrival_s) for _ in range(mix.sessions))
     out = []
+    adapter_weights = [1 / (k + 1) ** 1.1 for k in range(mix.adapters)]
     for i, start in enumerate(starts):
         agent = rng.random() < mix.agent_share
+        adapter = (rng.choices(range(mix.adapters), adapter_weights)[0] + 1
+                   if mix.adapters and rng.random() < mix.adapter_share else 0)
         first = [rng.choices(shared, weights)[0]] if shared else []
+        if adapter and first:  # the same system prompt, another KV: a segment of the adapter's own
+            first = [(first[0][0] + adapter * mix.shared_prompts, first[0][1])]
         first.append((next(own), rng.randint(*mix.first_user_tokens)))
         history = sum(n for _, n in first)
         turns: list[SimTurn] = []
@@ -105,7 +120,8 @@ def agentic_sessions(mix: AgenticMix) -> list[SimSession]:
             turns.append(SimTurn(new, output, gap))
             history += new + output
         if turns:
-            out.append(SimSession(f"s{i}", f"t{i % mix.tenants}", start, first, turns))
+            out.append(SimSession(f"s{i}", f"t{i % mix.tenants}", start, first, turns,
+                                  f"lora-{adapter}" if adapter else ""))
     return out
 
 
@@ -160,17 +176,20 @@ def read_mooncake(lines: Iterable[str], trace_block: int = 512, source: str = "t
             raise TraceError(f"{where}: 'hash_ids' must be a list of ints in 0..{OWN_SEGMENTS - 1}")
         if inputs < 1:
             raise TraceError(f"{where}: 'input_length' must be >= 1")
-        chain = list(itertools.accumulate(hash_ids, lambda acc, h: hash((acc, h)), initial=0))[1:]
+        model = str(line.get("model") or "")
+        # chained per model: a line of one adapter never joins a session of another (or of the base model)
+        chain = list(itertools.accumulate(hash_ids, lambda acc, h: hash((acc, h)), initial=hash(model)))[1:]
         sid = str(line["session_id"]) if line.get("session_id") is not None else None
         if sid is None:  # the latest session whose whole last prompt this one extends
             sid = next((by_prefix[c] for c in reversed(chain[:-1]) if c in by_prefix), None)
         at = _field(line, "timestamp", where, float, 0.0) / 1000
         if sid is None or sid not in sessions:
             sid = sid or f"m{number}"
-            first = _hash_segments(hash_ids, inputs, trace_block) or [(next(own), inputs)]
+            ids = [_model_segment(model, h) for h in hash_ids] if model else hash_ids
+            first = _hash_segments(ids, inputs, trace_block) or [(next(own), inputs)]
             if sum(n for _, n in first) < inputs:
                 first.append((next(own), inputs - sum(n for _, n in first)))
-            sessions[sid] = SimSession(sid, str(line.get("tenant", "t0")), at, first, [SimTurn(0, output)])
+            sessions[sid] = SimSession(sid, str(line.get("tenant", "t0")), at, first, [SimTurn(0, output)], model)
             history[sid] = inputs + output
         else:
             gap = (_field(line, "delay", where, float) / 1000 if line.get("delay") is not None
@@ -182,6 +201,11 @@ def read_mooncake(lines: Iterable[str], trace_block: int = 512, source: str = "t
         if chain:
             by_prefix[chain[-1]] = sid
     return sorted(sessions.values(), key=lambda s: s.start_s)
+
+
+def _model_segment(model: str, hash_id: int) -> int:
+    """The segment of a trace hash id under adapter ``model``: the same block of text is another KV there."""
+    return int.from_bytes(hashlib.blake2b(f"{model}\0{hash_id}".encode(), digest_size=8).digest()) % OWN_SEGMENTS
 
 
 def load_mooncake(path: str | Path, trace_block: int = 512) -> list[SimSession]:
@@ -231,5 +255,7 @@ def mooncake_lines(sessions: Iterable[SimSession], trace_block: int = 512) -> It
                     "hash_ids": blocks.of(segments)}
             if t:
                 line["delay"] = round(turn.gap_s * 1000, 3)
+            if s.model:
+                line["model"] = s.model
             yield json.dumps(line, separators=(",", ":"))
             segments.append((next(own), turn.output_tokens))

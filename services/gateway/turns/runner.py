@@ -429,7 +429,8 @@ def log_turn(turn: TurnContext, event: Finished) -> None:
     who = "".join(f" {name}={value!r}" for name, value in (("user", req.end_user),
                                                            ("safety_identifier", req.safety_identifier)) if value)
     turn_log.info("turn %s: model %s tenant %s session %s (%s) %s/%s, %d prompt tokens (%d pulled, %d computed), %d "
-                  "generated, record %s%s", turn.id, req.model or "-", req.tenant,
+                  "generated, record %s%s", turn.id,
+                  f"{req.model} (adapter of {req.base_model})" if req.base_model else req.model or "-", req.tenant,
                   hashed(req.session_id) if req.session_id else "-",
                   kv.session_source or "-", kv.decision, kv.reason_code, event.prompt_tokens, kv.pulled_tokens,
                   kv.computed_tokens, len(event.output_ids), kv.record or "-", who)

@@ -26,6 +26,8 @@ def request_attributes(req: TurnRequest, model: str) -> dict[str, Any]:
     }
     if model:
         attrs["gen_ai.request.model"] = model
+    if req.base_model:  # a LoRA adapter's turn (gen_ai.request.model names the adapter): its base model
+        attrs["kvshuttle.base_model"] = req.base_model
     if req.max_tokens is not None:  # none asked: set once the prompt's length decides it (limit_attributes)
         attrs["gen_ai.request.max_tokens"] = req.max_tokens
     if req.seed is not None:
