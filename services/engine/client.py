@@ -324,18 +324,21 @@ class EngineClient:
             raise EngineError(exc.code, exc.message) from None
 
     async def read_to_free(self, request_id: str, first_block: Sequence[int], kv_transfer_params: dict, *,
-                           timeout_s: float | None = None, cache_salt: str | None = None) -> bool:
+                           timeout_s: float | None = None, cache_salt: str | None = None,
+                           adapter: str | None = None) -> bool:
         """Free a decode worker's held KV handle: this (prefill) worker reads the handle's first block, whose tokens
         ``first_block`` repeats (plus one token to compute), and the decode worker frees all of the handle's blocks
         after any read. ``kv_transfer_params``: the handle cut to that block (kvshuttle.control_plane.kv_params.pull_params).
         ``cache_salt``: the handle's tenant's (P may hold the block already) or ``cache_salt.FREE_READ``.
+        ``adapter``: the LoRA adapter the handle's KV was computed under, with the tenant's salt (P caches the
+        block it reads under the request's hash: under the base model's, a base-model turn could hit an adapter's KV).
 
         A streamed request cancelled at its first token: by then the read is done (and D told), and a cancelled
         request's blocks are freed at once here (one that finished would keep them for its KV lease, waiting for a
         decode worker that never comes). False when the read failed. Raises EngineError like ``generate``."""
         stream = self.generate(request_id, first_block, max_tokens=16, ignore_eos=True,
                                kv_transfer_params=kv_transfer_params, stream=True, timeout_s=timeout_s,
-                               cache_salt=cache_salt)
+                               cache_salt=cache_salt, adapter=adapter)
         async with contextlib.aclosing(stream):
             async for item in stream:
                 return not (isinstance(item, Final) and item.finish_reason == "error")

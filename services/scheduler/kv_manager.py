@@ -282,9 +282,9 @@ class KvManager:
             return False  # a new turn, a claim, a move, or too close to its expiry: leave it
         params, prompt = kv_params.free_read(kv_params.parse_handle(record.kv_transfer_params_json),
                                              record.head_token_ids, record.block_size)
-        prefill = self._prefill_worker()
+        prefill = self._prefill_worker(worker.model)
         if prefill is None:
-            raise EngineError(None, "no live prefill worker to read the handle")
+            raise EngineError(None, f"no live prefill worker of model {worker.model!r} to read the handle")
         claim = await self.claims.claim(held.tenant, held.session_id, record.revision, known=record,
                                         free_reason=eviction.reason)
         if not claim.claimed:
@@ -297,10 +297,11 @@ class KvManager:
             return None
         return True
 
-    def _prefill_worker(self) -> common_pb2.Worker | None:
-        """The live prefill worker with the fewest requests queued (the read is one block and one token)."""
+    def _prefill_worker(self, model: str) -> common_pb2.Worker | None:
+        """The live prefill worker of the decode worker's base ``model`` (only its KV has D's shapes: another
+        model's P must never read it) with the fewest requests queued (the read is one block and one token)."""
         loads = self.loads.loads() if self.loads is not None else {}
-        live = [w for w in self.workers.by_role(common_pb2.WORKER_ROLE_PREFILL)
+        live = [w for w in self.workers.by_role(common_pb2.WORKER_ROLE_PREFILL, model or None)
                 if loads.get(w.worker_id) is None or loads[w.worker_id].reachable]
         if not live:
             return None

@@ -237,3 +237,23 @@ async def _evicted(sched, reason: str, n: int):
 
 async def _leading(sched) -> bool:
     return (await sched.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5)).kv_leading
+
+
+async def test_a_handle_is_read_free_by_a_prefill_worker_of_its_decode_workers_model(cluster):
+    """Issue #37: with several models' workers in the fleet, a freeing read goes to a prefill worker of the decode
+    worker's model: another model's P must never pull D's KV (other shapes). Here the other model's idle P sorts
+    first and would otherwise be the one asked."""
+    other = FakeEngineServer()
+    await other.start()
+    try:
+        await cluster.reg.RegisterWorker(registry_pb2.RegisterWorkerRequest(worker=common_pb2.Worker(
+            worker_id="a-other", role=common_pb2.WORKER_ROLE_PREFILL, engine_id="engine-other",
+            grpc_address=other.address, nixl_host="127.0.0.1", nixl_port=7903, block_size=BS, kv_blocks_ttl_s=600,
+            model="other", kv_bytes_per_token=4096), lease_ttl_s=30))
+        await cluster.record("quiet", 4 * BS - 1)
+        sched = await cluster.add_scheduler(kv_idle_limit_s=1.5)
+        await until(lambda: _evicted(sched, "idle", 1), 15, "the idle session freed")
+        assert len(cluster.freeing_reads()) == 1
+        assert not [r for r in other.engine.requests if r.request_id.startswith("kv-free-")]
+    finally:
+        await other.stop()

@@ -245,6 +245,14 @@ async def test_an_adapter_a_worker_registers_is_served_and_keeps_its_sessions_ap
             cost = scheduler.planner.model
             await until(lambda: cost.reference_worker_of("tiny-b") == "p-tiny-b", what="tiny-b's outcomes learned")
             assert cost.reference_worker_of("sql-lora") is None
+            # ending the adapter's session frees its KV with a one-block read on tiny-b's P under the adapter (P
+            # caches the block it reads: under the base model, a base-model turn could hit the adapter's KV)
+            asked_p = len(p.engine.requests)
+            async with client_channel(gateway.grpc_address) as channel:
+                ended = await gateway_pb2_grpc.GatewayStub(channel).EndSession(
+                    gateway_pb2.EndSessionRequest(session_id=first.headers["x-session-id"]), timeout=10)
+            assert ended.kv_released, ended
+            assert adapters_sent(p, asked_p) == ["sql-lora"]
             await _register_adapters(registry, "tiny-b", pairs["tiny-b"])  # unloaded everywhere
             await until(lambda: _lacks(listed, ("sql-lora", "tiny-b")), what="the adapter gone")
             gone = await client.post("/v1/chat/completions", json={

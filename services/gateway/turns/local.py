@@ -86,12 +86,12 @@ def _free_previous(rt: TurnServices, ctx: TurnContext) -> None:
     n = len(prompt) - 1
     if len(record.head_token_ids) < n or prompt[:n] != list(record.head_token_ids[:n]):
         return  # the prompt's first block is not the handle's: P must not take D's KV for it
-    engine, tenant = rt.engine(ctx.plan.prefill), ctx.request.tenant
+    engine, tenant, adapter = rt.engine(ctx.plan.prefill), ctx.request.tenant, ctx.request.adapter
 
     async def free() -> None:
         try:
             if await engine.read_to_free(f"{ctx.id}-release", prompt, params, timeout_s=rt.prefill_timeout_s,
-                                         cache_salt=rt.cache_salt(tenant)):
+                                         cache_salt=rt.cache_salt(tenant), adapter=adapter):
                 rt.released_handles += 1
         except EngineError as exc:
             log.debug("turn %s: could not free the previous KV handle: %s", ctx.id, exc)

@@ -199,7 +199,8 @@ def free_unrecorded(rt: TurnServices, ctx: TurnContext) -> None:
         try:
             if await rt.engine(ctx.plan.prefill).read_to_free(f"{ctx.id}-free", prompt, params,
                                                               timeout_s=rt.prefill_timeout_s,
-                                                              cache_salt=rt.cache_salt(ctx.request.tenant)):
+                                                              cache_salt=rt.cache_salt(ctx.request.tenant),
+                                                              adapter=ctx.request.adapter):
                 rt.released_handles += 1
         except EngineError as exc:
             log.debug("turn %s: could not free its unrecorded KV handle: %s", ctx.id, exc)
@@ -233,6 +234,12 @@ def release_unused_handle(rt: TurnServices, ctx: TurnContext) -> asyncio.Task | 
         rt, f"{ctx.id}-release", record, plan.prefill, ctx.prompt_ids, req.tenant, req.session_id)))
 
 
+def adapter_of(record: common_pb2.Session, prefill: common_pb2.Worker) -> str | None:
+    """The LoRA adapter ``record``'s KV was computed under, as ``prefill`` (of its base model) serves it; None: the
+    base model's."""
+    return record.model if record.model and record.model != prefill.model else None
+
+
 async def free_handle(rt: TurnServices, request_id: str, record: common_pb2.Session, prefill: common_pb2.Worker,
                       ids: Sequence[int], tenant: str, session_id: str) -> bool:
     """Claim ``record``'s handle, then have ``prefill`` read its first block (from ``ids``, tokens that repeat
@@ -246,7 +253,8 @@ async def free_handle(rt: TurnServices, request_id: str, record: common_pb2.Sess
         if not claim.claimed:
             return False  # a concurrent turn took it (and reads it), or the record changed
         if not await rt.engine(prefill).read_to_free(request_id, prompt, params, timeout_s=rt.prefill_timeout_s,
-                                                     cache_salt=rt.cache_salt(tenant)):
+                                                     cache_salt=rt.cache_salt(tenant),
+                                                     adapter=adapter_of(record, prefill)):
             log.debug("%s: freeing a KV handle failed at the prefill worker", request_id)
             return False
     except (grpc.aio.AioRpcError, EngineError, kv_params.HandleError) as exc:

@@ -83,6 +83,11 @@ class TurnRequest:
         scope = f"{self.model}\0{self.cache_key}" if self.model else self.cache_key
         return f"pck-{hashlib.sha256(scope.encode()).hexdigest()[:40]}"
 
+    @property
+    def adapter(self) -> str | None:
+        """The LoRA adapter the turn runs under (None: a base model's turn)."""
+        return self.model if self.base_model else None
+
     def engine_sampling(self) -> dict[str, Any]:
         """The sampling parameters both workers get (EngineClient.generate's keywords), min_tokens aside, and the
         adapter the turn runs under."""
@@ -92,7 +97,7 @@ class TurnRequest:
                 "stop_token_ids": self.stop_token_ids, "logit_bias": self.logit_bias,
                 "skip_special_tokens": self.skip_special_tokens,
                 "spaces_between_special_tokens": self.spaces_between_special_tokens, "logprobs": self.logprobs,
-                "adapter": self.model if self.base_model else None}
+                "adapter": self.adapter}
 
     def room_tokens(self, answer_room_tokens: int) -> int:
         """The answer's KV room the scheduler makes on the decode worker: its limit, or for an answer that only the
