@@ -461,7 +461,7 @@ GROUPS: dict[str, tuple[Collector, ...]] = {
     "registry": (LIVE_WORKERS, LIVE_SESSIONS, SESSIONS_DROPPED, ETCD_DEFRAG_RUNS, ETCD_DB_SIZE, ETCD_DB_IN_USE),
     "etcd": (ETCD_SECONDS, ETCD_ERRORS),
     "grpc": (GRPC_HANDLED, GRPC_SECONDS),
-    "worker": (WORKER_STATE,),
+    "worker": (WORKER_STATE, ADAPTER_FILE_ERRORS, LORA_ADAPTERS),
 }
 # What each process's endpoint serves (plus the process's own CPU, memory and GC figures).
 SERVICES: dict[str, tuple[str, ...]] = {

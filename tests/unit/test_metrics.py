@@ -66,6 +66,16 @@ def test_names_types_and_labels_follow_prometheus_conventions():
         assert m.help
 
 
+def test_every_metric_the_module_defines_is_served_by_a_group():
+    """A metric left out of GROUPS is counted and never exposed (the worker's adapter metrics once were)."""
+    from prometheus_client.metrics import MetricWrapperBase
+
+    defined = {name for name, value in vars(metrics).items() if isinstance(value, MetricWrapperBase)}
+    grouped = {name for name, value in vars(metrics).items()
+               if any(value is c for collectors in metrics.GROUPS.values() for c in collectors)}
+    assert defined and defined <= grouped, sorted(defined - grouped)
+
+
 def test_the_reference_lists_every_metric_with_its_type_and_labels():
     rows = table_rows(reference_page("reference/metrics.md"), "Metric")
     documented = {row[0].strip("`"): (row[1], tuple(label.strip("`") for label in row[2].split(", ") if label))
