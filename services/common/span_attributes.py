@@ -12,6 +12,8 @@ SPAN_ATTRIBUTES: dict[str, str] = {
     "kvshuttle.session": "the session id hashed: first 16 hex digits of its SHA-256 (\"\" without a session). Never "
                          "the id itself",
     "kvshuttle.tenant": "the caller's tenant (from its API key; `default` on an open gateway)",
+    "kvshuttle.base_model": "a LoRA adapter's turn (`gen_ai.request.model` names the adapter): the base model it "
+                            "adapts",
     "kvshuttle.turn_index": "the session's turn number as the registry counts it (1: no record; starts again after a "
                             "record expired or was deleted); only with a session id",
     "kvshuttle.decision": "`pull`, `recompute` or `local` (continued on the decode worker holding the session's KV): "
