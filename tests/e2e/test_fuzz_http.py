@@ -75,7 +75,8 @@ def check(resp: httpx.Response, body) -> None:
 def post(client: httpx.Client, path: str, body) -> None:
     headers = {}
     session = body.get("conversation_id") if isinstance(body, dict) else None
-    if isinstance(session, str) and session.isascii() and session.isprintable():  # what an HTTP header can carry
+    # what an HTTP header can carry: printable ASCII, no whitespace at either end (h11 refuses to send " ")
+    if isinstance(session, str) and session.isascii() and session.isprintable() and session == session.strip():
         headers["X-Session-ID"] = session
     try:
         content = json.dumps(body, allow_nan=True).encode()
