@@ -245,6 +245,12 @@ async def test_an_adapter_a_worker_registers_is_served_and_keeps_its_sessions_ap
             cost = scheduler.planner.model
             await until(lambda: cost.reference_worker_of("tiny-b") == "p-tiny-b", what="tiny-b's outcomes learned")
             assert cost.reference_worker_of("sql-lora") is None
+            asked_p = len(p.engine.requests)
+            async with client_channel(gateway.grpc_address) as channel:  # the gRPC API serves the adapter too
+                got = await gateway_pb2_grpc.GatewayStub(channel).ChatComplete(gateway_pb2.ChatCompleteRequest(
+                    model="sql-lora", messages=[gateway_pb2.ChatMessage(role="user", content="hi")],
+                    sampling=gateway_pb2.SamplingOptions(max_tokens=2)), timeout=10)
+            assert got.model == "sql-lora" and adapters_sent(p, asked_p) == ["sql-lora"]
             # ending the adapter's session frees its KV with a one-block read on tiny-b's P under the adapter (P
             # caches the block it reads: under the base model, a base-model turn could hit the adapter's KV)
             asked_p = len(p.engine.requests)
