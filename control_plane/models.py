@@ -4,6 +4,8 @@ it, so a turn for one never reuses KV (or ids) recorded for another (docs/models
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvshuttle.v1 import common_pb2
 
 
@@ -15,6 +17,12 @@ def serves(worker: common_pb2.Worker, model: str) -> bool:
 def adapter(worker: common_pb2.Worker, model: str) -> common_pb2.LoraAdapter | None:
     """The adapter ``model`` names on ``worker`` (None: the base model, or not served there)."""
     return next((a for a in worker.adapters if a.name == model), None)
+
+
+def adapter_turn(model: str | None, workers: Sequence[common_pb2.Worker]) -> str | None:
+    """The adapter a turn for ``model`` runs under, given the workers planned for it (all serve ``model``): ``model``
+    when it is not their base model, else None."""
+    return model if model and any(w.model != model for w in workers) else None
 
 
 def served_names(worker: common_pb2.Worker) -> list[str]:

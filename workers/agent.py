@@ -204,7 +204,7 @@ class Agent:
         try:
             if self.adapters is not None:
                 try:
-                    self.adapters.apply(self.cfg.adapters_at_start())
+                    await asyncio.to_thread(lambda: self.adapters.apply(self.cfg.adapters_at_start()))
                 except AdapterError as exc:
                     raise AgentError(str(exc)) from None
                 log.info("serving LoRA adapters: %s", ", ".join(self.adapters.current) or "none yet")

@@ -224,8 +224,8 @@ class PlanningService:
         prefill = self.workers.by_role(common_pb2.WORKER_ROLE_PREFILL, model)
         # An adapter's turn (its workers' base model is another name) is looked up under the adapter: vLLM hashes
         # its blocks under it, so the base model's cached blocks never count for it.
-        adapter = model if model is not None and any(w.model != model for w in prefill) else None
-        hits = self.prefix.hits(prompt, request.cache_salt, prefill, adapter) if self.prefix is not None else None
+        hits = (self.prefix.hits(prompt, request.cache_salt, prefill, models.adapter_turn(model, prefill))
+                if self.prefix is not None else None)
         turn = self.planner.plan(
             prompt, handle, prefill=prefill, prefix_hits=hits,
             decode=self.workers.by_role(common_pb2.WORKER_ROLE_DECODE, model), loads=loads,
