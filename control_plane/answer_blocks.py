@@ -19,7 +19,7 @@ what an answer says is decided here, the same for every API, streamed or whole:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvshuttle.control_plane.answer import Event
 from kvshuttle.control_plane.reasoning import REASONING
@@ -36,11 +36,21 @@ class Block:
 
     kind: str
     position: int
-    text: str = ""  # reasoning or text so far
     name: str = ""
     arguments: str = ""  # a call's arguments: a JSON object's text
     call_index: int = -1
     call_id: str = ""
+    # The reasoning or text so far, as the pieces appended (``text`` joins them once per change): appending to one
+    # growing string would copy it on every token of a long answer.
+    pieces: list[str] = field(default_factory=list)
+    _joined: str = ""
+    _joined_pieces: int = 0
+
+    @property
+    def text(self) -> str:
+        if self._joined_pieces != len(self.pieces):
+            self._joined, self._joined_pieces = "".join(self.pieces), len(self.pieces)
+        return self._joined
 
 
 Step = tuple[int, Block, str]  # (OPENED | APPENDED | CLOSED, the block, the text appended)
@@ -109,7 +119,7 @@ class AnswerBlocks:
     def _text(self, text: str, out: list[Step]) -> None:
         open_ = self._open
         if open_ is not None and open_.kind == TEXT_BLOCK:
-            open_.text += text
+            open_.pieces.append(text)
             out.append((APPENDED, open_, text))
             return
         held = self._blank + text
@@ -138,7 +148,7 @@ class AnswerBlocks:
             open_ = self._open = Block(kind, len(self.blocks))
             self.blocks.append(open_)
             out.append((OPENED, open_, ""))
-        open_.text += text
+        open_.pieces.append(text)
         out.append((APPENDED, open_, text))
 
     def _close(self, out: list[Step]) -> None:

@@ -19,7 +19,7 @@ import contextlib
 import json
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from google.protobuf import json_format
@@ -109,6 +109,15 @@ class Final:
     logprobs: list[TokenLogprob] | None = field(default=None, repr=False)
 
 
+class ChunkSink(Protocol):
+    """Where a streamed call's plain chunks may go straight from the connection's read (``generate``'s
+    ``express``): ``ready()`` says whether it takes one now (asked before the message is read), ``take`` gets it."""
+
+    def ready(self) -> bool: ...
+
+    def take(self, chunk: Chunk) -> None: ...
+
+
 class EngineError(Exception):
     """A failed or timed-out call to a worker. ``code`` is the gRPC status (None: a protocol problem)."""
 
@@ -126,27 +135,27 @@ class _LeanCall:
     """A streamed Generate on h2_streams, read like grpc.aio's call (``read``, ``initial_metadata``, ``done``,
     ``cancel``); its CLIENT span (when this process traces) ends with the call."""
 
-    __slots__ = ("_stream", "_span", "_parse")
+    __slots__ = ("stream", "_span", "parse")
 
     def __init__(self, stream: h2_streams.Stream, span: trace.Span | None):
-        self._stream, self._span = stream, span
-        self._parse = vllm_engine_pb2.GenerateResponse.FromString
+        self.stream, self._span = stream, span
+        self.parse = vllm_engine_pb2.GenerateResponse.FromString
 
     async def read(self) -> Any:
-        message = await self._stream.read()
+        message = await self.stream.read()
         if message is None:
             self.end_span(grpc.StatusCode.OK)
             return grpc.aio.EOF
-        return self._parse(message)
+        return self.parse(message)
 
     async def initial_metadata(self) -> tuple[tuple[str, str], ...]:
-        return tuple((self._stream.initial_metadata or {}).items())
+        return tuple((self.stream.initial_metadata or {}).items())
 
     def done(self) -> bool:
-        return self._stream.done
+        return self.stream.done
 
     def cancel(self) -> None:
-        self._stream.cancel()
+        self.stream.cancel()
 
     def end_span(self, code: grpc.StatusCode) -> None:
         if self._span is not None:
@@ -199,7 +208,8 @@ class EngineClient:
                        logit_bias: Mapping[int, float] | None = None, skip_special_tokens: bool = True,
                        spaces_between_special_tokens: bool = True,
                        constraint: tuple[str, Any] | None = None,
-                       cache_salt: str | None = None, adapter: str | None = None) -> AsyncIterator[Chunk | Final]:
+                       cache_salt: str | None = None, adapter: str | None = None,
+                       express: ChunkSink | None = None) -> AsyncIterator[Chunk | Final]:
         """Yield a Chunk per streamed piece (none when ``stream`` is false) and exactly one Final last.
 
         The sampling keywords are vLLM's (``top_k`` 0: off). ``logprobs``: None, or how many of the most likely
@@ -209,6 +219,9 @@ class EngineClient:
         (then with ``skip_special_tokens``/``spaces_between_special_tokens``); the caller detokenizes the answer.
         ``cache_salt``: the prefix-cache salt of the request's tenant (None: unsalted, for direct tools).
         ``adapter``: the LoRA adapter to run under, by the name the worker registered it (None: the base model).
+        ``express``: while this iterator waits for its next item (on the lean client, once the worker confirmed the
+        call's options), the chunks that arrive go to ``express.take`` from the connection's read instead, when
+        ``express.ready()``; they are not yielded then (the Final still counts their ids).
 
         Raises EngineError on gRPC errors and timeouts. Closing or cancelling the iterator cancels the RPC (the
         server then aborts the request).
@@ -249,21 +262,49 @@ class EngineClient:
         streamed_logprobs: list[TokenLogprob] = []
         want = logprobs is not None
         final: Final | None = None
+
+        def chunk_of(c: Any) -> Chunk:
+            ids = list(c.token_ids)
+            streamed.extend(ids)
+            if not want:
+                return Chunk(ids, c.prompt_tokens, c.cached_tokens)
+            lps = _logprobs(c.output_logprobs, ids)
+            streamed_logprobs.extend(lps)
+            return Chunk(ids, c.prompt_tokens, c.cached_tokens, lps)
+
+        lane = call.stream if express is not None and isinstance(call, _LeanCall) else None
+        if lane is not None:
+            parse, ready, take = call.parse, express.ready, express.take
+
+            def expressed(message: bytes) -> bool:
+                if not ready():
+                    return False
+                response = parse(message)
+                if response.WhichOneof("response") != "chunk":
+                    return False  # read (and parsed) again in the iterator, in order
+                take(chunk_of(response.chunk))
+                return True
+
         try:
             confirmed = not metadata
             read, eof = call.read, grpc.aio.EOF
-            while (response := await read()) is not eof:  # read() direct: no generator of grpc's per message
+            while True:
+                if lane is not None and confirmed:
+                    lane.express = expressed  # only while waiting here: what was yielded is written first
+                    try:
+                        response = await read()
+                    finally:
+                        lane.express = None
+                else:
+                    response = await read()  # read() direct: no generator of grpc's per message
+                if response is eof:
+                    break
                 if not confirmed:  # the worker's initial metadata came with its first response at the latest
                     self._check_applied(dict(await call.initial_metadata() or ()), cache_salt, adapter)
                     confirmed = True
                 kind = response.WhichOneof("response")
                 if kind == "chunk":
-                    c = response.chunk
-                    ids = list(c.token_ids)
-                    lps = _logprobs(c.output_logprobs, ids) if want else None
-                    streamed.extend(ids)
-                    streamed_logprobs.extend(lps or ())
-                    yield Chunk(ids, c.prompt_tokens, c.cached_tokens, lps)
+                    yield chunk_of(response.chunk)
                 elif kind == "complete":
                     c = response.complete
                     params = None

@@ -22,7 +22,7 @@ import asyncio
 import collections
 import struct
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 import hpack
@@ -81,7 +81,7 @@ class Stream:
     message). ``cancel()`` resets the stream (the server aborts the request)."""
 
     __slots__ = ("_conn", "id", "_messages", "_buffer", "_waiter", "_error", "_ended", "initial_metadata",
-                 "_headers_done", "_unacked", "_outbound", "send_window", "_deadline")
+                 "_headers_done", "_unacked", "_outbound", "send_window", "_deadline", "express", "_raised")
 
     def __init__(self, conn: Connection, stream_id: int):
         self._conn, self.id = conn, stream_id
@@ -96,9 +96,17 @@ class Stream:
         self._outbound = b""  # request bytes the server's windows have not let out yet
         self.send_window = conn.peer_initial_window
         self._deadline: asyncio.TimerHandle | None = None
+        # Set while the reader waits: a message it takes (True) is handled in the connection's read callback and
+        # never queued; one it declines, and every later one while any is queued, is queued as usual. What it
+        # raises is raised by the next ``read`` (it is then unset).
+        self.express: Callable[[bytes], bool] | None = None
+        self._raised: BaseException | None = None
 
     async def read(self) -> bytes | None:
         while True:
+            if self._raised is not None:
+                raised, self._raised = self._raised, None
+                raise raised
             if self._messages:
                 return self._messages.popleft()
             if self._ended:
@@ -137,7 +145,7 @@ class Stream:
                     return
                 if end - offset - 5 < size:
                     break
-                self._messages.append(bytes(payload[offset + 5:offset + 5 + size]))
+                self._message(bytes(payload[offset + 5:offset + 5 + size]))
                 offset += 5 + size
             if offset < end:
                 buffer += payload[offset:]
@@ -150,10 +158,21 @@ class Stream:
                     return
                 if len(buffer) - 5 < size:
                     break
-                self._messages.append(bytes(buffer[5:5 + size]))
+                self._message(bytes(buffer[5:5 + size]))
                 del buffer[:5 + size]
-        if self._messages:
+        if self._messages or self._raised is not None:
             self._wake()
+
+    def _message(self, message: bytes) -> None:
+        express = self.express
+        if express is not None and not self._messages:
+            try:
+                if express(message):
+                    return
+            except Exception as exc:  # noqa: BLE001 - the reader's to raise, not the connection's
+                self.express, self._raised = None, exc
+                return
+        self._messages.append(message)
 
     def _headers(self, headers: list[tuple[str, str]], end_stream: bool) -> None:
         if not self._headers_done:

@@ -33,8 +33,15 @@ async def test_tiny_run_delivers_every_token_with_parsers_off_and_on(tools_model
     for r in rows:
         assert set(r) == FIELDS
         assert r["complete_streams"] == r["streams"] and r["tokens"] == 32 * r["streams"], r
-        assert r["gateway_cpu_s"] > 0 and r["tokens_per_core_s"] > 0 and r["cores_per_10k_tokens_s"] > 0, r
+        # /proc counts CPU in 10 ms ticks: a one-stream level of 32 tokens may read 0 (then no per-core rate)
+        assert r["gateway_cpu_s"] >= 0, r
+        if r["gateway_cpu_s"] > 0:
+            assert r["tokens_per_core_s"] == pytest.approx(r["tokens"] / r["gateway_cpu_s"], abs=0.1), r
+            assert r["cores_per_10k_tokens_s"] > 0, r
+        else:
+            assert r["tokens_per_core_s"] is None, r
         assert r["gateway_cpu_s"] == pytest.approx(r["gateway_user_s"] + r["gateway_sys_s"], abs=0.002), r
         assert 0 < r["itl_p50_ms"] <= r["itl_p99_ms"], r
+    assert sum(r["gateway_cpu_s"] for r in rows) > 0
     assert report["smg"]
     assert "tok/s/core" in stdout.decode()

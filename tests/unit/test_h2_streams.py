@@ -1,6 +1,8 @@
 """The lean HTTP/2 client for D's token streams (services/engine/h2_streams.py): against a real grpc.aio server on
 loopback (statuses, metadata, deadlines, cancellation, flow control of a large request, many streams at once, a lost
-server), and its frame parser fed by hand (frames split anywhere, padding, CONTINUATION, messages across frames)."""
+server), its frame parser fed by hand (frames split anywhere, padding, CONTINUATION, messages across frames), and the
+express lane (Stream.express: what it takes is never queued, what it declines is queued in order with all after it,
+what it raises the next read raises)."""
 
 from __future__ import annotations
 
@@ -293,3 +295,44 @@ async def test_the_servers_header_blocks_decode_alone_and_repeats_are_read_from_
     with pytest.raises(StreamError) as err:  # a new block (another status) is decoded, and its message read
         await read_all(await channel.call(ECHO, b"abort", [], 5))
     assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and len(decoded) == 1
+
+
+# -- the express lane (Stream.express): a waiting reader's messages taken in the read callback -------------------
+
+async def test_what_express_takes_is_never_queued(channel, server):
+    stream = await channel.call(ECHO, b"count:5", (), 5.0)
+    taken: list[bytes] = []
+    stream.express = lambda message: taken.append(message) or True
+    assert await read_all(stream) == []
+    assert taken == [b"m0", b"m1", b"m2", b"m3", b"m4", b""]
+
+
+async def test_a_declined_message_and_all_after_it_are_read_in_order(channel):
+    stream = await channel.call(ECHO, b"count:5", (), 5.0)
+    taken: list[bytes] = []
+
+    def express(message: bytes) -> bool:
+        if message == b"m2":
+            return False
+        taken.append(message)
+        return True
+
+    stream.express = express
+    first = await stream.read()  # m2 woke the reader; m3, m4 and b"" came behind it, so they were queued too
+    stream.express = None
+    assert taken == [b"m0", b"m1"] and [first, *await read_all(stream)] == [b"m2", b"m3", b"m4", b""]
+
+
+async def test_what_express_raises_the_next_read_raises(channel):
+    stream = await channel.call(ECHO, b"count:4", (), 5.0)
+
+    def express(message: bytes) -> bool:
+        if message == b"m1":
+            raise ValueError("a bug in a spelling")
+        return True
+
+    stream.express = express
+    with pytest.raises(ValueError, match="a bug in a spelling"):
+        await stream.read()
+    assert stream.express is None
+    assert await read_all(stream) == [b"m2", b"m3", b""]  # nothing lost after it, nothing taken twice

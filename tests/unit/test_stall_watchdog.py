@@ -1,7 +1,7 @@
 """The decode stream's stall watchdog (services/gateway/turns/decode.py): a decode stream silent for
 ``decode_stall_timeout_s`` fails the turn with DEADLINE_EXCEEDED as ``asyncio.wait_for`` per token did, time the
 consumer spends between tokens never counts, a cancellation from elsewhere stays a cancellation, and a stream costs
-one timer per timeout period, not one per token."""
+one timer per timeout period, not one per token; chunks the express lane takes while the stream waits keep it quiet."""
 
 from __future__ import annotations
 
@@ -119,3 +119,47 @@ async def test_the_timer_re_arms_at_the_current_wait_s_deadline():
     assert not dog.stalled() and asyncio.current_task().cancelling() == 0
     dog.close()
     assert dog._handle is None
+
+
+class ExpressEngine:
+    """``generate`` yields item 0, then (while its reader waits) hands items 1..n to ``express.take`` from loop
+    callbacks ``gap_s`` apart, as the connection's reads would; then it goes silent."""
+
+    def __init__(self, n: int, gap_s: float):
+        self.n, self.gap_s, self.closed = n, gap_s, False
+
+    async def generate(self, request_id, prompt, *, stream=True, express=None, **kwargs):
+        loop = asyncio.get_running_loop()
+        try:
+            yield 0
+            for i in range(1, self.n + 1):
+                loop.call_later(i * self.gap_s, lambda i=i: express.ready() and express.take(i))
+            await asyncio.sleep(3600)
+        finally:
+            self.closed = True
+
+
+class Sink:
+    def __init__(self):
+        self.taken: list[int] = []
+
+    def ready(self) -> bool:
+        return True
+
+    def take(self, chunk) -> None:
+        self.taken.append(chunk)
+
+
+async def test_chunks_taken_by_express_keep_the_stall_watchdog_quiet_until_they_stop():
+    engine, sink = ExpressEngine(6, gap_s=0.05), Sink()
+    loop = asyncio.get_running_loop()
+    got = []
+    started = loop.time()
+    with pytest.raises(EngineError) as err:
+        async for item in stream_tokens(types.SimpleNamespace(decode_stall_timeout_s=0.12), engine, "r", [1],
+                                        trace.INVALID_SPAN, express=sink):
+            got.append(item)
+    # 0.3 s of express chunks against a 0.12 s stall timeout: the timeout runs from the last of them
+    assert got == [0] and sink.taken == [1, 2, 3, 4, 5, 6]
+    assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and 0.4 <= loop.time() - started < 1.5
+    assert engine.closed

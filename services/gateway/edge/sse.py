@@ -17,6 +17,7 @@ from typing import Any
 
 from kvshuttle.services.gateway.edge.http_tracing import SERVER_SEND
 from kvshuttle.services.gateway.turns import TurnContext, TurnError
+from kvshuttle.services.gateway.turns.context import ExpressLane
 from kvshuttle.services.gateway.turns.reply import kv_headers
 from starlette.responses import Response
 
@@ -39,7 +40,8 @@ def stream_headers(turn: TurnContext, **extra: str) -> dict[str, str]:
 def stream_response(frames: AsyncIterator[bytes], turn: TurnContext, error_tail: ErrorTail,
                     **headers: str) -> EventStream:
     """The turn's event stream: ``frames``, ended by ``error_tail`` when they fail."""
-    return EventStream(frames, turn.id, error_tail, stream_headers(turn, **headers))
+    return EventStream(frames, turn.id, error_tail, stream_headers(turn, **headers),
+                       getattr(turn, "express", None))
 
 
 class _PumpState:
@@ -59,8 +61,9 @@ class EventStream(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, frames: AsyncIterator[bytes], turn_id: str, error_tail: ErrorTail, headers: Mapping[str, str]):
-        self.frames, self.turn_id, self.error_tail = frames, turn_id, error_tail
+    def __init__(self, frames: AsyncIterator[bytes], turn_id: str, error_tail: ErrorTail, headers: Mapping[str, str],
+                 lane: ExpressLane | None = None):
+        self.frames, self.turn_id, self.error_tail, self.lane = frames, turn_id, error_tail, lane
         self.status_code, self.background = 200, None
         self.init_headers(headers)
 
@@ -89,11 +92,23 @@ class EventStream(Response):
     async def _pump(self, body, state: _PumpState) -> None:
         frames, task = self.frames, asyncio.current_task()
         assert task is not None
+        writer = ChunkWriter.of(body)
+        lane = self.lane
+        if writer is not None and lane is not None:  # D's plain tokens may be written from their read
+            lane.ready, lane.write = writer.ready, writer.put
         try:
             tail: Iterable[bytes] = ()
             try:
-                async for chunk in frames:
-                    await body({"type": "http.response.body", "body": chunk, "more_body": True})
+                if writer is not None:
+                    ready, put = writer.ready, writer.put
+                    async for chunk in frames:
+                        if ready():
+                            put(chunk)
+                        else:  # the server's transport is paused (or the client gone): its send waits (or drops)
+                            await body({"type": "http.response.body", "body": chunk, "more_body": True})
+                else:
+                    async for chunk in frames:
+                        await body({"type": "http.response.body", "body": chunk, "more_body": True})
             except TurnError as exc:
                 log.warning("stream of turn %s failed: %s", self.turn_id, exc.message)
                 tail = self.error_tail(exc.http_status, exc.message)
@@ -108,4 +123,41 @@ class EventStream(Response):
             log.info("turn %s: the client went away mid-stream", self.turn_id)
         finally:
             state.streaming = False
+            if lane is not None:
+                lane.ready = lane.write = None
             await frames.aclose()
+
+
+class ChunkWriter:
+    """A chunked response's body chunks written straight to uvicorn's httptools transport (``send``: its
+    RequestResponseCycle's own send, once the response has started), framed as that send frames them
+    (``b"%x\\r\\n" chunk "\\r\\n"``), with no ASGI message and coroutine per chunk. ``of`` is None for any other
+    server or response (h11, a HEAD, a length-delimited body): the ASGI send then writes every chunk."""
+
+    __slots__ = ("_cycle", "_flow", "_transport")
+
+    def __init__(self, cycle: Any):
+        self._cycle, self._flow, self._transport = cycle, cycle.flow, cycle.transport
+
+    @classmethod
+    def of(cls, send: Any) -> ChunkWriter | None:
+        cycle = getattr(send, "__self__", None)
+        if (type(cycle).__module__ != "uvicorn.protocols.http.httptools_impl"
+                or getattr(cycle, "chunked_encoding", None) is not True
+                or not getattr(cycle, "response_started", False) or getattr(cycle, "response_complete", True)
+                or cycle.scope.get("method") == "HEAD" or not hasattr(cycle, "flow")
+                or not hasattr(cycle, "transport")):
+            return None
+        return cls(cycle)
+
+    def ready(self) -> bool:
+        """Whether a chunk may be written now: the transport is not paused and the client is still there (else the
+        ASGI send must take it: it waits for the transport to drain, or drops what a gone client would get)."""
+        cycle = self._cycle
+        return not (self._flow.write_paused or cycle.disconnected or cycle.response_complete)
+
+    def put(self, chunk: bytes) -> None:
+        """Write ``chunk`` (a chunk that follows one ``ready`` allowed: a paused transport buffers it)."""
+        cycle = self._cycle
+        if chunk and not (cycle.disconnected or cycle.response_complete):
+            self._transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -104,6 +104,31 @@ class TurnContext:
     # parse stage
     held_events: list[Event] = field(default_factory=list)  # what the parser held back until the answer ended
     answer_events: list[Event] = field(default_factory=list)  # every event of the answer, in order
+    # the answer's way out for D's plain tokens, when the front end opens it (ExpressLane)
+    express: ExpressLane = field(default_factory=lambda: ExpressLane())
+
+
+class ExpressLane:
+    """D's plain tokens written from the read that brought them, with no task woken for them.
+
+    A token normally climbs the turn's async generators (the engine call, the decode stage, the runner, the API's
+    spelling) in the stream's task, woken by the connection's read. While that chain waits at D's stream for the
+    next message, a lane lets the same steps run in the connection's read callback instead: the API's front end sets
+    ``spell`` (a Delta, parsed, to the frames it writes), the HTTP response sets ``ready`` (whether its transport
+    takes a write now) and ``write``. Each stage's step is the same function its generator calls, so the two ways
+    say the same bytes. Anything else (the first message, D's final message, an error, a paused transport) goes
+    the usual way, in order (turns/decode.py, services/engine/h2_streams.py)."""
+
+    __slots__ = ("spell", "ready", "write")
+
+    def __init__(self) -> None:
+        self.spell: Callable[[Delta], Iterable[bytes]] | None = None
+        self.ready: Callable[[], bool] | None = None
+        self.write: Callable[[bytes], None] | None = None
+
+    @property
+    def open(self) -> bool:
+        return self.spell is not None and self.ready is not None and self.write is not None
 
 
 @dataclass

@@ -12,12 +12,12 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
 from kvshuttle.services.common import metrics
-from kvshuttle.services.engine.client import EngineClient, EngineError, Final, TokenLogprob
+from kvshuttle.services.engine.client import Chunk, ChunkSink, EngineClient, EngineError, Final, TokenLogprob
 from kvshuttle.services.gateway.tokens.detokenizer import IncrementalText
 from kvshuttle.services.gateway.turns.context import Delta, TurnContext, elapsed_ms
 from kvshuttle.services.gateway.turns.errors import DecodeFailed, TurnError
@@ -60,9 +60,29 @@ class Decoding:
         self.d_prompt, self.d_max_tokens, self.done_at_first = ctx.prompt_ids, ctx.request.max_tokens, ""
         self.attempt = 0  # how many decode workers failed in this turn
         self.before = 0  # len(output) when the current D started
+        self.stream_started = 0.0
+        # The express lane (context.ExpressLane), when the runner opens it: whether its way out takes a write now,
+        # and where a chunk's delta goes from the connection's read.
+        self._ready: Callable[[], bool] | None = None
+        self._deliver: Callable[[Delta], None] | None = None
+
+    def open_express(self, ready: Callable[[], bool], deliver: Callable[[Delta], None]) -> None:
+        """D's plain chunks may skip the iterator: ``deliver`` gets their deltas while ``ready()`` (ChunkSink)."""
+        self._ready, self._deliver = ready, deliver
+
+    def ready(self) -> bool:
+        return self._ready is not None and self._ready()
+
+    def take(self, chunk: Chunk) -> None:
+        delta = self._take(chunk)
+        if delta is not None and self._deliver is not None:
+            self._deliver(delta)
 
     def _detokenize(self, ids: Sequence[int]) -> str:
-        return self.detok.add([i for i in ids if i not in self.ctx.hidden])
+        hidden = self.ctx.hidden
+        if len(ids) == 1:  # the usual chunk: one token
+            return "" if ids[0] in hidden else self.detok.add(ids)
+        return self.detok.add([i for i in ids if i not in hidden])
 
     async def first(self) -> AsyncIterator[Delta]:
         """P's token as the answer's first: the client gets it now, D continues after it."""
@@ -88,13 +108,13 @@ class Decoding:
     async def stream(self) -> AsyncIterator[Delta]:
         """D's tokens as text deltas, from the D the turn's plan names. DecodeFailed when D fails mid-answer."""
         rt, ctx, req = self.rt, self.ctx, self.ctx.request
-        output, output_lps = ctx.output_ids, ctx.output_logprobs
+        output = ctx.output_ids
         engine = rt.engine(ctx.plan.decode)
         self.before = before = len(output)
         done_at_first = self.done_at_first
         span = tracer.start_span("decode", context=trace.set_span_in_context(ctx.span),
                                  attributes={"kvshuttle.worker": ctx.plan.decode.worker_id})
-        stream_started = time.perf_counter()
+        self.stream_started = time.perf_counter()
         try:
             # When the answer already ended at P's token, D still runs one step: it reads the prompt's KV
             # (releasing P's blocks) and keeps prompt + first token for the next turn; its token is dropped.
@@ -103,25 +123,14 @@ class Decoding:
                     min_tokens=0 if done_at_first else min(max(req.min_tokens - len(output), 0), self.d_max_tokens),
                     stop=req.stop, kv_transfer_params=ctx.decode_params, cache_salt=rt.cache_salt(req.tenant),
                     **req.engine_sampling(),
-                    constraint=(req.constraint.kind, req.constraint.value) if req.constraint else None):
+                    constraint=(req.constraint.kind, req.constraint.value) if req.constraint else None,
+                    express=self if self._deliver is not None and not done_at_first else None):
                 if isinstance(item, Final):
                     self.final = item
                     break
-                if not item.token_ids or done_at_first:
-                    continue
-                if not output:
-                    ctx.timings["ttft_ms"] = elapsed_ms(ctx.started)
-                    if ctx.kv.decision == "local":  # D's prefill: what the scheduler's cost model learns
-                        ctx.timings["prefill_ms"] = elapsed_ms(stream_started)
-                output.extend(item.token_ids)
-                self.pending.extend(item.token_ids)
-                output_lps.extend(item.logprobs or ())
-                self.pending_lps.extend(item.logprobs or ())
-                piece = self._detokenize(item.token_ids)
-                if not piece:
-                    continue
-                yield Delta(piece, self.pending, self.pending_lps or None)
-                self.pending, self.pending_lps = [], []
+                delta = self._take(item)
+                if delta is not None:
+                    yield delta
         except EngineError as exc:
             span.record_exception(exc)
             span.set_status(trace.StatusCode.ERROR, str(exc))
@@ -140,6 +149,29 @@ class Decoding:
         finally:
             span.set_attribute("kvshuttle.generated_tokens", len(output) - before)
             span.end()
+
+    def _take(self, item: Chunk) -> Delta | None:
+        """One of D's chunks into the answer: its delta, or None while it adds no text (held back, hidden)."""
+        if not item.token_ids or self.done_at_first:
+            return None
+        ctx = self.ctx
+        output = ctx.output_ids
+        if not output:
+            ctx.timings["ttft_ms"] = elapsed_ms(ctx.started)
+            if ctx.kv.decision == "local":  # D's prefill: what the scheduler's cost model learns
+                ctx.timings["prefill_ms"] = elapsed_ms(self.stream_started)
+        ids, lps = item.token_ids, item.logprobs
+        output.extend(ids)
+        self.pending.extend(ids)
+        if lps:
+            ctx.output_logprobs.extend(lps)
+            self.pending_lps.extend(lps)
+        piece = self._detokenize(ids)
+        if not piece:
+            return None
+        delta = Delta(piece, self.pending, self.pending_lps or None)
+        self.pending, self.pending_lps = [], []
+        return delta
 
     def resumed(self, d_prompt: list[int]) -> None:
         """The runner moved the turn to a new D (``ctx.plan``, ``ctx.decode_params``) whose prompt is ``d_prompt``
@@ -204,13 +236,18 @@ class StallWatchdog:
     def waiting(self) -> None:
         """The current task starts waiting for the next item (call right before the await)."""
         self._since = now = self._loop.time()
-        self._task = asyncio.current_task()
+        self._task = asyncio.current_task(self._loop)  # the loop given: no get_running_loop (a getpid on 3.11)
         if self._handle is None:
             self._handle = self._loop.call_at(now + self.timeout_s, self._check)
 
     def done(self) -> None:
         """The wait is over (an item, the end, an error)."""
         self._since = None
+
+    def progress(self) -> None:
+        """An item came while the task waits (taken elsewhere: the express lane): the wait starts again."""
+        if self._since is not None:
+            self._since = self._loop.time()
 
     def _check(self) -> None:
         self._handle = None
@@ -240,11 +277,14 @@ class StallWatchdog:
 
 
 async def stream_tokens(rt: TurnServices, engine: EngineClient, request_id: str, prompt: list[int], span,
-                        **kwargs: Any) -> AsyncIterator[Any]:
-    """D's stream, each item awaited at most ``decode_stall_timeout_s`` (a hung worker fails like a dead one).
-    The call is made with ``span`` current (its client span is a child), which is never current across a yield."""
-    stream = engine.generate(request_id, prompt, stream=True, **kwargs).__aiter__()
+                        express: ChunkSink | None = None, **kwargs: Any) -> AsyncIterator[Any]:
+    """D's stream, each item awaited at most ``decode_stall_timeout_s`` (a hung worker fails like a dead one; a
+    chunk taken by ``express`` counts as an item). The call is made with ``span`` current (its client span is a
+    child), which is never current across a yield."""
     watchdog = StallWatchdog(rt.decode_stall_timeout_s)
+    if express is not None:
+        express = _Watched(express, watchdog)
+    stream = engine.generate(request_id, prompt, stream=True, express=express, **kwargs).__aiter__()
     # The call starts in the first read: only that one needs ``span`` current (trace.use_span without its context
     # manager's cost); the later reads are the same call's.
     token = otel_context.attach(trace.set_span_in_context(span))
@@ -269,3 +309,16 @@ async def stream_tokens(rt: TurnServices, engine: EngineClient, request_id: str,
     finally:
         watchdog.close()
         await stream.aclose()
+
+
+class _Watched:
+    """A ChunkSink whose every chunk also tells the stall watchdog that D is alive."""
+
+    __slots__ = ("ready", "_take", "_progress")
+
+    def __init__(self, sink: ChunkSink, watchdog: StallWatchdog):
+        self.ready, self._take, self._progress = sink.ready, sink.take, watchdog.progress
+
+    def take(self, chunk: Chunk) -> None:
+        self._progress()
+        self._take(chunk)

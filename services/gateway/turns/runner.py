@@ -238,6 +238,15 @@ class TurnRunner:
         answered = False
         try:
             parse, decode = parsing.Parsing(turn), decoding.Decoding(self, turn)
+            lane = turn.express
+            if lane.open:  # the API's front end and its response opened it: D's plain chunks may skip the iterators
+                spell, write, feed = lane.spell, lane.write, parse.feed
+
+                def deliver(delta: Delta) -> None:
+                    for frame in spell(feed(delta)):
+                        write(frame)
+
+                decode.open_express(lane.ready, deliver)
             async for delta in decode.first():
                 yield parse.feed(delta)
             while True:  # the decode stage, resumed on another D each time one fails mid-answer

@@ -91,26 +91,38 @@ async def stream(runner: TurnRunner, turn: TurnContext, model: str, include_usag
                                           **({"logprobs": logprobs} if logprobs else {}),
                                           **({"token_ids": token_ids} if ids and token_ids is not None else {})}]})
 
+    sent_prompt = False
+
+    def spell(event: Delta) -> list[bytes]:
+        """A delta's chunks (the express lane's too: context.ExpressLane)."""
+        nonlocal sent_prompt
+        if not shape.chat:
+            choice = shape.choice(event.text, None, lps.completion(event.logprobs) if lps else None)
+            frame = _sse({**base, "choices": [{**choice, **({"token_ids": event.token_ids} if ids else {})}],
+                          **({"prompt_token_ids": list(turn.prompt_ids)} if ids and not sent_prompt else {})})
+            sent_prompt = True
+            return [frame]
+        # The delta's token logprobs and ids go with its first chunk (on an empty delta when the parser holds the
+        # text).
+        logprobs = lps.chat(event.logprobs) if lps and event.logprobs else None
+        token_ids = list(event.token_ids) if ids else None
+        frames = []
+        for delta in answer.deltas(event.events) or ([{}] if logprobs or token_ids else []):
+            frames.append(chunk(delta, logprobs=logprobs, token_ids=token_ids))
+            logprobs, token_ids = None, []
+        return frames
+
     if shape.chat:
         first = {"role": "assistant", "content": ""}
         yield _sse({**base, "choices": [{"index": 0, "delta": first, "finish_reason": None}],
                     **({"prompt_token_ids": list(turn.prompt_ids)} if ids else {})})
-    sent_prompt = False
+    lane = getattr(turn, "express", None)
+    if lane is not None:
+        lane.spell = spell
     async for event in runner.decode(turn):
         if isinstance(event, Delta):
-            if not shape.chat:
-                choice = shape.choice(event.text, None, lps.completion(event.logprobs) if lps else None)
-                yield _sse({**base, "choices": [{**choice, **({"token_ids": event.token_ids} if ids else {})}],
-                            **({"prompt_token_ids": list(turn.prompt_ids)} if ids and not sent_prompt else {})})
-                sent_prompt = True
-                continue
-            # The delta's token logprobs and ids go with its first chunk (on an empty delta when the parser holds the
-            # text).
-            logprobs = lps.chat(event.logprobs) if lps and event.logprobs else None
-            token_ids = list(event.token_ids) if ids else None
-            for delta in answer.deltas(event.events) or ([{}] if logprobs or token_ids else []):
-                yield chunk(delta, logprobs=logprobs, token_ids=token_ids)
-                logprobs, token_ids = None, []
+            for frame in spell(event):
+                yield frame
         else:
             if shape.chat:
                 for delta in answer.finish_deltas(event.events):

@@ -1,0 +1,64 @@
+"""The express lane end to end (services/gateway/turns/context.ExpressLane): a streamed chat's tokens after D's first
+are spelled and written from the read that brought them, and the stream says what the same turn says whole (text,
+finish, usage), chunk for chunk as the usual path spells it. Real registry, scheduler and gateway on loopback (uvicorn
+with httptools, as served), fake engines speaking vLLM's gRPC API."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import httpx
+from kvshuttle.services.gateway.server import GatewayConfig, GatewayService
+from kvshuttle.services.gateway.turns import decode as decoding
+from kvshuttle.services.registry.server import RegistryConfig, serve
+from kvshuttle.services.scheduler.server import SchedulerConfig, SchedulerService
+from kvshuttle.v1 import common_pb2
+
+from tests.support.traced_stack import fake_pair, stop_all
+from tests.support.waits import until
+
+
+async def test_a_streamed_chat_goes_by_the_express_lane_and_says_what_the_whole_answer_says(etcd, model_dir,
+                                                                                            monkeypatch):
+    taken = []
+    take = decoding.Decoding.take
+    monkeypatch.setattr(decoding.Decoding, "take", lambda self, chunk: taken.append(chunk) or take(self, chunk))
+    prefix = f"/express-{uuid.uuid4().hex[:6]}/"
+    registry = await serve(RegistryConfig(listen="127.0.0.1:0", etcd_endpoints=etcd, key_prefix=prefix))
+    scheduler = SchedulerService(SchedulerConfig(listen="127.0.0.1:0", registry=registry.address, key_prefix=prefix,
+                                                 load_poll_interval_s=0, policy="threshold"))
+    await scheduler.start()
+    p, d = await fake_pair(registry.address)
+    d.engine.token_delay_s = 0.005  # each chunk arrives while the turn waits for it
+    await until(lambda: scheduler.workers.by_role(common_pb2.WORKER_ROLE_PREFILL) and scheduler.workers.by_role(
+        common_pb2.WORKER_ROLE_DECODE), what="the scheduler's view of both workers")
+    gateway = GatewayService(GatewayConfig(http_listen="127.0.0.1:0", grpc_listen="127.0.0.1:0",
+                                           registry=registry.address, scheduler=scheduler.address,
+                                           model_dir=str(model_dir), max_model_len=2048))
+    await gateway.start()
+    try:
+        async with httpx.AsyncClient(base_url=f"http://{gateway.http_address}", timeout=30) as client:
+            body = {"messages": [{"role": "user", "content": "Count for me."}], "max_tokens": 40}
+            chunks = []
+            async with client.stream("POST", "/v1/chat/completions",
+                                     json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        chunks.append(json.loads(line[6:]))
+            streamed = taken[:]
+            whole = (await client.post("/v1/chat/completions", json=body)).json()
+
+        # P's token, then D's first chunk (it confirms the call's options) come the usual way; the rest by the lane
+        assert len(streamed) >= 30, len(streamed)
+        assert len(taken) == len(streamed)  # a whole answer never opens it
+        content = [c["choices"][0]["delta"].get("content") for c in chunks if c["choices"]]
+        assert content[0] == "" and all(isinstance(t, str) for t in content[1:-1])
+        assert "".join(t for t in content if t) == whole["choices"][0]["message"]["content"]
+        assert chunks[-2]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"] == "length"
+        assert chunks[-1]["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"] == 40
+        ids = {c["id"] for c in chunks}
+        assert len(ids) == 1 and all(c["object"] == "chat.completion.chunk" for c in chunks)
+    finally:
+        await stop_all(gateway, scheduler, registry, (p, d))
