@@ -76,7 +76,8 @@ class AnswerParser:
                 if text:
                     out.append(Piece(kind, text))
                 continue
-            out.extend(item if isinstance(item, ParsedCall) else Piece(CONTENT, item) for item in tools.feed(text))
+            for item in tools.feed(text):
+                out.append(item if isinstance(item, ParsedCall) else Piece(CONTENT, item))
         if final and tools is not None:
             out.extend(item if isinstance(item, ParsedCall) else Piece(CONTENT, item) for item in tools.finish())
         return out

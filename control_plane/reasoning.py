@@ -22,7 +22,7 @@ which answer.AnswerParser parses with control_plane/tool_calls/harmony.py (reaso
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -90,7 +90,12 @@ class ReasoningSplitter:
         # "start": the answer's first characters decide; "reasoning": inside the block; "content": after it.
         self._state = REASONING if tags.opens_in_prompt(prompt_text) else "start"
 
-    def feed(self, text: str) -> Iterator[tuple[str, str]]:
+    def feed(self, text: str) -> Iterable[tuple[str, str]]:
+        if self._state == CONTENT and not self._held:  # after the reasoning: per streamed token, no generator
+            return [(CONTENT, text)] if text else []
+        return self._feed(text)
+
+    def _feed(self, text: str) -> Iterator[tuple[str, str]]:
         self._held += text
         while self._held:
             if self._state == "start":

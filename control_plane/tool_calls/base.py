@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -25,8 +25,9 @@ class ToolCallParser(Protocol):
 
     calls: int
 
-    def feed(self, text: str) -> Iterator[Item]:
-        """The content pieces and finished calls that the next piece of the answer decides."""
+    def feed(self, text: str) -> Iterable[Item]:
+        """The content pieces and finished calls that the next piece of the answer decides (iterated once, per
+        streamed token: a parser may answer plain text with a list, no generator)."""
         ...
 
     def finish(self) -> Iterator[Item]:

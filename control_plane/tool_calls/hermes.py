@@ -10,7 +10,7 @@ calls joined by a newline), so an echoed call re-renders to the text the model w
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from kvshuttle.control_plane.tool_calls.base import Family, Item, ParsedCall, Tools
 from kvshuttle.control_plane.tool_calls.forced import CallSyntax
@@ -44,7 +44,12 @@ class HermesParser:
         self._called = False  # a call has started: later text outside calls is not content
         self.calls = 0
 
-    def feed(self, text: str) -> Iterator[Item]:
+    def feed(self, text: str) -> Iterable[Item]:
+        if not self._held and not self._in_call and "<" not in text:  # plain text: per streamed token, no generator
+            return [] if self._called or not text else [text]
+        return self._feed(text)
+
+    def _feed(self, text: str) -> Iterator[Item]:
         self._held += text
         while self._held:
             if self._in_call:

@@ -441,14 +441,16 @@ class Connection(asyncio.Protocol):
         if len(block) > self.peer_max_frame:
             raise StreamError(grpc.StatusCode.INTERNAL, "the request's metadata is too large")
         self.streams[stream.id] = stream
-        self._write(_frame(HEADERS, END_HEADERS, stream.id, block))
         stream._outbound = len(message).to_bytes(5, "big") + message  # flag 0 (not compressed) + length
-        self._send_body(stream)
+        out = [_frame(HEADERS, END_HEADERS, stream.id, block)]
+        self._send_body(stream, out)
+        self._write(b"".join(out))  # the headers and what the windows let out of the body: one write
         stream._deadline = self.loop.call_later(timeout_s, self._expire, stream, timeout_s)
         return stream
 
-    def _send_body(self, stream: Stream) -> None:
-        """As much of the request's body as the windows allow; the rest waits for WINDOW_UPDATE or SETTINGS."""
+    def _send_body(self, stream: Stream, out: list[bytes] | None = None) -> None:
+        """As much of the request's body as the windows allow (its frames written, or added to ``out``); the rest
+        waits for WINDOW_UPDATE or SETTINGS."""
         data = stream._outbound
         while data:
             room = min(self.send_window, stream.send_window, self.peer_max_frame)
@@ -459,7 +461,11 @@ class Connection(asyncio.Protocol):
             piece, data = data[:room], data[room:]
             self.send_window -= len(piece)
             stream.send_window -= len(piece)
-            self._write(_frame(DATA, 0 if data else END_STREAM, stream.id, piece))
+            frame = _frame(DATA, 0 if data else END_STREAM, stream.id, piece)
+            if out is not None:
+                out.append(frame)
+            else:
+                self._write(frame)
         stream._outbound = data
 
     def _flush_blocked(self) -> None:

@@ -1,6 +1,6 @@
 """The express lane end to end (services/gateway/turns/context.ExpressLane): a streamed chat's tokens after D's first
 are spelled and written from the read that brought them, and the stream says what the same turn says whole (text,
-finish, usage), chunk for chunk as the usual path spells it. Real registry, scheduler and gateway on loopback (uvicorn
+finish, usage), chunk for chunk as the usual path spells it; in chat, Anthropic's Messages and the Responses API. Real registry, scheduler and gateway on loopback (uvicorn
 with httptools, as served), fake engines speaking vLLM's gRPC API."""
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ from tests.support.traced_stack import fake_pair, stop_all
 from tests.support.waits import until
 
 
-async def test_a_streamed_chat_goes_by_the_express_lane_and_says_what_the_whole_answer_says(etcd, model_dir,
-                                                                                            monkeypatch):
+async def test_streamed_answers_go_by_the_express_lane_and_say_what_whole_answers_say(etcd, model_dir, monkeypatch):
     taken = []
     take = decoding.Decoding.take
     monkeypatch.setattr(decoding.Decoding, "take", lambda self, chunk: taken.append(chunk) or take(self, chunk))
@@ -60,5 +59,27 @@ async def test_a_streamed_chat_goes_by_the_express_lane_and_says_what_the_whole_
         assert chunks[-1]["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"] == 40
         ids = {c["id"] for c in chunks}
         assert len(ids) == 1 and all(c["object"] == "chat.completion.chunk" for c in chunks)
+
+        # Anthropic's Messages and the Responses API open it too, and say what their whole answers say
+        async with httpx.AsyncClient(base_url=f"http://{gateway.http_address}", timeout=30) as client:
+            model = (await client.get("/v1/models")).json()["data"][0]["id"]
+            for path, body, text_of, whole_text in (
+                    ("/v1/messages", {"model": model, "max_tokens": 40, "messages": body["messages"]},
+                     lambda e: e.get("delta", {}).get("text", "") if e.get("type") == "content_block_delta" else "",
+                     lambda w: "".join(b.get("text", "") for b in w["content"])),
+                    ("/v1/responses", {"model": model, "max_output_tokens": 40, "input": "Count for me."},
+                     lambda e: e.get("delta", "") if e.get("type") == "response.output_text.delta" else "",
+                     lambda w: "".join(c["text"] for item in w["output"] for c in item.get("content") or ()
+                                       if c.get("type") == "output_text"))):
+                before, pieces = len(taken), []
+                async with client.stream("POST", path, json={**body, "stream": True}) as r:
+                    assert r.status_code == 200, path
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            pieces.append(text_of(json.loads(line[6:])))
+                expressed = len(taken) - before
+                whole = (await client.post(path, json=body)).json()
+                assert expressed >= 30, (path, expressed)
+                assert "".join(pieces) == whole_text(whole) != "", path
     finally:
         await stop_all(gateway, scheduler, registry, (p, d))

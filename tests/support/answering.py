@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import grpc
 from kvshuttle.services.gateway.turns import Delta, Finished, KvOutcome, TurnError, TurnRequest
+from kvshuttle.services.gateway.turns.context import ExpressLane
 from kvshuttle.services.gateway.turns.parsers import AnswerEvents
 
 PROMPT_TOKENS, COMPUTED_TOKENS, OUTPUT_IDS = 40, 10, list(range(7))
@@ -37,6 +38,7 @@ class AnsweredTurn:
     prompt_ids: list[int] = field(default_factory=lambda: list(range(PROMPT_TOKENS)))
     kv: KvOutcome = field(default_factory=lambda: KvOutcome("pull", "pulled", pulled_tokens=30,
                                                             computed_tokens=COMPUTED_TOKENS))
+    express: ExpressLane = field(default_factory=ExpressLane)
 
 
 class AnsweringRunner:

@@ -12,6 +12,7 @@ from kvshuttle.control_plane import kv_params
 from kvshuttle.control_plane.continuation import text_key
 from kvshuttle.services.engine.client import Chunk, EngineClient, EngineError, Final, TokenLogprob
 from kvshuttle.services.gateway.turns import Delta, Finished, KvOutcome, TurnError, TurnRequest, TurnRunner
+from kvshuttle.services.gateway.turns.context import ExpressLane
 from kvshuttle.services.gateway.turns.parsers import AnswerEvents
 from kvshuttle.services.scheduler.servicer import prompt_of
 from kvshuttle.v1 import common_pb2, registry_pb2, scheduler_pb2
@@ -266,6 +267,7 @@ class AnsweredTurn:
     prompt_text: str = "<prompt>"
     prompt_ids: list[int] = field(default_factory=lambda: [5, 6, 7])
     kv: KvOutcome = field(default_factory=lambda: KvOutcome("pull", "pulled", pulled_tokens=30, computed_tokens=10))
+    express: ExpressLane = field(default_factory=ExpressLane)
 
 
 class AnsweringRunner:

@@ -40,8 +40,7 @@ def stream_headers(turn: TurnContext, **extra: str) -> dict[str, str]:
 def stream_response(frames: AsyncIterator[bytes], turn: TurnContext, error_tail: ErrorTail,
                     **headers: str) -> EventStream:
     """The turn's event stream: ``frames``, ended by ``error_tail`` when they fail."""
-    return EventStream(frames, turn.id, error_tail, stream_headers(turn, **headers),
-                       getattr(turn, "express", None))
+    return EventStream(frames, turn.id, error_tail, stream_headers(turn, **headers), turn.express)
 
 
 class _PumpState:

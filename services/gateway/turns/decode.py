@@ -4,6 +4,11 @@ the stream goes on.
 
 One text for the stream, the whole answer and the record: the concatenation of the streamed pieces (an incremental
 detokenizer holds back unfinished characters).
+
+A chunk takes one of two ways, through the same step (``Decoding._take``): yielded up the turn's iterators, or, while
+they wait for D's next message and the front end opened the turn's express lane (context.ExpressLane), handed to
+``Decoding.take`` from the connection's read, which delivers its delta to the runner's parse and the API's spelling
+and writes it out there.
 """
 
 from __future__ import annotations

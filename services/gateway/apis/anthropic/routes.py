@@ -188,10 +188,15 @@ async def _stream(runner: TurnRunner, turn: TurnContext, model: str, blocks: Con
     yield _sse("message_start", {"type": "message_start", "message": {
         "id": f"msg_{turn.id}", "type": "message", "role": "assistant", "model": model, "content": [],
         "stop_reason": None, "stop_sequence": None, "usage": usage(Usage.at(len(turn.prompt_ids), 0, turn.kv))}})
+
+    def spell(event: Delta) -> list[bytes]:  # a delta's events (the express lane's too: context.ExpressLane)
+        return [_sse(kind, payload) for kind, payload in blocks.feed(event.events)]
+
+    turn.express.spell = spell
     async for event in runner.decode(turn):
         if isinstance(event, Delta):
-            for kind, payload in blocks.feed(event.events):
-                yield _sse(kind, payload)
+            for frame in spell(event):
+                yield frame
             continue
         for kind, payload in blocks.finish(event.events):
             yield _sse(kind, payload)

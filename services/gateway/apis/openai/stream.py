@@ -116,9 +116,7 @@ async def stream(runner: TurnRunner, turn: TurnContext, model: str, include_usag
         first = {"role": "assistant", "content": ""}
         yield _sse({**base, "choices": [{"index": 0, "delta": first, "finish_reason": None}],
                     **({"prompt_token_ids": list(turn.prompt_ids)} if ids else {})})
-    lane = getattr(turn, "express", None)
-    if lane is not None:
-        lane.spell = spell
+    turn.express.spell = spell
     async for event in runner.decode(turn):
         if isinstance(event, Delta):
             for frame in spell(event):

@@ -185,10 +185,15 @@ async def _stream(runner: TurnRunner, turn: TurnContext, builder: OutputBuilder,
                   finished: Callable[[Finished], Any]) -> AsyncIterator[bytes]:
     for event in builder.start(response):
         yield _sse(event)
+
+    def spell(delta: Delta) -> list[bytes]:  # a delta's events (the express lane's too: context.ExpressLane)
+        return [_sse(event) for event in builder.feed(delta.events)]
+
+    turn.express.spell = spell
     async for item in runner.decode(turn):
         if isinstance(item, Delta):
-            for event in builder.feed(item.events):
-                yield _sse(event)
+            for frame in spell(item):
+                yield frame
         elif isinstance(item, Finished):
             for event in builder.finish(item.events):
                 yield _sse(event)
