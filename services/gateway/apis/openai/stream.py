@@ -4,10 +4,10 @@ asked, ``[DONE]``; OpenAI's error object then ``[DONE]`` when the turn fails mid
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii  # type: ignore[attr-defined]
 from typing import Any
 
 from kvshuttle.services.engine.client import TokenLogprob
@@ -17,6 +17,11 @@ from kvshuttle.services.gateway.edge.api_errors import error_body
 from kvshuttle.services.gateway.edge.sse import frame as _sse
 from kvshuttle.services.gateway.turns import Delta, TurnContext, TurnRunner
 from kvshuttle.services.gateway.turns.reply import Usage, kv_body
+
+
+def _json_string(text: str) -> bytes:
+    """``text`` as a JSON string, as ``json.dumps`` writes it (ASCII, escaped), without its Python frames."""
+    return encode_basestring_ascii(text).encode()
 
 
 def usage(used: Usage) -> dict[str, Any]:
@@ -79,7 +84,7 @@ async def stream(runner: TurnRunner, turn: TurnContext, model: str, include_usag
             whole = _sse({**base, "choices": [{"index": 0, "delta": {key: ""}, "finish_reason": None}]})
             cut = whole.index(b'""}', whole.index(b'"delta":'))
             frame = text_frames[key] = (whole[:cut], whole[cut + 2:])
-        return frame[0] + json.dumps(text).encode() + frame[1]
+        return frame[0] + _json_string(text) + frame[1]
 
     def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: dict[str, Any] | None = None,
               token_ids: list[int] | None = None) -> bytes:
@@ -91,7 +96,7 @@ async def stream(runner: TurnRunner, turn: TurnContext, model: str, include_usag
                                           **({"logprobs": logprobs} if logprobs else {}),
                                           **({"token_ids": token_ids} if ids and token_ids is not None else {})}]})
 
-    sent_prompt = False
+    sent_prompt, plain = False, shape.chat and lps is None and not ids
 
     def spell(event: Delta) -> list[bytes]:
         """A delta's chunks (the express lane's too: context.ExpressLane)."""
@@ -102,6 +107,16 @@ async def stream(runner: TurnRunner, turn: TurnContext, model: str, include_usag
                           **({"prompt_token_ids": list(turn.prompt_ids)} if ids and not sent_prompt else {})})
             sent_prompt = True
             return [frame]
+        if plain:  # no logprobs, no ids: each delta of one text field is one text chunk
+            frames = []
+            for delta in answer.deltas(event.events):
+                if len(delta) == 1:
+                    (key, text), = delta.items()
+                    if type(text) is str:
+                        frames.append(text_chunk(key, text))
+                        continue
+                frames.append(chunk(delta))
+            return frames
         # The delta's token logprobs and ids go with its first chunk (on an empty delta when the parser holds the
         # text).
         logprobs = lps.chat(event.logprobs) if lps and event.logprobs else None
