@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from typing import Any
 
 from kvshuttle.services.common.config import TelemetryConfig
 from opentelemetry import trace
@@ -43,6 +44,37 @@ def tracing_enabled() -> bool:
     OpenTelemetry interceptors, which cost ~0.1 ms of CPU per call even though every span they make is a no-op.
     """
     return not isinstance(trace.get_tracer_provider(), (trace.ProxyTracerProvider, trace.NoOpTracerProvider))
+
+
+class _NoSpan:
+    """``with`` it: the invalid span, made current nowhere; what a no-op tracer's span amounts to, for no work."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> trace.Span:
+        return trace.INVALID_SPAN
+
+    def __exit__(self, *exc: object) -> bool:
+        return False
+
+
+_NO_SPAN = _NoSpan()
+
+
+class QuietTracer:
+    """``trace.get_tracer(name)`` for the turn's path: while this process records no spans (``tracing_enabled()``
+    false), a span costs nothing, where OpenTelemetry's proxy and no-op tracers build a context manager, a context
+    and a span object per call (~5 µs of CPU, several per turn). Once a provider is installed, each call is the
+    real tracer's."""
+
+    def __init__(self, name: str):
+        self._tracer = trace.get_tracer(name)
+
+    def start_as_current_span(self, name: str, **kwargs: Any) -> Any:
+        return self._tracer.start_as_current_span(name, **kwargs) if tracing_enabled() else _NO_SPAN
+
+    def start_span(self, name: str, **kwargs: Any) -> trace.Span:
+        return self._tracer.start_span(name, **kwargs) if tracing_enabled() else trace.INVALID_SPAN
 
 
 def server_attributes(address: str) -> dict[str, str | int]:

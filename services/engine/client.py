@@ -28,7 +28,7 @@ from kvshuttle.control_plane import cache_salt as salts
 from kvshuttle.control_plane.kv_index.events import EventBatch
 from kvshuttle.control_plane.kv_params import prefill_request_params
 from kvshuttle.control_plane.models import ADAPTER_APPLIED_KEY, ADAPTER_METADATA_KEY
-from kvshuttle.services.common.telemetry import client_interceptors, server_attributes, tracing_enabled
+from kvshuttle.services.common.telemetry import QuietTracer, client_interceptors, server_attributes, tracing_enabled
 from kvshuttle.services.common.tls import ClientTls
 from kvshuttle.services.engine import h2_streams
 from kvshuttle.services.engine.kv_events import relay_events
@@ -37,7 +37,7 @@ from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import common_pb2
 
 SERVICE_NAME = "vllm.grpc.engine.VllmEngine"
-_tracer = trace.get_tracer("kvshuttle.engine")
+_tracer = QuietTracer("kvshuttle.engine")
 # gRPC's reconnect backoff grows to 120 s while a server is down: a worker that is starting (or restarting) would be
 # seen up to minutes late. Cap it at 2 s.
 # gRPC core also takes min_reconnect_backoff_ms as the deadline of each connection attempt: at 250 ms a busy

@@ -36,7 +36,7 @@ from kvshuttle.control_plane.planner import Planner, TurnPlan
 from kvshuttle.control_plane.policies import Policy, PolicyError
 from kvshuttle.control_plane.selection import UNKNOWN
 from kvshuttle.services.common import metrics
-from kvshuttle.services.common.telemetry import hashed
+from kvshuttle.services.common.telemetry import QuietTracer, hashed
 from kvshuttle.services.common.worker_view import WorkerView
 from kvshuttle.services.scheduler.claims import ClaimsError, SessionClaims
 from kvshuttle.services.scheduler.errors import InvalidRequest, NoLiveWorker, WorkersNotReady
@@ -48,7 +48,7 @@ from kvshuttle.v1 import common_pb2, scheduler_pb2
 from opentelemetry import trace
 
 log = logging.getLogger(__name__)
-tracer = trace.get_tracer("kvshuttle.scheduler")
+tracer = QuietTracer("kvshuttle.scheduler")
 
 WORKERS_READY_WAIT_S = 5.0  # how long a plan waits for the first worker list
 

@@ -6,14 +6,14 @@ import asyncio
 from collections.abc import Awaitable
 from typing import Any
 
-from kvshuttle.services.common.telemetry import hashed
+from kvshuttle.services.common.telemetry import QuietTracer, hashed
 from kvshuttle.services.gateway.turns.context import Finished, TurnContext
 from kvshuttle.services.gateway.turns.errors import TurnError
 from kvshuttle.services.gateway.turns.request import TurnRequest
 from kvshuttle.v1 import scheduler_pb2
 from opentelemetry import trace
 
-tracer = trace.get_tracer("kvshuttle.gateway")
+tracer = QuietTracer("kvshuttle.gateway")
 
 
 def request_attributes(req: TurnRequest, model: str) -> dict[str, Any]:
