@@ -44,4 +44,8 @@ async def test_tiny_run_delivers_every_token_with_parsers_off_and_on(tools_model
         assert 0 < r["itl_p50_ms"] <= r["itl_p99_ms"], r
     assert sum(r["gateway_cpu_s"] for r in rows) > 0
     assert report["smg"]
+    if report["smg"]["rows"]:  # each level through SMG right after kvshuttle's (side by side, not minutes apart)
+        emitted = [json.loads(line) for line in stdout.decode().splitlines() if line.startswith('{"loop"')]
+        assert [(r["loop"], r["tools_and_reasoning"], r["streams"]) for r in emitted] == [
+            (loop, tools, streams) for tools in (False, True) for streams in (1, 4) for loop in ("uvloop", "smg")]
     assert "tok/s/core" in stdout.decode()

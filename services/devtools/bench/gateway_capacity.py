@@ -13,10 +13,12 @@ at each concurrency level (``--streams``), with the answer parsers off (no tools
 (``--tool-call-parser`` + ``--reasoning-parser`` on the gateway, ``tools`` in every request). Every stream's text is
 checked against the detokenized token ids the fake engine sent. Writes ``gateway.json`` under ``--out``.
 
-The same levels, modes and request bodies are then driven through SMG (PyPI ``smg``, ``smg launch
---pd-disaggregation``, as ``kvshuttle bench --modes smg`` starts it; ``--smg required|auto|off``) in front of the same
-fake prefill engine and a fake decode engine of its own (SMG streams D's tokens only, and drops P's first token,
-so its D starts the answer at its first token; the kvshuttle gateway's D continues after P's). SMG's CPU seconds
+The same levels, modes and request bodies are driven through SMG (PyPI ``smg``, ``smg launch
+--pd-disaggregation``, as ``kvshuttle bench --modes smg`` starts it; ``--smg required|auto|off``), each level right
+after kvshuttle's (both gateways run through a mode; a drift of the machine's speed over the run moves both figures of
+a level, not their ratio), in front of the same fake prefill engine and a fake decode engine of its own (SMG streams
+D's tokens only, and drops P's first token, so its D starts the answer at its first token; the kvshuttle gateway's D
+continues after P's). SMG's CPU seconds
 are its process tree's, read the same way; the report divides the two gateways' tokens per core level by level.
 """
 
@@ -392,25 +394,51 @@ def _profile_text(path: Path, top: int = 40) -> None:
     Path(f"{path}.txt").write_text(buf.getvalue())
 
 
-async def run_smg(services: Services, binary: Path, cfg: GatewayBenchConfig, mode: str, levels: list[int],
-                  expected: str, out: Path, emit) -> list[dict]:
-    """SMG in P/D mode in front of the fake P and SMG's fake D, at every level of one parsers mode."""
+def smg_router(services: Services, binary: Path, cfg: GatewayBenchConfig, mode: str, out: Path) -> SmgRouter:
+    """SMG in P/D mode in front of the fake P and SMG's fake D, with one parsers mode's flags."""
+    tool_parser, extra = smg_parser_flags(mode == "on", cfg.tool_call_parser, cfg.reasoning_parser)
+    return SmgRouter(binary, prefill=[services.engines["prefill"][1]], decode=[services.engines["decode-smg"][1]],
+                     model_dir=services.model_dir, log_path=out / f"smg-{mode}.log", tool_call_parser=tool_parser,
+                     silence_s=max(60, int(cfg.timeout_s)), extra_args=extra)
+
+
+async def run_mode(services: Services, cfg: GatewayBenchConfig, mode: str, loops: list[str], levels: list[int],
+                   expected: str, out: Path, smg_bin: Path | None, emit) -> tuple[list[dict], list[dict]]:
+    """One parsers mode: a kvshuttle gateway per event loop and SMG, all started, then each level driven through
+    each of them in turn, so that the two gateways' figures of a level are measured within seconds of each other
+    (a machine whose speed drifts over the run moves both, not their ratio). Returns (kvshuttle rows, SMG rows)."""
     tools = mode == "on"
-    tool_parser, extra = smg_parser_flags(tools, cfg.tool_call_parser, cfg.reasoning_parser)
-    router = SmgRouter(binary, prefill=[services.engines["prefill"][1]], decode=[services.engines["decode-smg"][1]],
-                       model_dir=services.model_dir, log_path=out / f"smg-{mode}.log", tool_call_parser=tool_parser,
-                       silence_s=max(60, int(cfg.timeout_s)), extra_args=extra)
-    rows = []
+    flags = ["--tool-call-parser", cfg.tool_call_parser, "--reasoning-parser", cfg.reasoning_parser] if tools else []
+    gateways: list[tuple[str, str, ChildProcess, str]] = []
+    router = smg_router(services, smg_bin, cfg, mode, out) if smg_bin is not None else None
+    rows: list[dict] = []
+    smg_rows: list[dict] = []
     try:
-        await router.start(timeout_s=60)
+        for loop in loops:
+            name = f"gateway-{mode}-{loop}"
+            child, base = await services.gateway(name, *flags, uvloop=loop == "uvloop")
+            gateways.append((loop, name, child, base))
+        if router is not None:
+            await router.start(timeout_s=60)
         for streams in levels:
-            row = {"loop": SMG_LOOP, **await run_level(router.base_url, router.child.pid, streams, cfg, tools,
-                                                         expected, model=router.model)}
-            emit(json.dumps(row))
-            rows.append(row)
+            for loop, _, child, base in gateways:
+                row = {"loop": loop, **await run_level(base, child.pid, streams, cfg, tools, expected)}
+                emit(json.dumps(row))
+                rows.append(row)
+            if router is not None:
+                row = {"loop": SMG_LOOP, **await run_level(router.base_url, router.child.pid, streams, cfg, tools,
+                                                             expected, model=router.model)}
+                emit(json.dumps(row))
+                smg_rows.append(row)
     finally:
-        await router.stop()
-    return rows
+        if router is not None:
+            await router.stop()
+        for _, name, child, _ in gateways:
+            await child.stop()
+            services.children.remove(child)
+            if cfg.profile:
+                _profile_text(out / f"{name}.prof")
+    return rows, smg_rows
 
 
 async def run_benchmark(cfg: GatewayBenchConfig, emit=print) -> tuple[dict, Path]:
@@ -425,6 +453,7 @@ async def run_benchmark(cfg: GatewayBenchConfig, emit=print) -> tuple[dict, Path
     expected = tok.decode(expected_ids)
     levels = [int(s) for s in cfg.streams.split(",") if s.strip()]
     modes = [m.strip() for m in cfg.modes.split(",") if m.strip()]
+    loops = [x.strip() for x in cfg.loops.split(",") if x.strip()]
     smg_bin, smg_note = smg_plan(cfg.smg, cfg.smg_bin)  # SmgMissing (with --smg required) before anything starts
     services = Services(cfg, out, model_dir, token_ids, smg=smg_bin is not None)
     rows: list[dict] = []
@@ -432,25 +461,10 @@ async def run_benchmark(cfg: GatewayBenchConfig, emit=print) -> tuple[dict, Path
     load_start = os.getloadavg()
     try:
         await services.start()
-        for loop in [x.strip() for x in cfg.loops.split(",") if x.strip()]:
-            for mode in modes:
-                flags = (["--tool-call-parser", cfg.tool_call_parser, "--reasoning-parser", cfg.reasoning_parser]
-                         if mode == "on" else [])
-                name = f"gateway-{mode}-{loop}"
-                child, base = await services.gateway(name, *flags, uvloop=loop == "uvloop")
-                try:
-                    for streams in levels:
-                        row = {"loop": loop, **await run_level(base, child.pid, streams, cfg, mode == "on", expected)}
-                        emit(json.dumps(row))
-                        rows.append(row)
-                finally:
-                    await child.stop()
-                    services.children.remove(child)
-                if cfg.profile:
-                    _profile_text(out / f"{name}.prof")
-        if smg_bin is not None:
-            for mode in modes:
-                smg_rows += await run_smg(services, smg_bin, cfg, mode, levels, expected, out, emit)
+        for mode in modes:
+            mode_rows, mode_smg_rows = await run_mode(services, cfg, mode, loops, levels, expected, out, smg_bin, emit)
+            rows += mode_rows
+            smg_rows += mode_smg_rows
     finally:
         await services.stop()
     report = {"config": {k: getattr(cfg, k) for k in ("streams", "tokens", "interval_ms", "modes", "loops",
