@@ -6,36 +6,19 @@ with httptools, as served), fake engines speaking vLLM's gRPC API."""
 from __future__ import annotations
 
 import json
-import uuid
 
 import httpx
-from kvshuttle.services.gateway.server import GatewayConfig, GatewayService
 from kvshuttle.services.gateway.turns import decode as decoding
-from kvshuttle.services.registry.server import RegistryConfig, serve
-from kvshuttle.services.scheduler.server import SchedulerConfig, SchedulerService
-from kvshuttle.v1 import common_pb2
 
-from tests.support.traced_stack import fake_pair, stop_all
-from tests.support.waits import until
+from tests.support.traced_stack import fake_stack, stop_all
 
 
 async def test_streamed_answers_go_by_the_express_lane_and_say_what_whole_answers_say(etcd, model_dir, monkeypatch):
     taken = []
     take = decoding.Decoding.take
     monkeypatch.setattr(decoding.Decoding, "take", lambda self, chunk: taken.append(chunk) or take(self, chunk))
-    prefix = f"/express-{uuid.uuid4().hex[:6]}/"
-    registry = await serve(RegistryConfig(listen="127.0.0.1:0", etcd_endpoints=etcd, key_prefix=prefix))
-    scheduler = SchedulerService(SchedulerConfig(listen="127.0.0.1:0", registry=registry.address, key_prefix=prefix,
-                                                 load_poll_interval_s=0, policy="threshold"))
-    await scheduler.start()
-    p, d = await fake_pair(registry.address)
-    d.engine.token_delay_s = 0.005  # each chunk arrives while the turn waits for it
-    await until(lambda: scheduler.workers.by_role(common_pb2.WORKER_ROLE_PREFILL) and scheduler.workers.by_role(
-        common_pb2.WORKER_ROLE_DECODE), what="the scheduler's view of both workers")
-    gateway = GatewayService(GatewayConfig(http_listen="127.0.0.1:0", grpc_listen="127.0.0.1:0",
-                                           registry=registry.address, scheduler=scheduler.address,
-                                           model_dir=str(model_dir), max_model_len=2048))
-    await gateway.start()
+    # D sends a token every 5 ms: each chunk arrives while the turn waits for it
+    gateway, scheduler, registry, (p, d) = await fake_stack(etcd, model_dir, "express", token_delay_s=0.005)
     try:
         async with httpx.AsyncClient(base_url=f"http://{gateway.http_address}", timeout=30) as client:
             body = {"messages": [{"role": "user", "content": "Count for me."}], "max_tokens": 40}

@@ -4,32 +4,15 @@ gateway goes on serving. Real registry, scheduler and gateway on loopback, fake 
 
 from __future__ import annotations
 
-import uuid
-
 import httpx
-from kvshuttle.services.gateway.server import GatewayConfig, GatewayService
-from kvshuttle.services.registry.server import RegistryConfig, serve
-from kvshuttle.services.scheduler.server import SchedulerConfig, SchedulerService
-from kvshuttle.v1 import common_pb2
 
-from tests.support.traced_stack import fake_pair, stop_all
+from tests.support.traced_stack import fake_stack, stop_all
 from tests.support.waits import until
 
 
 async def test_a_client_that_leaves_mid_stream_cancels_the_decode_call(etcd, model_dir):
-    prefix = f"/disconnect-{uuid.uuid4().hex[:6]}/"
-    registry = await serve(RegistryConfig(listen="127.0.0.1:0", etcd_endpoints=etcd, key_prefix=prefix))
-    scheduler = SchedulerService(SchedulerConfig(listen="127.0.0.1:0", registry=registry.address, key_prefix=prefix,
-                                                 load_poll_interval_s=0, policy="threshold"))
-    await scheduler.start()
-    p, d = await fake_pair(registry.address)
-    d.engine.token_delay_s = 0.05  # 200 tokens: 10 s, unless cancelled
-    await until(lambda: scheduler.workers.by_role(common_pb2.WORKER_ROLE_PREFILL) and scheduler.workers.by_role(
-        common_pb2.WORKER_ROLE_DECODE), what="the scheduler's view of both workers")
-    gateway = GatewayService(GatewayConfig(http_listen="127.0.0.1:0", grpc_listen="127.0.0.1:0",
-                                           registry=registry.address, scheduler=scheduler.address,
-                                           model_dir=str(model_dir), max_model_len=2048))
-    await gateway.start()
+    gateway, scheduler, registry, (p, d) = await fake_stack(etcd, model_dir, "disconnect", token_delay_s=0.05)
+    # 200 tokens at 50 ms: 10 s, unless cancelled
     try:
         async with httpx.AsyncClient(base_url=f"http://{gateway.http_address}", timeout=30) as client:
             body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, "stream": True}

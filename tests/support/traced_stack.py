@@ -75,6 +75,26 @@ async def fake_pair(registry_address: str) -> tuple[FakeEngineServer, FakeEngine
     return p, d
 
 
+async def fake_stack(etcd: str, model_dir, name: str, token_delay_s: float = 0.0):
+    """A registry, a scheduler (threshold policy, no load polls), a fake P/D pair (D streams a token every
+    ``token_delay_s``) and a gateway on loopback, under a key prefix of their own: (gateway, scheduler, registry,
+    (p, d)). Stop them with ``stop_all``."""
+    prefix = f"/{name}-{uuid.uuid4().hex[:6]}/"
+    registry = await serve(RegistryConfig(listen="127.0.0.1:0", etcd_endpoints=etcd, key_prefix=prefix))
+    scheduler = SchedulerService(SchedulerConfig(listen="127.0.0.1:0", registry=registry.address, key_prefix=prefix,
+                                                 load_poll_interval_s=0, policy="threshold"))
+    await scheduler.start()
+    p, d = await fake_pair(registry.address)
+    d.engine.token_delay_s = token_delay_s
+    await until(lambda: scheduler.workers.by_role(common_pb2.WORKER_ROLE_PREFILL) and scheduler.workers.by_role(
+        common_pb2.WORKER_ROLE_DECODE), what="the scheduler's view of both workers")
+    gateway = GatewayService(GatewayConfig(http_listen="127.0.0.1:0", grpc_listen="127.0.0.1:0",
+                                           registry=registry.address, scheduler=scheduler.address,
+                                           model_dir=str(model_dir), max_model_len=2048))
+    await gateway.start()
+    return gateway, scheduler, registry, (p, d)
+
+
 async def stop_all(gateway, scheduler, registry, engines) -> None:
     """Stop a stack built here: the gateway first, the engines last."""
     await gateway.stop()
