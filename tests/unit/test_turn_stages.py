@@ -96,15 +96,19 @@ async def test_the_prompt_stage_starts_a_new_session_for_a_chat_without_an_id_wh
     r, _, _ = runner()
     r.find_sessions = True
     r.tokenizer.end_markers = ["<end>"]  # type: ignore[attr-defined]
+    asked = []
 
     async def find_session(request, timeout=None):
+        asked.append(request)
         raise _rpc_error(grpc.StatusCode.NOT_FOUND)
 
     r.registry.FindSession = find_session  # type: ignore[attr-defined]
-    ctx = context(TurnRequest(messages=[{"role": "user", "content": "hi<end>again"}]))
+    ctx = context(TurnRequest(messages=[{"role": "user", "content": "hi<end>"}, {"role": "assistant", "content": "a"},
+                                        {"role": "user", "content": "again"}]))
     await prompt_stage.build(r, ctx)
     assert ctx.request.session_id.startswith("auto-") and ctx.request.session_source == "new"
     assert ctx.known_session == KnownSession(not_found=True) and not ctx.continued and "find_ms" in ctx.timings
+    assert len(asked) == 1
 
 
 async def test_the_plan_stage_says_when_its_snapshot_is_stale_and_the_runner_plans_again_on_a_fresh_read():
@@ -305,11 +309,12 @@ async def test_a_first_turn_never_continues_a_session_at_a_boundary():
     same_start = context(TurnRequest(messages=[{"role": "user", "content": "hi"}]))
     await prompt_stage.build(r, same_start)
     assert same_start.request.session_source == "new" and not same_start.continued
+    assert keys_asked == []  # no answer in its prompt: no record's text it could continue, nothing to ask
     dropped = context(TurnRequest(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"},
                                             {"role": "user", "content": "more"}]))
     await prompt_stage.build(r, dropped)
     assert dropped.request.session_source == "found" and dropped.request.session_id == "s"
-    assert dropped.continued and dropped.history_kept == len("<user>hi<end>")
+    assert dropped.continued and dropped.history_kept == len("<user>hi<end>") and len(keys_asked) == 1
 
 
 async def test_a_prompt_cache_key_names_the_session_its_prompt_continues_and_else_a_new_one():

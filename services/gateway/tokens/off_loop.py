@@ -31,6 +31,21 @@ async def encode_split(tokenizer: Any, text: str, at: int) -> tuple[list[int], l
     return await asyncio.to_thread(_split, tokenizer, text, at)
 
 
+async def first_message(tokenizer: Any, tenant: str, text: str) -> tuple[Sequence[int], int]:
+    """The ids of ``text``'s first message and where it ends (``((), 0)``: not split off), from the tokenizer's
+    ``first_messages`` cache (tokens/first_messages.py), tokenized and kept there when missing."""
+    cache = getattr(tokenizer, "first_messages", None)
+    n = cache.end(text) if cache is not None else 0
+    if not n:
+        return (), 0
+    head = text[:n]
+    ids = cache.get(tenant, head)
+    if ids is None:
+        ids = await encode(tokenizer, head)
+        cache.put(tenant, head, ids)
+    return ids, n
+
+
 async def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], **variables: Any) -> str:
     """``tokenizer.render_chat(messages, True, **variables)``, in a thread when the chat is long."""
     if len(messages) + len(variables.get("tools") or ()) <= INLINE_ITEMS:

@@ -22,6 +22,7 @@ from jinja2 import nodes
 from jinja2.ext import Extension
 from jinja2.runtime import Context, LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from kvshuttle.services.gateway.tokens.first_messages import FirstMessages, safe_markers
 from tokenizers import Tokenizer
 
 # Special tokens that end a message, in template families whose EOS tokens end only the model's answers: gpt-oss's
@@ -180,6 +181,12 @@ class GatewayTokenizer:
         eos = {text for i in self.eos_token_ids if (text := self._tok.id_to_token(i))}
         specials = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
         return sorted(eos | (specials & set(MESSAGE_END_TOKENS)))
+
+    @cached_property
+    def first_messages(self) -> FirstMessages | None:
+        """The cache of new conversations' first messages' ids; None when no end marker splits a text safely."""
+        markers = safe_markers(self, self.end_markers)
+        return FirstMessages(markers) if markers else None
 
     @cached_property
     def eos_token_ids(self) -> list[int]:

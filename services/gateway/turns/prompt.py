@@ -72,14 +72,19 @@ async def build(rt: TurnServices, ctx: TurnContext, *, fresh: bool = False) -> N
     cont = (plan_continuation(s.text_chars, s.text_key, s.token_ids, text, boundaries(s)) if s
             else Continuation((), text))
     cut = last_message_end(text, end_markers(rt)) if req.messages is not None else 0
-    at = cut - cont.prefix_chars
-    if at <= 0:  # the suffix holds no whole message (or its last one ends where the prefix does)
-        suffix_ids = await off_loop.encode(rt.tokenizer, cont.suffix_text)
-        cut_tokens = len(cont.prefix_ids) if at == 0 and cont.continues else 0
+    # a new conversation's first message (system prompt, tools) from the gateway's cache of them
+    known_ids, skip = cont.prefix_ids, 0
+    if req.messages is not None and not cont.prefix_chars:
+        known_ids, skip = await off_loop.first_message(rt.tokenizer, req.tenant, text)
+    rest = cont.suffix_text[skip:] if skip else cont.suffix_text
+    at = cut - cont.prefix_chars - skip
+    if at <= 0:  # the rest holds no whole message (or its last one ends where the known ids do)
+        suffix_ids = await off_loop.encode(rt.tokenizer, rest)
+        cut_tokens = len(known_ids) if at == 0 and (cont.continues or skip) else 0
     else:  # tokenized in two parts, so that the record knows the ids of the text up to the last message's end
-        head, tail = await off_loop.encode_split(rt.tokenizer, cont.suffix_text, at)
-        suffix_ids, cut_tokens = [*head, *tail], len(cont.prefix_ids) + len(head)
-    ctx.prompt_ids, ctx.prompt_text = [*cont.prefix_ids, *suffix_ids], text
+        head, tail = await off_loop.encode_split(rt.tokenizer, rest, at)
+        suffix_ids, cut_tokens = [*head, *tail], len(known_ids) + len(head)
+    ctx.prompt_ids, ctx.prompt_text = [*known_ids, *suffix_ids], text
     ctx.continued, ctx.known_session = cont.continues, known
     ctx.history_base = s if cont.continues else None  # the record stage then sends only the ids after the kept ones
     ctx.history_kept = len(cont.prefix_ids)
@@ -190,8 +195,11 @@ async def find(rt: TurnServices, req: TurnRequest, text: str, new_id: str = "") 
 
     A conversation's first turn (no assistant message yet) never continues a session at a boundary: a chat that
     merely starts as another one did (the same system prompt and first question) starts its own session rather than
-    taking that one over. A later turn does: its history up to there is the other session's (a fork)."""
-    keys = prefix_keys(text, end_markers(rt))
+    taking that one over. A later turn does: its history up to there is the other session's (a fork). Nor can a
+    first turn continue a record's whole text, which ends with an answer its prompt does not hold: a first turn
+    starts a new session without asking the registry."""
+    first_turn = not any(m.get("role") == "assistant" for m in req.messages or [])
+    keys = [] if first_turn else prefix_keys(text, end_markers(rt))
     found = None
     if keys:
         try:
@@ -203,10 +211,6 @@ async def find(rt: TurnServices, req: TurnRequest, text: str, new_id: str = "") 
                 rt.degraded["session_read_failed"] += 1
                 log.warning("registry unavailable finding a session (%s: %s): starting a new one",
                             exc.code().name, exc.details())
-    key = keys[found.matched_key] if found is not None and 0 <= found.matched_key < len(keys) else b""
-    if found is not None and found.session.text_key != key and not any(
-            m.get("role") == "assistant" for m in req.messages or []):
-        found = None
     if found is None:
         req.session_id, req.session_source = new_id or f"auto-{uuid.uuid4().hex}", "new"
         return None, KnownSession(not_found=True)
