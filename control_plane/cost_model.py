@@ -118,11 +118,38 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
 
 
 def nonnegative_least_squares(a: list[list[float]], b: list[float]) -> list[float]:
-    """argmin θᵀAθ − 2bᵀθ subject to θ ≥ 0, for a positive-definite ``a`` of a few dimensions (every active set)."""
+    """argmin θᵀAθ − 2bᵀθ subject to θ ≥ 0, for a positive-definite ``a`` of a few dimensions.
+
+    The minimum is unique (a strictly convex objective), and a θ is it exactly when it meets the KKT conditions: on
+    its free weights the unconstrained minimum of that sub-problem, ≥ 0, and on the weights held at 0 a gradient
+    ``(Aθ − b)_i ≥ 0`` (lowering the objective would need θ_i < 0). So the free sets are tried from the largest down
+    and the first that meets them is the answer (usually among the first few of the 2ⁿ − 1 sets)."""
     n = len(b)
     whole = _solve(a, b)
     if whole is not None and min(whole) >= 0:
         return whole  # the unconstrained minimum is feasible, hence the constrained one (the usual case)
+    for size in range(n - 1, 0, -1):
+        for free in itertools.combinations(range(n), size):
+            sub = _solve([[a[i][j] for j in free] for i in free], [b[i] for i in free])
+            if sub is None or min(sub) < 0:
+                continue
+            theta = [0.0] * n
+            for i, v in zip(free, sub, strict=True):
+                theta[i] = v
+            if all(_gradient_ok(sum(a[i][j] * theta[j] for j in free), b[i]) for i in range(n) if i not in free):
+                return theta
+    if all(v <= 0 for v in b):
+        return [0.0] * n  # every weight held at 0: the gradient there (−b) points nowhere lower
+    return _least_of_every_set(a, b)  # rounding hid the KKT point: the exhaustive search
+
+
+def _gradient_ok(a_theta: float, b: float) -> bool:
+    """``(Aθ)_i − b_i ≥ 0`` up to rounding (a weight at the bound's gradient is 0 there, give or take an ulp)."""
+    return a_theta - b >= -1e-9 * (abs(a_theta) + abs(b))
+
+
+def _least_of_every_set(a: list[list[float]], b: list[float]) -> list[float]:
+    n = len(b)
     best, best_value = [0.0] * n, 0.0
     for size in range(1, n + 1):
         for free in itertools.combinations(range(n), size):

@@ -75,6 +75,14 @@ def test_the_comparison_divides_per_core_throughput_level_by_level():
     assert got[3]["smg_tokens_per_core_s"] is None and got[3]["smg_held"] is None  # SMG has no such level
 
 
+def test_a_level_given_twice_is_compared_with_the_smg_run_right_after_each():
+    kv = [row("uvloop", True, 64, 3000.0), row("asyncio", True, 64, 2000.0), row("uvloop", True, 64, 4000.0),
+          row("asyncio", True, 64, 1000.0)]
+    smg = [row("smg", True, 64, 6000.0), row("smg", True, 64, 5000.0)]
+    got = [(c["loop"], c["ratio_per_core"]) for c in gc.compare(kv, smg)]
+    assert got == [("uvloop", 0.5), ("asyncio", 0.333), ("uvloop", 0.8), ("asyncio", 0.2)]
+
+
 def test_streams_held_is_the_largest_level_held_per_loop_and_parsers():
     rows = [row("asyncio", False, 1, 1.0), row("asyncio", False, 64, 1.0), row("asyncio", False, 512, 1.0, False),
             row("asyncio", True, 1, 1.0, False), row("smg", True, 512, 1.0)]

@@ -5,7 +5,14 @@ from __future__ import annotations
 import random
 
 import pytest
-from kvshuttle.control_plane.cost_model import PrefillCostModel, PrefillPrior, nonnegative_least_squares
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kvshuttle.control_plane.cost_model import (
+    PrefillCostModel,
+    PrefillPrior,
+    _least_of_every_set,
+    nonnegative_least_squares,
+)
 
 COMPUTE = (8.0, 120.0, 15.0)  # fixed ms, per ktoken, per ktoken·kcontext
 LINK = (6.0, 3.0)  # per transfer, per kpulled
@@ -189,3 +196,18 @@ def test_a_worker_not_measured_yet_is_taken_to_be_like_its_own_models_workers():
     legacy = {k: v for k, v in model.state().items()
               if k not in ("groups", "most_measured_of", "most_link_in", "most_local_of")}
     assert PrefillCostModel.from_state(legacy, model.prior).reference_worker is None  # a state from before groups
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.integers(1, 4).flatmap(lambda n: st.tuples(
+    st.lists(st.lists(st.floats(-5, 5), min_size=n, max_size=n), min_size=n + 1, max_size=3 * n),
+    st.lists(st.floats(-5, 5), min_size=n, max_size=n))))
+def test_the_kkt_search_finds_the_minimum_every_free_set_s_search_finds(case):
+    """Least squares of random rows (A = XᵀX + I: positive-definite, as the fits' normal equations with priors are):
+    the first free set that meets the KKT conditions gives the weights the exhaustive search over every set gives."""
+    rows, b = case
+    n = len(b)
+    a = [[sum(r[i] * r[j] for r in rows) + (i == j) for j in range(n)] for i in range(n)]
+    got, want = nonnegative_least_squares(a, b), _least_of_every_set(a, b)
+    assert min(got) >= 0
+    assert got == pytest.approx(want, abs=1e-9)

@@ -180,12 +180,19 @@ def smg_parser_flags(tools: bool, tool_call_parser: str, reasoning_parser: str) 
 
 
 def compare(kvshuttle: list[dict], smg: list[dict]) -> list[dict]:
-    """Per kvshuttle row, SMG's row at the same parsers and streams: tokens per core of both, their ratio
-    (kvshuttle / SMG; None when either is missing) and gateway cores per 10k decode tokens/s of both."""
-    by_level = {(r["tools_and_reasoning"], r["streams"]): r for r in smg}
+    """Per kvshuttle row, SMG's row at the same parsers and streams (a level given twice: the k-th kvshuttle row of
+    a loop with SMG's k-th, measured right after it): tokens per core of both, their ratio (kvshuttle / SMG; None
+    when either is missing) and gateway cores per 10k decode tokens/s of both."""
+    by_level: dict[tuple, list[dict]] = {}
+    for r in smg:
+        by_level.setdefault((r["tools_and_reasoning"], r["streams"]), []).append(r)
+    seen: dict[tuple, int] = {}
     out = []
     for r in kvshuttle:
-        other = by_level.get((r["tools_and_reasoning"], r["streams"])) or {}
+        level = (r["tools_and_reasoning"], r["streams"])
+        k = seen[(r["loop"], *level)] = seen.get((r["loop"], *level), -1) + 1
+        runs = by_level.get(level) or [{}]
+        other = runs[min(k, len(runs) - 1)]
         kv_core, smg_core = r.get("tokens_per_core_s"), other.get("tokens_per_core_s")
         out.append({"loop": r["loop"], "tools_and_reasoning": r["tools_and_reasoning"], "streams": r["streams"],
                     "kvshuttle_tokens_per_core_s": kv_core, "smg_tokens_per_core_s": smg_core,
