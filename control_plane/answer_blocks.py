@@ -83,6 +83,16 @@ class AnswerBlocks:
                 self._text(event.text, out)
         return out
 
+    def extend_text(self, text: str) -> bool:
+        """Content ``text`` added to the open text block, the one step ``feed`` would take for it (APPENDED); False,
+        with nothing done, when the answer has no open text block (``feed`` decides then). The streaming fast path:
+        most of an answer's tokens are this step."""
+        open_ = self._open
+        if open_ is None or open_.kind != TEXT_BLOCK or not text:
+            return False
+        open_.pieces.append(text)
+        return True
+
     def finish(self, events: Iterable[Event] = ()) -> list[Step]:
         """The steps for what the parser held back (``events``), once the answer has ended; closes the open
         block."""

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii  # type: ignore[attr-defined]
 from typing import Any
 
+from kvshuttle.control_plane.answer import Piece
+from kvshuttle.control_plane.reasoning import CONTENT
 from kvshuttle.services.engine.client import TokenLogprob
 from kvshuttle.services.gateway.apis.openai.chat_answer import AnswerShape
 from kvshuttle.services.gateway.apis.openai.logprob_format import Spell, chat_content, completion_logprobs
@@ -97,6 +99,7 @@ async def stream(runner: TurnRunner, turn: TurnContext, model: str, include_usag
                                           **({"token_ids": token_ids} if ids and token_ids is not None else {})}]})
 
     sent_prompt, plain = False, shape.chat and lps is None and not ids
+    extend_text = answer.blocks.extend_text
 
     def spell(event: Delta) -> list[bytes]:
         """A delta's chunks (the express lane's too: context.ExpressLane)."""
@@ -108,8 +111,12 @@ async def stream(runner: TurnRunner, turn: TurnContext, model: str, include_usag
             sent_prompt = True
             return [frame]
         if plain:  # no logprobs, no ids: each delta of one text field is one text chunk
+            events = event.events
+            if len(events) == 1 and type(piece := events[0]) is Piece and piece.kind == CONTENT \
+                    and extend_text(piece.text):  # the usual token: more of the open text block's content
+                return [text_chunk("content", piece.text)]
             frames = []
-            for delta in answer.deltas(event.events):
+            for delta in answer.deltas(events):
                 if len(delta) == 1:
                     (key, text), = delta.items()
                     if type(text) is str:
