@@ -130,17 +130,25 @@ def nonnegative_least_squares(a: list[list[float]], b: list[float]) -> list[floa
         return whole  # the unconstrained minimum is feasible, hence the constrained one (the usual case)
     for size in range(n - 1, 0, -1):
         for free in itertools.combinations(range(n), size):
-            sub = _solve([[a[i][j] for j in free] for i in free], [b[i] for i in free])
-            if sub is None or min(sub) < 0:
-                continue
-            theta = [0.0] * n
-            for i, v in zip(free, sub, strict=True):
-                theta[i] = v
-            if all(_gradient_ok(sum(a[i][j] * theta[j] for j in free), b[i]) for i in range(n) if i not in free):
+            theta = _free_minimum(a, b, free)
+            if theta is not None and all(_gradient_ok(sum(a[i][j] * theta[j] for j in free), b[i])
+                                         for i in range(n) if i not in free):
                 return theta
     if all(v <= 0 for v in b):
         return [0.0] * n  # every weight held at 0: the gradient there (−b) points nowhere lower
     return _least_of_every_set(a, b)  # rounding hid the KKT point: the exhaustive search
+
+
+def _free_minimum(a: list[list[float]], b: list[float], free: Sequence[int]) -> list[float] | None:
+    """The minimum with only the ``free`` weights free (the others 0); None when it is not ≥ 0 or the sub-problem is
+    singular."""
+    sub = _solve([[a[i][j] for j in free] for i in free], [b[i] for i in free])
+    if sub is None or min(sub) < 0:
+        return None
+    theta = [0.0] * len(b)
+    for i, v in zip(free, sub, strict=True):
+        theta[i] = v
+    return theta
 
 
 def _gradient_ok(a_theta: float, b: float) -> bool:
@@ -153,12 +161,9 @@ def _least_of_every_set(a: list[list[float]], b: list[float]) -> list[float]:
     best, best_value = [0.0] * n, 0.0
     for size in range(1, n + 1):
         for free in itertools.combinations(range(n), size):
-            sub = _solve([[a[i][j] for j in free] for i in free], [b[i] for i in free])
-            if sub is None or min(sub) < 0:
+            theta = _free_minimum(a, b, free)
+            if theta is None:
                 continue
-            theta = [0.0] * n
-            for i, v in zip(free, sub, strict=True):
-                theta[i] = v
             value = sum(theta[i] * a[i][j] * theta[j] for i in range(n) for j in range(n)) - 2 * sum(
                 t * v for t, v in zip(theta, b, strict=True))
             if value < best_value:
