@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import re
 
 import jinja2
 import pytest
@@ -371,11 +372,16 @@ def _reference_template(template: str) -> jinja2.Template:
 
 
 def _outcome(render, *args, **kwargs) -> tuple[str, str]:
+    """What a render gave: its text or its error, with object addresses masked (a probe that prints a bound method
+    prints a new object each time, at whatever address the allocator gives it)."""
     try:
-        return "text", render(*args, **kwargs)
+        return "text", _ADDRESS.sub(" at 0x…", render(*args, **kwargs))
     except Exception as exc:  # noqa: BLE001 (the two renderers must fail alike)
         cause = exc.__cause__ if isinstance(exc, gt.ChatTemplateError) and exc.__cause__ else exc
-        return type(cause).__name__, str(cause)
+        return type(cause).__name__, _ADDRESS.sub(" at 0x…", str(cause))
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-f]+")
 
 
 def _reference_render(tok: gt.GatewayTokenizer, messages, add_generation_prompt, **extra) -> str:
