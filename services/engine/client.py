@@ -282,7 +282,13 @@ class EngineClient:
                 response = parse(message)
                 if response.WhichOneof("response") != "chunk":
                     return False  # read (and parsed) again in the iterator, in order
-                take(chunk_of(response.chunk))
+                if want:
+                    take(chunk_of(response.chunk))
+                else:  # chunk_of's plain case, inline
+                    c = response.chunk
+                    ids = list(c.token_ids)
+                    streamed.extend(ids)
+                    take(Chunk(ids, c.prompt_tokens, c.cached_tokens))
                 return True
 
         try:

@@ -327,8 +327,10 @@ class GatewayService:
 
     def _turn_runner(self, scheduler_stub: object, spec: ModelSpec) -> TurnRunner:
         cfg = self.cfg
+        tokenizer = GatewayTokenizer(spec.model_dir, spec.chat_template_text())
+        tokenizer.byte_table()  # made here, at start, not in the first turn's detokenizer (a vocabulary's decode)
         runner = TurnRunner(
-            GatewayTokenizer(spec.model_dir, spec.chat_template_text()),
+            tokenizer,
             registry_pb2_grpc.SessionRegistryStub(self.registry_channel),
             scheduler_stub, max_model_len=spec.context_len(),
             engine_timeout_s=cfg.engine_timeout_s, control_timeout_s=cfg.control_timeout_s,

@@ -5,10 +5,14 @@ with httptools, as served), fake engines speaking vLLM's gRPC API."""
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import json
 
 import httpx
+from kvshuttle.services.gateway.turns import TurnContext
 from kvshuttle.services.gateway.turns import decode as decoding
+from kvshuttle.services.gateway.turns.context import ExpressLane
 
 from tests.support.traced_stack import fake_stack, stop_all
 
@@ -65,4 +69,34 @@ async def test_streamed_answers_go_by_the_express_lane_and_say_what_whole_answer
                 assert expressed >= 30, (path, expressed)
                 assert "".join(pieces) == whole_text(whole) != "", path
     finally:
+        await stop_all(gateway, scheduler, registry, (p, d))
+
+
+async def test_a_finished_turn_leaves_no_reference_cycle_for_the_collector(etcd, model_dir):
+    """A turn's objects are freed as its request ends, not by the collector's next full pass (which walks everything
+    still waiting there: issue #36's per-token profile): no TurnContext, express lane or request scope is found
+    unreachable after streamed and whole answers on each HTTP API."""
+    gateway, scheduler, registry, (p, d) = await fake_stack(etcd, model_dir, "cycles", token_delay_s=0.002)
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://{gateway.http_address}", timeout=30) as client:
+            model = (await client.get("/v1/models")).json()["data"][0]["id"]
+            messages = [{"role": "user", "content": "Count for me."}]
+            for path, body in (("/v1/chat/completions", {"messages": messages, "max_tokens": 12}),
+                               ("/v1/messages", {"model": model, "max_tokens": 12, "messages": messages}),
+                               ("/v1/responses", {"model": model, "max_output_tokens": 12, "input": "Count."})):
+                for stream in (True, False):
+                    async with client.stream("POST", path, json={**body, "stream": stream}) as r:
+                        assert r.status_code == 200, (path, await r.aread())
+                        await r.aread()
+        await asyncio.sleep(0.2)  # the streams' tasks have ended
+        gc.collect()
+        found = [type(o).__name__ for o in gc.garbage
+                 if isinstance(o, (TurnContext, ExpressLane)) or (isinstance(o, dict) and o.get("type") == "http"
+                                                                   and "asgi" in o)]
+        assert found == [], found
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
         await stop_all(gateway, scheduler, registry, (p, d))

@@ -1,8 +1,8 @@
 """The answer's text piece by piece (services/gateway/tokens/detokenizer.py) on the tiny model's real byte-level
 tokenizer: the pieces a stream sends always add up to the text the whole answer and the record use, characters split
 across tokens are held back until complete, invalid bytes and special tokens come out the same whichever way. Each
-check runs both ways the detokenizer steps: in the tokenizers library's DecodeStream (a real tokenizer) and in the
-Python window (a tokenizer that only decodes)."""
+check runs every way the detokenizer steps: on the byte table (a byte-level GatewayTokenizer), in the tokenizers
+library's DecodeStream (a real tokenizer without a table) and in the Python window (a tokenizer that only decodes)."""
 
 from __future__ import annotations
 
@@ -26,11 +26,27 @@ def real(model_dir) -> GatewayTokenizer:
     return GatewayTokenizer(model_dir)
 
 
-@pytest.fixture(params=["decode_stream", "window"])
+class NoTable(GatewayTokenizer):
+    """A real tokenizer without the byte table: the detokenizer steps in DecodeStream."""
+
+    def byte_table(self, skip_special_tokens=True):
+        return None
+
+
+def no_table(real: GatewayTokenizer) -> NoTable:
+    tok = NoTable.__new__(NoTable)
+    tok.__dict__.update(real.__dict__)
+    return tok
+
+
+@pytest.fixture(params=["byte_table", "decode_stream", "window"])
 def tok(request, real):
-    """The tokenizer the detokenizer gets (``decode``/``encode``/``token_id`` of the real one either way)."""
-    if request.param == "decode_stream":
+    """The tokenizer the detokenizer gets (``decode``/``encode``/``token_id`` of the real one every way)."""
+    if request.param == "byte_table":
+        assert real.byte_table() is not None
         return real
+    if request.param == "decode_stream":
+        return no_table(real)
     wrapped = DecodeOnly(real)
     wrapped.encode, wrapped.token_id = real.encode, real.token_id
     return wrapped
@@ -89,15 +105,17 @@ def test_a_long_answer_costs_about_one_decode_per_token(real):
     assert calls <= 1.2 * len(ids) + 2, (calls, len(ids))
 
 
-def test_a_real_tokenizer_steps_in_decode_stream_and_both_ways_send_the_same_pieces(real):
-    """The stream and the window send the same piece for every step, on text and on random ids (invalid bytes,
-    special tokens, cut characters); with a real tokenizer only ``finish`` decodes from Python."""
+@pytest.mark.parametrize("table", [True, False])
+def test_a_real_tokenizer_steps_off_the_window_and_every_way_sends_the_same_pieces(real, table):
+    """The byte table, the stream and the window send the same piece for every step, on text and on random ids
+    (invalid bytes, special tokens, cut characters); with a real tokenizer only ``finish`` decodes from Python, and
+    with its byte table nothing does."""
     rnd = random.Random(3)
     cases = [real.encode(t) for t in TEXTS]
     cases += [[rnd.randrange(real.vocab_size) for _ in range(rnd.randint(1, 30))] for _ in range(200)]
     calls = 0
 
-    class Counting(GatewayTokenizer):
+    class Counting(GatewayTokenizer if table else NoTable):
         def decode(self, ids, skip_special_tokens=True):
             nonlocal calls
             calls += 1
@@ -109,8 +127,9 @@ def test_a_real_tokenizer_steps_in_decode_stream_and_both_ways_send_the_same_pie
         for skip in (True, False):
             for step in (1, 3):
                 calls = 0
-                streamed, _ = pieces(counting, ids, skip, step)
-                assert calls <= 2  # finish's window only
+                streamed, detok = pieces(counting, ids, skip, step)
+                assert (detok._table is not None) is table
+                assert calls <= (0 if table else 2)  # finish's window only, without the table
                 windowed, _ = pieces(DecodeOnly(real), ids, skip, step)
                 assert streamed == windowed, ids
 
@@ -134,7 +153,7 @@ def test_a_step_decode_stream_refuses_goes_on_in_the_window(real, monkeypatch):
     monkeypatch.setattr(detokenizer, "DecodeStream", Refusing)
     text = TEXTS[1]
     ids = real.encode(text)
-    out, detok = pieces(real, ids)
+    out, detok = pieces(no_table(real), ids)
     assert detok._stream is None
     assert "".join(out) == detok.text == text
     assert not any(REPLACEMENT in p for p in out)

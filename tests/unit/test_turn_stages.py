@@ -3,6 +3,7 @@ of tests/support/turn_fakes.py: what it reads from the context and what it adds.
 
 from __future__ import annotations
 
+import gc
 import json
 
 import grpc
@@ -203,6 +204,18 @@ async def test_the_parse_stage_puts_the_answer_s_meaning_on_each_delta_and_the_w
     # without parsing, the text is the content
     plain = AnswerEvents(None, "")
     assert plain.feed("a<think>") == [Piece(CONTENT, "a<think>")] and plain.finish() == [] and plain.events
+
+
+@pytest.mark.parametrize("parsing", [None, AnswerParsing(reasoning=REASONING_PARSERS["qwen3"])])
+def test_an_answer_s_kept_pieces_leave_the_collector_s_generations(parsing):
+    """What the parse stage keeps of a long answer (every piece, for the whole answer's events) is untracked by the
+    collector after its first pass: thousands of tokens add nothing to the old generation's full collections."""
+    answer = AnswerEvents(parsing, "")
+    fed = [e for i in range(2000) for e in answer.feed("<think>" if i == 0 else "</think>" if i == 5 else f" w{i}")]
+    fed += answer.finish()
+    gc.collect()
+    assert answer.events == fed  # the same events, in order
+    assert not any(gc.is_tracked(kept) for kept in answer._kept)
 
 
 class MarkedTokenizer(Tokenizer):

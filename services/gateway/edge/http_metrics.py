@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvshuttle.services.common import metrics
-from kvshuttle.services.gateway.edge.http_tracing import KNOWN_METHODS, SERVER_SEND, noting_status
+from kvshuttle.services.gateway.edge.http_tracing import KNOWN_METHODS, SERVER_SEND, keep_server_send, noting_status
 from starlette.routing import Match
 
 UNMATCHED = "unmatched"
@@ -42,11 +42,13 @@ class HttpMetrics:
             await self.app(scope, receive, send)
             return
         scope.setdefault(ARRIVED, time.perf_counter())  # a turn's request_ms counts from here
-        scope.setdefault(SERVER_SEND, send)
+        own = keep_server_send(scope, send)
         send_and_note, status = noting_status(send)
         try:
             await self.app(scope, receive, send_and_note)
         finally:
+            if own:
+                del scope[SERVER_SEND]
             method = scope["method"] if scope["method"] in KNOWN_METHODS else "_OTHER"
             # No status sent: the app failed before answering (the server answers 500) or the client went away.
             code = str(status[0]) if status else "500"

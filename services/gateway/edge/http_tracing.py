@@ -31,7 +31,7 @@ class HttpTracing:
         if scope["type"] != "http" or scope["path"] in UNTRACED_PATHS:
             await self.app(scope, receive, send)
             return
-        scope.setdefault(SERVER_SEND, send)
+        own = keep_server_send(scope, send)
         headers = Headers(scope=scope)
         method = scope["method"] if scope["method"] in KNOWN_METHODS else "_OTHER"
         span = self.tracer.start_span(method, context=propagate.extract(headers), kind=trace.SpanKind.SERVER,
@@ -46,6 +46,8 @@ class HttpTracing:
             span.set_status(trace.StatusCode.ERROR, f"{type(exc).__name__}")
             raise
         finally:
+            if own:
+                del scope[SERVER_SEND]
             _finish(span, scope, method, status[0] if status else None)
             span.end()
 
@@ -53,6 +55,16 @@ class HttpTracing:
 # The scope key of the server's own ``send``, set by the outermost layer: a stream's body chunks go there directly
 # (sse.py), past the layers in between, which all watch only the response's start (its status), never its body.
 SERVER_SEND = "kvshuttle.server_send"
+
+
+def keep_server_send(scope, send) -> bool:
+    """Set ``SERVER_SEND`` unless an outer layer has: whether this layer did, and then must delete it once the
+    request is done (uvicorn's send is its cycle's method, and the cycle holds the scope: left there, the pair is a
+    reference cycle that only the collector's full pass frees, with all the request holds)."""
+    if SERVER_SEND in scope:
+        return False
+    scope[SERVER_SEND] = send
+    return True
 
 
 def noting_status(send):

@@ -70,6 +70,8 @@ class EventStream(Response):
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         except BaseException:
+            if self.lane is not None:
+                self.lane.close()
             await self.frames.aclose()
             raise
         state = _PumpState()
@@ -123,7 +125,7 @@ class EventStream(Response):
         finally:
             state.streaming = False
             if lane is not None:
-                lane.ready = lane.write = None
+                lane.close()
             await frames.aclose()
 
 

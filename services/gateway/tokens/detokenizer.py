@@ -8,14 +8,17 @@ back) and sends what it adds to the window's earlier text, holding back text tha
 concatenation of the pieces (plus what ``finish`` flushes): a client that echoes back what it was streamed echoes
 the recorded text, and its next turn continues the recorded token ids.
 
-With a real tokenizer (``GatewayTokenizer.backend``) the steps run in the tokenizers library's own ``DecodeStream``
-(the same window-and-hold-back steps, in Rust: ~2 µs per token against ~8 for the window decoded from Python,
+Three ways, the same pieces: a byte-level tokenizer's table of each id's bytes (``GatewayTokenizer.byte_table``,
+tokens/byte_pieces.py) makes a step a lookup and a UTF-8 decode of the new bytes, held back by the same rule; another
+real tokenizer (``GatewayTokenizer.backend``) steps in the tokenizers library's own ``DecodeStream`` (the same
+window-and-hold-back steps, in Rust: ~2 µs per token against ~8 for the window decoded from Python,
 docs/performance.md); the Python window is the fallback (any tokenizer with ``decode``, or a step DecodeStream
-refuses) and ``finish`` always uses it.
+refuses) and ``finish`` uses it after either of the last two.
 """
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +26,7 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 REPLACEMENT = "\ufffd"
+_utf8 = codecs.utf_8_decode  # (bytes, errors, final) -> (text, bytes used): an unfinished character is left unused
 WINDOW = 6  # tokens decoded before the first new one: enough for a character split over byte-level tokens
 
 
@@ -38,8 +42,13 @@ class IncrementalText:
         self._read = 0  # ids whose text has been sent
         self._before = ""  # the text of ids[prefix:read] (the window's; unused while the stream runs)
         self._pieces: list[str] = []
+        # A byte-level tokenizer's table: the new bytes are decoded on their own, after those an unfinished character
+        # left over (``_rest``); text that ends in U+FFFD or before such a character waits in ``_held``.
+        table = getattr(tokenizer, "byte_table", None)
+        self._table: list[bytes] | None = table(skip_special_tokens) if table is not None else None
+        self._rest, self._held = b"", ""
         backend = getattr(tokenizer, "backend", None)
-        self._backend = backend if isinstance(backend, Tokenizer) else None
+        self._backend = backend if isinstance(backend, Tokenizer) and self._table is None else None
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens) if self._backend is not None else None
 
     @property
@@ -54,6 +63,21 @@ class IncrementalText:
         """The text that ``ids`` add (possibly "" while a character is unfinished)."""
         if not ids:
             return ""
+        table = self._table
+        if table is not None:  # the new bytes, after those an unfinished character left over
+            data = (table[ids[0]] if len(ids) == 1 and ids[0] < len(table) else
+                    b"".join(table[i] for i in ids if i < len(table)))
+            if self._rest:
+                data = self._rest + data
+            text, used = _utf8(data, "replace", False)
+            self._rest = data[used:]
+            piece = self._held + text if self._held else text
+            if not piece or self._rest or piece[-1] == REPLACEMENT:  # the window's rule: wait for what ends otherwise
+                self._held = piece
+                return ""
+            self._held = ""
+            self._pieces.append(piece)
+            return piece
         self._ids.extend(ids)
         stream = self._stream
         if stream is not None:
@@ -89,6 +113,11 @@ class IncrementalText:
 
     def finish(self) -> str:
         """What is still held back (an unfinished character comes out as U+FFFD), once the answer has ended."""
+        if self._table is not None:
+            piece = self._held + _utf8(self._rest, "replace", True)[0]
+            self._rest, self._held = b"", ""
+            self._pieces.append(piece)
+            return piece
         if self._stream is not None:
             self._to_window()
         before, now = self._before, self._window(len(self._ids))

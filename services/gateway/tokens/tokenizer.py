@@ -22,6 +22,7 @@ from jinja2 import nodes
 from jinja2.ext import Extension
 from jinja2.runtime import Context, LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from kvshuttle.services.gateway.tokens.byte_pieces import byte_tables
 from kvshuttle.services.gateway.tokens.first_messages import FirstMessages, safe_markers
 from tokenizers import Tokenizer
 
@@ -158,6 +159,16 @@ class GatewayTokenizer:
     def backend(self) -> Tokenizer:
         """The tokenizers library's tokenizer underneath (the detokenizer steps in it)."""
         return self._tok
+
+    @cached_property
+    def _byte_tables(self) -> dict[bool, list[bytes]] | None:
+        return byte_tables(self._tok)
+
+    def byte_table(self, skip_special_tokens: bool = True) -> list[bytes] | None:
+        """Each id's bytes, for a byte-level tokenizer that provably decodes as their UTF-8 (else None): the
+        detokenizer's per-token step (tokens/byte_pieces.py). Made on first use (a vocabulary's batch decode)."""
+        tables = self._byte_tables
+        return tables[skip_special_tokens] if tables is not None else None
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``; special tokens written in the text become their ids."""

@@ -130,6 +130,11 @@ class ExpressLane:
     def open(self) -> bool:
         return self.spell is not None and self.ready is not None and self.write is not None
 
+    def close(self) -> None:
+        """The stream has ended: nothing more goes this way. ``spell`` holds the turn (the lane is the turn's), so
+        this also breaks that cycle: the turn is freed as its stream ends, not by the collector's next full pass."""
+        self.spell = self.ready = self.write = None
+
 
 @dataclass
 class Delta:

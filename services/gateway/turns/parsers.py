@@ -27,17 +27,29 @@ class AnswerParsing:
 
 class AnswerEvents:
     """One turn's parser (``prompt_text``: the rendered prompt, which says whether the answer starts inside a
-    reasoning block). ``feed`` a delta's text, ``finish`` once the answer has ended; ``events`` keeps them all."""
+    reasoning block). ``feed`` a delta's text, ``finish`` once the answer has ended; ``events`` has them all.
+
+    A piece is kept as a plain (kind, text) tuple, which the collector stops tracking at its first pass: a long
+    answer's thousands of pieces never reach the old generation, whose full collections walk every object there
+    (measured on the token path, docs/performance.md)."""
 
     def __init__(self, parsing: AnswerParsing | None, prompt_text: str):
         active = parsing is not None and (parsing.reasoning is not None or parsing.tools is not None)
         self._parser = AnswerParser(parsing.reasoning, parsing.tools, prompt_text=prompt_text,
                                     request_tools=parsing.request_tools) if active and parsing else None
-        self.events: list[Event] = []
+        self._kept: list[tuple[str, str] | Event] = []
+
+    @property
+    def events(self) -> list[Event]:
+        """Every event so far, in order."""
+        return [Piece(*e) if type(e) is tuple else e for e in self._kept]
 
     def feed(self, text: str) -> list[Event]:
         if self._parser is None:
-            return self._keep([Piece(CONTENT, text)] if text else [])
+            if not text:
+                return []
+            self._kept.append((CONTENT, text))
+            return [Piece(CONTENT, text)]
         return self._keep(self._parser.feed(text))
 
     def finish(self) -> list[Event]:
@@ -45,7 +57,7 @@ class AnswerEvents:
 
     def _keep(self, events: Iterable[Event]) -> list[Event]:
         out = list(events)
-        self.events.extend(out)
+        self._kept.extend((e.kind, e.text) if type(e) is Piece else e for e in out)
         return out
 
 
