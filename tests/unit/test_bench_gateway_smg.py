@@ -135,3 +135,19 @@ def test_a_level_too_short_for_a_cpu_tick_prints_as_none():
     kv, smg = [row("asyncio", False, 1, 1000.0)], [row("smg", False, 1, None)]  # 0 CPU ticks: no tokens per core
     text = gc.table({"kvshuttle": kv, "smg": {"status": "measured", "rows": smg}, "comparison": gc.compare(kv, smg)})
     assert any(line.split()[:3] == ["smg", "off", "1"] and "None" in line.split() for line in text.splitlines())
+
+
+async def test_a_stream_whose_connection_fails_counts_as_incomplete_and_the_run_goes_on():
+    """A reset connection (as 512 streams on two cores can see) is a stream that did not complete, not the end of
+    the benchmark; an answer the gateway refused still ends it (that is a gateway fault, not load)."""
+    import httpx
+
+    def reset(request):
+        raise httpx.ReadError("connection reset", request=request)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(reset), base_url="http://gw") as client:
+        assert await gc._counted(client, {"messages": []}, []) == ("", 0)
+    refused = httpx.MockTransport(lambda request: httpx.Response(503, json={"error": "full"}))
+    async with httpx.AsyncClient(transport=refused, base_url="http://gw") as client:
+        with pytest.raises(RuntimeError, match="HTTP 503"):
+            await gc._counted(client, {"messages": []}, [])
