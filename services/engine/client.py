@@ -31,6 +31,7 @@ from kvshuttle.control_plane.models import ADAPTER_APPLIED_KEY, ADAPTER_METADATA
 from kvshuttle.services.common.telemetry import QuietTracer, client_interceptors, server_attributes, tracing_enabled
 from kvshuttle.services.common.tls import ClientTls
 from kvshuttle.services.engine import h2_streams
+from kvshuttle.services.engine.chunk_wire import plain_chunk
 from kvshuttle.services.engine.kv_events import relay_events
 from opentelemetry import propagate, trace
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
@@ -279,16 +280,17 @@ class EngineClient:
             def expressed(message: bytes) -> bool:
                 if not ready():
                     return False
+                if not want:
+                    plain = plain_chunk(message)  # the usual token: its ids straight from the wire
+                    if plain is not None:
+                        ids, prompt_tokens, cached_tokens = plain
+                        streamed.extend(ids)
+                        take(Chunk(ids, prompt_tokens, cached_tokens))
+                        return True
                 response = parse(message)
                 if response.WhichOneof("response") != "chunk":
                     return False  # read (and parsed) again in the iterator, in order
-                if want:
-                    take(chunk_of(response.chunk))
-                else:  # chunk_of's plain case, inline
-                    c = response.chunk
-                    ids = list(c.token_ids)
-                    streamed.extend(ids)
-                    take(Chunk(ids, c.prompt_tokens, c.cached_tokens))
+                take(chunk_of(response.chunk))
                 return True
 
         try:

@@ -15,8 +15,11 @@ from kvshuttle.services.devtools.bench.smg import SmgMissing
 
 
 def row(loop, tools, streams, per_core, held=True):
-    return {"loop": loop, "streams": streams, "tools_and_reasoning": tools, "tokens": streams * 10,
-            "complete_streams": streams, "wall_s": 1.0, "gateway_cpu_s": 0.5, "gateway_user_s": 0.4,
+    """A run of a level: ``streams`` * 10 tokens over the CPU seconds that make ``per_core``."""
+    tokens = streams * 10
+    return {"loop": loop, "streams": streams, "tools_and_reasoning": tools, "tokens": tokens,
+            "complete_streams": streams, "wall_s": 1.0, "gateway_cpu_s": tokens / per_core if per_core else 0.0,
+            "gateway_user_s": 0.4,
             "gateway_sys_s": 0.1, "tokens_per_s": 100.0,
             "gateway_cores": 0.5, "tokens_per_core_s": per_core,
             "cores_per_10k_tokens_s": round(10000 / per_core, 3) if per_core else None, "itl_p50_ms": 20.0,
@@ -75,12 +78,27 @@ def test_the_comparison_divides_per_core_throughput_level_by_level():
     assert got[3]["smg_tokens_per_core_s"] is None and got[3]["smg_held"] is None  # SMG has no such level
 
 
-def test_a_level_given_twice_is_compared_with_the_smg_run_right_after_each():
+def test_a_level_run_again_is_pooled_and_each_pair_shown():
     kv = [row("uvloop", True, 64, 3000.0), row("asyncio", True, 64, 2000.0), row("uvloop", True, 64, 4000.0),
           row("asyncio", True, 64, 1000.0)]
     smg = [row("smg", True, 64, 6000.0), row("smg", True, 64, 5000.0)]
-    got = [(c["loop"], c["ratio_per_core"]) for c in gc.compare(kv, smg)]
-    assert got == [("uvloop", 0.5), ("asyncio", 0.333), ("uvloop", 0.8), ("asyncio", 0.2)]
+    got = {c["loop"]: c for c in gc.compare(kv, smg)}
+    assert list(got) == ["uvloop", "asyncio"]  # one row per level, in the order first run
+    # each pair: the k-th run of a loop with SMG's k-th, measured right after it
+    assert got["uvloop"]["pair_ratios"] == [0.5, 0.8] and got["asyncio"]["pair_ratios"] == [0.333, 0.2]
+    # pooled: 1280 tokens over 640/3000 + 640/4000 CPU seconds; SMG's over 640/6000 + 640/5000
+    assert got["uvloop"]["kvshuttle_tokens_per_core_s"] == 3428.6 and got["uvloop"]["smg_tokens_per_core_s"] == 5454.5
+    assert got["uvloop"]["ratio_per_core"] == 0.629 and got["uvloop"]["runs"] == 2
+    assert got["asyncio"]["ratio_per_core"] == round(1333.3 / 5454.5, 3)
+    assert got["uvloop"]["kvshuttle_cores_per_10k_tokens_s"] == round(10000 / 3428.571, 3)
+
+
+def test_a_level_is_held_only_when_every_run_held():
+    kv = [row("uvloop", False, 64, 3000.0), row("uvloop", False, 64, 3000.0, held=False)]
+    smg = [row("smg", False, 64, 6000.0), row("smg", False, 64, 6000.0)]
+    (got,) = gc.compare(kv, smg)
+    assert got["kvshuttle_held"] is False and got["smg_held"] is True
+    assert gc.streams_held(kv + smg) == {"uvloop/off": 0, "smg/off": 64}
 
 
 def test_streams_held_is_the_largest_level_held_per_loop_and_parsers():
@@ -99,8 +117,12 @@ def test_the_table_shows_both_gateways_and_the_ratio():
     # user / system CPU per token: 0.4 s and 0.1 s over 640 tokens
     assert "us/tok usr/sys" in text and any(line.split()[:3] == ["smg", "off", "64"] and "625/156" in line.split()
                                             for line in text.splitlines())
-    assert any(line.split()[:4] == ["asyncio", "off", "64", "4000.0"] and "0.25" in line.split()
+    # the comparison: loop, parsers, streams, runs, both tokens per core, the ratio, each pair's
+    assert any(line.split()[:8] == ["asyncio", "off", "64", "1", "4000.0", "16000.0", "0.25", "0.25"]
                for line in text.splitlines())
+    two = gc.compare(kv * 2, [row("smg", False, 64, 16000.0), row("smg", False, 64, 8000.0)])
+    assert any(line.split()[:8] == ["asyncio", "off", "64", "2", "4000.0", "10666.7", "0.375", "0.25,0.5"]
+               for line in gc.table({**report, "comparison": two}).splitlines())
     assert "asyncio/off 64, smg/off 64" in text
     missing = gc.table({"kvshuttle": kv, "smg": {"status": "not measured (--smg off)", "rows": []}, "comparison": []})
     assert "smg: not measured (--smg off)" in missing and "kvs/smg" not in missing

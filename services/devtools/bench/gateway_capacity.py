@@ -2,7 +2,7 @@
 gateway process (gRPC in from vLLM, parse, detokenize, SSE out); this drives the real ``kvshuttle gateway`` process
 (planner in-process, records on) against fake prefill and decode engines that serve vLLM's gRPC API and stream
 tokens at a set rate per stream with no model (services/devtools/bench/fake_engine.py, each in its own process), on
-a real etcd and session registry, and measures:
+a real etcd and session registry (its own process too), and measures:
 
 * streamed tokens per second per gateway core: tokens delivered to the clients / the gateway process's CPU seconds
   (utime + stime from /proc) over the same interval;
@@ -20,6 +20,11 @@ a level, not their ratio), in front of the same fake prefill engine and a fake d
 D's tokens only, and drops P's first token, so its D starts the answer at its first token; the kvshuttle gateway's D
 continues after P's). SMG's CPU seconds
 are its process tree's, read the same way; the report divides the two gateways' tokens per core level by level.
+
+Each level runs ``--repeats`` times, kvshuttle and SMG alternating (kvshuttle, SMG, kvshuttle, SMG, ...): a level's
+comparison pools its runs (each gateway's tokens over its CPU seconds, summed over the runs) and lists each pair's
+own ratio. On a small shared machine one run's figure moves by 10-20 % with what else ran meanwhile
+(docs/performance.md); the pooled figure is the level's, the pairs show the spread.
 """
 
 from __future__ import annotations
@@ -75,6 +80,8 @@ class GatewayBenchConfig:
     tool_call_parser: str = setting("hermes", "The gateway's --tool-call-parser in mode on")
     reasoning_parser: str = setting("qwen3", "The gateway's --reasoning-parser in mode on")
     itl_bound_ms: float = setting(50.0, "The p99 inter-token delay a level's streams must stay under")
+    repeats: int = setting(3, "Runs of each level per gateway, kvshuttle and SMG alternating; the comparison pools "
+                              "them and lists each pair's ratio")
     model_dir: str = setting("", "Model directory (tokenizer + chat template; default: the offline tiny-tools model, "
                                  "built on first use)", env="KVSHUTTLE_MODEL_DIR")
     gateway_args: str = setting("", "More `kvshuttle gateway` flags (space-separated)")
@@ -98,8 +105,8 @@ class GatewayBenchConfig:
         except ValueError:
             levels = []
         require(bool(levels) and all(n >= 1 for n in levels), "--streams takes stream counts >= 1, comma-separated")
-        require(self.tokens >= 1 and self.interval_ms >= 0 and self.timeout_s > 0,
-                "--tokens >= 1, --interval-ms >= 0, --timeout-s > 0")
+        require(self.tokens >= 1 and self.interval_ms >= 0 and self.timeout_s > 0 and self.repeats >= 1,
+                "--tokens >= 1, --interval-ms >= 0, --timeout-s > 0, --repeats >= 1")
 
 
 def _model_dir(cfg: GatewayBenchConfig) -> Path:
@@ -179,36 +186,55 @@ def smg_parser_flags(tools: bool, tool_call_parser: str, reasoning_parser: str) 
     return tool_call_parser, (f"--reasoning-parser {reasoning_parser}" if reasoning_parser else "")
 
 
+def _pooled(runs: list[dict]) -> tuple[float | None, float | None]:
+    """Tokens per core and cores per 10k tokens/s of a level's runs together (their tokens over their CPU seconds;
+    None: no CPU tick or no token was counted)."""
+    tokens = sum(r.get("tokens") or 0 for r in runs)
+    cpu = sum(r.get("gateway_cpu_s") or 0.0 for r in runs)
+    return (round(tokens / cpu, 1) if cpu and tokens else None,
+            round(cpu / tokens * 10000, 3) if cpu and tokens else None)
+
+
 def compare(kvshuttle: list[dict], smg: list[dict]) -> list[dict]:
-    """Per kvshuttle row, SMG's row at the same parsers and streams (a level given twice: the k-th kvshuttle row of
-    a loop with SMG's k-th, measured right after it): tokens per core of both, their ratio (kvshuttle / SMG; None
-    when either is missing) and gateway cores per 10k decode tokens/s of both."""
-    by_level: dict[tuple, list[dict]] = {}
+    """Per level (loop, parsers, streams) of kvshuttle's rows, in the order first run: SMG's runs of the same
+    parsers and streams; tokens per core of both, pooled over the level's runs, their ratio (kvshuttle / SMG; None
+    when either is missing), each pair's ratio (the k-th kvshuttle run of the loop with SMG's k-th, measured right
+    after it), gateway cores per 10k decode tokens/s of both, and whether every run held the ITL bound."""
+    smg_runs: dict[tuple, list[dict]] = {}
     for r in smg:
-        by_level.setdefault((r["tools_and_reasoning"], r["streams"]), []).append(r)
-    seen: dict[tuple, int] = {}
-    out = []
+        smg_runs.setdefault((r["tools_and_reasoning"], r["streams"]), []).append(r)
+    levels: dict[tuple, list[dict]] = {}
     for r in kvshuttle:
-        level = (r["tools_and_reasoning"], r["streams"])
-        k = seen[(r["loop"], *level)] = seen.get((r["loop"], *level), -1) + 1
-        runs = by_level.get(level) or [{}]
-        other = runs[min(k, len(runs) - 1)]
-        kv_core, smg_core = r.get("tokens_per_core_s"), other.get("tokens_per_core_s")
-        out.append({"loop": r["loop"], "tools_and_reasoning": r["tools_and_reasoning"], "streams": r["streams"],
+        levels.setdefault((r["loop"], r["tools_and_reasoning"], r["streams"]), []).append(r)
+    out = []
+    for (loop, tools, streams), runs in levels.items():
+        others = smg_runs.get((tools, streams), [])
+        kv_core, kv_cores = _pooled(runs)
+        smg_core, smg_cores = _pooled(others) if others else (None, None)
+        pairs = [round(a["tokens_per_core_s"] / b["tokens_per_core_s"], 3)
+                 if a.get("tokens_per_core_s") and b.get("tokens_per_core_s") else None
+                 for a, b in zip(runs, others, strict=False)]
+        out.append({"loop": loop, "tools_and_reasoning": tools, "streams": streams, "runs": len(runs),
                     "kvshuttle_tokens_per_core_s": kv_core, "smg_tokens_per_core_s": smg_core,
                     "ratio_per_core": round(kv_core / smg_core, 3) if kv_core and smg_core else None,
-                    "kvshuttle_cores_per_10k_tokens_s": r.get("cores_per_10k_tokens_s"),
-                    "smg_cores_per_10k_tokens_s": other.get("cores_per_10k_tokens_s"),
-                    "kvshuttle_held": r["held_under_bound"], "smg_held": other.get("held_under_bound")})
+                    "pair_ratios": pairs,
+                    "kvshuttle_cores_per_10k_tokens_s": kv_cores, "smg_cores_per_10k_tokens_s": smg_cores,
+                    "kvshuttle_held": all(r["held_under_bound"] for r in runs),
+                    "smg_held": all(r.get("held_under_bound") for r in others) if others else None})
     return out
 
 
 def streams_held(rows: list[dict]) -> dict[str, int]:
-    """The most streams held under the bound (0: none), per ``loop/parsers``."""
-    held: dict[str, int] = {}
+    """The most streams held under the bound (0: none), per ``loop/parsers``: a level is held when every run of it
+    was."""
+    runs: dict[tuple, bool] = {}
     for r in rows:
-        key = f"{r['loop']}/{'on' if r['tools_and_reasoning'] else 'off'}"
-        held[key] = max(held.get(key, 0), r["streams"] if r["held_under_bound"] else 0)
+        level = (r["loop"], r["tools_and_reasoning"], r["streams"])
+        runs[level] = runs.get(level, True) and r["held_under_bound"]
+    held: dict[str, int] = {}
+    for (loop, tools, streams), ok in runs.items():
+        key = f"{loop}/{'on' if tools else 'off'}"
+        held[key] = max(held.get(key, 0), streams if ok else 0)
     return held
 
 
@@ -220,23 +246,29 @@ def _pct(values: list[float], q: float) -> float:
 
 
 class Services:
-    """etcd, the registry (in this process), the fake P and D engines (own processes), and a gateway process."""
+    """etcd, the registry, the fake P and D engines, and a gateway process: each in its own process (the registry
+    in this one would share its event loop and CPU with the clients of 512 streams, and fall behind)."""
 
     def __init__(self, cfg: GatewayBenchConfig, work: Path, model_dir: Path, token_ids: list[int], smg: bool = False):
         self.cfg, self.work, self.model_dir, self.token_ids, self.smg = cfg, work, model_dir, token_ids, smg
         self.etcd = None
-        self.registry = None
+        self.registry = ""  # its address
         self.engines: dict[str, tuple[ChildProcess, str]] = {}
         self.children: list[ChildProcess] = []
 
     async def start(self) -> None:
         from kvshuttle.services.devtools.etcd_process import EtcdProcess
-        from kvshuttle.services.registry.server import RegistryConfig, serve
 
         self.etcd = EtcdProcess(data_dir=self.work / "etcd")
         await self.etcd.astart()
-        self.registry = await serve(RegistryConfig(listen="127.0.0.1:0", etcd_endpoints=self.etcd.endpoints,
-                                                   key_prefix="/bench-gateway/"))
+        port = free_port()
+        registry = ChildProcess("registry", [sys.executable, "-m", "kvshuttle.services.commands", "registry",
+                                             "--listen", f"127.0.0.1:{port}", "--etcd-endpoints", self.etcd.endpoints,
+                                             "--key-prefix", "/bench-gateway/", "--log-level", self.cfg.log_level],
+                                self.work / "registry.log", cwd=REPO)
+        await registry.start()
+        self.children.append(registry)
+        self.registry = f"127.0.0.1:{port}"
         # SMG's decode engine starts the answer at the first token (SMG streams D's tokens only); the gateway's
         # continues after P's first token.
         for role in ("prefill", "decode", *(("decode-smg",) if self.smg else ())):
@@ -258,20 +290,21 @@ class Services:
         from kvshuttle.services.common.grpc_server import client_channel
         from kvshuttle.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
-        channel = client_channel(self.registry.address)
-        stub = registry_pb2_grpc.SessionRegistryStub(channel)
         deadline = time.monotonic() + 30
-        for role, (_, address) in self.engines.items():
+        for role, address in (("registry", self.registry), *((role, a) for role, (_, a) in self.engines.items())):
             from grpc_health.v1 import health_pb2, health_pb2_grpc
-            async with grpc.aio.insecure_channel(address) as ch:  # the engine is up
+            async with grpc.aio.insecure_channel(address) as ch:  # it is up
                 while True:
                     try:
                         await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
                         break
                     except grpc.aio.AioRpcError:
                         if time.monotonic() > deadline:
-                            raise TimeoutError(f"fake {role} engine did not start") from None
+                            raise TimeoutError(f"the {role} process did not start") from None
                         await asyncio.sleep(0.2)
+        channel = client_channel(self.registry)
+        stub = registry_pb2_grpc.SessionRegistryStub(channel)
+        for role, (_, address) in self.engines.items():
             if role not in ("prefill", "decode"):
                 continue  # SMG's own: it is SMG's worker, not the registry's
             port = int(address.rsplit(":", 1)[1])
@@ -289,7 +322,7 @@ class Services:
         http = free_port()
         child = ChildProcess(name, [sys.executable, "-m", "kvshuttle.services.commands", "gateway",
                                     "--http-listen", f"127.0.0.1:{http}", "--grpc-listen", f"127.0.0.1:{free_port()}",
-                                    "--registry", self.registry.address, "--scheduler", "local",
+                                    "--registry", self.registry, "--scheduler", "local",
                                     "--model-dir", str(self.model_dir), "--max-model-len", "4096",
                                     "--log-level", self.cfg.log_level, "--event-loop", "uvloop" if uvloop else "asyncio",
                                     *flags, *self.cfg.gateway_args.split()],
@@ -315,8 +348,6 @@ class Services:
     async def stop(self) -> None:
         for child in reversed(self.children):
             await child.stop()
-        if self.registry is not None:
-            await self.registry.stop(grace=0.5)
         if self.etcd is not None:
             await self.etcd.astop()
 
@@ -424,8 +455,9 @@ def smg_router(services: Services, binary: Path, cfg: GatewayBenchConfig, mode: 
 async def run_mode(services: Services, cfg: GatewayBenchConfig, mode: str, loops: list[str], levels: list[int],
                    expected: str, out: Path, smg_bin: Path | None, emit) -> tuple[list[dict], list[dict]]:
     """One parsers mode: a kvshuttle gateway per event loop and SMG, all started, then each level driven through
-    each of them in turn, so that the two gateways' figures of a level are measured within seconds of each other
-    (a machine whose speed drifts over the run moves both, not their ratio). Returns (kvshuttle rows, SMG rows)."""
+    each of them in turn, ``repeats`` times, so that the two gateways' figures of a level are measured within seconds
+    of each other (a machine whose speed drifts over the run moves both, not their ratio). Returns (kvshuttle rows,
+    SMG rows)."""
     tools = mode == "on"
     flags = ["--tool-call-parser", cfg.tool_call_parser, "--reasoning-parser", cfg.reasoning_parser] if tools else []
     gateways: list[tuple[str, str, ChildProcess, str]] = []
@@ -440,15 +472,16 @@ async def run_mode(services: Services, cfg: GatewayBenchConfig, mode: str, loops
         if router is not None:
             await router.start(timeout_s=60)
         for streams in levels:
-            for loop, _, child, base in gateways:
-                row = {"loop": loop, **await run_level(base, child.pid, streams, cfg, tools, expected)}
-                emit(json.dumps(row))
-                rows.append(row)
-            if router is not None:
-                row = {"loop": SMG_LOOP, **await run_level(router.base_url, router.child.pid, streams, cfg, tools,
-                                                             expected, model=router.model)}
-                emit(json.dumps(row))
-                smg_rows.append(row)
+            for run in range(cfg.repeats):
+                for loop, _, child, base in gateways:
+                    row = {"loop": loop, "run": run, **await run_level(base, child.pid, streams, cfg, tools, expected)}
+                    emit(json.dumps(row))
+                    rows.append(row)
+                if router is not None:
+                    row = {"loop": SMG_LOOP, "run": run, **await run_level(
+                        router.base_url, router.child.pid, streams, cfg, tools, expected, model=router.model)}
+                    emit(json.dumps(row))
+                    smg_rows.append(row)
     finally:
         if router is not None:
             await router.stop()
@@ -487,7 +520,7 @@ async def run_benchmark(cfg: GatewayBenchConfig, emit=print) -> tuple[dict, Path
     finally:
         await services.stop()
     report = {"config": {k: getattr(cfg, k) for k in ("streams", "tokens", "interval_ms", "modes", "loops",
-                                                    "itl_bound_ms", "smg")},
+                                                    "itl_bound_ms", "repeats", "smg")},
               "host": {"cpus": os.cpu_count(), "loadavg": os.getloadavg(), "loadavg_start": load_start},
               "kvshuttle": rows, "smg": {"status": smg_note, "rows": smg_rows},
               "comparison": compare(rows, smg_rows) if smg_rows else [],
@@ -512,13 +545,14 @@ def table(report: dict) -> str:
                      f"{r['complete_streams']:>4}/{r['streams']}")
     lines.append(f"smg: {smg['status']}")
     if report.get("comparison"):
-        lines.append(f"{'loop':>7} {'parsers':>7} {'streams':>7} {'kvs tok/s/core':>14} {'smg tok/s/core':>14} "
-                     f"{'kvs/smg':>7} {'kvs cores/10k':>13} {'smg cores/10k':>13}")
+        lines.append(f"{'loop':>7} {'parsers':>7} {'streams':>7} {'runs':>4} {'kvs tok/s/core':>14} "
+                     f"{'smg tok/s/core':>14} {'kvs/smg':>7} {'pairs':>17} {'kvs cores/10k':>13} {'smg cores/10k':>13}")
         for c in report["comparison"]:
+            pairs = ",".join(str(p) for p in c.get("pair_ratios") or ()) or "-"
             lines.append(f"{c['loop']:>7} {'on' if c['tools_and_reasoning'] else 'off':>7} {c['streams']:>7} "
-                         f"{c['kvshuttle_tokens_per_core_s']!s:>14} {c['smg_tokens_per_core_s']!s:>14} "
-                         f"{c['ratio_per_core']!s:>7} {c['kvshuttle_cores_per_10k_tokens_s']!s:>13} "
-                         f"{c['smg_cores_per_10k_tokens_s']!s:>13}")
+                         f"{c.get('runs', 1):>4} {c['kvshuttle_tokens_per_core_s']!s:>14} "
+                         f"{c['smg_tokens_per_core_s']!s:>14} {c['ratio_per_core']!s:>7} {pairs:>17} "
+                         f"{c['kvshuttle_cores_per_10k_tokens_s']!s:>13} {c['smg_cores_per_10k_tokens_s']!s:>13}")
     held = report.get("streams_held") or {}
     if held:
         lines.append("streams held (p99 ITL under the bound): " + ", ".join(f"{k} {v}" for k, v in held.items()))
