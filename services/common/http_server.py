@@ -77,11 +77,12 @@ class HttpServer:
     ``tls``: (certificate file, key file) to serve HTTPS instead of HTTP. ``max_connections``: open connections
     past it are answered 503 and closed; ``receipt_timeout_s``: a request whose headers have not arrived by then (from
     the connection's start, or a kept-alive connection's next request's first byte) is answered 408 and the connection
-    closed (0: neither).
+    closed (0: neither); ``keep_alive_s``: how long a kept-alive connection may stay idle between requests before
+    the server closes it.
     """
 
     def __init__(self, app, address: str, tls: tuple[str, str] | None = None, *, max_connections: int = 0,
-                 receipt_timeout_s: float = 0.0):
+                 receipt_timeout_s: float = 0.0, keep_alive_s: float = 5.0):
         host, port = address.rsplit(":", 1)
         self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -95,7 +96,8 @@ class HttpServer:
         guarded = ({"http": _guarded_protocol(max_connections, receipt_timeout_s)}
                    if max_connections or receipt_timeout_s else {})
         self._server = _EmbeddedServer(uvicorn.Config(app, log_level="warning", lifespan="off",
-                                                      timeout_graceful_shutdown=5, **ssl, **guarded))
+                                                      timeout_graceful_shutdown=5, timeout_keep_alive=keep_alive_s,
+                                                      **ssl, **guarded))
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:

@@ -186,6 +186,11 @@ class GatewayConfig(TelemetryConfig, TlsConfig):
     http_receipt_timeout_s: float = setting(15.0, "Longest wait for a request to arrive whole on --http-listen: its "
                                                   "headers from the connection's start, its body from the headers' "
                                                   "end; later: 408 and the connection is closed")
+    http_keep_alive_s: float = setting(75.0, "How long a kept-alive connection on --http-listen may stay idle "
+                                             "between requests before the gateway closes it; longer than clients "
+                                             "keep idle connections (httpx and the OpenAI and Anthropic SDKs: 5 s), "
+                                             "so a client never sends a request on a connection the gateway is "
+                                             "closing")
     http_max_connections: int = setting(1024, "Most open connections on --http-listen; more are answered 503 and "
                                               "closed at once. 0: no cap")
     api_keys_reload_s: float = setting(5.0, "How often to check the API keys file for changes, in seconds (a changed "
@@ -213,6 +218,7 @@ class GatewayConfig(TelemetryConfig, TlsConfig):
         require(self.max_prompt_tokens >= 0, "--max-prompt-tokens must be >= 0")
         require(self.max_body_bytes >= 1024, "--max-body-bytes must be >= 1024")
         require(self.http_receipt_timeout_s > 0, "--http-receipt-timeout-s must be > 0")
+        require(self.http_keep_alive_s > 0, "--http-keep-alive-s must be > 0")
         require(self.http_max_connections >= 0, "--http-max-connections must be >= 0 (0: no cap)")
         require(self.api_keys_reload_s >= 0, "--api-keys-reload-s must be >= 0 (0: never)")
         require(bool(self.http_tls_cert) == bool(self.http_tls_key), "--http-tls-cert and --http-tls-key go together")
@@ -321,7 +327,8 @@ class GatewayService:
         self.app = self._http_app(routes)
         self.http = HttpServer(self._http_front(), cfg.http_listen,
                                tls=(cfg.http_tls_cert, cfg.http_tls_key) if cfg.http_tls_cert else None,
-                               max_connections=cfg.http_max_connections, receipt_timeout_s=cfg.http_receipt_timeout_s)
+                               max_connections=cfg.http_max_connections, receipt_timeout_s=cfg.http_receipt_timeout_s,
+                               keep_alive_s=cfg.http_keep_alive_s)
         self.grpc_address = self.grpc.address
         self.http_address = self.http.address
 
