@@ -13,7 +13,7 @@ import pytest
 
 pytestmark = pytest.mark.timeout(120)
 REPO = Path(__file__).resolve().parents[2]
-FIELDS = {"loop", "streams", "tools_and_reasoning", "tokens", "complete_streams", "wall_s", "gateway_cpu_s",
+FIELDS = {"loop", "run", "streams", "tools_and_reasoning", "tokens", "complete_streams", "wall_s", "gateway_cpu_s",
           "gateway_user_s", "gateway_sys_s", "tokens_per_s",
           "gateway_cores", "tokens_per_core_s", "cores_per_10k_tokens_s", "itl_p50_ms", "itl_p99_ms",
           "held_under_bound"}
@@ -22,14 +22,15 @@ FIELDS = {"loop", "streams", "tools_and_reasoning", "tokens", "complete_streams"
 async def test_tiny_run_delivers_every_token_with_parsers_off_and_on(tools_model_dir, tmp_path):
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kvshuttle.services.commands", "bench-gateway", "--streams", "1,4", "--tokens", "32",
-        "--interval-ms", "2", "--model-dir", str(tools_model_dir), "--out", str(tmp_path), cwd=REPO,
+        "--interval-ms", "2", "--repeats", "2", "--model-dir", str(tools_model_dir), "--out", str(tmp_path), cwd=REPO,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     stdout, stderr = await asyncio.wait_for(proc.communicate(), 90)
     assert proc.returncode == 0, stderr.decode()[-3000:]
 
     report = json.loads((tmp_path / "gateway.json").read_text())
     rows = report["kvshuttle"]
-    assert [(r["tools_and_reasoning"], r["streams"]) for r in rows] == [(False, 1), (False, 4), (True, 1), (True, 4)]
+    assert [(r["tools_and_reasoning"], r["streams"], r["run"]) for r in rows] == [
+        (tools, streams, run) for tools in (False, True) for streams in (1, 4) for run in (0, 1)]
     for r in rows:
         assert set(r) == FIELDS
         assert r["complete_streams"] == r["streams"] and r["tokens"] == 32 * r["streams"], r
@@ -44,8 +45,10 @@ async def test_tiny_run_delivers_every_token_with_parsers_off_and_on(tools_model
         assert 0 < r["itl_p50_ms"] <= r["itl_p99_ms"], r
     assert sum(r["gateway_cpu_s"] for r in rows) > 0
     assert report["smg"]
-    if report["smg"]["rows"]:  # each level through SMG right after kvshuttle's (side by side, not minutes apart)
+    if report["smg"]["rows"]:  # each run of a level through SMG right after kvshuttle's (side by side, alternating)
         emitted = [json.loads(line) for line in stdout.decode().splitlines() if line.startswith('{"loop"')]
-        assert [(r["loop"], r["tools_and_reasoning"], r["streams"]) for r in emitted] == [
-            (loop, tools, streams) for tools in (False, True) for streams in (1, 4) for loop in ("uvloop", "smg")]
+        assert [(r["loop"], r["tools_and_reasoning"], r["streams"], r["run"]) for r in emitted] == [
+            (loop, tools, streams, run) for tools in (False, True) for streams in (1, 4) for run in (0, 1)
+            for loop in ("uvloop", "smg")]
+        assert [(c["streams"], c["runs"], len(c["pair_ratios"])) for c in report["comparison"]] == [(1, 2, 2), (4, 2, 2)] * 2
     assert "tok/s/core" in stdout.decode()

@@ -65,4 +65,4 @@ class AnsweringRunner:
             yield Delta(piece, [], events=answer.feed(piece))
         held = answer.finish()
         yield Finished(self.finish, self.answer, list(OUTPUT_IDS), PROMPT_TOKENS, turn.kv, {}, None, held,
-                       answer.events)
+                       answer)

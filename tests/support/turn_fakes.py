@@ -312,7 +312,7 @@ class AnsweringRunner:
             yield Delta(piece, [ord(c) for c in piece], lps[i:i + self.pieces] if lps else None, answer.feed(piece))
         held = answer.finish()
         yield Finished(self.finish, self.answer, [ord(c) for c in self.answer], 40, turn.kv, {}, lps, held,
-                       answer.events)
+                       answer)
 
 
 class StoredResponses:

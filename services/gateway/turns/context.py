@@ -13,6 +13,7 @@ from kvshuttle.services.engine.client import Final, TokenLogprob
 from kvshuttle.v1 import common_pb2, registry_pb2, scheduler_pb2
 
 if TYPE_CHECKING:
+    from kvshuttle.services.gateway.turns.parsers import AnswerEvents
     from kvshuttle.services.gateway.turns.request import TurnRequest
 
 
@@ -103,9 +104,14 @@ class TurnContext:
     final: Final | None = None  # D's final message (its handle is what the record stage records)
     # parse stage
     held_events: list[Event] = field(default_factory=list)  # what the parser held back until the answer ended
-    answer_events: list[Event] = field(default_factory=list)  # every event of the answer, in order
+    answer: AnswerEvents | None = None  # the answer's parser, once it has ended (its events: answer_events)
     # the answer's way out for D's plain tokens, when the front end opens it (ExpressLane)
     express: ExpressLane = field(default_factory=lambda: ExpressLane())
+
+    @property
+    def answer_events(self) -> list[Event]:
+        """Every event of the answer, in order (made when read: a streamed answer's front end never reads them)."""
+        return self.answer.events if self.answer is not None else []
 
 
 class ExpressLane:
@@ -154,7 +160,12 @@ class Finished:
     timings: dict[str, float]
     logprobs: list[TokenLogprob] | None = None  # one per output id, when the request asked for logprobs
     events: list[Event] = field(default_factory=list)  # what the parser held back until the answer ended
-    answer_events: list[Event] = field(default_factory=list)  # every event of the answer, in order (whole answers)
+    answer: AnswerEvents | None = None  # the answer's parser (its events: answer_events)
+
+    @property
+    def answer_events(self) -> list[Event]:
+        """Every event of the answer, in order (whole answers read them; made when read)."""
+        return self.answer.events if self.answer is not None else []
 
 
 def elapsed_ms(since: float) -> float:

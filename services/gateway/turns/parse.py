@@ -10,8 +10,8 @@ from kvshuttle.services.gateway.turns.parsers import AnswerEvents
 
 class Parsing:
     """One turn's parse stage: ``feed`` sets each of the decode stage's deltas' ``events``; ``finish`` (once the
-    answer has ended) sets ``ctx.held_events`` (what the parser held back until then) and ``ctx.answer_events``
-    (every event, in order)."""
+    answer has ended) sets ``ctx.held_events`` (what the parser held back until then) and ``ctx.answer`` (whose
+    ``events`` are every event, in order)."""
 
     __slots__ = ("ctx", "answer")
 
@@ -25,4 +25,4 @@ class Parsing:
 
     def finish(self) -> None:
         self.ctx.held_events = self.answer.finish()
-        self.ctx.answer_events = self.answer.events
+        self.ctx.answer = self.answer

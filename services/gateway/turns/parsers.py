@@ -38,11 +38,18 @@ class AnswerEvents:
         self._parser = AnswerParser(parsing.reasoning, parsing.tools, prompt_text=prompt_text,
                                     request_tools=parsing.request_tools) if active and parsing else None
         self._kept: list[tuple[str, str] | Event] = []
+        self._finished = False
+        self._events: list[Event] | None = None  # ``events`` once the answer has ended, made at the first read
 
     @property
     def events(self) -> list[Event]:
         """Every event so far, in order."""
-        return [Piece(*e) if type(e) is tuple else e for e in self._kept]
+        if self._events is not None:
+            return self._events
+        events = [Piece(*e) if type(e) is tuple else e for e in self._kept]
+        if self._finished:
+            self._events = events
+        return events
 
     def feed(self, text: str) -> list[Event]:
         if self._parser is None:
@@ -53,6 +60,7 @@ class AnswerEvents:
         return self._keep(self._parser.feed(text))
 
     def finish(self) -> list[Event]:
+        self._finished = True
         return self._keep(self._parser.finish()) if self._parser is not None else []
 
     def _keep(self, events: Iterable[Event]) -> list[Event]:

@@ -267,7 +267,7 @@ class TurnRunner:
             req = turn.request
             event = Finished(turn.final.finish_reason, turn.text, turn.output_ids, len(turn.prompt_ids), turn.kv,
                              turn.timings, turn.output_logprobs if req.logprobs is not None else None,
-                             turn.held_events, turn.answer_events)
+                             turn.held_events, turn.answer)
             # the turn is done (a consumer may close this generator later)
             log_turn(turn, event)
             turn.span.set_attributes(finished_attributes(turn, event, req.model))
