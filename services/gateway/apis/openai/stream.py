@@ -67,6 +67,26 @@ class Logprobs:
         return out
 
 
+class TextChunks:
+    """The per-token chunk (a delta of one text field, nothing else) of one stream, spelled from a prefix and suffix
+    made once per field: the same bytes as _sse() would write, without building and encoding the whole dict each
+    token. ``base``: the stream's chunk fields (id, object, created, model)."""
+
+    __slots__ = ("_base", "_frames")
+
+    def __init__(self, base: dict[str, Any]):
+        self._base = base
+        self._frames: dict[str, tuple[bytes, bytes]] = {}
+
+    def __call__(self, key: str, text: str) -> bytes:
+        frame = self._frames.get(key)
+        if frame is None:
+            whole = _sse({**self._base, "choices": [{"index": 0, "delta": {key: ""}, "finish_reason": None}]})
+            cut = whole.index(b'""}', whole.index(b'"delta":'))
+            frame = self._frames[key] = (whole[:cut], whole[cut + 2:])
+        return frame[0] + _json_string(text) + frame[1]
+
+
 CHAT = Shape("chat.completion", "chat.completion.chunk", chat=True)
 COMPLETION = Shape("text_completion", "text_completion", chat=False)
 
@@ -75,18 +95,7 @@ async def stream(runner: TurnRunner, turn: TurnContext, model: str, include_usag
                  answer: AnswerShape, lps: Logprobs | None = None, ids: bool = False) -> AsyncIterator[bytes]:
     """``ids`` (vLLM's return_token_ids): the first chunk carries the prompt's ids, each chunk its tokens' ids."""
     base = {"id": turn.id, "object": shape.chunk_object, "created": int(time.time()), "model": model}
-
-    # The per-token chunk (a delta of one text field, nothing else) is spelled from a prefix and suffix made once
-    # per stream: the same bytes as _sse() would write, without building and encoding the whole dict each token.
-    text_frames: dict[str, tuple[bytes, bytes]] = {}
-
-    def text_chunk(key: str, text: str) -> bytes:
-        frame = text_frames.get(key)
-        if frame is None:
-            whole = _sse({**base, "choices": [{"index": 0, "delta": {key: ""}, "finish_reason": None}]})
-            cut = whole.index(b'""}', whole.index(b'"delta":'))
-            frame = text_frames[key] = (whole[:cut], whole[cut + 2:])
-        return frame[0] + _json_string(text) + frame[1]
+    text_chunk = TextChunks(base)
 
     def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: dict[str, Any] | None = None,
               token_ids: list[int] | None = None) -> bytes:
