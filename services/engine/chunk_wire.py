@@ -51,43 +51,34 @@ def plain_chunk(message: bytes) -> tuple[list[int], int, int] | None:
             return None
         ids: list[int] = []
         prompt = cached = 0
+        run_end = 0  # where the packed run of ids being read ends
         while i < end:
-            tag = m[i]
-            b = m[i + 1]
-            i += 2
+            in_run = i < run_end
+            if in_run:
+                tag = _ONE_ID
+            else:
+                tag = m[i]
+                i += 1
+            b = m[i]
+            i += 1
             value, shift = b & 0x7F, 7
             while b >= 0x80:
                 b = m[i]
                 i += 1
                 value |= (b & 0x7F) << shift
                 shift += 7
-            if tag == _PACKED_IDS:  # value: the ids' length in bytes
-                stop = i + value
-                if stop > end:
-                    return None
-                while i < stop:
-                    b = m[i]
-                    i += 1
-                    if b < 0x80:
-                        ids.append(b)
-                        continue
-                    value, shift = b & 0x7F, 7
-                    while b >= 0x80:
-                        b = m[i]
-                        i += 1
-                        value |= (b & 0x7F) << shift
-                        shift += 7
-                    if value >= _UINT32 or i > stop:
-                        return None
-                    ids.append(value)
-            elif value >= _UINT32:
+            if value >= _UINT32 or (in_run and i > run_end):  # (an id that runs past its packed run)
                 return None
+            if tag == _ONE_ID:  # an id of a packed run, or an unpacked one (a parser must take both encodings)
+                ids.append(value)
+            elif tag == _PACKED_IDS:  # value: the run's length in bytes
+                run_end = i + value
+                if run_end > end:
+                    return None
             elif tag == _PROMPT_TAG:
                 prompt = value
             elif tag == _CACHED_TAG:
                 cached = value
-            elif tag == _ONE_ID:  # an unpacked id (a parser must take both encodings)
-                ids.append(value)
             elif tag not in _SKIPPED_TAGS:
                 return None  # logprobs, a field this does not read, or a wire type it does not expect
     except IndexError:  # truncated: the usual parse says how
