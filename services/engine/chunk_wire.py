@@ -3,7 +3,7 @@
 A ``GenerateResponse`` whose ``chunk`` carries token ids and counts only (no logprobs) is most of what a decode
 worker sends, one per token and stream. ``plain_chunk`` reads its ids, ``prompt_tokens`` and ``cached_tokens`` from
 the protobuf wire format with no message objects (protobuf's own parse, then a list of the ids and an attribute read
-per field, cost ~3x more on the token path: docs/performance.md). Anything else (logprobs, a field it does not know,
+per field, cost ~2x more, hot, message to Chunk: docs/performance.md). Anything else (logprobs, a field it does not know,
 the ``complete`` message, a malformed or unusual encoding) is None, and the caller parses the message with the
 generated class as before: this reads exactly what that parse reads, or nothing
 (tests/unit/test_chunk_wire.py checks it against protobuf's parse).
